@@ -1,0 +1,5 @@
+"""The xla_train backend API on CUDA (DDP over NCCL) or the CPU (single process or gloo)."""
+
+from .backend import TorchBackend
+
+__all__ = ["TorchBackend"]

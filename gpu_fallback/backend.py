@@ -1,0 +1,142 @@
+"""CUDA DDP (NCCL) or CPU (gloo / single process) implementation of xla_train's Backend.
+
+Launch commands this backend serves:
+    xla-train train --backend cpu                       # one CPU process
+    xla-train train --backend cpu --num-processes 2     # two gloo processes on this host
+    xla-train train --backend cuda                      # one process per visible GPU
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-endpoint HOST:29500 -m xla_train train --backend cuda
+"""
+
+import os
+import socket
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from xla_train.backend import Backend
+
+
+def _launched_by_torchrun():
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class TorchBackend(Backend):
+    token_seconds = 4e-5  # eager CPU, training step of the bundled model, per padded token
+
+    def __init__(self, name, num_processes=None):
+        assert name in ("cuda", "cpu")
+        self.name = name
+        self.num_processes = num_processes
+        # transformers and accelerate move work onto XLA when torch_xla is importable; this
+        # backend is the plain-torch path, so tell them not to.
+        os.environ.setdefault("USE_TORCH_XLA", "0")
+
+    # --- launching ------------------------------------------------------------------------
+    def launch(self, fn, args=(), nprocs=None):
+        nprocs = nprocs or self.num_processes
+        if nprocs is None:
+            nprocs = torch.cuda.device_count() if self.name == "cuda" else 1
+        if _launched_by_torchrun() or nprocs == 1:
+            fn(*args)  # torchrun started this process already, or there is only one
+            return
+        # spawn, not fork: a forked child of a process whose OpenMP pool already ran can hang.
+        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(nprocs)}
+        torch.multiprocessing.start_processes(_worker, args=(env, fn, args), nprocs=nprocs, start_method="spawn")
+
+    def setup(self):
+        if _launched_by_torchrun() and int(os.environ["WORLD_SIZE"]) > 1 and not dist.is_initialized():
+            if self.name == "cuda":
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            dist.init_process_group("nccl" if self.name == "cuda" else "gloo")
+
+    def teardown(self):
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # --- topology ---------------------------------------------------------------------------
+    @property
+    def device(self):
+        if self.name == "cuda":
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        return torch.device("cpu")
+
+    @property
+    def world_size(self):
+        return dist.get_world_size() if dist.is_initialized() else 1
+
+    @property
+    def rank(self):
+        return dist.get_rank() if dist.is_initialized() else 0
+
+    def describe_device(self):
+        if self.name == "cuda":
+            return torch.cuda.get_device_name(self.device)
+        return f"cpu ({torch.get_num_threads()} threads)"
+
+    # --- model, data, step ------------------------------------------------------------------
+    def prepare_model(self, model):
+        model = model.to(self.device)
+        if self.world_size > 1:
+            # DDP broadcasts rank 0's parameters, so every replica starts identical.
+            model = DistributedDataParallel(model, device_ids=[self.device.index] if self.name == "cuda" else None)
+        return model
+
+    def unwrap_model(self, model):
+        return model.module if isinstance(model, DistributedDataParallel) else model
+
+    def no_sync(self, model):
+        return model.no_sync() if isinstance(model, DistributedDataParallel) else nullcontext()
+
+    def wrap_loader(self, loader):
+        return _DeviceLoader(loader, self.device)
+
+    def optimizer_step(self, optimizer, max_grad_norm=None):
+        norm = None  # DDP averaged the gradients during backward
+        if max_grad_norm:
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+        optimizer.step()
+        return norm
+
+    # --- across replicas --------------------------------------------------------------------
+    def gather(self, tensor):
+        if self.world_size == 1:
+            return tensor
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(parts, tensor.contiguous())
+        return torch.cat(parts)
+
+    def barrier(self):
+        if self.world_size > 1:
+            dist.barrier()
+
+    def synchronize(self):
+        if self.name == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+class _DeviceLoader:
+    """Moves each batch of a DataLoader to the device."""
+
+    def __init__(self, loader, device):
+        self.loader, self.device = loader, device
+
+    def __len__(self):
+        return len(self.loader)
+
+    def __iter__(self):
+        for batch in self.loader:
+            yield {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+
+
+def _worker(local_rank, env, fn, args):
+    os.environ.update(env, RANK=str(local_rank), LOCAL_RANK=str(local_rank))
+    fn(*args)

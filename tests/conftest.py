@@ -1,0 +1,63 @@
+"""Shared fixtures: a small slice of MRPC, a tiny BERT for shape-counting runs, a CLI runner.
+
+Everything runs for real: XLA on PJRT's CPU device (in subprocesses, so compilation counters
+and caches start empty), gloo processes on loopback, the bundled MiniLM checkpoint.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from xla_train.data import BUNDLED_MRPC
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write_slice(folder, train_rows, dev_rows):
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, n in (("train.tsv", train_rows), ("dev.tsv", dev_rows)):
+        lines = (BUNDLED_MRPC / name).read_text(encoding="utf-8").splitlines(keepends=True)
+        (folder / name).write_text("".join(lines[: n + 1]), encoding="utf-8")
+    return folder
+
+
+@pytest.fixture(scope="session")
+def mrpc_slice(tmp_path_factory):
+    """The first 320 training rows and 48 dev rows of the bundled MRPC."""
+    return write_slice(tmp_path_factory.mktemp("data") / "mrpc", 320, 48)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """A 2-layer, 32-wide BERT with the bundled tokenizer: same graphs' shapes, cheap compiles."""
+    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
+
+    from xla_train.train import bundled_model_path
+
+    import torch
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny_bert")
+    tok = AutoTokenizer.from_pretrained(bundled_model_path())
+    cfg = BertConfig(vocab_size=tok.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                     intermediate_size=64, num_labels=2)
+    BertForSequenceClassification(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def run_cli(args, tmp_path, env=None, timeout=900):
+    """Runs `python -m xla_train train ARGS --metrics-out ...` in a fresh process.
+
+    Returns (completed process, metrics dict or None).
+    """
+    out = tmp_path / f"metrics-{len(list(tmp_path.glob('metrics-*.json')))}.json"
+    full_env = {**os.environ, "PJRT_DEVICE": "CPU", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    proc = subprocess.run([sys.executable, "-m", "xla_train", "train", *map(str, args), "--metrics-out", str(out)],
+                          cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+    metrics = json.loads(out.read_text()) if out.exists() else None
+    return proc, metrics

@@ -1,0 +1,59 @@
+"""Mistakes a user can make end with one clear line on stderr and exit code 2."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+from xla_train.cli import main
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--data-dir", "/no/such/folder"], "data folder not found: /no/such/folder"),
+    (["--model", "/no/such/model"], "cannot load model '/no/such/model'"),
+    (["--padding", "ragged"], "--padding must be one of buckets, max_length, dynamic, not 'ragged'"),
+    (["--backend", "tpu"], "--backend must be one of auto, xla, cuda, cpu, not 'tpu'"),
+    (["--buckets", "32,x"], "--buckets must be 'auto' or lengths"),
+    (["--buckets", "32,48"], "do not fit the longest bucket 48"),
+    (["--precision", "fp8"], "--precision must be one of fp32, bf16"),
+    (["--epochs", "0"], "--epochs must be at least 1"),
+    (["--batch-size", "eight"], "argument --batch-size: invalid int value: 'eight'"),
+    (["--unknown-flag"], "unrecognized arguments: --unknown-flag"),
+    (["--resume"], "--resume is not available yet"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, message, capsys):
+    code = main(["train", "--backend", "cpu", *args] if "--backend" not in args else ["train", *args])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.count("\n") == 1 and err.startswith("xla-train: error: ")
+    assert message in err
+
+
+def test_malformed_tsv_from_the_cli(tmp_path, capsys):
+    (tmp_path / "train.tsv").write_text("Quality\t#1 ID\t#2 ID\t#1 String\t#2 String\nx\t1\t2\ta\tb\n")
+    (tmp_path / "dev.tsv").write_text("Quality\t#1 ID\t#2 ID\t#1 String\t#2 String\n1\t1\t2\ta\tb\n")
+    assert main(["train", "--backend", "cpu", "--data-dir", str(tmp_path)]) == 2
+    assert f"{tmp_path / 'train.tsv'}:2: label must be 0 or 1, found 'x'" in capsys.readouterr().err
+
+
+def test_unwritable_output_dir(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert main(["train", "--backend", "cpu", "--output-dir", str(blocker / "sub")]) == 2
+    assert "is not writable" in capsys.readouterr().err
+
+
+def test_console_entry_point_prints_no_traceback():
+    proc = subprocess.run([sys.executable, "-m", "xla_train", "train", "--data-dir", "/no/such/folder"],
+                          cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PJRT_DEVICE": "CPU"})
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == "xla-train: error: data folder not found: /no/such/folder"
+
+
+def test_env_command(capsys):
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out
+    assert "torch_xla     2.9.0" in out and "--backend auto -> cpu: no TPU or CUDA device found" in out

@@ -1,0 +1,202 @@
+"""The public API for bringing your own training loop, in the spirit of HF Accelerate.
+
+    engine = Engine(backend="auto")
+    train_dl, eval_dl, model, optimizer = engine.prepare(train_dl, eval_dl, model, optimizer)
+    for batch in train_dl:
+        with engine.autocast():
+            loss = model(**batch).loss
+        engine.backward(loss)
+        if engine.optimizer_step(optimizer):   # True when an optimizer step was taken
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+
+`launch(fn, args)` runs `fn` on every local TPU core / GPU / CPU worker; create the Engine
+inside `fn`. The package's own MRPC job (`xla_train.train`) is written on this same API.
+"""
+
+import torch
+from tqdm.auto import tqdm
+
+from .backend import select_backend
+from .data import BatchPlan
+
+
+class Engine:
+    """Picks the backend and adapts loaders, model and optimizer to it. One per worker."""
+
+    def __init__(self, backend="auto", precision="fp32", grad_accum=1, max_grad_norm=None,
+                 num_processes=None, compile_cache=None):
+        self.backend = select_backend(backend, num_processes) if isinstance(backend, str) else backend
+        if compile_cache:
+            self.backend.use_compile_cache(compile_cache)  # must precede any device work
+        self.backend.setup()
+        self.precision, self.grad_accum, self.max_grad_norm = precision, grad_accum, max_grad_norm
+        self._micro_steps = 0
+        self._model = None
+
+    # --- who am I -----------------------------------------------------------------------
+    @property
+    def device(self):
+        return self.backend.device
+
+    @property
+    def world_size(self):
+        return self.backend.world_size
+
+    @property
+    def rank(self):
+        return self.backend.rank
+
+    @property
+    def is_main_process(self):
+        return self.backend.is_main
+
+    def print(self, *args, **kwargs):
+        """print() on the main process only, without breaking progress bars."""
+        if self.is_main_process:
+            tqdm.write(" ".join(str(a) for a in args), **kwargs)
+
+    # --- prepare ------------------------------------------------------------------------
+    def prepare(self, *objects):
+        """Returns each object ready for the backend, in the order given.
+
+        Modules go to the device (wrapped in DDP on several fallback workers); optimizers are
+        re-pointed at the moved parameters (on XLA, `.to(device)` makes new Parameter objects);
+        DataLoaders are sharded across replicas and yield batches already on the device.
+        """
+        modules = [o for o in objects if isinstance(o, torch.nn.Module)]
+        before = [list(m.parameters()) for m in modules]
+        moved = {id(m): self._prepare_model(m) for m in modules}
+        remap = {}
+        for m, old in zip(modules, before):
+            remap.update({id(p): q for p, q in zip(old, self.backend.unwrap_model(moved[id(m)]).parameters())})
+        out = []
+        for o in objects:
+            if isinstance(o, torch.nn.Module):
+                out.append(moved[id(o)])
+            elif isinstance(o, torch.optim.Optimizer):
+                for group in o.param_groups:
+                    group["params"] = [remap.get(id(p), p) for p in group["params"]]
+                out.append(o)
+            elif isinstance(o, torch.utils.data.DataLoader):
+                out.append(self._prepare_loader(o))
+            else:
+                out.append(o)
+        return tuple(out) if len(out) > 1 else out[0]
+
+    def _prepare_model(self, model):
+        self._model = self.backend.prepare_model(model)
+        return self._model
+
+    def _prepare_loader(self, loader):
+        plan = loader.batch_sampler
+        if isinstance(plan, BatchPlan):
+            plan.shard(self.world_size, self.rank)
+        elif self.world_size > 1:
+            sampler = torch.utils.data.DistributedSampler(loader.dataset, self.world_size, self.rank,
+                                                          shuffle=not isinstance(loader.sampler,
+                                                                                 torch.utils.data.SequentialSampler))
+            loader = torch.utils.data.DataLoader(loader.dataset, batch_size=loader.batch_size, sampler=sampler,
+                                                 collate_fn=loader.collate_fn, drop_last=loader.drop_last)
+        return PreparedLoader(loader, self.backend.wrap_loader(loader))
+
+    def unwrap_model(self, model):
+        return self.backend.unwrap_model(model)
+
+    # --- the step -----------------------------------------------------------------------
+    def autocast(self):
+        """bf16 autocast on the backend's device with precision="bf16"; a no-op for fp32."""
+        return self.backend.autocast(self.precision)
+
+    @property
+    def sync_gradients(self):
+        """True when the next `optimizer_step` will step (the last micro-step of an accumulation)."""
+        return (self._micro_steps + 1) % self.grad_accum == 0
+
+    def backward(self, loss):
+        """loss.backward(), scaled for gradient accumulation; gradients are all-reduced once per
+        optimizer step (DDP's no_sync on micro-steps; XLA reduces inside optimizer_step)."""
+        loss = loss / self.grad_accum if self.grad_accum > 1 else loss
+        if self.sync_gradients or self._model is None:
+            self.backend.backward(loss)
+        else:
+            with self.backend.no_sync(self._model):
+                self.backend.backward(loss)
+
+    def optimizer_step(self, optimizer):
+        """Steps (all-reducing and clipping gradients) on accumulation boundaries.
+
+        Returns True if it stepped. The gradient norm before clipping is kept in
+        `self.last_grad_norm` (a device tensor: reading it is a host sync on XLA).
+        """
+        boundary = self.sync_gradients
+        self._micro_steps += 1
+        if not boundary:
+            return False
+        self.last_grad_norm = self.backend.optimizer_step(optimizer, self.max_grad_norm)
+        return True
+
+    # --- across replicas ----------------------------------------------------------------
+    def gather_for_metrics(self, tensors, valid=None):
+        """Gathers 1-D tensors of one dtype from every replica to the host, dropping the rows
+        that `valid` marks 0 (batch filler), so every evaluation row is counted exactly once.
+
+        One device-to-host transfer per call. Returns CPU tensors in the order given.
+        """
+        single = torch.is_tensor(tensors)
+        tensors = [tensors] if single else list(tensors)
+        if valid is None:
+            valid = torch.ones_like(tensors[0])
+        stacked = torch.stack([*tensors, valid.to(tensors[0].dtype)], dim=1)
+        (host,) = self.backend.to_host([self.backend.gather(stacked)])
+        host = host[host[:, -1] != 0]
+        cols = [host[:, i] for i in range(len(tensors))]
+        return cols[0] if single else tuple(cols)
+
+    def end(self):
+        """Releases process groups; call once at the end of the worker function."""
+        self.backend.teardown()
+
+    def wait_for_everyone(self):
+        self.backend.barrier()
+
+    def save(self, obj, path):
+        """Every process calls this (never inside `if is_main_process`); the main one writes."""
+        self.backend.save(obj, path)
+
+    def save_pretrained(self, model, tokenizer, path):
+        """`save_pretrained` of the unwrapped model (weights moved to the CPU) and tokenizer."""
+        model = self.unwrap_model(model)
+        state = model.state_dict()
+        state = dict(zip(state, self.backend.to_host(list(state.values()))))
+        if self.is_main_process:
+            model.save_pretrained(path, state_dict=state)
+            tokenizer.save_pretrained(path)
+        self.wait_for_everyone()
+
+
+class PreparedLoader:
+    """A prepared DataLoader: iterates device batches; `set_epoch` reshuffles like a sampler."""
+
+    def __init__(self, loader, device_iterable):
+        self.loader, self._iterable = loader, device_iterable
+
+    def set_epoch(self, epoch):
+        for s in (self.loader.batch_sampler, self.loader.sampler):
+            if hasattr(s, "set_epoch"):
+                s.set_epoch(epoch)
+
+    def __len__(self):
+        return len(self.loader)
+
+    def __iter__(self):
+        return iter(self._iterable)
+
+
+def launch(fn, args=(), backend="auto", num_processes=None):
+    """Runs `fn(*args)` on every local worker of `backend` (xmp.spawn on TPU; one process per GPU
+    or `num_processes` gloo workers on the fallback; in this process when there is one)."""
+    select_backend(backend, num_processes).launch(fn, args)
+
+
+notebook_launcher = launch

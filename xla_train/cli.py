@@ -1,0 +1,92 @@
+"""`xla-train` (also `python -m xla_train`): train, env."""
+
+import argparse
+import os
+import sys
+from dataclasses import fields
+
+from .errors import UserError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line and exit 2, instead of usage text
+        raise UserError(message)
+
+
+def build_parser():
+    from .train import PADDING_MODES, PRECISIONS, TrainConfig
+
+    p = _Parser(prog="xla-train", description="Fine-tune Hugging Face transformers on TPU/XLA, GPU or CPU.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    t = sub.add_parser("train", help="fine-tune on GLUE MRPC")
+    defaults = {f.name: f.default for f in fields(TrainConfig) if f.default is not f.default_factory}
+    t.add_argument("--model", default=None, help="model folder or hub name (default: the bundled MiniLM-L6-H384)")
+    t.add_argument("--data-dir", default=None, help="GLUE MRPC folder (train.tsv, dev.tsv); 'hub' for "
+                   "load_dataset('glue', 'mrpc'); default: the copy bundled with the package")
+    t.add_argument("--backend", default="auto", help="auto | xla | cuda | cpu (auto: TPU, then CUDA, then CPU)")
+    t.add_argument("--num-processes", type=int, default=None, help="workers on this host")
+    t.add_argument("--epochs", type=int, default=defaults["epochs"])
+    t.add_argument("--batch-size", type=int, default=defaults["batch_size"], help="per replica")
+    t.add_argument("--lr", type=float, default=defaults["lr"])
+    t.add_argument("--weight-decay", type=float, default=defaults["weight_decay"])
+    t.add_argument("--warmup-ratio", type=float, default=defaults["warmup_ratio"])
+    t.add_argument("--seed", type=int, default=defaults["seed"])
+    t.add_argument("--max-steps", type=int, default=None)
+    t.add_argument("--padding", default="buckets", help=" | ".join(PADDING_MODES))
+    t.add_argument("--buckets", default="auto", help="auto, or lengths like 32,64,96,128")
+    t.add_argument("--max-length", type=int, default=defaults["max_length"], help="truncate rows to this length")
+    t.add_argument("--compile-seconds", type=float, default=None,
+                   help="cost of one compilation for --buckets auto (default: the backend's estimate)")
+    t.add_argument("--precision", default="fp32", help=" | ".join(PRECISIONS))
+    t.add_argument("--grad-accum", type=int, default=1)
+    t.add_argument("--max-grad-norm", type=float, default=None)
+    t.add_argument("--log-every", type=int, default=defaults["log_every"])
+    t.add_argument("--output-dir", default=None, help="save the fine-tuned model and tokenizer here")
+    t.add_argument("--resume", action="store_true", help="resume from the latest checkpoint in --output-dir")
+    t.add_argument("--compile-cache", default=None, help="persistent XLA compilation cache folder")
+    t.add_argument("--metrics-out", default=None, help="write the run's metrics JSON here")
+    sub.add_parser("env", help="show the detected backend, devices and versions")
+    return p
+
+
+def cmd_train(args):
+    from .train import TrainConfig, bundled_model_path, run
+
+    if args.resume:
+        raise UserError("--resume is not available yet: this version saves only the final model")
+    opts = {k: v for k, v in vars(args).items() if k not in ("command", "resume")}
+    opts["model"] = opts["model"] or bundled_model_path()
+    run(TrainConfig(**opts))
+
+
+def cmd_env(args):
+    import torch
+    import transformers
+
+    from .backend import auto_choice, xla_available
+
+    choice, reason = auto_choice()
+    print(f"torch         {torch.__version__}")
+    if xla_available():
+        import torch_xla
+
+        print(f"torch_xla     {torch_xla.__version__}")
+    else:
+        print("torch_xla     not installed")
+    print(f"transformers  {transformers.__version__}")
+    print(f"CUDA devices  {torch.cuda.device_count()}")
+    print(f"PJRT_DEVICE   {os.environ.get('PJRT_DEVICE', '(unset)')}")
+    print(f"--backend auto -> {choice}: {reason}")
+
+
+def main(argv=None):
+    try:
+        args = build_parser().parse_args(argv)
+        {"train": cmd_train, "env": cmd_env}[args.command](args)
+    except UserError as e:
+        print(f"xla-train: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("xla-train: interrupted", file=sys.stderr)
+        return 130
+    return 0

@@ -1,0 +1,305 @@
+"""MRPC loading, tokenisation and static-shape batching.
+
+XLA compiles one graph per distinct input shape, so the batch plan decides how many graphs a run
+compiles. `BatchPlan` is the single place that decides shapes: every batch has the same number
+of rows, and its length is one of a few bucket lengths (`buckets`), the longest row of the
+batch (`dynamic`, the course's `DataCollatorWithPadding` behaviour) or one fixed length
+(`max_length`). Rows are grouped by length in buckets mode so little compute goes to padding.
+"""
+
+import csv
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .errors import UserError
+
+BUNDLED_MRPC = Path(__file__).parent / "data" / "mrpc"
+TSV_COLUMNS = ("Quality", "#1 String", "#2 String")
+SPLIT_FILES = {"train": "train.tsv", "validation": "dev.tsv"}
+MODEL_INPUTS = ("input_ids", "token_type_ids", "attention_mask")
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+
+
+def read_glue_tsv(path):
+    """Reads one labelled GLUE MRPC TSV file into columns, with one clear error per bad row."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"missing data file: {path}")
+    # MRPC sentences contain bare quote characters, so quoting is off (as in GLUE's own reader).
+    with open(path, newline="", encoding="utf-8") as f:
+        rows = list(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
+    if not rows:
+        raise UserError(f"empty data file: {path}")
+    header = rows[0]
+    missing = [c for c in TSV_COLUMNS if c not in header]
+    if missing:
+        raise UserError(f"{path}: header lacks column(s) {', '.join(missing)} (found: {', '.join(header)})")
+    col = {c: header.index(c) for c in TSV_COLUMNS}
+    out = {"sentence1": [], "sentence2": [], "label": [], "idx": []}
+    for lineno, row in enumerate(rows[1:], start=2):
+        if len(row) != len(header):
+            raise UserError(f"{path}:{lineno}: expected {len(header)} tab-separated fields, found {len(row)}")
+        label = row[col["Quality"]].strip()
+        if label not in ("0", "1"):
+            raise UserError(f"{path}:{lineno}: label must be 0 or 1, found {label!r}")
+        out["sentence1"].append(row[col["#1 String"]])
+        out["sentence2"].append(row[col["#2 String"]])
+        out["label"].append(int(label))
+        out["idx"].append(lineno - 2)
+    if not out["label"]:
+        raise UserError(f"{path}: no rows (empty split)")
+    return out
+
+
+def load_mrpc(data_dir=None):
+    """MRPC as a `datasets.DatasetDict` with `train` and `validation`.
+
+    `data_dir` is a GLUE-format folder (train.tsv, dev.tsv), None for the copy bundled with the
+    package, or `hub` for `load_dataset("glue", "mrpc")` where the Hugging Face hub is reachable.
+    """
+    import datasets
+
+    if data_dir == "hub":
+        try:
+            ds = datasets.load_dataset("glue", "mrpc")
+        except Exception as e:  # offline, hub down, no such dataset
+            raise UserError(f"cannot load glue/mrpc from the hub: {type(e).__name__}: {str(e).splitlines()[0]}")
+        return datasets.DatasetDict(train=ds["train"], validation=ds["validation"])
+    folder = Path(data_dir) if data_dir else BUNDLED_MRPC
+    if not folder.is_dir():
+        raise UserError(f"data folder not found: {folder}")
+    return datasets.DatasetDict(
+        {split: datasets.Dataset.from_dict(read_glue_tsv(folder / name)) for split, name in SPLIT_FILES.items()}
+    )
+
+
+def tokenize(ds, tokenizer, max_length):
+    """Tokenises sentence pairs (truncated to `max_length`), adding a `length` column.
+
+    Returns the tokenised DatasetDict and the number of truncated rows per split.
+    """
+
+    def encode(batch):
+        full = tokenizer(batch["sentence1"], batch["sentence2"])["input_ids"]
+        enc = tokenizer(batch["sentence1"], batch["sentence2"], truncation=True, max_length=max_length)
+        enc["length"] = [len(ids) for ids in enc["input_ids"]]
+        enc["truncated"] = [len(ids) > max_length for ids in full]
+        return enc
+
+    import datasets
+
+    keep = set(MODEL_INPUTS) | {"label", "length", "truncated"}
+    datasets.disable_progress_bars()  # about a second for MRPC: not worth a bar
+    try:
+        out = ds.map(encode, batched=True)
+    finally:
+        datasets.enable_progress_bars()
+    out = out.remove_columns([c for c in out["train"].column_names if c not in keep])
+    truncated = {split: int(sum(out[split]["truncated"])) for split in out}
+    return out.remove_columns("truncated"), truncated
+
+
+# ---------------------------------------------------------------------------------------------
+# Bucket choice
+
+
+def parse_buckets(spec, max_length):
+    """`auto` or a comma-separated list of increasing lengths no longer than `max_length`."""
+    if spec == "auto":
+        return "auto"
+    try:
+        buckets = sorted({int(x) for x in spec.split(",") if x.strip()})
+    except ValueError:
+        raise UserError(f"--buckets must be 'auto' or lengths like 32,64,96,128, not {spec!r}")
+    if not buckets or buckets[0] < 1:
+        raise UserError(f"--buckets must list positive lengths, not {spec!r}")
+    if buckets[-1] > max_length:
+        raise UserError(f"bucket {buckets[-1]} is longer than --max-length {max_length}")
+    return buckets
+
+
+def check_fit(lengths, buckets):
+    """Every (truncated) row must fit the longest bucket."""
+    longest = int(np.max(lengths))
+    if longest > buckets[-1]:
+        raise UserError(f"rows of up to {longest} tokens do not fit the longest bucket {buckets[-1]}; "
+                        "add a longer bucket or lower --max-length")
+
+
+@dataclass
+class CostModel:
+    """What `--buckets auto` minimises: graphs x compile cost + padded tokens x per-token cost.
+
+    compile_seconds: cost of one XLA compilation (XLA:CPU here ~10-15 s for this model's training
+        graph; 30-60 s is common for BERT-base on a TPU; 0 on the eager CUDA/CPU fallback).
+    token_seconds: cost of one padded token in one training step (forward + backward).
+    graphs_per_bucket: graphs each bucket length costs (training step and evaluation step).
+    """
+
+    compile_seconds: float
+    token_seconds: float
+    graphs_per_bucket: int = 2
+
+    def total(self, n_buckets, padded_tokens):
+        return n_buckets * self.graphs_per_bucket * self.compile_seconds + padded_tokens * self.token_seconds
+
+
+def choose_buckets(lengths, weights, max_length, cost, multiple=8):
+    """Bucket lengths that minimise `cost` for rows of these `lengths`.
+
+    `weights[i]` is how many training-step equivalents row i costs over the run (training rows:
+    the number of times it is fed; evaluation rows: about a third of that per pass, forward
+    only). Rows are batched with rows of similar length, so a row costs about the smallest
+    bucket that holds it. Candidates are multiples of `multiple` up to `max_length`; an exact
+    dynamic program over them picks the best set of any size. Returns (buckets, estimate dict).
+    """
+    lengths = np.minimum(np.asarray(lengths), max_length)
+    weights = np.broadcast_to(np.asarray(weights, dtype=float), lengths.shape)
+    top = int(math.ceil(lengths.max() / multiple) * multiple)
+    cands = sorted({min(c, max_length) for c in range(multiple, top + multiple, multiple)})
+    # load[k] = weighted rows whose length falls in (cands[k-1], cands[k]]
+    slot = np.searchsorted(cands, lengths)
+    load = np.bincount(slot, weights=weights, minlength=len(cands))
+    # best[j] = (cost, buckets) of covering every row up to cands[j], the last bucket being cands[j]
+    best = []
+    for j, length in enumerate(cands):
+        options = []
+        for i in range(-1, j):  # the previous bucket ends at cands[i] (none when i = -1)
+            prev_cost, prev = (0.0, []) if i < 0 else best[i]
+            options.append((prev_cost + cost.total(1, load[i + 1 : j + 1].sum() * length), prev + [length]))
+        best.append(min(options, key=lambda o: o[0]))
+    total, buckets = best[-1]
+    padded = np.asarray(buckets)[np.searchsorted(buckets, lengths)]
+    estimate = {
+        "buckets": buckets,
+        "estimated_seconds": round(float(total), 1),
+        "estimated_compile_seconds": round(len(buckets) * cost.graphs_per_bucket * cost.compile_seconds, 1),
+        "padding_efficiency": round(float((lengths * weights).sum() / (padded * weights).sum()), 3),
+    }
+    return buckets, estimate
+
+
+# ---------------------------------------------------------------------------------------------
+# Batching
+
+
+class BatchPlan(torch.utils.data.Sampler):
+    """Yields, for this replica, lists of `(row, pad_to, valid)` keys: one list per step.
+
+    Every global batch holds `batch_size * num_replicas` rows padded to one length; replica r
+    takes rows [r*batch_size, (r+1)*batch_size), so all replicas run the same shape at each step.
+    The last short global batch is filled: for training with repeats of other rows (like
+    `DistributedSampler`), for evaluation with masked rows (`valid=0`) that metrics drop, so
+    every evaluation row is scored exactly once.
+
+    padding: "buckets" (smallest bucket >= the batch's longest row), "max_length" (always
+    `max_length`) or "dynamic" (the batch's longest row, one shape per distinct length).
+    """
+
+    def __init__(self, lengths, batch_size, padding="buckets", buckets=None, max_length=128,
+                 shuffle=False, seed=0, fill="repeat", num_replicas=1, rank=0):
+        self.lengths = np.asarray(lengths)
+        self.batch_size, self.padding, self.max_length = batch_size, padding, max_length
+        self.buckets = sorted(buckets) if buckets else [max_length]
+        if padding == "buckets":
+            check_fit(self.lengths, self.buckets)
+        self.shuffle, self.seed, self.fill = shuffle, seed, fill
+        self.num_replicas, self.rank = num_replicas, rank
+        self.epoch = 0
+
+    def shard(self, num_replicas, rank):
+        self.num_replicas, self.rank = num_replicas, rank
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def _pad_to(self, rows):
+        longest = int(self.lengths[rows].max())
+        if self.padding == "dynamic":
+            return longest
+        if self.padding == "max_length":
+            return self.max_length
+        return next(b for b in self.buckets if b >= longest)
+
+    def global_batches(self):
+        """The whole epoch's plan: a list of (rows, pad_to, n_real) with len(rows) = global batch."""
+        gb = self.batch_size * self.num_replicas
+        rng = np.random.default_rng([self.seed, self.epoch])
+        order = rng.permutation(len(self.lengths)) if self.shuffle else np.arange(len(self.lengths))
+        if self.padding == "buckets":
+            # Stable sort by bucket: rows stay shuffled within a bucket, batches then hold one bucket.
+            bucket_of = np.searchsorted(self.buckets, self.lengths[order])
+            order = order[np.argsort(bucket_of, kind="stable")]
+        batches = [order[i : i + gb] for i in range(0, len(order), gb)]
+        if self.padding == "buckets" and self.shuffle:
+            batches = [batches[i] for i in rng.permutation(len(batches))]
+        plan = []
+        for rows in batches:
+            n_real = len(rows)
+            if n_real < gb and self.fill == "repeat":
+                rows = np.concatenate([rows, order[: gb - n_real]])
+            elif n_real < gb:
+                rows = np.concatenate([rows, np.full(gb - n_real, rows[0])])
+            plan.append((rows, self._pad_to(rows[:n_real] if self.fill != "repeat" else rows), n_real))
+        return plan
+
+    def __iter__(self):
+        lo, hi = self.rank * self.batch_size, (self.rank + 1) * self.batch_size
+        for rows, pad_to, n_real in self.global_batches():
+            yield [(int(r), pad_to, int(lo + j < n_real or self.fill == "repeat"))
+                   for j, r in enumerate(rows[lo:hi])]
+
+    def __len__(self):
+        return math.ceil(len(self.lengths) / (self.batch_size * self.num_replicas))
+
+    def padding_efficiency(self):
+        """Real tokens / padded tokens over one epoch of this plan (filler rows count as padding)."""
+        real = padded = 0
+        for rows, pad_to, n_real in self.global_batches():
+            real += int(self.lengths[rows[:n_real]].sum())
+            padded += len(rows) * pad_to
+        return real / padded
+
+
+class PlannedRows(torch.utils.data.Dataset):
+    """Looks up `(row, pad_to, valid)` keys from a `BatchPlan` in a tokenised dataset."""
+
+    def __init__(self, ds):
+        self.ds = ds.with_format(None)
+
+    def __len__(self):
+        return len(self.ds)
+
+    def __getitem__(self, key):
+        row, pad_to, valid = key
+        record = self.ds[row]
+        return {k: record[k] for k in (*MODEL_INPUTS, "label") if k in record}, pad_to, valid
+
+
+class PadCollator:
+    """Pads a planned batch to its planned length with the tokenizer's own `pad`."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def __call__(self, items):
+        features, pads, valid = zip(*items)
+        batch = self.tokenizer.pad(list(features), padding="max_length", max_length=pads[0], return_tensors="pt")
+        if "label" in batch:
+            batch["labels"] = batch.pop("label")
+        batch["valid"] = torch.tensor(valid, dtype=torch.long)
+        return dict(batch)
+
+
+def make_loader(ds, tokenizer, batch_size, padding, buckets, max_length, shuffle, seed, fill):
+    """A DataLoader over a tokenised split whose batches follow a `BatchPlan`."""
+    plan = BatchPlan(ds["length"], batch_size, padding=padding, buckets=buckets, max_length=max_length,
+                     shuffle=shuffle, seed=seed, fill=fill)
+    return torch.utils.data.DataLoader(PlannedRows(ds), batch_sampler=plan, collate_fn=PadCollator(tokenizer))

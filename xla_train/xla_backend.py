@@ -1,0 +1,171 @@
+"""The torch_xla (PJRT) backend: MpDeviceLoader, xm.optimizer_step, xmp.spawn.
+
+Launch commands this backend serves:
+    xla-train train --backend xla                   # TPU VM: one replica per local chip
+    PJRT_DEVICE=CPU xla-train train --backend xla   # XLA on the CPU, one replica (tests)
+"""
+
+import os
+
+import torch
+
+from .backend import Backend, _tpu_present
+
+# Attention implementation registered below: transformers' own SDPA attention with a mask
+# function that never asks whether the padding mask is all ones. Stock "sdpa" evaluates
+# `padding_mask.all()` on every forward (masking_utils._ignore_bidirectional_mask_sdpa), which
+# on XLA is a device-to-host sync and cuts each step into two graphs.
+XLA_ATTENTION = "xla_sdpa"
+
+
+def _register_attention():
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    def always_materialised_mask(*args, **kwargs):
+        kwargs["allow_is_bidirectional_skip"] = False
+        kwargs["allow_is_causal_skip"] = False
+        return sdpa_mask(*args, **kwargs)
+
+    AttentionInterface.register(XLA_ATTENTION, sdpa_attention_forward)
+    AttentionMaskInterface.register(XLA_ATTENTION, always_materialised_mask)
+
+
+class XLABackend(Backend):
+    name = "xla"
+    compile_seconds = 12.0  # one training graph of the bundled model on XLA:CPU, measured here
+    token_seconds = 2e-3  # XLA:CPU, training step, per padded token
+
+    def __init__(self, num_processes=None):
+        # Pick the PJRT device before torch_xla starts its runtime; without a TPU, the CPU.
+        os.environ.setdefault("PJRT_DEVICE", "TPU" if _tpu_present() else "CPU")
+        if os.environ["PJRT_DEVICE"].upper() == "TPU":
+            self.compile_seconds, self.token_seconds = 40.0, 2e-6
+        self.num_processes = num_processes
+        _register_attention()
+
+    def use_compile_cache(self, path):
+        import torch_xla.runtime as xr
+
+        # XLA:CPU writes entries but cannot load them back (PersistentCacheDeserializeFailure);
+        # TPU and GPU do load them, so a second identical run compiles nothing there.
+        xr.initialize_cache(str(path), readonly=not self.is_main)
+
+    def launch(self, fn, args=(), nprocs=None):
+        import torch_xla.distributed.xla_multiprocessing as xmp
+
+        nprocs = nprocs or self.num_processes
+        if os.environ["PJRT_DEVICE"].upper() == "CPU":
+            nprocs = 1  # XLA:CPU runs one replica; xmp.spawn then calls fn in this process.
+        # fork: replicas share the parent's tokenised data and checkpoint pages instead of
+        # each loading a copy. The parent must not have started the XLA runtime.
+        xmp.spawn(_run_replica, args=(fn, args), nprocs=nprocs, start_method="fork")
+
+    @property
+    def device(self):
+        import torch_xla
+
+        return torch_xla.device()
+
+    @property
+    def world_size(self):
+        import torch_xla.runtime as xr
+
+        return xr.world_size()
+
+    @property
+    def rank(self):
+        import torch_xla.runtime as xr
+
+        return xr.global_ordinal()
+
+    def describe_device(self):
+        import torch_xla.runtime as xr
+
+        return f"{self.device} ({xr.device_type()})"
+
+    def prepare_model(self, model):
+        if hasattr(model, "set_attn_implementation") and model.config._attn_implementation in ("sdpa", "eager"):
+            model.set_attn_implementation(XLA_ATTENTION)
+        return model.to(self.device)
+
+    def wrap_loader(self, loader):
+        import torch_xla.distributed.parallel_loader as pl
+
+        # Uploads batches in a background thread and ends every step with a graph cut.
+        return pl.MpDeviceLoader(loader, self.device)
+
+    def optimizer_step(self, optimizer, max_grad_norm=None):
+        import torch_xla.core.xla_model as xm
+
+        if not max_grad_norm:
+            xm.optimizer_step(optimizer)  # all-reduces gradients, then steps
+            return None
+        xm.reduce_gradients(optimizer)  # clip the averaged gradients, not each replica's own
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+        optimizer.step()
+        return norm
+
+    def gather(self, tensor):
+        import torch_xla.core.xla_model as xm
+
+        return xm.all_gather(tensor, dim=0) if self.world_size > 1 else tensor
+
+    def barrier(self):
+        import torch_xla.core.xla_model as xm
+
+        xm.rendezvous("xla_train.barrier")
+
+    def to_host(self, tensors):
+        import torch_xla
+
+        # Cut the graph first: the pending step runs once, with everything it computes, and the
+        # copy below only transfers. Without the cut, .cpu() would run a pruned copy of it.
+        torch_xla.sync()
+        return [t.detach().cpu() for t in tensors]
+
+    def step_closure(self, fn, args=()):
+        import torch_xla.core.xla_model as xm
+
+        xm.add_step_closure(fn, args)
+
+    def synchronize(self):
+        import torch_xla.core.xla_model as xm
+
+        xm.wait_device_ops()
+
+    def save(self, obj, path):
+        import torch_xla.core.xla_model as xm
+
+        xm.save(obj, path, master_only=True)  # moves tensors to the CPU; every replica must call it
+
+    def seed(self, seed):
+        import torch_xla.core.xla_model as xm
+
+        torch.manual_seed(seed)
+        xm.set_rng_state(seed)
+
+    def compile_stats(self):
+        import torch_xla.debug.metrics as met
+
+        def metric(name):
+            data = met.metric_data(name)
+            return (data[0], data[1] / 1e9) if data else (0, 0.0)
+
+        compiles, compile_seconds = metric("CompileTime")
+        return {
+            "compiles": compiles,
+            "compile_seconds": compile_seconds,
+            "executions": metric("ExecuteTime")[0],
+            "transfers": metric("TransferFromDeviceTime")[0],
+            "aten_fallbacks": sum(met.counter_value(c) or 0 for c in met.counter_names() if c.startswith("aten::")),
+            "cache_hits": met.counter_value("PersistentCacheHit") or 0,
+            "cache_misses": met.counter_value("PersistentCacheMiss") or 0,
+            "cache_load_failures": met.counter_value("PersistentCacheDeserializeFailure") or 0,
+        }
+
+
+def _run_replica(index, fn, args):
+    fn(*args)
