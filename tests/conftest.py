@@ -27,8 +27,8 @@ def write_slice(folder, train_rows, dev_rows):
 
 @pytest.fixture(scope="session")
 def mrpc_slice(tmp_path_factory):
-    """The first 320 training rows and 48 dev rows of the bundled MRPC."""
-    return write_slice(tmp_path_factory.mktemp("data") / "mrpc", 320, 48)
+    """The first 160 training rows and 48 dev rows of the bundled MRPC."""
+    return write_slice(tmp_path_factory.mktemp("data") / "mrpc", 160, 48)
 
 
 @pytest.fixture(scope="session")

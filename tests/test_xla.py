@@ -11,7 +11,7 @@ EVAL_ROWS, BATCH = 48, 8
 def bucketed_run(mrpc_slice, tmp_path_factory):
     """Two epochs over 160 training rows (20 steps each) with the bundled MiniLM, two buckets."""
     proc, m = run_cli(["--backend", "xla", "--data-dir", mrpc_slice, "--epochs", 2, "--lr", "1e-4",
-                       "--buckets", "64,128", "--log-every", 5], tmp_path_factory.mktemp("xla"))
+                       "--buckets", "64,128", "--log-every", 10], tmp_path_factory.mktemp("xla"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return m
 
@@ -36,17 +36,18 @@ def test_graphs_are_bounded_by_buckets(bucketed_run):
 def test_no_host_syncs_or_cpu_fallbacks(bucketed_run):
     xla = bucketed_run["xla"]
     assert xla["aten_fallbacks"] == 0
-    # one read of the loss every --log-every 5 steps, nothing else
-    assert xla["host_syncs_per_step"] <= 1 / 5
+    # one read of the loss every --log-every 10 steps, nothing else
+    assert xla["host_syncs_per_step"] <= 0.1
     # exactly one graph execution per training step and per evaluation batch
     eval_batches = EVAL_ROWS // BATCH * 2
     assert xla["executions"] == bucketed_run["steps"] + eval_batches
 
 
 def test_loss_goes_down(bucketed_run):
+    # mean loss over steps 1-10, 11-20 (epoch 1), 21-30 and 31-40 (epoch 2)
     losses = [loss for _, loss, _ in bucketed_run["train_loss"]]
-    assert len(losses) == 8
-    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3
+    assert [s for s, _, _ in bucketed_run["train_loss"]] == [10, 20, 30, 40]
+    assert losses[3] < losses[0] and losses[2] + losses[3] < losses[0] + losses[1]
 
 
 def test_dynamic_padding_compiles_far_more_graphs(mrpc_slice, tiny_model, tmp_path):

@@ -154,6 +154,10 @@ def train_worker(cfg, tokenizer, data, buckets, report):
     clock = RunClock(engine)
     bar = tqdm(total=total_steps, desc="Training", disable=not engine.is_main_process, dynamic_ncols=True)
     step, epoch, results, history = 0, 0, None, []
+    # Running sum of the loss, read every --log-every steps. Shape (1,), made on the CPU and
+    # uploaded: torch_xla turns a 0-dim zero, or zeros() made on the device, into a constant
+    # that becomes a graph of its own, compiled and run once before the first step.
+    loss_sum = torch.zeros(1).to(engine.device)
     while step < total_steps:
         train_dl.set_epoch(epoch)
         model.train()
@@ -163,6 +167,7 @@ def train_worker(cfg, tokenizer, data, buckets, report):
             with engine.autocast():
                 loss = model(**batch).loss
             engine.backward(loss)
+            loss_sum = loss_sum + loss.detach() / cfg.grad_accum
             if not engine.optimizer_step(optimizer):
                 continue
             scheduler.step()
@@ -172,7 +177,7 @@ def train_worker(cfg, tokenizer, data, buckets, report):
             if step % cfg.log_every == 0 or step == total_steps:
                 # Read the loss once the step has run (a step closure on XLA): the host never
                 # waits for the device inside the loop.
-                engine.backend.step_closure(_log_loss, (history, bar, step, loss.detach(), scheduler.get_last_lr()[0]))
+                engine.backend.step_closure(_log_loss, (history, bar, step, loss_sum, scheduler.get_last_lr()[0]))
                 clock.mark(step)
             if step == total_steps:
                 break
@@ -183,6 +188,8 @@ def train_worker(cfg, tokenizer, data, buckets, report):
         clock.end_of_epoch()
     bar.close()
 
+    samples_per_step = cfg.batch_size * cfg.grad_accum * engine.world_size
+    timing = clock.summary(step, samples_per_step)  # before the end-of-run graphs below
     if cfg.output_dir:
         engine.save_pretrained(model, tokenizer, cfg.output_dir)
     sums = replica_checksums(engine, model)
@@ -191,11 +198,10 @@ def train_worker(cfg, tokenizer, data, buckets, report):
         "backend": engine.backend.name, "device": engine.backend.describe_device(),
         "world_size": engine.world_size, "model": cfg.model, "steps": step,
         "epochs": round(step / steps_per_epoch, 4),
-        "train_samples": step * cfg.batch_size * cfg.grad_accum * engine.world_size,
-        **clock.summary(step, cfg.batch_size * cfg.grad_accum * engine.world_size),
+        "train_samples": step * samples_per_step, **timing,
         "padding_efficiency": round(plan.padding_efficiency(), 4),
         "eval": results,
-        "train_loss": history,  # [step, loss, learning rate] every --log-every steps
+        "train_loss": [h[:3] for h in history],  # [step, mean loss since the last entry, learning rate]
         "param_checksum": float(sums[0].double().sum()),
         "replicas_identical": bool((sums == sums[0]).all()),
         "buckets": plan.buckets if cfg.padding == "buckets" else None,
@@ -211,10 +217,13 @@ def train_worker(cfg, tokenizer, data, buckets, report):
     return metrics
 
 
-def _log_loss(history, bar, step, loss, lr):
+def _log_loss(history, bar, step, loss_sum, lr):
+    """Logs the mean loss since the previous log point, from the running sum."""
     # .cpu() copies the computed value; .item() on a device tensor would add an aten op on XLA.
-    loss = float(loss.cpu())
-    history.append([step, round(loss, 6), lr])
+    total = float(loss_sum.cpu())
+    prev_step, prev_total = (history[-1][0], history[-1][3]) if history else (0, 0.0)
+    loss = (total - prev_total) / (step - prev_step)
+    history.append([step, round(loss, 6), lr, total])
     bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", refresh=False)
 
 
