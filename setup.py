@@ -23,7 +23,8 @@ setup(
         "xla": ["torch_xla==2.9.0"],  # XLA on PJRT's CPU (or GPU) device
         "tpu": ["torch_xla[tpu]==2.9.0"],  # adds libtpu, for Cloud TPU VMs and Colab TPU
         "gcs": ["google-cloud-storage"],
-        "dev": ["pytest", "accelerate", "gcp-storage-emulator", "google-cloud-storage", "torch_xla==2.9.0"],
+        "dev": ["pytest", "accelerate", "gcp-storage-emulator", "google-cloud-storage", "torch_xla==2.9.0",
+                "nbclient", "nbformat", "ipykernel"],
     },
     entry_points={"console_scripts": ["xla-train=xla_train.cli:main"]},
 )

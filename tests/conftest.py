@@ -25,6 +25,12 @@ def write_slice(folder, train_rows, dev_rows):
     return folder
 
 
+@pytest.fixture(autouse=True)
+def _restore_environment(monkeypatch):
+    """The CPU backend sets USE_TORCH_XLA=0 for its process; keep that out of other tests."""
+    monkeypatch.delenv("USE_TORCH_XLA", raising=False)  # restored after the test
+
+
 @pytest.fixture(scope="session")
 def mrpc_slice(tmp_path_factory):
     """The first 160 training rows and 48 dev rows of the bundled MRPC."""

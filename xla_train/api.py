@@ -18,7 +18,9 @@ import torch
 from tqdm.auto import tqdm
 
 from .backend import select_backend
-from .data import BatchPlan
+from transformers import DataCollatorWithPadding
+
+from .data import BatchPlan, make_loader
 
 
 class Engine:
@@ -33,6 +35,7 @@ class Engine:
         self.precision, self.grad_accum, self.max_grad_norm = precision, grad_accum, max_grad_norm
         self._micro_steps = 0
         self._model = None
+        self._valid = None  # filler mask of the last batch a prepared loader yielded
 
     # --- who am I -----------------------------------------------------------------------
     @property
@@ -89,6 +92,9 @@ class Engine:
         return self._model
 
     def _prepare_loader(self, loader):
+        if (self.backend.name == "xla" and isinstance(loader.collate_fn, DataCollatorWithPadding)
+                and hasattr(loader.dataset, "with_format")):
+            loader = _static_shape_loader(loader)
         plan = loader.batch_sampler
         if isinstance(plan, BatchPlan):
             plan.shard(self.world_size, self.rank)
@@ -98,7 +104,7 @@ class Engine:
                                                                                  torch.utils.data.SequentialSampler))
             loader = torch.utils.data.DataLoader(loader.dataset, batch_size=loader.batch_size, sampler=sampler,
                                                  collate_fn=loader.collate_fn, drop_last=loader.drop_last)
-        return PreparedLoader(loader, self.backend.wrap_loader(loader))
+        return PreparedLoader(loader, self.backend.wrap_loader(loader), self)
 
     def unwrap_model(self, model):
         return self.backend.unwrap_model(model)
@@ -139,14 +145,15 @@ class Engine:
     # --- across replicas ----------------------------------------------------------------
     def gather_for_metrics(self, tensors, valid=None):
         """Gathers 1-D tensors of one dtype from every replica to the host, dropping the rows
-        that `valid` marks 0 (batch filler), so every evaluation row is counted exactly once.
+        that `valid` marks 0: the filler of the last short batch, so every evaluation row is
+        counted exactly once. `valid` defaults to that of the last batch a prepared loader gave.
 
         One device-to-host transfer per call. Returns CPU tensors in the order given.
         """
         single = torch.is_tensor(tensors)
         tensors = [tensors] if single else list(tensors)
         if valid is None:
-            valid = torch.ones_like(tensors[0])
+            valid = self._valid if self._valid is not None else torch.ones_like(tensors[0])
         stacked = torch.stack([*tensors, valid.to(tensors[0].dtype)], dim=1)
         (host,) = self.backend.to_host([self.backend.gather(stacked)])
         host = host[host[:, -1] != 0]
@@ -176,10 +183,14 @@ class Engine:
 
 
 class PreparedLoader:
-    """A prepared DataLoader: iterates device batches; `set_epoch` reshuffles like a sampler."""
+    """A prepared DataLoader: iterates device batches; `set_epoch` reshuffles like a sampler.
 
-    def __init__(self, loader, device_iterable):
-        self.loader, self._iterable = loader, device_iterable
+    The batch plan's `valid` mask (0 for filler rows) is taken out of each batch, so batches
+    hold only model inputs, and kept on the Engine for `gather_for_metrics`.
+    """
+
+    def __init__(self, loader, device_iterable, engine):
+        self.loader, self._iterable, self._engine = loader, device_iterable, engine
 
     def set_epoch(self, epoch):
         for s in (self.loader.batch_sampler, self.loader.sampler):
@@ -190,7 +201,21 @@ class PreparedLoader:
         return len(self.loader)
 
     def __iter__(self):
-        return iter(self._iterable)
+        for batch in self._iterable:
+            self._engine._valid = batch.pop("valid", None)
+            yield batch
+
+
+def _static_shape_loader(loader):
+    """The same data as a DataLoader with per-batch padding (DataCollatorWithPadding), rebuilt
+    with fixed shapes for XLA: rows grouped by length, padded to multiples of 32, full batches."""
+    ds, tokenizer = loader.dataset, loader.collate_fn.tokenizer
+    lengths = [len(ids) for ids in ds.with_format(None)["input_ids"]]
+    top = -(-max(lengths) // 32) * 32
+    shuffle = not isinstance(loader.sampler, torch.utils.data.SequentialSampler)
+    return make_loader(ds, tokenizer, loader.batch_size, "buckets", list(range(32, top + 1, 32)), top,
+                       shuffle=shuffle, seed=torch.initial_seed(), fill="repeat" if shuffle else "mask",
+                       lengths=lengths)
 
 
 def launch(fn, args=(), backend="auto", num_processes=None):

@@ -280,7 +280,7 @@ class PlannedRows(torch.utils.data.Dataset):
     def __getitem__(self, key):
         row, pad_to, valid = key
         record = self.ds[row]
-        return {k: record[k] for k in (*MODEL_INPUTS, "label") if k in record}, pad_to, valid
+        return {k: record[k] for k in (*MODEL_INPUTS, "label", "labels") if k in record}, pad_to, valid
 
 
 class PadCollator:
@@ -298,8 +298,8 @@ class PadCollator:
         return dict(batch)
 
 
-def make_loader(ds, tokenizer, batch_size, padding, buckets, max_length, shuffle, seed, fill):
+def make_loader(ds, tokenizer, batch_size, padding, buckets, max_length, shuffle, seed, fill, lengths=None):
     """A DataLoader over a tokenised split whose batches follow a `BatchPlan`."""
-    plan = BatchPlan(ds["length"], batch_size, padding=padding, buckets=buckets, max_length=max_length,
+    plan = BatchPlan(ds["length"] if lengths is None else lengths, batch_size, padding=padding, buckets=buckets, max_length=max_length,
                      shuffle=shuffle, seed=seed, fill=fill)
     return torch.utils.data.DataLoader(PlannedRows(ds), batch_sampler=plan, collate_fn=PadCollator(tokenizer))

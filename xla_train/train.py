@@ -163,7 +163,6 @@ def train_worker(cfg, tokenizer, data, buckets, report):
         model.train()
         clock.start()
         for batch in train_dl:
-            batch.pop("valid")
             with engine.autocast():
                 loss = model(**batch).loss
             engine.backward(loss)
@@ -243,10 +242,10 @@ def evaluate_model(engine, model, eval_dl):
     model.eval()
     with torch.no_grad():
         for batch in eval_dl:
-            valid, labels = batch.pop("valid"), batch.pop("labels")
+            labels = batch.pop("labels")
             with engine.autocast():
                 logits = model(**batch).logits
-            preds, refs = engine.gather_for_metrics((logits.argmax(-1), labels), valid)
+            preds, refs = engine.gather_for_metrics((logits.argmax(-1), labels))
             metric.add_batch(predictions=preds, references=refs)
     n = len(metric)
     return {**metric.compute(), "n": n}

@@ -1,0 +1,64 @@
+"""The bring-your-own-loop API: prepare, backward, optimizer_step, gather_for_metrics."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT
+from xla_train import Engine
+
+
+def test_prepare_repoints_the_optimizer_and_gather_drops_filler():
+    engine = Engine(backend="cpu")
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = engine.prepare(model, optimizer)
+    assert [id(p) for p in optimizer.param_groups[0]["params"]] == [id(p) for p in model.parameters()]
+    loss = model(torch.ones(4, 3)).sum()
+    engine.backward(loss)
+    before = model.weight.detach().clone()
+    assert engine.optimizer_step(optimizer) is True
+    assert not torch.equal(before, model.weight)
+    preds, refs = engine.gather_for_metrics((torch.tensor([1, 0, 1]), torch.tensor([1, 1, 0])),
+                                            valid=torch.tensor([1, 1, 0]))
+    assert preds.tolist() == [1, 0] and refs.tolist() == [1, 1]
+
+
+def test_gradient_accumulation_steps_every_n_micro_batches():
+    engine = Engine(backend="cpu", grad_accum=3)
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = engine.prepare(model, optimizer)
+    stepped = []
+    for _ in range(6):
+        engine.backward(model(torch.ones(1, 2)).sum())
+        stepped.append(engine.optimizer_step(optimizer))
+    assert stepped == [False, False, True, False, False, True]
+
+
+@pytest.mark.parametrize("backend", ["xla", "cpu"])
+def test_course_loop_ported_to_the_engine(backend, mrpc_slice, tiny_model, tmp_path):
+    out = tmp_path / "result.json"
+    proc = subprocess.run([sys.executable, "scripts/custom_loop_mrpc.py", "--backend", backend, "--model",
+                           str(tiny_model), "--data-dir", str(mrpc_slice), "--max-steps", "12",
+                           "--metrics-out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "PJRT_DEVICE": "CPU"}, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["n"] == 48 and result["steps"] == 12
+    assert 0 <= result["accuracy"] <= 1
+
+
+def test_tpu_pod_dry_run_prints_the_gcloud_commands():
+    proc = subprocess.run([sys.executable, "scripts/tpu_pod.py", "--tpu", "pod-1", "--zone", "us-central2-b",
+                           "--dry-run", "--", "--model", "bert-base-uncased", "--data-dir", "hub"],
+                          cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    install, train = proc.stdout.strip().splitlines()
+    prefix = "gcloud compute tpus tpu-vm ssh pod-1 --zone=us-central2-b --worker=all --command "
+    assert install == prefix + "'pip install --upgrade '\"'\"'xla-train[tpu]'\"'\"''"
+    assert train == prefix + "'PJRT_DEVICE=TPU xla-train train --model bert-base-uncased --data-dir hub'"
