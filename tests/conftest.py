@@ -39,7 +39,8 @@ def mrpc_slice(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
-    """A 2-layer, 32-wide BERT with the bundled tokenizer: same graphs' shapes, cheap compiles."""
+    """A 2-layer, 32-wide BERT with the bundled tokenizer: the same kinds of graphs, cheap to
+    compile. No dropout, so data-parallel runs can be compared with a single-process run."""
     from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
 
     from xla_train.train import bundled_model_path
@@ -50,7 +51,8 @@ def tiny_model(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_bert")
     tok = AutoTokenizer.from_pretrained(bundled_model_path())
     cfg = BertConfig(vocab_size=tok.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                     intermediate_size=64, num_labels=2)
+                     intermediate_size=64, num_labels=2, hidden_dropout_prob=0.0,
+                     attention_probs_dropout_prob=0.0)
     BertForSequenceClassification(cfg).save_pretrained(path)
     tok.save_pretrained(path)
     return path

@@ -27,8 +27,8 @@ class Engine:
     """Picks the backend and adapts loaders, model and optimizer to it. One per worker."""
 
     def __init__(self, backend="auto", precision="fp32", grad_accum=1, max_grad_norm=None,
-                 num_processes=None, compile_cache=None):
-        self.backend = select_backend(backend, num_processes) if isinstance(backend, str) else backend
+                 num_processes=None, compile_cache=None, strategy="ddp"):
+        self.backend = select_backend(backend, num_processes, strategy) if isinstance(backend, str) else backend
         if compile_cache:
             self.backend.use_compile_cache(compile_cache)  # must precede any device work
         self.backend.setup()
@@ -49,6 +49,11 @@ class Engine:
     @property
     def rank(self):
         return self.backend.rank
+
+    @property
+    def num_devices(self):
+        """Devices training in data parallel: processes x devices each process feeds (SPMD)."""
+        return self.world_size * self.backend.devices_per_process
 
     @property
     def is_main_process(self):
@@ -98,6 +103,7 @@ class Engine:
         plan = loader.batch_sampler
         if isinstance(plan, BatchPlan):
             plan.shard(self.world_size, self.rank)
+            plan.batch_size *= self.backend.devices_per_process  # SPMD: one process feeds them all
         elif self.world_size > 1:
             sampler = torch.utils.data.DistributedSampler(loader.dataset, self.world_size, self.rank,
                                                           shuffle=not isinstance(loader.sampler,
@@ -218,10 +224,10 @@ def _static_shape_loader(loader):
                        lengths=lengths)
 
 
-def launch(fn, args=(), backend="auto", num_processes=None):
+def launch(fn, args=(), backend="auto", num_processes=None, strategy="ddp"):
     """Runs `fn(*args)` on every local worker of `backend` (xmp.spawn on TPU; one process per GPU
     or `num_processes` gloo workers on the fallback; in this process when there is one)."""
-    select_backend(backend, num_processes).launch(fn, args)
+    select_backend(backend, num_processes, strategy).launch(fn, args)
 
 
 notebook_launcher = launch

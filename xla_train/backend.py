@@ -15,6 +15,7 @@ import torch
 from .errors import UserError
 
 BACKENDS = ("auto", "xla", "cuda", "cpu")
+STRATEGIES = ("ddp", "spmd")  # ddp: one replica per device; spmd: one process shards the batch (XLA)
 
 
 class Backend(ABC):
@@ -52,6 +53,11 @@ class Backend(ABC):
     @property
     def is_main(self):
         return self.rank == 0
+
+    @property
+    def devices_per_process(self):
+        """Devices that one process feeds (more than 1 only for SPMD)."""
+        return 1
 
     def describe_device(self):
         return str(self.device)
@@ -146,18 +152,22 @@ def auto_choice():
     return "cpu", reason
 
 
-def select_backend(name="auto", num_processes=None):
+def select_backend(name="auto", num_processes=None, strategy="ddp"):
     """The backend for `--backend NAME`; the only place that maps names to implementations."""
     if name not in BACKENDS:
         raise UserError(f"--backend must be one of {', '.join(BACKENDS)}, not {name!r}")
+    if strategy not in STRATEGIES:
+        raise UserError(f"--strategy must be one of {', '.join(STRATEGIES)}, not {strategy!r}")
     if name == "auto":
         name, _ = auto_choice()
+    if strategy == "spmd" and name != "xla":
+        raise UserError(f"--strategy spmd needs the xla backend, not {name}")
     if name == "xla":
         if not xla_available():
             raise UserError("--backend xla needs torch_xla: pip install 'xla-train[tpu]' (or torch_xla for CPU)")
         from .xla_backend import XLABackend
 
-        return XLABackend(num_processes)
+        return XLABackend(num_processes, strategy)
     if name == "cuda" and not torch.cuda.is_available():
         raise UserError("--backend cuda: no CUDA device is visible")
     from gpu_fallback.backend import TorchBackend

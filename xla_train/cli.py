@@ -25,6 +25,8 @@ def build_parser():
                    "load_dataset('glue', 'mrpc'); default: the copy bundled with the package")
     t.add_argument("--backend", default="auto", help="auto | xla | cuda | cpu (auto: TPU, then CUDA, then CPU)")
     t.add_argument("--num-processes", type=int, default=None, help="workers on this host")
+    t.add_argument("--strategy", default="ddp", help="ddp (a replica per device) or spmd (XLA: one process "
+                   "shards each batch over all devices)")
     t.add_argument("--epochs", type=int, default=defaults["epochs"])
     t.add_argument("--batch-size", type=int, default=defaults["batch_size"], help="per replica")
     t.add_argument("--lr", type=float, default=defaults["lr"])

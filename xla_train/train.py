@@ -52,6 +52,7 @@ class TrainConfig:
     compile_seconds: float = None  # cost of one compilation for --buckets auto (None = backend's estimate)
     # system
     backend: str = "auto"  # auto | xla | cuda | cpu
+    strategy: str = "ddp"  # ddp (a replica per device) | spmd (XLA: one process, batch sharded on a mesh)
     num_processes: int = None  # workers on this host (None = every TPU core / GPU, 1 on CPU)
     precision: str = "fp32"  # fp32 | bf16 (torch.autocast on the device)
     log_every: int = 10  # steps between reads of the loss from the device
@@ -113,7 +114,7 @@ def prepare_data(cfg, backend):
 def run(cfg):
     """Runs the whole job: data in this process, then training on every local worker."""
     cfg.check()
-    backend = select_backend(cfg.backend, cfg.num_processes)
+    backend = select_backend(cfg.backend, cfg.num_processes, cfg.strategy)
     tokenizer, data, truncated, buckets, estimate = prepare_data(cfg, backend)
     if cfg.output_dir:
         _check_writable(cfg.output_dir)
@@ -136,7 +137,7 @@ def train_worker(cfg, tokenizer, data, buckets, report):
 
     engine = Engine(cfg.backend, precision=cfg.precision, grad_accum=cfg.grad_accum,
                     max_grad_norm=cfg.max_grad_norm, num_processes=cfg.num_processes,
-                    compile_cache=cfg.compile_cache)
+                    compile_cache=cfg.compile_cache, strategy=cfg.strategy)
     engine.backend.seed(cfg.seed)
     model = AutoModelForSequenceClassification.from_pretrained(cfg.model, num_labels=2)
     bucket_list = buckets if cfg.padding == "buckets" else None
@@ -187,7 +188,7 @@ def train_worker(cfg, tokenizer, data, buckets, report):
         clock.end_of_epoch()
     bar.close()
 
-    samples_per_step = cfg.batch_size * cfg.grad_accum * engine.world_size
+    samples_per_step = cfg.batch_size * cfg.grad_accum * engine.num_devices
     timing = clock.summary(step, samples_per_step)  # before the end-of-run graphs below
     if cfg.output_dir:
         engine.save_pretrained(model, tokenizer, cfg.output_dir)
@@ -195,7 +196,7 @@ def train_worker(cfg, tokenizer, data, buckets, report):
     plan = train_dl.loader.batch_sampler
     metrics = {
         "backend": engine.backend.name, "device": engine.backend.describe_device(),
-        "world_size": engine.world_size, "model": cfg.model, "steps": step,
+        "world_size": engine.num_devices, "model": cfg.model, "steps": step,
         "epochs": round(step / steps_per_epoch, 4),
         "train_samples": step * samples_per_step, **timing,
         "padding_efficiency": round(plan.padding_efficiency(), 4),

@@ -2,7 +2,9 @@
 
 Launch commands this backend serves:
     xla-train train --backend xla                   # TPU VM: one replica per local chip
+    xla-train train --backend xla --strategy spmd   # one process, batch sharded over every chip
     PJRT_DEVICE=CPU xla-train train --backend xla   # XLA on the CPU, one replica (tests)
+    PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 xla-train train --backend xla --strategy spmd   # 4 CPU devices
 """
 
 import os
@@ -37,13 +39,34 @@ class XLABackend(Backend):
     compile_seconds = 12.0  # one training graph of the bundled model on XLA:CPU, measured here
     token_seconds = 2e-3  # XLA:CPU, training step, per padded token
 
-    def __init__(self, num_processes=None):
+    def __init__(self, num_processes=None, strategy="ddp"):
         # Pick the PJRT device before torch_xla starts its runtime; without a TPU, the CPU.
         os.environ.setdefault("PJRT_DEVICE", "TPU" if _tpu_present() else "CPU")
         if os.environ["PJRT_DEVICE"].upper() == "TPU":
             self.compile_seconds, self.token_seconds = 40.0, 2e-6
-        self.num_processes = num_processes
+        self.num_processes, self.strategy = num_processes, strategy
         _register_attention()
+
+    def setup(self):
+        if self.strategy == "spmd":
+            import torch_xla.runtime as xr
+
+            xr.use_spmd()  # before any tensor reaches the device
+
+    @property
+    def devices_per_process(self):
+        if self.strategy != "spmd":
+            return 1
+        import torch_xla.runtime as xr
+
+        return xr.global_runtime_device_count()
+
+    def _mesh(self):
+        import numpy as np
+        import torch_xla.distributed.spmd as xs
+
+        n = self.devices_per_process
+        return xs.Mesh(np.arange(n), (n,), ("data",))
 
     def use_compile_cache(self, path):
         import torch_xla.runtime as xr
@@ -55,6 +78,9 @@ class XLABackend(Backend):
     def launch(self, fn, args=(), nprocs=None):
         import torch_xla.distributed.xla_multiprocessing as xmp
 
+        if self.strategy == "spmd":
+            fn(*args)  # one process for every device; xmp.spawn would start the runtime before use_spmd()
+            return
         nprocs = nprocs or self.num_processes
         if os.environ["PJRT_DEVICE"].upper() == "CPU":
             nprocs = 1  # XLA:CPU runs one replica; xmp.spawn then calls fn in this process.
@@ -93,8 +119,15 @@ class XLABackend(Backend):
     def wrap_loader(self, loader):
         import torch_xla.distributed.parallel_loader as pl
 
-        # Uploads batches in a background thread and ends every step with a graph cut.
-        return pl.MpDeviceLoader(loader, self.device)
+        # Uploads batches in a background thread and ends every step with a graph cut. Under
+        # SPMD the batch's first dimension is split over the mesh's data axis (2-D inputs;
+        # 1-D labels are small and stay replicated); the partitioner inserts the collectives.
+        sharding = None
+        if self.strategy == "spmd":
+            import torch_xla.distributed.spmd as xs
+
+            sharding = xs.ShardingSpec(self._mesh(), ("data", None))
+        return pl.MpDeviceLoader(loader, self.device, input_sharding=sharding)
 
     def optimizer_step(self, optimizer, max_grad_norm=None):
         import torch_xla.core.xla_model as xm
@@ -158,7 +191,7 @@ class XLABackend(Backend):
         return {
             "compiles": compiles,
             "compile_seconds": compile_seconds,
-            "executions": metric("ExecuteTime")[0],
+            "executions": metric("ExecuteTime")[0] + metric("ExecuteReplicatedTime")[0],  # SPMD: replicated
             "transfers": metric("TransferFromDeviceTime")[0],
             "aten_fallbacks": sum(met.counter_value(c) or 0 for c in met.counter_names() if c.startswith("aten::")),
             "cache_hits": met.counter_value("PersistentCacheHit") or 0,
