@@ -7,6 +7,7 @@ Launch commands this backend serves:
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-endpoint HOST:29500 -m xla_train train --backend cuda
 """
 
+import gc
 import os
 import socket
 from contextlib import nullcontext
@@ -47,11 +48,12 @@ class TorchBackend(Backend):
         if nprocs is None:
             nprocs = torch.cuda.device_count() if self.name == "cuda" else 1
         if _launched_by_torchrun() or nprocs == 1:
-            fn(*args)  # torchrun started this process already, or there is only one
+            _run_and_teardown(self, fn, args)  # torchrun started this process already, or there is one
             return
         # spawn, not fork: a forked child of a process whose OpenMP pool already ran can hang.
         env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(nprocs)}
-        torch.multiprocessing.start_processes(_worker, args=(env, fn, args), nprocs=nprocs, start_method="spawn")
+        torch.multiprocessing.start_processes(_worker, args=(self, env, fn, args), nprocs=nprocs,
+                                              start_method="spawn")
 
     def setup(self):
         if _launched_by_torchrun() and int(os.environ["WORLD_SIZE"]) > 1 and not dist.is_initialized():
@@ -61,6 +63,7 @@ class TorchBackend(Backend):
 
     def teardown(self):
         if dist.is_initialized():
+            dist.barrier()  # no replica leaves while another still talks to it
             dist.destroy_process_group()
 
     # --- topology ---------------------------------------------------------------------------
@@ -139,6 +142,14 @@ class _DeviceLoader:
             yield {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
 
-def _worker(local_rank, env, fn, args):
+def _worker(local_rank, backend, env, fn, args):
     os.environ.update(env, RANK=str(local_rank), LOCAL_RANK=str(local_rank))
+    _run_and_teardown(backend, fn, args)
+
+
+def _run_and_teardown(backend, fn, args):
     fn(*args)
+    # Only now, with fn's DDP model and its gradient reducer freed, may the process group go:
+    # a reducer that outlives its group can hang in the group's destructor.
+    gc.collect()
+    backend.teardown()

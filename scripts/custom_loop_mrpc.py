@@ -83,7 +83,6 @@ def training_function(args):
     engine.print(result)
     if args.metrics_out and engine.is_main_process:
         Path(args.metrics_out).write_text(json.dumps(result) + "\n")
-    engine.end()
 
 
 def main():

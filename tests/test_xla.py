@@ -60,3 +60,26 @@ def test_dynamic_padding_compiles_far_more_graphs(mrpc_slice, tiny_model, tmp_pa
     ratio = dynamic["xla"]["compiles"] / buckets["xla"]["compiles"]
     assert buckets["xla"]["compiles"] <= 5
     assert ratio >= 3, (buckets["xla"], dynamic["xla"])
+
+
+def test_bf16_with_gradient_accumulation(mrpc_slice, tiny_model, tmp_path):
+    proc, m = run_cli(["--backend", "xla", "--model", tiny_model, "--data-dir", mrpc_slice, "--max-steps", 6,
+                       "--precision", "bf16", "--grad-accum", 2, "--buckets", "64,128", "--log-every", 3], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert m["precision"] == "bf16" and m["steps"] == 6 and m["train_samples"] == 6 * 2 * BATCH
+    assert m["xla"]["aten_fallbacks"] == 0
+    assert all(0 < loss < 2 for _, loss, _ in m["train_loss"])
+
+
+def test_compile_cache_counters_are_reported(mrpc_slice, tiny_model, tmp_path):
+    """The persistent cache writes every graph; a second run finds them. XLA:CPU cannot load a
+    cached executable (TPU and GPU can), which the run reports as load failures, not hits."""
+    args = ["--backend", "xla", "--model", tiny_model, "--data-dir", mrpc_slice, "--max-steps", 2,
+            "--buckets", "128", "--compile-cache", tmp_path / "cache"]
+    proc, first = run_cli(args, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert first["xla"]["cache_misses"] >= first["xla"]["compiles"] > 0
+    assert any((tmp_path / "cache").iterdir())
+    proc, second = run_cli(args, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert second["xla"]["cache_hits"] + second["xla"]["cache_load_failures"] > 0

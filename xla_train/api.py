@@ -166,10 +166,6 @@ class Engine:
         cols = [host[:, i] for i in range(len(tensors))]
         return cols[0] if single else tuple(cols)
 
-    def end(self):
-        """Releases process groups; call once at the end of the worker function."""
-        self.backend.teardown()
-
     def wait_for_everyone(self):
         self.backend.barrier()
 

@@ -35,7 +35,7 @@ class Backend(ABC):
         """Called in each worker before anything touches the device (process groups and such)."""
 
     def teardown(self):
-        """Called in each worker at the end (process groups are destroyed here)."""
+        """Called by `launch` in each worker once the function has returned (process groups go)."""
 
     # --- topology ---------------------------------------------------------------------------
     @property

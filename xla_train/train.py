@@ -115,9 +115,9 @@ def run(cfg):
     """Runs the whole job: data in this process, then training on every local worker."""
     cfg.check()
     backend = select_backend(cfg.backend, cfg.num_processes, cfg.strategy)
-    tokenizer, data, truncated, buckets, estimate = prepare_data(cfg, backend)
     if cfg.output_dir:
         _check_writable(cfg.output_dir)
+    tokenizer, data, truncated, buckets, estimate = prepare_data(cfg, backend)
     backend.launch(train_worker, (cfg, tokenizer, data, buckets, {"truncated": truncated, "buckets_auto": estimate}))
 
 
@@ -170,6 +170,7 @@ def train_worker(cfg, tokenizer, data, buckets, report):
             loss_sum = loss_sum + loss.detach() / cfg.grad_accum
             if not engine.optimizer_step(optimizer):
                 continue
+            lr = scheduler.get_last_lr()[0]  # the rate this step used
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
@@ -177,7 +178,7 @@ def train_worker(cfg, tokenizer, data, buckets, report):
             if step % cfg.log_every == 0 or step == total_steps:
                 # Read the loss once the step has run (a step closure on XLA): the host never
                 # waits for the device inside the loop.
-                engine.backend.step_closure(_log_loss, (history, bar, step, loss_sum, scheduler.get_last_lr()[0]))
+                engine.backend.step_closure(_log_loss, (history, bar, step, loss_sum, lr))
                 clock.mark(step)
             if step == total_steps:
                 break
@@ -213,7 +214,6 @@ def train_worker(cfg, tokenizer, data, buckets, report):
         if cfg.metrics_out:
             Path(cfg.metrics_out).parent.mkdir(parents=True, exist_ok=True)
             Path(cfg.metrics_out).write_text(json.dumps(metrics, indent=2) + "\n")
-    engine.end()
     return metrics
 
 
