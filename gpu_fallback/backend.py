@@ -43,17 +43,19 @@ class TorchBackend(Backend):
         os.environ.setdefault("USE_TORCH_XLA", "0")
 
     # --- launching ------------------------------------------------------------------------
-    def launch(self, fn, args=(), nprocs=None):
+    def launch(self, fn, args=(), nprocs=None, start_method="spawn"):
         nprocs = nprocs or self.num_processes
         if nprocs is None:
             nprocs = torch.cuda.device_count() if self.name == "cuda" else 1
         if _launched_by_torchrun() or nprocs == 1:
             _run_and_teardown(self, fn, args)  # torchrun started this process already, or there is one
             return
-        # spawn, not fork: a forked child of a process whose OpenMP pool already ran can hang.
+        # spawn by default: a forked child of a process whose OpenMP pool already ran can hang.
+        # Notebooks need fork (spawn cannot import a function defined in a cell), so
+        # notebook_launcher forks before the notebook has run torch ops in parallel, as Accelerate's does.
         env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(nprocs)}
         torch.multiprocessing.start_processes(_worker, args=(self, env, fn, args), nprocs=nprocs,
-                                              start_method="spawn")
+                                              start_method=start_method)
 
     def setup(self):
         if _launched_by_torchrun() and int(os.environ["WORLD_SIZE"]) > 1 and not dist.is_initialized():

@@ -226,4 +226,7 @@ def launch(fn, args=(), backend="auto", num_processes=None, strategy="ddp"):
     select_backend(backend, num_processes, strategy).launch(fn, args)
 
 
-notebook_launcher = launch
+def notebook_launcher(fn, args=(), backend="auto", num_processes=None, strategy="ddp"):
+    """`launch` for a notebook cell: workers are forked, so `fn` may be defined in the notebook.
+    Call it before the notebook itself has put anything on an accelerator."""
+    select_backend(backend, num_processes, strategy).launch(fn, args, start_method="fork")

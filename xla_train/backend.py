@@ -28,8 +28,9 @@ class Backend(ABC):
 
     # --- launching ------------------------------------------------------------------------
     @abstractmethod
-    def launch(self, fn, args=(), nprocs=None):
-        """Runs `fn(*args)` once on every local core/GPU/CPU worker and waits for all of them."""
+    def launch(self, fn, args=(), nprocs=None, start_method=None):
+        """Runs `fn(*args)` once on every local core/GPU/CPU worker and waits for all of them.
+        `start_method` "fork" lets a notebook's own functions run in the workers."""
 
     def setup(self):
         """Called in each worker before anything touches the device (process groups and such)."""

@@ -118,7 +118,22 @@ def run(cfg):
     if cfg.output_dir:
         _check_writable(cfg.output_dir)
     tokenizer, data, truncated, buckets, estimate = prepare_data(cfg, backend)
-    backend.launch(train_worker, (cfg, tokenizer, data, buckets, {"truncated": truncated, "buckets_auto": estimate}))
+    model = load_model(cfg.model, cfg.seed)
+    # Workers get the tokenised data and the model from here: forked replicas (XLA) share these
+    # pages instead of each loading a copy; spawned ones (gloo, NCCL) receive them pickled.
+    backend.launch(train_worker, (cfg, tokenizer, model, data, buckets,
+                                  {"truncated": truncated, "buckets_auto": estimate}))
+
+
+def load_model(name, seed):
+    """The pretrained encoder with a new 2-class head, initialised from `seed`."""
+    from transformers import AutoModelForSequenceClassification
+
+    torch.manual_seed(seed)
+    try:
+        return AutoModelForSequenceClassification.from_pretrained(name, num_labels=2)
+    except Exception as e:  # weights missing or corrupt
+        raise UserError(f"cannot load model {name!r}: {str(e).strip().splitlines()[0]}")
 
 
 def _check_writable(path):
@@ -131,15 +146,14 @@ def _check_writable(path):
         raise UserError(f"output folder {path} is not writable: {e.strerror}")
 
 
-def train_worker(cfg, tokenizer, data, buckets, report):
+def train_worker(cfg, tokenizer, model, data, buckets, report):
     """The training function each worker runs: the course's loop on the Engine API."""
-    from transformers import AutoModelForSequenceClassification, get_scheduler
+    from transformers import get_scheduler
 
     engine = Engine(cfg.backend, precision=cfg.precision, grad_accum=cfg.grad_accum,
                     max_grad_norm=cfg.max_grad_norm, num_processes=cfg.num_processes,
                     compile_cache=cfg.compile_cache, strategy=cfg.strategy)
-    engine.backend.seed(cfg.seed)
-    model = AutoModelForSequenceClassification.from_pretrained(cfg.model, num_labels=2)
+    engine.backend.seed(cfg.seed)  # dropout and shuffling
     bucket_list = buckets if cfg.padding == "buckets" else None
     train_dl = make_loader(data["train"], tokenizer, cfg.batch_size, cfg.padding, bucket_list, cfg.max_length,
                            shuffle=True, seed=cfg.seed, fill="repeat")

@@ -75,7 +75,7 @@ class XLABackend(Backend):
         # TPU and GPU do load them, so a second identical run compiles nothing there.
         xr.initialize_cache(str(path), readonly=not self.is_main)
 
-    def launch(self, fn, args=(), nprocs=None):
+    def launch(self, fn, args=(), nprocs=None, start_method="fork"):
         import torch_xla.distributed.xla_multiprocessing as xmp
 
         if self.strategy == "spmd":
@@ -86,7 +86,7 @@ class XLABackend(Backend):
             nprocs = 1  # XLA:CPU runs one replica; xmp.spawn then calls fn in this process.
         # fork: replicas share the parent's tokenised data and checkpoint pages instead of
         # each loading a copy. The parent must not have started the XLA runtime.
-        xmp.spawn(_run_replica, args=(fn, args), nprocs=nprocs, start_method="fork")
+        xmp.spawn(_run_replica, args=(fn, args), nprocs=nprocs, start_method=start_method)
 
     @property
     def device(self):
@@ -112,9 +112,14 @@ class XLABackend(Backend):
         return f"{self.device} ({xr.device_type()})"
 
     def prepare_model(self, model):
+        import torch_xla.core.xla_model as xm
+
         if hasattr(model, "set_attn_implementation") and model.config._attn_implementation in ("sdpa", "eager"):
             model.set_attn_implementation(XLA_ATTENTION)
-        return model.to(self.device)
+        model = model.to(self.device)
+        if self.world_size > 1:
+            xm.broadcast_master_param(model)  # every replica starts from replica 0's weights
+        return model
 
     def wrap_loader(self, loader):
         import torch_xla.distributed.parallel_loader as pl
