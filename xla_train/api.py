@@ -29,9 +29,9 @@ class Engine:
     def __init__(self, backend="auto", precision="fp32", grad_accum=1, max_grad_norm=None,
                  num_processes=None, compile_cache=None, strategy="ddp"):
         self.backend = select_backend(backend, num_processes, strategy) if isinstance(backend, str) else backend
+        self.backend.setup()  # process groups, SPMD mode: before anything touches the device
         if compile_cache:
-            self.backend.use_compile_cache(compile_cache)  # must precede any device work
-        self.backend.setup()
+            self.backend.use_compile_cache(compile_cache)  # before the first compilation
         self.precision, self.grad_accum, self.max_grad_norm = precision, grad_accum, max_grad_norm
         self._micro_steps = 0
         self._model = None
