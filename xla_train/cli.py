@@ -19,13 +19,13 @@ def build_parser():
     p = _Parser(prog="xla-train", description="Fine-tune Hugging Face transformers on TPU/XLA, GPU or CPU.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     t = sub.add_parser("train", help="fine-tune on GLUE MRPC")
-    defaults = {f.name: f.default for f in fields(TrainConfig) if f.default is not f.default_factory}
+    defaults = {f.name: f.default for f in fields(TrainConfig)}
     t.add_argument("--model", default=None, help="model folder or hub name (default: the bundled MiniLM-L6-H384)")
     t.add_argument("--data-dir", default=None, help="GLUE MRPC folder (train.tsv, dev.tsv); 'hub' for "
                    "load_dataset('glue', 'mrpc'); default: the copy bundled with the package")
-    t.add_argument("--backend", default="auto", help="auto | xla | cuda | cpu (auto: TPU, then CUDA, then CPU)")
+    t.add_argument("--backend", default=defaults["backend"], help="auto | xla | cuda | cpu (auto: TPU, then CUDA, then CPU)")
     t.add_argument("--num-processes", type=int, default=None, help="workers on this host")
-    t.add_argument("--strategy", default="ddp", help="ddp (a replica per device) or spmd (XLA: one process "
+    t.add_argument("--strategy", default=defaults["strategy"], help="ddp (a replica per device) or spmd (XLA: one process "
                    "shards each batch over all devices)")
     t.add_argument("--epochs", type=int, default=defaults["epochs"])
     t.add_argument("--batch-size", type=int, default=defaults["batch_size"], help="per replica")
@@ -34,13 +34,13 @@ def build_parser():
     t.add_argument("--warmup-ratio", type=float, default=defaults["warmup_ratio"])
     t.add_argument("--seed", type=int, default=defaults["seed"])
     t.add_argument("--max-steps", type=int, default=None)
-    t.add_argument("--padding", default="buckets", help=" | ".join(PADDING_MODES))
-    t.add_argument("--buckets", default="auto", help="auto, or lengths like 32,64,96,128")
+    t.add_argument("--padding", default=defaults["padding"], help=" | ".join(PADDING_MODES))
+    t.add_argument("--buckets", default=defaults["buckets"], help="auto, or lengths like 32,64,96,128")
     t.add_argument("--max-length", type=int, default=defaults["max_length"], help="truncate rows to this length")
     t.add_argument("--compile-seconds", type=float, default=None,
                    help="cost of one compilation for --buckets auto (default: the backend's estimate)")
-    t.add_argument("--precision", default="fp32", help=" | ".join(PRECISIONS))
-    t.add_argument("--grad-accum", type=int, default=1)
+    t.add_argument("--precision", default=defaults["precision"], help=" | ".join(PRECISIONS))
+    t.add_argument("--grad-accum", type=int, default=defaults["grad_accum"])
     t.add_argument("--max-grad-norm", type=float, default=None)
     t.add_argument("--log-every", type=int, default=defaults["log_every"])
     t.add_argument("--output-dir", default=None, help="save the fine-tuned model and tokenizer here")
