@@ -111,7 +111,7 @@ def main():
                       "aten_fallbacks": sum(met.counter_value(c) for c in met.counter_names()
                                             if c.startswith("aten::"))}
     if args.padding == "max_length":
-        real = sum(sum(x) for x in tokenized["train"]["attention_mask"])
+        real = sum(int(x.sum()) for x in tokenized["train"]["attention_mask"])
         out["padding_efficiency"] = round(real / (len(lengths) * 128), 4)
     if accelerator.is_main_process:
         Path(args.metrics_out).write_text(json.dumps(out, indent=2) + "\n")
