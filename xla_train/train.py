@@ -118,11 +118,9 @@ def run(cfg):
     if cfg.output_dir:
         _check_writable(cfg.output_dir)
     tokenizer, data, truncated, buckets, estimate = prepare_data(cfg, backend)
-    model = load_model(cfg.model, cfg.seed)
-    # Workers get the tokenised data and the model from here: forked replicas (XLA) share these
-    # pages instead of each loading a copy; spawned ones (gloo, NCCL) receive them pickled.
-    backend.launch(train_worker, (cfg, tokenizer, model, data, buckets,
-                                  {"truncated": truncated, "buckets_auto": estimate}))
+    # Workers get the tokenised data from here (forked XLA replicas share its pages); each
+    # worker loads the checkpoint itself.
+    backend.launch(train_worker, (cfg, tokenizer, data, buckets, {"truncated": truncated, "buckets_auto": estimate}))
 
 
 def load_model(name, seed):
@@ -146,14 +144,15 @@ def _check_writable(path):
         raise UserError(f"output folder {path} is not writable: {e.strerror}")
 
 
-def train_worker(cfg, tokenizer, model, data, buckets, report):
+def train_worker(cfg, tokenizer, data, buckets, report):
     """The training function each worker runs: the course's loop on the Engine API."""
     from transformers import get_scheduler
 
     engine = Engine(cfg.backend, precision=cfg.precision, grad_accum=cfg.grad_accum,
                     max_grad_norm=cfg.max_grad_norm, num_processes=cfg.num_processes,
                     compile_cache=cfg.compile_cache, strategy=cfg.strategy)
-    engine.backend.seed(cfg.seed)  # dropout and shuffling
+    model = load_model(cfg.model, cfg.seed)
+    engine.backend.seed(cfg.seed)  # dropout
     bucket_list = buckets if cfg.padding == "buckets" else None
     train_dl = make_loader(data["train"], tokenizer, cfg.batch_size, cfg.padding, bucket_list, cfg.max_length,
                            shuffle=True, seed=cfg.seed, fill="repeat")
