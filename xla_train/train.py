@@ -5,6 +5,7 @@
     xla-train train --backend cpu --num-processes 2  # two gloo workers
 """
 
+import copy
 import json
 import math
 import time
@@ -118,9 +119,11 @@ def run(cfg):
     if cfg.output_dir:
         _check_writable(cfg.output_dir)
     tokenizer, data, truncated, buckets, estimate = prepare_data(cfg, backend)
-    # Workers get the tokenised data from here (forked XLA replicas share its pages); each
-    # worker loads the checkpoint itself.
-    backend.launch(train_worker, (cfg, tokenizer, data, buckets, {"truncated": truncated, "buckets_auto": estimate}))
+    model = load_model(cfg.model, cfg.seed)
+    # Workers get the tokenised data and the model from here: forked replicas (XLA) share these
+    # pages instead of each loading a copy; spawned ones (gloo, NCCL) receive them pickled.
+    backend.launch(train_worker, (cfg, tokenizer, model, data, buckets,
+                                  {"truncated": truncated, "buckets_auto": estimate}))
 
 
 def load_model(name, seed):
@@ -144,14 +147,18 @@ def _check_writable(path):
         raise UserError(f"output folder {path} is not writable: {e.strerror}")
 
 
-def train_worker(cfg, tokenizer, data, buckets, report):
+def train_worker(cfg, tokenizer, model, data, buckets, report):
     """The training function each worker runs: the course's loop on the Engine API."""
     from transformers import get_scheduler
+
+    if any(p.is_shared() for p in model.parameters()):
+        # Spawned workers receive the parent's tensors in shared memory (torch.multiprocessing
+        # pickling): every worker would update the same storage. Train a private copy.
+        model = copy.deepcopy(model)
 
     engine = Engine(cfg.backend, precision=cfg.precision, grad_accum=cfg.grad_accum,
                     max_grad_norm=cfg.max_grad_norm, num_processes=cfg.num_processes,
                     compile_cache=cfg.compile_cache, strategy=cfg.strategy)
-    model = load_model(cfg.model, cfg.seed)
     engine.backend.seed(cfg.seed)  # dropout
     bucket_list = buckets if cfg.padding == "buckets" else None
     train_dl = make_loader(data["train"], tokenizer, cfg.batch_size, cfg.padding, bucket_list, cfg.max_length,
