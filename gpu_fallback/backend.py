@@ -8,8 +8,10 @@ Launch commands this backend serves:
 """
 
 import gc
+import logging
 import os
 import socket
+import sys
 from contextlib import nullcontext
 
 import torch
@@ -17,6 +19,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from xla_train.backend import Backend
+from xla_train.errors import Stopped, UserError
 
 
 def _launched_by_torchrun():
@@ -54,8 +57,20 @@ class TorchBackend(Backend):
         # Notebooks need fork (spawn cannot import a function defined in a cell), so
         # notebook_launcher forks before the notebook has run torch ops in parallel, as Accelerate's does.
         env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(nprocs)}
-        torch.multiprocessing.start_processes(_worker, args=(self, env, fn, args), nprocs=nprocs,
-                                              start_method=start_method)
+        # When one worker exits with an error, torch stops the others and logs each one it
+        # terminates; the worker's own message already says what happened.
+        spawn_log = logging.getLogger("torch.multiprocessing.spawn")
+        level = spawn_log.level
+        spawn_log.setLevel(logging.ERROR)
+        try:
+            torch.multiprocessing.start_processes(_worker, args=(self, env, fn, args), nprocs=nprocs,
+                                                  start_method=start_method)
+        except torch.multiprocessing.ProcessExitedException as e:
+            if e.exit_code is None or e.exit_code < 0:  # killed by a signal it did not handle
+                raise
+            raise UserError("", e.exit_code)  # the worker printed why
+        finally:
+            spawn_log.setLevel(level)
 
     def setup(self):
         if _launched_by_torchrun() and int(os.environ["WORLD_SIZE"]) > 1 and not dist.is_initialized():
@@ -113,6 +128,16 @@ class TorchBackend(Backend):
         optimizer.step()
         return norm
 
+    def rng_state(self):
+        if self.name == "cuda":
+            return torch.cat([torch.get_rng_state(), torch.cuda.get_rng_state(self.device)])
+        return super().rng_state()
+
+    def set_rng_state(self, state):
+        super().set_rng_state(state)
+        if self.name == "cuda":
+            torch.cuda.set_rng_state(state[len(torch.get_rng_state()):].clone(), self.device)
+
     # --- across replicas --------------------------------------------------------------------
     def gather(self, tensor):
         if self.world_size == 1:
@@ -146,12 +171,25 @@ class _DeviceLoader:
 
 def _worker(local_rank, backend, env, fn, args):
     os.environ.update(env, RANK=str(local_rank), LOCAL_RANK=str(local_rank))
-    _run_and_teardown(backend, fn, args)
+    try:
+        _run_and_teardown(backend, fn, args)
+    except UserError as e:
+        # One line, not the traceback torch.multiprocessing would pass up. A stop happens on every
+        # replica at once, so only the main one reports it; other errors may be one replica's.
+        if str(e) and (local_rank == 0 or not isinstance(e, Stopped)):
+            print(e.line(), file=sys.stderr, flush=True)
+        sys.exit(e.exit_code)
 
 
 def _run_and_teardown(backend, fn, args):
-    fn(*args)
+    stopped = None
+    try:
+        fn(*args)
+    except Stopped as e:  # every replica stopped at the same step: they leave together
+        stopped = e.args  # not the exception: its traceback holds fn's frames and DDP model
     # Only now, with fn's DDP model and its gradient reducer freed, may the process group go:
     # a reducer that outlives its group can hang in the group's destructor.
     gc.collect()
     backend.teardown()
+    if stopped:
+        raise Stopped(*stopped)

@@ -37,25 +37,33 @@ def mrpc_slice(tmp_path_factory):
     return write_slice(tmp_path_factory.mktemp("data") / "mrpc", 160, 48)
 
 
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory):
-    """A 2-layer, 32-wide BERT with the bundled tokenizer: the same kinds of graphs, cheap to
-    compile. No dropout, so data-parallel runs can be compared with a single-process run."""
+def _tiny_bert(path, dropout):
+    """A 2-layer, 32-wide BERT with the bundled tokenizer: the same kinds of graphs, cheap to run."""
+    import torch
     from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
 
     from xla_train.train import bundled_model_path
 
-    import torch
-
     torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny_bert")
     tok = AutoTokenizer.from_pretrained(bundled_model_path())
     cfg = BertConfig(vocab_size=tok.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                     intermediate_size=64, num_labels=2, hidden_dropout_prob=0.0,
-                     attention_probs_dropout_prob=0.0)
+                     intermediate_size=64, num_labels=2, hidden_dropout_prob=dropout,
+                     attention_probs_dropout_prob=dropout)
     BertForSequenceClassification(cfg).save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """The tiny BERT without dropout, so data-parallel runs can be compared with one process."""
+    return _tiny_bert(tmp_path_factory.mktemp("tiny_bert"), dropout=0.0)
+
+
+@pytest.fixture(scope="session")
+def tiny_dropout_model(tmp_path_factory):
+    """The tiny BERT with dropout 0.1: resumed runs must restore the random state exactly."""
+    return _tiny_bert(tmp_path_factory.mktemp("tiny_bert_dropout"), dropout=0.1)
 
 
 def run_cli(args, tmp_path, env=None, timeout=900):
@@ -69,3 +77,37 @@ def run_cli(args, tmp_path, env=None, timeout=900):
                           cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
     metrics = json.loads(out.read_text()) if out.exists() else None
     return proc, metrics
+
+
+@pytest.fixture(scope="session")
+def gcs_emulator():
+    """gcp-storage-emulator on loopback (in memory) with bucket `xla-train-test`; yields the
+    environment that points google-cloud-storage at it."""
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    exe = Path(sys.executable).with_name("gcp-storage-emulator")
+    proc = subprocess.Popen([str(exe), "start", "--host", "127.0.0.1", "--port", str(port), "--in-memory",
+                             "--default-bucket", "xla-train-test", "-q"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            assert proc.poll() is None and time.monotonic() < deadline, "the storage emulator did not start"
+            time.sleep(0.2)
+    env = {"STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{port}"}
+    old = os.environ.get("STORAGE_EMULATOR_HOST")
+    os.environ.update(env)  # for the test process's own client too
+    yield env
+    proc.terminate()
+    proc.wait()
+    if old is None:
+        os.environ.pop("STORAGE_EMULATOR_HOST", None)
+    else:
+        os.environ["STORAGE_EMULATOR_HOST"] = old

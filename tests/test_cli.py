@@ -21,7 +21,8 @@ from xla_train.cli import main
     (["--epochs", "0"], "--epochs must be at least 1"),
     (["--batch-size", "eight"], "argument --batch-size: invalid int value: 'eight'"),
     (["--unknown-flag"], "unrecognized arguments: --unknown-flag"),
-    (["--resume"], "--resume is not available yet"),
+    (["--resume"], "--resume needs --output-dir"),
+    (["--save-every", "0"], "--save-every must be at least 1"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message, capsys):
     code = main(["train", "--backend", "cpu", *args] if "--backend" not in args else ["train", *args])

@@ -194,7 +194,11 @@ class PreparedLoader:
     def __init__(self, loader, device_iterable, engine):
         self.loader, self._iterable, self._engine = loader, device_iterable, engine
 
-    def set_epoch(self, epoch):
+    def set_epoch(self, epoch, start=0):
+        """Reshuffles for `epoch`; `start` > 0 skips that many batches (a `BatchPlan` loader only)."""
+        if start:
+            self.loader.batch_sampler.set_epoch(epoch, start)
+            return
         for s in (self.loader.batch_sampler, self.loader.sampler):
             if hasattr(s, "set_epoch"):
                 s.set_epoch(epoch)

@@ -123,6 +123,13 @@ class Backend(ABC):
     def seed(self, seed):
         torch.manual_seed(seed)
 
+    def rng_state(self):
+        """This process's random state (host generator, plus the device's) as a 1-D uint8 tensor."""
+        return torch.get_rng_state()
+
+    def set_rng_state(self, state):
+        torch.set_rng_state(state[: len(torch.get_rng_state())].clone())
+
     # --- observability ----------------------------------------------------------------------
     def compile_stats(self):
         """A snapshot of compilation counters, or None where nothing is compiled."""

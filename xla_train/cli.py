@@ -43,8 +43,13 @@ def build_parser():
     t.add_argument("--grad-accum", type=int, default=defaults["grad_accum"])
     t.add_argument("--max-grad-norm", type=float, default=None)
     t.add_argument("--log-every", type=int, default=defaults["log_every"])
-    t.add_argument("--output-dir", default=None, help="save the fine-tuned model and tokenizer here")
-    t.add_argument("--resume", action="store_true", help="resume from the latest checkpoint in --output-dir")
+    t.add_argument("--output-dir", default=None, help="local folder or gs://bucket/prefix for checkpoints and the "
+                   "fine-tuned model and tokenizer")
+    t.add_argument("--save-every", type=int, default=None, help="steps between checkpoints (default: every epoch)")
+    t.add_argument("--keep-last", type=int, default=defaults["keep_last"], help="complete checkpoints to keep")
+    t.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint in "
+                   "--output-dir (starts from the beginning when there is none)")
+    t.add_argument("--resume-from", default=None, help="continue from this checkpoint (OUTPUT_DIR/checkpoints/step-N)")
     t.add_argument("--compile-cache", default=None, help="persistent XLA compilation cache folder")
     t.add_argument("--metrics-out", default=None, help="write the run's metrics JSON here")
     sub.add_parser("env", help="show the detected backend, devices and versions")
@@ -54,9 +59,7 @@ def build_parser():
 def cmd_train(args):
     from .train import TrainConfig, bundled_model_path, run
 
-    if args.resume:
-        raise UserError("--resume is not available yet: this version saves only the final model")
-    opts = {k: v for k, v in vars(args).items() if k not in ("command", "resume")}
+    opts = {k: v for k, v in vars(args).items() if k != "command"}
     opts["model"] = opts["model"] or bundled_model_path()
     run(TrainConfig(**opts))
 
@@ -86,8 +89,9 @@ def main(argv=None):
         args = build_parser().parse_args(argv)
         {"train": cmd_train, "env": cmd_env}[args.command](args)
     except UserError as e:
-        print(f"xla-train: error: {e}", file=sys.stderr)
-        return 2
+        if str(e):
+            print(e.line(), file=sys.stderr)
+        return e.exit_code
     except KeyboardInterrupt:
         print("xla-train: interrupted", file=sys.stderr)
         return 130

@@ -212,13 +212,14 @@ class BatchPlan(torch.utils.data.Sampler):
             check_fit(self.lengths, self.buckets)
         self.shuffle, self.seed, self.fill = shuffle, seed, fill
         self.num_replicas, self.rank = num_replicas, rank
-        self.epoch = 0
+        self.epoch, self.start = 0, 0
 
     def shard(self, num_replicas, rank):
         self.num_replicas, self.rank = num_replicas, rank
 
-    def set_epoch(self, epoch):
-        self.epoch = epoch
+    def set_epoch(self, epoch, start=0):
+        """Plans epoch `epoch` (its own shuffle) and skips its first `start` batches (resuming)."""
+        self.epoch, self.start = epoch, start
 
     def _pad_to(self, rows):
         longest = int(self.lengths[rows].max())
@@ -252,7 +253,7 @@ class BatchPlan(torch.utils.data.Sampler):
 
     def __iter__(self):
         lo, hi = self.rank * self.batch_size, (self.rank + 1) * self.batch_size
-        for rows, pad_to, n_real in self.global_batches():
+        for rows, pad_to, n_real in self.global_batches()[self.start :]:
             yield [(int(r), pad_to, int(lo + j < n_real or self.fill == "repeat"))
                    for j, r in enumerate(rows[lo:hi])]
 
@@ -302,4 +303,7 @@ def make_loader(ds, tokenizer, batch_size, padding, buckets, max_length, shuffle
     """A DataLoader over a tokenised split whose batches follow a `BatchPlan`."""
     plan = BatchPlan(ds["length"] if lengths is None else lengths, batch_size, padding=padding, buckets=buckets, max_length=max_length,
                      shuffle=shuffle, seed=seed, fill=fill)
-    return torch.utils.data.DataLoader(PlannedRows(ds), batch_sampler=plan, collate_fn=PadCollator(tokenizer))
+    # Its own generator: a DataLoader draws a seed for every iterator it starts, and drawing it
+    # from the global generator would shift dropout masks (a resumed run starts one mid-epoch).
+    return torch.utils.data.DataLoader(PlannedRows(ds), batch_sampler=plan, collate_fn=PadCollator(tokenizer),
+                                       generator=torch.Generator().manual_seed(seed))

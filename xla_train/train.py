@@ -15,10 +15,13 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from . import checkpoint
 from .api import Engine
 from .backend import select_backend
 from .data import CostModel, check_fit, choose_buckets, load_mrpc, make_loader, parse_buckets, tokenize
-from .errors import UserError
+from .errors import Stopped, UserError
+from .signals import StopRequest
+from .storage import open_store
 
 PADDING_MODES = ("buckets", "max_length", "dynamic")
 PRECISIONS = ("fp32", "bf16")
@@ -57,7 +60,11 @@ class TrainConfig:
     num_processes: int = None  # workers on this host (None = every TPU core / GPU, 1 on CPU)
     precision: str = "fp32"  # fp32 | bf16 (torch.autocast on the device)
     log_every: int = 10  # steps between reads of the loss from the device
-    output_dir: str = None  # where the fine-tuned model is saved (save_pretrained)
+    output_dir: str = None  # local folder or gs://bucket/prefix: checkpoints and the final model
+    save_every: int = None  # steps between checkpoints (None: at the end of every epoch)
+    keep_last: int = 2  # complete checkpoints kept (older ones are deleted after a new one is whole)
+    resume: bool = False  # continue from the latest complete checkpoint in output_dir, if any
+    resume_from: str = None  # continue from this checkpoint folder
     compile_cache: str = None  # persistent XLA compilation cache folder
     metrics_out: str = None  # JSON file with the run's numbers
 
@@ -71,8 +78,11 @@ class TrainConfig:
                 raise UserError(f"--{name.replace('_', '-')} must be at least 1")
         if self.lr <= 0:
             raise UserError("--lr must be positive")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise UserError("--max-steps must be at least 1")
+        for name in ("max_steps", "save_every", "keep_last"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise UserError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.resume and not self.output_dir:
+            raise UserError("--resume needs --output-dir, the folder that holds the checkpoints")
         parse_buckets(self.buckets, self.max_length)
 
 
@@ -85,11 +95,14 @@ def load_tokenizer(name):
         raise UserError(f"cannot load model {name!r}: {str(e).strip().splitlines()[0]}")
 
 
-def prepare_data(cfg, backend):
+def prepare_data(cfg, backend, resume=None):
     """In the parent process: read and tokenise MRPC once, and settle the bucket lengths."""
     tokenizer = load_tokenizer(cfg.model)
     data, truncated = tokenize(load_mrpc(cfg.data_dir), tokenizer, cfg.max_length)
     buckets, estimate = parse_buckets(cfg.buckets, cfg.max_length), None
+    if resume:  # the data order depends on the buckets: keep the interrupted run's
+        resume.check(cfg, len(data["train"]))
+        buckets = resume.state["buckets"] or buckets
     if cfg.padding == "buckets" and buckets == "auto":
         world = cfg.num_processes or 1
         steps_per_epoch = math.ceil(len(data["train"]) / (cfg.batch_size * world * cfg.grad_accum))
@@ -116,14 +129,23 @@ def run(cfg):
     """Runs the whole job: data in this process, then training on every local worker."""
     cfg.check()
     backend = select_backend(cfg.backend, cfg.num_processes, cfg.strategy)
-    if cfg.output_dir:
-        _check_writable(cfg.output_dir)
-    tokenizer, data, truncated, buckets, estimate = prepare_data(cfg, backend)
+    store = open_store(cfg.output_dir) if cfg.output_dir else None
+    if store:
+        store.check_writable()
+    resume = None
+    if cfg.resume_from or (cfg.resume and any(store.checkpoints().values())):
+        resume = checkpoint.Resume(*checkpoint.find(store, cfg.resume_from))
+    elif cfg.resume:
+        print(f"--resume: no complete checkpoint in {cfg.output_dir} yet; starting from the beginning")
+    tokenizer, data, truncated, buckets, estimate = prepare_data(cfg, backend, resume)
     model = load_model(cfg.model, cfg.seed)
+    if resume:
+        resume.load_model(model)
     # Workers get the tokenised data and the model from here: forked replicas (XLA) share these
     # pages instead of each loading a copy; spawned ones (gloo, NCCL) receive them pickled.
-    backend.launch(train_worker, (cfg, tokenizer, model, data, buckets,
-                                  {"truncated": truncated, "buckets_auto": estimate}))
+    with StopRequest():  # a launcher passes SIGTERM on to its workers, which save and stop
+        backend.launch(train_worker, (cfg, tokenizer, model, data, buckets,
+                                      {"truncated": truncated, "buckets_auto": estimate}, resume))
 
 
 def load_model(name, seed):
@@ -137,17 +159,7 @@ def load_model(name, seed):
         raise UserError(f"cannot load model {name!r}: {str(e).strip().splitlines()[0]}")
 
 
-def _check_writable(path):
-    try:
-        Path(path).mkdir(parents=True, exist_ok=True)
-        probe = Path(path) / ".xla_train_write_test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as e:
-        raise UserError(f"output folder {path} is not writable: {e.strerror}")
-
-
-def train_worker(cfg, tokenizer, model, data, buckets, report):
+def train_worker(cfg, tokenizer, model, data, buckets, report, resume=None):
     """The training function each worker runs: the course's loop on the Engine API."""
     from transformers import get_scheduler
 
@@ -155,7 +167,6 @@ def train_worker(cfg, tokenizer, model, data, buckets, report):
         # Spawned workers receive the parent's tensors in shared memory (torch.multiprocessing
         # pickling): every worker would update the same storage. Train a private copy.
         model = copy.deepcopy(model)
-
     engine = Engine(cfg.backend, precision=cfg.precision, grad_accum=cfg.grad_accum,
                     max_grad_norm=cfg.max_grad_norm, num_processes=cfg.num_processes,
                     compile_cache=cfg.compile_cache, strategy=cfg.strategy)
@@ -172,47 +183,101 @@ def train_worker(cfg, tokenizer, model, data, buckets, report):
     total_steps = min(cfg.max_steps or 10**9, steps_per_epoch * cfg.epochs)
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=int(cfg.warmup_ratio * total_steps),
                               num_training_steps=total_steps)
+    # Where the run stands: optimizer steps, epoch, micro-batches taken from this epoch.
+    run = {"step": 0, "epoch": 0, "batch": 0, "loss_sum": 0.0, "history": [], "results": None}
+    if resume:
+        resume.load_training_state(engine, optimizer, scheduler, engine.num_devices)
+        run.update(resume.state["run"])
+        engine.print(f"resumed from {resume.url} at step {run['step']}")
+    store = open_store(cfg.output_dir) if cfg.output_dir else None
+    first_step, history = run["step"], run["history"]
+    tracker = LossTracker(engine, run["loss_sum"], run["step"] * cfg.grad_accum, cfg.grad_accum)
+    saved, saved_step = (resume.url, first_step) if resume else (None, None)  # the latest checkpoint
+
+    def save_checkpoint():
+        nonlocal saved, saved_step
+        if saved_step == run["step"]:
+            return saved
+        (host,) = engine.backend.to_host([tracker.t])
+        tracker.read(host)
+        if tracker.bad_step:
+            raise diverged()
+        state = {"run": {**run, "loss_sum": float(host[0]), "history": history}, "buckets": buckets,
+                 "world_size": engine.num_devices, "n_train": len(data["train"]), "config": asdict(cfg)}
+        saved = checkpoint.save(engine, store, model, optimizer, scheduler, state, cfg.keep_last)
+        saved_step = run["step"]
+        return saved
+
+    def diverged():
+        return Stopped(f"the training loss was not finite at step {tracker.bad_step}; stopped without saving "
+                       f"(last good checkpoint: {saved or 'none'}); try a lower --lr or --max-grad-norm", 3)
+
+    def stop_now(stop, at_log_point):
+        """Whether every replica should stop here (a signal or a non-finite loss on any replica)."""
+        flags = [stop.signum or 0, tracker.bad_step or 0]
+        if engine.backend.world_size > 1:
+            if not at_log_point:  # agreeing needs a collective: only at log points
+                return False
+            (agreed,) = engine.backend.to_host([engine.backend.gather(torch.tensor([flags]).to(engine.device))])
+            flags = agreed.max(0).values.tolist()
+            stop.signum, tracker.bad_step = flags[0] or None, flags[1] or None
+        return any(flags)
+
     clock = RunClock(engine)
-    bar = tqdm(total=total_steps, desc="Training", disable=not engine.is_main_process, dynamic_ncols=True)
-    step, epoch, results, history = 0, 0, None, []
-    # Running sum of the loss, read every --log-every steps. Shape (1,), made on the CPU and
-    # uploaded: torch_xla turns a 0-dim zero, or zeros() made on the device, into a constant
-    # that becomes a graph of its own, compiled and run once before the first step.
-    loss_sum = torch.zeros(1).to(engine.device)
-    while step < total_steps:
-        train_dl.set_epoch(epoch)
-        model.train()
-        clock.start()
-        for batch in train_dl:
-            with engine.autocast():
-                loss = model(**batch).loss
-            engine.backward(loss)
-            loss_sum = loss_sum + loss.detach() / cfg.grad_accum
-            if not engine.optimizer_step(optimizer):
-                continue
-            lr = scheduler.get_last_lr()[0]  # the rate this step used
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            bar.update(1)
-            if step % cfg.log_every == 0 or step == total_steps:
-                # Read the loss once the step has run (a step closure on XLA): the host never
-                # waits for the device inside the loop.
-                engine.backend.step_closure(_log_loss, (history, bar, step, loss_sum, lr))
-                clock.mark(step)
-            if step == total_steps:
-                break
-        clock.stop(step)
-        epoch += 1
-        results = evaluate_model(engine, model, eval_dl)
-        engine.print(f"epoch {epoch}: accuracy {results['accuracy']:.4f}  f1 {results['f1']:.4f}  (n={results['n']})")
-        clock.end_of_epoch()
+    bar = tqdm(total=total_steps, initial=first_step, desc="Training", disable=not engine.is_main_process,
+               dynamic_ncols=True)
+    with StopRequest() as stop:
+        while run["step"] < total_steps:
+            train_dl.set_epoch(run["epoch"], start=run["batch"])
+            model.train()
+            clock.start()
+            for batch in train_dl:
+                run["batch"] += 1
+                with engine.autocast():
+                    loss = model(**batch).loss
+                engine.backward(loss)
+                tracker.add(loss)
+                if not engine.optimizer_step(optimizer):
+                    continue
+                lr = scheduler.get_last_lr()[0]  # the rate this step used
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                run["step"] = step = run["step"] + 1
+                bar.update(1)
+                log_point = step % cfg.log_every == 0 or step == total_steps
+                if log_point:
+                    # Read the loss once the step has run (a step closure on XLA): the host never
+                    # waits for the device inside the loop.
+                    engine.backend.step_closure(_log_loss, (history, bar, step, tracker, lr))
+                    clock.mark(step)
+                if stop_now(stop, log_point):
+                    if tracker.bad_step:
+                        raise diverged()
+                    where = f"checkpoint saved to {save_checkpoint()}" if store else "nothing saved (no --output-dir)"
+                    raise Stopped(f"stopped by {stop.name} after step {step}: {where}"
+                                  + ("; continue with --resume" if store else ""), 128 + stop.signum)
+                if store and cfg.save_every and step % cfg.save_every == 0:
+                    save_checkpoint()
+                if step == total_steps:
+                    break
+            clock.stop(run["step"])
+            run["epoch"] += 1
+            run["batch"] = 0
+            results = run["results"] = evaluate_model(engine, model, eval_dl)
+            engine.print(f"epoch {run['epoch']}: accuracy {results['accuracy']:.4f}  f1 {results['f1']:.4f}  "
+                         f"(n={results['n']})")
+            clock.end_of_epoch()
+            if store and (not cfg.save_every or run["step"] == total_steps):
+                save_checkpoint()  # every epoch by default; the end of the run in any case
     bar.close()
 
+    step, results = run["step"], run["results"]
     samples_per_step = cfg.batch_size * cfg.grad_accum * engine.num_devices
-    timing = clock.summary(step, samples_per_step)  # before the end-of-run graphs below
-    if cfg.output_dir:
-        engine.save_pretrained(model, tokenizer, cfg.output_dir)
+    timing = clock.summary(step, samples_per_step, first_step)  # before the end-of-run graphs below
+    if store:
+        engine.save_pretrained(model, tokenizer, store.local_folder())
+        if engine.is_main_process:
+            store.put_folder(store.local_folder())
     sums = replica_checksums(engine, model)
     plan = train_dl.loader.batch_sampler
     metrics = {
@@ -226,7 +291,8 @@ def train_worker(cfg, tokenizer, model, data, buckets, report):
         "param_checksum": float(sums[0].double().sum()),
         "replicas_identical": bool((sums == sums[0]).all()),
         "buckets": plan.buckets if cfg.padding == "buckets" else None,
-        "padding": cfg.padding, "precision": cfg.precision, "config": asdict(cfg), **report,
+        "padding": cfg.padding, "precision": cfg.precision, "resumed_from": resume.url if resume else None,
+        "first_step": first_step, "checkpoint": saved, "config": asdict(cfg), **report,
     }
     if engine.is_main_process:
         engine.print(f"dev accuracy {results['accuracy']:.4f}  f1 {results['f1']:.4f}  "
@@ -237,10 +303,34 @@ def train_worker(cfg, tokenizer, model, data, buckets, report):
     return metrics
 
 
-def _log_loss(history, bar, step, loss_sum, lr):
+class LossTracker:
+    """The running sum of the loss and the first micro-step whose loss was not finite, kept on the
+    device as one tensor [sum, micro-steps, first bad micro-step] and read only at log points."""
+
+    def __init__(self, engine, loss_sum, micro_steps, grad_accum):
+        # Made on the CPU and uploaded: torch_xla turns a constant made on the device into a
+        # graph of its own, compiled and run once before the first step.
+        self.t = torch.tensor([loss_sum, float(micro_steps), 0.0]).to(engine.device)
+        self.grad_accum, self.bad_step = grad_accum, None
+
+    def add(self, loss):
+        loss = loss.detach().float()
+        micro = self.t[1] + 1
+        first_bad = torch.where((self.t[2] == 0) & ~torch.isfinite(loss), micro, self.t[2])
+        self.t = torch.stack([self.t[0] + loss / self.grad_accum, micro, first_bad])
+
+    def read(self, host=None):
+        """The loss sum so far; notes the first non-finite step. `host`: `t` already on the CPU."""
+        # .cpu() copies the computed value; .item() on a device tensor would add an aten op on XLA.
+        total, _, first_bad = (float(x) for x in (self.t.cpu() if host is None else host))
+        if first_bad and not self.bad_step:
+            self.bad_step = math.ceil(first_bad / self.grad_accum)
+        return total
+
+
+def _log_loss(history, bar, step, tracker, lr):
     """Logs the mean loss since the previous log point, from the running sum."""
-    # .cpu() copies the computed value; .item() on a device tensor would add an aten op on XLA.
-    total = float(loss_sum.cpu())
+    total = tracker.read()
     prev_step, prev_total = (history[-1][0], history[-1][3]) if history else (0, 0.0)
     loss = (total - prev_total) / (step - prev_step)
     history.append([step, round(loss, 6), lr, total])
@@ -312,8 +402,11 @@ class RunClock:
         if self.first_epoch_compiles is None:
             self.first_epoch_compiles = self._stats().get("compiles", 0)
 
-    def summary(self, steps, samples_per_step):
-        total = samples_per_step * steps
+    def summary(self, steps, samples_per_step, first_step=0):
+        """Rates over the steps this process ran (`first_step` < step <= `steps`)."""
+        total = samples_per_step * (steps - first_step)
+        if not total:  # nothing was left to train (a finished run resumed)
+            return {"train_seconds": 0.0, "train_samples_per_s": 0.0, "steady_samples_per_s": 0.0, "xla": None}
         final_compiles = self.marks[-1][2]
         # steady: from the first mark with every compilation already done, to the end
         s0, t0 = next((s, t) for s, t, c in self.marks if c == final_compiles)
@@ -328,7 +421,7 @@ class RunClock:
         if stats:
             out["xla"] = {
                 "compiles": stats["compiles"], "compile_seconds": round(stats["compile_seconds"], 3),
-                "compiles_after_first_epoch": now["compiles"] - self.first_epoch_compiles,
+                "compiles_after_first_epoch": now["compiles"] - (self.first_epoch_compiles or now["compiles"]),
                 "host_syncs_per_step": round(self.transfers / max(steps, 1), 4),
                 "aten_fallbacks": stats["aten_fallbacks"], "cache_hits": stats["cache_hits"],
                 "cache_misses": stats["cache_misses"], "cache_load_failures": stats["cache_load_failures"],

@@ -187,6 +187,20 @@ class XLABackend(Backend):
         torch.manual_seed(seed)
         xm.set_rng_state(seed)
 
+    def rng_state(self):
+        import numpy as np
+        import torch_xla.core.xla_model as xm
+
+        seed = np.array([xm.get_rng_state()], dtype=np.uint64).view(np.uint8)  # the device generator's seed
+        return torch.cat([torch.get_rng_state(), torch.from_numpy(seed)])
+
+    def set_rng_state(self, state):
+        import numpy as np
+        import torch_xla.core.xla_model as xm
+
+        super().set_rng_state(state)
+        xm.set_rng_state(int(state[-8:].numpy().view(np.uint64)[0]))
+
     def compile_stats(self):
         import torch_xla.debug.metrics as met
 

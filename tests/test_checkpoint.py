@@ -1,0 +1,155 @@
+"""Checkpoints survive preemption: SIGTERM then --resume equals the uninterrupted run, a process
+killed while saving leaves the previous checkpoint whole, and a diverging loss keeps the last
+good one. Runs are real CLI processes on the CPU backend (deterministic; dropout on)."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import ROOT, run_cli
+
+COMMON = ["--backend", "cpu", "--epochs", "10", "--log-every", "3"]
+
+
+def start_cli(args, env=None):
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    return subprocess.Popen([sys.executable, "-m", "xla_train", "train", *map(str, args)], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for(condition, proc, timeout=300, every=0.005):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        found = condition()
+        if found:
+            return found
+        assert proc.poll() is None, f"the run ended early:\n{proc.communicate()[1][-3000:]}"
+        time.sleep(every)
+    raise AssertionError("timed out")
+
+
+def assert_same_weights(a, b, atol=1e-6):
+    wa, wb = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.allclose(wa[k], wb[k], atol=atol, rtol=0), k
+
+
+def test_sigterm_then_resume_equals_the_uninterrupted_run(mrpc_slice, tiny_dropout_model, tmp_path):
+    args = [*COMMON, "--model", tiny_dropout_model, "--data-dir", mrpc_slice, "--max-steps", 45, "--save-every", 4]
+    proc, whole = run_cli([*args, "--output-dir", tmp_path / "whole"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    out = tmp_path / "stopped"
+    run = start_cli([*args, "--output-dir", out])
+    wait_for(lambda: (out / "checkpoints" / "step-00000004" / "COMPLETE").exists(), run)
+    run.send_signal(signal.SIGTERM)  # mid-epoch: 20 steps per epoch
+    _, err = run.communicate(timeout=300)
+    assert run.returncode == 128 + signal.SIGTERM, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("xla-train: stopped by SIGTERM after step ") and "continue with --resume" in last
+    stopped_at = int(last.split("after step ")[1].split(":")[0])
+    assert 4 <= stopped_at < 45 and stopped_at % 20 != 0
+    assert (out / "checkpoints" / f"step-{stopped_at:08d}" / "COMPLETE").exists()
+
+    proc, resumed = run_cli([*args, "--output-dir", out, "--resume"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert resumed["first_step"] == stopped_at and resumed["steps"] == whole["steps"] == 45
+    assert_same_weights(out, tmp_path / "whole")
+    assert [s for s, _, _ in resumed["train_loss"]] == [s for s, _, _ in whole["train_loss"]]
+    for (_, a, lr_a), (_, b, lr_b) in zip(resumed["train_loss"], whole["train_loss"]):
+        assert abs(a - b) < 1e-6 and lr_a == lr_b
+    assert resumed["eval"] == whole["eval"]
+
+
+def listing(url):
+    """{step: file names} of the checkpoint folders under `url`, read from the disk or the bucket."""
+    found = {}
+    if url.startswith("gs://"):
+        from google.cloud import storage
+
+        bucket, _, prefix = url[5:].partition("/")
+        for blob in storage.Client().bucket(bucket).list_blobs(prefix=f"{prefix}/checkpoints/"):
+            folder, name = blob.name.split("/")[-2:]
+            found.setdefault(int(folder[5:]), set()).add(name)
+    else:
+        for d in Path(url, "checkpoints").glob("step-*"):
+            found[int(d.name[5:])] = {f.name for f in d.iterdir()}
+    return found
+
+
+@pytest.mark.parametrize("where", ["local", "gcs"])
+def test_killed_during_a_save_keeps_the_previous_checkpoint(where, mrpc_slice, gcs_emulator, tmp_path):
+    """The bundled MiniLM (a 270 MB checkpoint) is killed (SIGKILL) while a checkpoint is written:
+    locally into a hidden folder, on Cloud Storage object by object (an interrupted upload)."""
+    out = str(tmp_path / "run") if where == "local" else f"gs://xla-train-test/{tmp_path.name}"
+    args = ["--backend", "cpu", "--data-dir", mrpc_slice, "--keep-last", 5, "--output-dir", out]
+    run = start_cli([*args, "--max-steps", 40, "--save-every", 2])
+    wait_for(lambda: "COMPLETE" in listing(out).get(2, ()), run)
+    if where == "local":
+        partial = wait_for(lambda: next(Path(out, "checkpoints").glob(".partial-*"), None), run)
+    else:
+        partial = wait_for(lambda: next((s for s, f in listing(out).items() if "COMPLETE" not in f), None), run)
+    run.kill()
+    run.wait()
+    found = listing(out)
+    complete = sorted(s for s, files in found.items() if "COMPLETE" in files)
+    assert complete and all(found[s] >= {"model.safetensors", "optimizer.pt", "state.json"} for s in complete)
+    latest = complete[-1]
+    if where == "local":
+        assert partial.exists() and partial.name == f".partial-step-{latest + 2:08d}", "killed inside a save"
+    else:
+        assert partial == latest + 2 and found[partial] and "COMPLETE" not in found[partial]
+
+    proc, m = run_cli([*args, "--max-steps", latest + 1, "--resume"], tmp_path, env=gcs_emulator)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert m["first_step"] == latest and m["steps"] == latest + 1
+    assert m["checkpoint"] == f"{out}/checkpoints/step-{latest + 1:08d}"
+    if where == "local":
+        assert not list(Path(out, "checkpoints").glob(".partial-*"))  # cleaned up by the next save
+
+
+def test_cloud_storage_save_list_resume(mrpc_slice, tiny_dropout_model, gcs_emulator, tmp_path):
+    out = f"gs://xla-train-test/{tmp_path.name}"
+    args = ["--backend", "cpu", "--model", tiny_dropout_model, "--data-dir", mrpc_slice, "--save-every", 3,
+            "--output-dir", out]
+    proc, first = run_cli([*args, "--max-steps", 7], tmp_path, env=gcs_emulator)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(listing(out)) == [6, 7]  # --keep-last 2; the end of the run is saved too
+    assert all(files == {"COMPLETE", "model.safetensors", "optimizer.pt", "scheduler.pt", "rng.pt", "state.json"}
+               for files in listing(out).values())
+    proc, resumed = run_cli([*args, "--max-steps", 9, "--resume"], tmp_path, env=gcs_emulator)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert resumed["first_step"] == 7 and resumed["steps"] == 9 and sorted(listing(out)) == [7, 9]
+    # the final model, loadable by plain transformers after a download
+    from google.cloud import storage
+    from transformers import AutoModelForSequenceClassification
+
+    local = tmp_path / "download"
+    local.mkdir()
+    for blob in storage.Client().bucket("xla-train-test").list_blobs(prefix=f"{tmp_path.name}/"):
+        if "/checkpoints/" not in blob.name:
+            blob.download_to_filename(local / blob.name.rsplit("/", 1)[1])
+    model = AutoModelForSequenceClassification.from_pretrained(local)
+    assert model.num_labels == 2
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(mrpc_slice, tiny_model, tmp_path):
+    out = tmp_path / "run"
+    proc, _ = run_cli(["--backend", "cpu", "--model", tiny_model, "--data-dir", mrpc_slice, "--lr", "1e30",
+                       "--max-steps", 10, "--save-every", 1, "--log-every", 1, "--output-dir", out], tmp_path)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "xla-train: the training loss was not finite at step " in last
+    bad = int(last.split("at step ")[1].split(";")[0])
+    assert bad >= 2
+    good = out / "checkpoints" / f"step-{bad - 1:08d}"
+    assert f"last good checkpoint: {good}" in last
+    assert (good / "COMPLETE").exists() and not (out / "checkpoints" / f"step-{bad:08d}").exists()

@@ -1,0 +1,157 @@
+"""Checkpoints for exact resume: model (safetensors), optimizer, scheduler, every replica's RNG
+state, the data position and the run's config, in one folder per step (see storage.py).
+
+Every replica calls `save`; tensors are copied to the CPU first and only the main replica writes.
+Loading never unpickles objects: safetensors for the model, `torch.load(weights_only=True)` for
+the rest, JSON for the run state.
+"""
+
+import json
+
+import torch
+
+from .errors import UserError
+from .storage import MARKER, checkpoint_name
+
+FILES = ("model.safetensors", "optimizer.pt", "scheduler.pt", "rng.pt", "state.json")
+# What must match for a resumed run to continue the same run (the data order depends on these).
+MUST_MATCH = ("model", "batch_size", "grad_accum", "seed", "padding", "max_length")
+
+
+def _host_tree(backend, tree):
+    """`tree` (dicts, lists, tensors) with every tensor copied to the CPU in one transfer."""
+    tensors = []
+
+    def collect(x):
+        if isinstance(x, torch.Tensor):
+            tensors.append(x)
+        elif isinstance(x, dict):
+            for v in x.values():
+                collect(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                collect(v)
+
+    collect(tree)
+    host = iter(backend.to_host(tensors))
+
+    def rebuild(x):
+        if isinstance(x, torch.Tensor):
+            return next(host)
+        if isinstance(x, dict):
+            return {k: rebuild(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return type(x)(rebuild(v) for v in x)
+        return x
+
+    return rebuild(tree)
+
+
+def save(engine, store, model, optimizer, scheduler, state, keep_last=None):
+    """Writes checkpoint `step-<state["run"]["step"]>`; every replica must call this. Returns its URL."""
+    from safetensors.torch import save_file
+
+    backend = engine.backend
+    model_state = engine.unwrap_model(model).state_dict()
+    model_state, opt_state = _host_tree(backend, (model_state, optimizer.state_dict()))
+    rng = backend.gather(backend.rng_state()[None].int().to(backend.device))  # one row per replica
+    (rng,) = backend.to_host([rng])
+    name = checkpoint_name(state["run"]["step"])
+    if engine.is_main_process:
+        staging = store.staging(name)
+        save_file({k: v.contiguous() for k, v in model_state.items()}, str(staging / "model.safetensors"))
+        torch.save(opt_state, staging / "optimizer.pt")
+        torch.save(scheduler.state_dict(), staging / "scheduler.pt")
+        torch.save({"rng": rng.to(torch.uint8)}, staging / "rng.pt")
+        (staging / "state.json").write_text(json.dumps(state, indent=1))
+        (staging / MARKER).write_text("")
+        store.commit(staging, name)
+        if keep_last:
+            complete = sorted(s for s, ok in store.checkpoints().items() if ok)
+            for old in complete[:-keep_last]:
+                store.delete(checkpoint_name(old))
+    backend.barrier()  # nobody moves on (or exits) before the checkpoint is whole
+    return store.checkpoint_url(name)
+
+
+def find(store, resume_from=None):
+    """The local folder of the checkpoint to resume: `resume_from`, else the latest complete one."""
+    if resume_from:
+        from .storage import open_store
+
+        url = str(resume_from).rstrip("/")
+        parent, _, name = url.rpartition("/checkpoints/")
+        if not parent or not name:
+            raise UserError(f"--resume-from {resume_from}: expected a path like OUTPUT_DIR/checkpoints/step-00000100")
+        store = open_store(parent)
+        found = store.checkpoints()
+        step = int(name.rpartition("-")[2]) if name.startswith("step-") and name[5:].isdigit() else None
+        if step not in found:
+            raise UserError(f"checkpoint not found: {resume_from}")
+        if not found[step]:
+            raise UserError(f"checkpoint {resume_from} is incomplete (no {MARKER} marker: it was interrupted "
+                            "while being written); resume from an earlier one")
+        return store.fetch(name), url
+    complete = sorted(s for s, ok in store.checkpoints().items() if ok)
+    if not complete:
+        raise UserError(f"--resume: no complete checkpoint in {store.checkpoint_url('')[:-1]}")
+    name = checkpoint_name(complete[-1])
+    return store.fetch(name), store.checkpoint_url(name)
+
+
+class Resume:
+    """A checkpoint read and checked in the parent process; workers load their part of it."""
+
+    def __init__(self, folder, url):
+        self.folder, self.url = folder, url
+        missing = [f for f in FILES if not (folder / f).is_file()]
+        if missing:
+            raise UserError(f"checkpoint {url} is corrupt: {', '.join(missing)} missing")
+        try:
+            self.state = json.loads((folder / "state.json").read_text())
+            for f in ("optimizer.pt", "scheduler.pt", "rng.pt"):  # checked here, loaded again by workers
+                torch.load(folder / f, weights_only=True, map_location="cpu")
+        except Exception as e:
+            raise UserError(f"checkpoint {url} is corrupt: {_first_line(e)}")
+
+    def check(self, cfg, n_train):
+        if self.state["n_train"] != n_train:
+            raise UserError(f"checkpoint {self.url} was made with {self.state['n_train']} training rows; this "
+                            f"data has {n_train}: resume with the same data")
+        saved = self.state["config"]
+        for key in MUST_MATCH:
+            if saved[key] != getattr(cfg, key):
+                flag = "--" + key.replace("_", "-")
+                raise UserError(f"checkpoint {self.url} was made with {flag} {saved[key]}; this run has "
+                                f"{flag} {getattr(cfg, key)}: resume with the same value")
+
+    def load_model(self, model):
+        from safetensors.torch import load_file
+
+        try:
+            weights = load_file(str(self.folder / "model.safetensors"))
+        except Exception as e:
+            raise UserError(f"checkpoint {self.url} is corrupt: model.safetensors: {_first_line(e)}")
+        try:
+            model.load_state_dict(weights)
+        except RuntimeError as e:
+            raise UserError(f"checkpoint {self.url} does not fit model {self.state['config']['model']!r}: "
+                            f"{_first_line(e)}")
+
+    def load_training_state(self, engine, optimizer, scheduler, world_size):
+        """In every worker, after `prepare` and after the scheduler exists."""
+        if self.state["world_size"] != world_size:
+            raise UserError(f"checkpoint {self.url} was made by {self.state['world_size']} replicas; this run "
+                            f"has {world_size}: resume with the same number of devices")
+
+        def load(f):
+            return torch.load(self.folder / f, weights_only=True, map_location="cpu")
+
+        optimizer.load_state_dict(load("optimizer.pt"))  # param groups carry the current learning rate
+        scheduler.load_state_dict(load("scheduler.pt"))
+        engine.backend.set_rng_state(load("rng.pt")["rng"][engine.backend.rank])
+
+
+def _first_line(e):
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

@@ -1,0 +1,191 @@
+"""Where a run's files go: a local folder or a Cloud Storage prefix (`gs://bucket/prefix`).
+
+Both keep checkpoints as folders `checkpoints/step-00000123/` and treat one as present only once
+its `COMPLETE` marker exists. Locally a checkpoint is written into a hidden `.partial-*` folder and
+renamed when whole, so a crash leaves the previous ones untouched; on Cloud Storage its objects are
+uploaded first and the marker last.
+"""
+
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+from .errors import UserError
+
+MARKER = "COMPLETE"
+_STEP = re.compile(r"step-(\d+)$")
+
+
+def open_store(url):
+    return GCSStore(url) if str(url).startswith("gs://") else LocalStore(url)
+
+
+def checkpoint_name(step):
+    return f"step-{step:08d}"
+
+
+class LocalStore:
+    def __init__(self, path):
+        self.root = Path(path)
+        self.url = str(path)
+
+    def check_writable(self):
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            probe = self.root / ".xla_train_write_test"
+            probe.write_text("")
+            probe.unlink()
+        except OSError as e:
+            raise UserError(f"output folder {self.root} is not writable: {e.strerror}")
+
+    def checkpoint_url(self, name):
+        return str(self.root / "checkpoints" / name)
+
+    def checkpoints(self):
+        """{step: complete?} for every checkpoint folder (partial ones included)."""
+        folder = self.root / "checkpoints"
+        found = {}
+        for d in folder.iterdir() if folder.is_dir() else ():
+            m = _STEP.match(d.name)
+            if m:
+                found[int(m.group(1))] = (d / MARKER).is_file()
+        return found
+
+    def staging(self, name):
+        """An empty folder to write checkpoint `name` into before `commit`."""
+        folder = self.root / "checkpoints"
+        for old in folder.glob(".partial-*"):  # left by a run killed while saving
+            shutil.rmtree(old, ignore_errors=True)
+        path = folder / f".partial-{name}"
+        path.mkdir(parents=True)
+        return path
+
+    def commit(self, staging, name):
+        final = self.root / "checkpoints" / name
+        if final.exists():  # the same step saved again (e.g. a resumed run's first save)
+            shutil.rmtree(final)
+        staging.rename(final)  # atomic: the checkpoint appears whole or not at all
+
+    def fetch(self, name):
+        return self.root / "checkpoints" / name
+
+    def delete(self, name):
+        shutil.rmtree(self.root / "checkpoints" / name, ignore_errors=True)
+
+    def put_folder(self, local, subpath=""):
+        """Files written locally by the caller already live here when `subpath` is the root."""
+        if Path(local) != self.root / subpath:
+            shutil.copytree(local, self.root / subpath, dirs_exist_ok=True)
+
+    def local_folder(self):
+        """A local folder whose contents `put_folder` publishes (here: the folder itself)."""
+        return self.root
+
+
+class GCSStore:
+    def __init__(self, url):
+        bucket, _, prefix = url[len("gs://"):].partition("/")
+        if not bucket:
+            raise UserError(f"{url} names no bucket: use gs://BUCKET/PREFIX")
+        self.url, self.bucket_name, self.prefix = url.rstrip("/"), bucket, prefix.strip("/")
+        self._bucket = None
+        self._tmp = None
+
+    @property
+    def bucket(self):
+        if self._bucket is None:
+            from google.auth.exceptions import DefaultCredentialsError
+            from google.cloud import storage
+
+            try:
+                client = storage.Client()
+            except DefaultCredentialsError:
+                raise UserError(f"no Google Cloud credentials for {self.url}: run `gcloud auth application-default "
+                                "login` or set GOOGLE_APPLICATION_CREDENTIALS")
+            self._bucket = client.bucket(self.bucket_name)
+        return self._bucket
+
+    def _key(self, *parts):
+        return "/".join(p for p in (self.prefix, *parts) if p)
+
+    def _call(self, what, fn, *args, **kwargs):
+        """Runs a Cloud Storage call, turning the errors a user can fix into one line."""
+        from google.api_core import exceptions as gexc
+        from google.auth.exceptions import DefaultCredentialsError, RefreshError
+
+        try:
+            return fn(*args, **kwargs)
+        except gexc.NotFound as e:
+            if "bucket" in str(e).lower() or not self.bucket.exists():
+                raise UserError(f"bucket gs://{self.bucket_name} does not exist")
+            raise UserError(f"{what}: not found ({e.message})")
+        except gexc.Forbidden as e:
+            raise UserError(f"{what} was refused: {e.message}")
+        except (DefaultCredentialsError, RefreshError) as e:
+            raise UserError(f"no usable Google Cloud credentials for {self.url}: {e}")
+        except gexc.GoogleAPICallError as e:
+            raise UserError(f"{what} failed: {e.message}")
+
+    def check_writable(self):
+        if not self._call(f"reading gs://{self.bucket_name}", self.bucket.exists):
+            raise UserError(f"bucket gs://{self.bucket_name} does not exist")
+        blob = self.bucket.blob(self._key(".xla_train_write_test"))
+        self._call(f"writing to {self.url}", blob.upload_from_string, b"")
+        self._call(f"writing to {self.url}", blob.delete)
+
+    def checkpoint_url(self, name):
+        return f"{self.url}/checkpoints/{name}"
+
+    def _blobs(self, *parts):
+        prefix = self._key(*parts) + "/"
+        return self._call(f"listing {self.url}", lambda: list(self.bucket.list_blobs(prefix=prefix)))
+
+    def checkpoints(self):
+        found = {}
+        base = self._key("checkpoints") + "/"
+        for blob in self._blobs("checkpoints"):
+            name, _, rest = blob.name[len(base):].partition("/")
+            m = _STEP.match(name)
+            if m:
+                step = int(m.group(1))
+                found[step] = found.get(step, False) or rest == MARKER
+        return found
+
+    def local_folder(self):
+        if self._tmp is None:
+            self._tmp = Path(tempfile.mkdtemp(prefix="xla_train_"))
+        return self._tmp
+
+    def staging(self, name):
+        path = self.local_folder() / "checkpoints" / f".partial-{name}"
+        shutil.rmtree(path, ignore_errors=True)
+        path.mkdir(parents=True)
+        return path
+
+    def commit(self, staging, name):
+        for old in self._blobs("checkpoints", name):  # an earlier, partial upload of this step
+            self._call(f"deleting {old.name}", old.delete)
+        files = sorted(p for p in staging.iterdir() if p.name != MARKER)
+        for f in [*files, staging / MARKER]:  # the marker last: the checkpoint exists once it does
+            blob = self.bucket.blob(self._key("checkpoints", name, f.name))
+            self._call(f"writing {self.checkpoint_url(name)}", blob.upload_from_filename, str(f))
+        shutil.rmtree(staging, ignore_errors=True)
+
+    def fetch(self, name):
+        dest = self.local_folder() / "checkpoints" / name
+        dest.mkdir(parents=True, exist_ok=True)
+        base = self._key("checkpoints", name) + "/"
+        for blob in self._blobs("checkpoints", name):
+            self._call(f"reading {blob.name}", blob.download_to_filename, str(dest / blob.name[len(base):]))
+        return dest
+
+    def delete(self, name):
+        for blob in self._blobs("checkpoints", name):
+            self._call(f"deleting {blob.name}", blob.delete)
+
+    def put_folder(self, local, subpath=""):
+        local = Path(local)
+        for f in sorted(p for p in local.rglob("*") if p.is_file() and "checkpoints" not in p.relative_to(local).parts):
+            blob = self.bucket.blob(self._key(subpath, *f.relative_to(local).parts))
+            self._call(f"writing {self.url}", blob.upload_from_filename, str(f))
