@@ -69,6 +69,28 @@ def test_sigterm_then_resume_equals_the_uninterrupted_run(mrpc_slice, tiny_dropo
     assert resumed["eval"] == whole["eval"]
 
 
+def test_ctrl_c_stops_two_gloo_workers_at_one_step(mrpc_slice, tiny_dropout_model, tmp_path):
+    """SIGINT to the launcher only: it passes the stop on, the workers agree on the step at a log
+    point, save one checkpoint together and exit 130; --resume finishes the run."""
+    out = tmp_path / "run"
+    args = [*COMMON, "--num-processes", 2, "--model", tiny_dropout_model, "--data-dir", mrpc_slice,
+            "--max-steps", 30, "--save-every", 4, "--output-dir", out]
+    run = start_cli(args)
+    wait_for(lambda: (out / "checkpoints" / "step-00000004" / "COMPLETE").exists(), run)
+    run.send_signal(signal.SIGINT)
+    _, err = run.communicate(timeout=300)
+    assert run.returncode == 130, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("xla-train: stopped by SIGINT after step ")
+    stopped_at = int(last.split("after step ")[1].split(":")[0])
+    assert stopped_at % 3 == 0 and stopped_at < 30  # a log point (--log-every 3)
+    rng = torch.load(out / "checkpoints" / f"step-{stopped_at:08d}" / "rng.pt", weights_only=True)["rng"]
+    assert rng.shape[0] == 2  # both workers' random states
+    proc, m = run_cli([*args, "--resume"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert m["first_step"] == stopped_at and m["steps"] == 30 and m["replicas_identical"]
+
+
 def listing(url):
     """{step: file names} of the checkpoint folders under `url`, read from the disk or the bucket."""
     found = {}

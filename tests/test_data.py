@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from xla_train.data import BatchPlan, CostModel, choose_buckets, load_mrpc, parse_buckets, read_glue_tsv
+from xla_train.data import BatchPlan, CostModel, choose_buckets, load_mrpc, parse_buckets, read_glue_tsv, tokenize
 from xla_train.errors import UserError
 
 
@@ -113,3 +113,14 @@ def test_auto_buckets_trade_compilations_for_padding():
     for buckets in ([104], [32, 64, 96, 128]):
         padded = np.asarray(buckets)[np.searchsorted(buckets, lengths)].sum() * 1000 * 8 / 3000
         assert est_few["estimated_seconds"] <= dear.total(len(buckets), padded) + 1e-6
+
+
+def test_rows_longer_than_max_length_are_truncated_and_counted(mrpc_slice):
+    from transformers import AutoTokenizer
+
+    from xla_train.train import bundled_model_path
+
+    data, truncated = tokenize(load_mrpc(mrpc_slice), AutoTokenizer.from_pretrained(bundled_model_path()), 40)
+    full, _ = tokenize(load_mrpc(mrpc_slice), AutoTokenizer.from_pretrained(bundled_model_path()), 512)
+    assert truncated["train"] == sum(n > 40 for n in full["train"]["length"]) > 0
+    assert max(data["train"]["length"]) == 40

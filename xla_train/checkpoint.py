@@ -125,13 +125,15 @@ class Resume:
                 raise UserError(f"checkpoint {self.url} was made with {flag} {saved[key]}; this run has "
                                 f"{flag} {getattr(cfg, key)}: resume with the same value")
 
-    def load_model(self, model):
+    def model_weights(self):
         from safetensors.torch import load_file
 
         try:
-            weights = load_file(str(self.folder / "model.safetensors"))
+            return load_file(str(self.folder / "model.safetensors"))
         except Exception as e:
             raise UserError(f"checkpoint {self.url} is corrupt: model.safetensors: {_first_line(e)}")
+
+    def load_model(self, model, weights):
         try:
             model.load_state_dict(weights)
         except RuntimeError as e:

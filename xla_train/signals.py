@@ -1,5 +1,5 @@
 """SIGTERM (preemption) and SIGINT (Ctrl-C) become a request to stop at the next step boundary,
-where the loop saves a checkpoint and exits. A second Ctrl-C stops at once."""
+where the loop saves a checkpoint and exits."""
 
 import multiprocessing
 import os
@@ -8,10 +8,11 @@ import threading
 
 
 class StopRequest:
-    """While active, records the first SIGTERM or SIGINT in `signum` instead of dying.
+    """While active, records the first SIGTERM or SIGINT in `signum` instead of dying. Later
+    signals are ignored, so a second Ctrl-C cannot cut a checkpoint in half (SIGKILL still can).
 
-    In a launcher process it also passes SIGTERM on to the workers it started (a scheduler often
-    signals only the process it launched; Ctrl-C already reaches the whole process group).
+    In a launcher process it also passes the signal on to the workers it started: a scheduler
+    often signals only the process it launched.
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -31,12 +32,11 @@ class StopRequest:
             signal.signal(sig, handler)
 
     def _handle(self, signum, frame):
-        if signum == signal.SIGINT and self.signum == signal.SIGINT:
-            raise KeyboardInterrupt  # pressed twice: do not wait for the checkpoint
-        self.signum = self.signum or signum
-        if signum == signal.SIGTERM:
-            for child in multiprocessing.active_children():
-                os.kill(child.pid, signal.SIGTERM)
+        if self.signum:
+            return
+        self.signum = signum
+        for child in multiprocessing.active_children():
+            os.kill(child.pid, signum)
 
     @property
     def name(self):

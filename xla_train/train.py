@@ -99,6 +99,9 @@ def prepare_data(cfg, backend, resume=None):
     """In the parent process: read and tokenise MRPC once, and settle the bucket lengths."""
     tokenizer = load_tokenizer(cfg.model)
     data, truncated = tokenize(load_mrpc(cfg.data_dir), tokenizer, cfg.max_length)
+    if any(truncated.values()):
+        print(f"truncated to --max-length {cfg.max_length} tokens: "
+              + ", ".join(f"{n} {split} rows" for split, n in truncated.items()))
     buckets, estimate = parse_buckets(cfg.buckets, cfg.max_length), None
     if resume:  # the data order depends on the buckets: keep the interrupted run's
         resume.check(cfg, len(data["train"]))
@@ -138,9 +141,11 @@ def run(cfg):
     elif cfg.resume:
         print(f"--resume: no complete checkpoint in {cfg.output_dir} yet; starting from the beginning")
     tokenizer, data, truncated, buckets, estimate = prepare_data(cfg, backend, resume)
+    weights = resume.model_weights() if resume else None  # a corrupt file fails before any loading
     model = load_model(cfg.model, cfg.seed)
     if resume:
-        resume.load_model(model)
+        resume.load_model(model, weights)
+        del weights
     # Workers get the tokenised data and the model from here: forked replicas (XLA) share these
     # pages instead of each loading a copy; spawned ones (gloo, NCCL) receive them pickled.
     with StopRequest():  # a launcher passes SIGTERM on to its workers, which save and stop
