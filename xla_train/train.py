@@ -9,6 +9,7 @@ import copy
 import json
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -203,13 +204,14 @@ def train_worker(cfg, tokenizer, model, data, buckets, report, resume=None):
         nonlocal saved, saved_step
         if saved_step == run["step"]:
             return saved
-        (host,) = engine.backend.to_host([tracker.t])
+        (host,) = engine.backend.to_host([tracker.t])  # cuts the step's graph: its transfer counts
         tracker.read(host)
         if tracker.bad_step:
             raise diverged()
         state = {"run": {**run, "loss_sum": float(host[0]), "history": history}, "buckets": buckets,
                  "world_size": engine.num_devices, "n_train": len(data["train"]), "config": asdict(cfg)}
-        saved = checkpoint.save(engine, store, model, optimizer, scheduler, state, cfg.keep_last)
+        with clock.excluding():
+            saved = checkpoint.save(engine, store, model, optimizer, scheduler, state, cfg.keep_last)
         saved_step = run["step"]
         return saved
 
@@ -376,6 +378,7 @@ class RunClock:
 
     def __init__(self, engine):
         self.engine, self.seconds, self.marks = engine, 0.0, []
+        self.checkpoint_seconds = 0.0
         self.transfers = 0  # device-to-host transfers during training phases only
         self.first_epoch_compiles = None
         self._last = self._base = self._stats()  # counters are per process: count from here
@@ -391,6 +394,16 @@ class RunClock:
 
     def now(self):
         return self.seconds + time.perf_counter() - self._t0
+
+    @contextmanager
+    def excluding(self):
+        """A checkpoint inside a training phase: its time and transfers are counted apart."""
+        t0, before = time.perf_counter(), self._stats().get("transfers", 0)
+        yield
+        self._last["transfers"] = self._last.get("transfers", 0) + self._stats().get("transfers", 0) - before
+        elapsed = time.perf_counter() - t0
+        self._t0 += elapsed
+        self.checkpoint_seconds += elapsed
 
     def mark(self, step):
         self.marks.append((step, self.now(), self._stats().get("compiles", 0) - self.outside))
@@ -420,7 +433,8 @@ class RunClock:
         else:
             steady = total / self.seconds
         out = {"train_seconds": round(self.seconds, 3), "train_samples_per_s": round(total / self.seconds, 3),
-               "steady_samples_per_s": round(steady, 3), "xla": None}
+               "steady_samples_per_s": round(steady, 3), "checkpoint_seconds": round(self.checkpoint_seconds, 3),
+               "xla": None}
         now = self._stats()
         stats = {k: v - self._base[k] for k, v in now.items()}
         if stats:
