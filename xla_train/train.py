@@ -18,6 +18,7 @@ from .api import Engine
 from .backend import select_backend
 from .data import CostModel, check_fit, choose_buckets, load_mrpc, make_loader, parse_buckets, tokenize
 from .errors import UserError
+from .monitor import Monitor
 
 PADDING_MODES = ("buckets", "max_length", "dynamic")
 PRECISIONS = ("fp32", "bf16")
@@ -154,6 +155,8 @@ def train_worker(cfg, tokenizer, data, buckets, report):
     model = load_model(cfg.model, cfg.seed)
     engine.backend.seed(cfg.seed)  # dropout
     bucket_list = buckets if cfg.padding == "buckets" else None
+    # TensorBoard, compilation log, explainer; before anything is compiled
+    monitor = Monitor(engine, cfg, bucket_list or ([cfg.max_length] if cfg.padding == "max_length" else None))
     train_dl = make_loader(data["train"], tokenizer, cfg.batch_size, cfg.padding, bucket_list, cfg.max_length,
                            shuffle=True, seed=cfg.seed, fill="repeat")
     eval_dl = make_loader(data["validation"], tokenizer, cfg.batch_size, cfg.padding, bucket_list, cfg.max_length,
@@ -188,10 +191,12 @@ def train_worker(cfg, tokenizer, data, buckets, report):
             optimizer.zero_grad(set_to_none=True)
             step += 1
             bar.update(1)
+            monitor.step(step, batch)
             if step % cfg.log_every == 0 or step == total_steps:
                 # Read the loss once the step has run (a step closure on XLA): the host never
                 # waits for the device inside the loop.
-                engine.backend.step_closure(_log_loss, (history, bar, step, loss_sum, lr))
+                engine.backend.step_closure(_log_loss, (history, bar, step, loss_sum, lr, monitor,
+                                                        engine.last_grad_norm))
                 clock.mark(step)
             if step == total_steps:
                 break
@@ -199,6 +204,7 @@ def train_worker(cfg, tokenizer, data, buckets, report):
         epoch += 1
         results = evaluate_model(engine, model, eval_dl)
         engine.print(f"epoch {epoch}: accuracy {results['accuracy']:.4f}  f1 {results['f1']:.4f}  (n={results['n']})")
+        monitor.epoch_end(step, epoch, results)
         clock.end_of_epoch()
     bar.close()
 
@@ -214,6 +220,7 @@ def train_worker(cfg, tokenizer, data, buckets, report):
         "epochs": round(step / steps_per_epoch, 4),
         "train_samples": step * samples_per_step, **timing,
         "padding_efficiency": round(plan.padding_efficiency(), 4),
+        "padding_by_bucket": plan.padding_by_length(),
         "eval": results,
         "train_loss": [h[:3] for h in history],  # [step, mean loss since the last entry, learning rate]
         "param_checksum": float(sums[0].double().sum()),
@@ -227,17 +234,19 @@ def train_worker(cfg, tokenizer, data, buckets, report):
         if cfg.metrics_out:
             Path(cfg.metrics_out).parent.mkdir(parents=True, exist_ok=True)
             Path(cfg.metrics_out).write_text(json.dumps(metrics, indent=2) + "\n")
+    monitor.close(metrics)
     return metrics
 
 
-def _log_loss(history, bar, step, loss_sum, lr):
+def _log_loss(history, bar, step, loss_sum, lr, monitor, grad_norm):
     """Logs the mean loss since the previous log point, from the running sum."""
-    # .cpu() copies the computed value; .item() on a device tensor would add an aten op on XLA.
-    total = float(loss_sum.cpu())
+    # one copy of the computed values; .item() on a device tensor would add an aten op on XLA
+    total, grad_norm = monitor.read(loss_sum, grad_norm)
     prev_step, prev_total = (history[-1][0], history[-1][3]) if history else (0, 0.0)
     loss = (total - prev_total) / (step - prev_step)
     history.append([step, round(loss, 6), lr, total])
     bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", refresh=False)
+    monitor.log(step, loss, lr, grad_norm)
 
 
 def replica_checksums(engine, model):
