@@ -1,6 +1,7 @@
 """TensorBoard events, the run report and the recompilation explainer, for real on XLA:CPU."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -11,6 +12,17 @@ from xla_train.monitor import TAGS
 from xla_train.report import read_scalars
 
 WARNING = "xla-train: warning: recompilation:"
+
+
+def run_patched(patch, args):
+    """`xla-train train ARGS` in a fresh process on XLA:CPU, after running `patch` (Python) in it."""
+    script = f"{patch}\nimport sys\nfrom xla_train import cli\nsys.exit(cli.main({['train', *map(str, args)]!r}))\n"
+    return subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PJRT_DEVICE": "CPU", "TOKENIZERS_PARALLELISM": "false"})
+
+
+def warnings_in(stderr):
+    return [line for line in stderr.splitlines() if WARNING in line]
 
 
 @pytest.fixture(scope="module")
@@ -92,9 +104,8 @@ def test_off_bucket_batch_mid_run_is_named(short_data, tiny_model, tmp_path):
     for a custom collator's bug): XLA compiles a real new graph at step 6 and the explainer names
     the shape and the bucket it missed. Only xla_train's own collator is replaced."""
     out = tmp_path / "out"
-    script = f"""
-import sys
-from xla_train import cli, data
+    patch = """
+from xla_train import data
 calls = [0]
 pad = data.PadCollator.__call__
 def off_bucket(self, items):
@@ -103,13 +114,11 @@ def off_bucket(self, items):
         items = [(features, 120, valid) for features, _, valid in items]
     return pad(self, items)
 data.PadCollator.__call__ = off_bucket
-sys.exit(cli.main(["train", "--backend", "xla", "--model", {str(tiny_model)!r}, "--data-dir", {str(short_data)!r},
-                   "--max-steps", "6", "--buckets", "128", "--output-dir", {str(out)!r}]))
 """
-    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env={**__import__("os").environ, "PJRT_DEVICE": "CPU", "TOKENIZERS_PARALLELISM": "false"})
+    proc = run_patched(patch, ["--backend", "xla", "--model", tiny_model, "--data-dir", short_data, "--max-steps", 6,
+                               "--buckets", "128", "--output-dir", out])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    warnings = [line for line in proc.stderr.splitlines() if WARNING in line]
+    warnings = warnings_in(proc.stderr)
     assert len(warnings) == 1, proc.stderr[-3000:]
     assert ("step 6 compiled a new graph for input shape (8, 120): length 120 is not one of the buckets [128] "
             "(it fits bucket 128)") in warnings[0]
@@ -118,6 +127,29 @@ sys.exit(cli.main(["train", "--backend", "xla", "--model", {str(tiny_model)!r}, 
     assert {"step": 6, "shape": [8, 120], "graphs": 1}.items() <= next(
         e for e in log["compilations"] if e["step"] == 6).items()
     assert "| 6 | train | (8, 120) | 1 |" in (out / "report" / "report.md").read_text()
+
+
+def test_sync_inside_the_step_is_named_by_its_python_frame(short_data, tiny_model, tmp_path):
+    """transformers' stock SDPA mask check (`padding_mask.all()`) reads the device inside every
+    forward. The run avoids it with its own attention function; with that switched off (the
+    seed's setup), the explainer names transformers' frame behind the sync."""
+    out = tmp_path / "out"
+    patch = """
+from xla_train import xla_backend
+xla_backend._register_attention = lambda: None  # keep transformers' stock "sdpa"
+xla_backend.XLA_ATTENTION = "sdpa"
+"""
+    proc = run_patched(patch, ["--backend", "xla", "--model", tiny_model, "--data-dir", short_data, "--max-steps", 2,
+                               "--buckets", "128", "--output-dir", out])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warnings = warnings_in(proc.stderr)
+    assert len(warnings) == 1, proc.stderr[-3000:]
+    assert "step 1: a device-to-host read inside the training step cut its graph, at " \
+           "_ignore_bidirectional_mask_sdpa (" in warnings[0]
+    assert "transformers/masking_utils.py:" in warnings[0]
+    first = json.loads((out / "compilations.json").read_text())["compilations"][0]
+    assert first["step"] == 1 and first["graphs"] == 2  # the sync cuts the step in two graphs
+    assert first["frame"].startswith("_ignore_bidirectional_mask_sdpa")
 
 
 def test_dynamic_padding_warns_once_past_the_threshold(short_data, tiny_model, tmp_path):
@@ -131,7 +163,7 @@ def test_dynamic_padding_warns_once_past_the_threshold(short_data, tiny_model, t
     train = [e for e in log["compilations"] if e["phase"] == "train"]
     assert len(train) == 4  # steps 1-4: lengths 69, 68, 79, 65 with seed 42
     fourth = train[3]
-    warnings = [line for line in proc.stderr.splitlines() if WARNING in line]
+    warnings = warnings_in(proc.stderr)
     assert len(warnings) == 1, proc.stderr[-3000:]
     assert (f"4 training graphs compiled by step {fourth['step']} (more than 3), the latest for new input shape "
             f"{tuple(fourth['shape'])}") in warnings[0]

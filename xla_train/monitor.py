@@ -146,10 +146,11 @@ class Monitor:
         self._last = stats
         if not graphs:
             return None
+        # of several graphs in one step, name one not cut by the loader at the end of the step
         causes = self._analyses(graphs)
+        cause, frame = next((c for c in causes if not _usual(c[0])), causes[-1]) if causes else (None, None)
         event = {"step": step, "phase": phase, "shape": list(shape) if shape else None, "graphs": graphs,
-                 "seconds": round(seconds, 3), "host_syncs": syncs,
-                 "cause": causes[-1][0] if causes else None, "frame": causes[-1][1] if causes else None}
+                 "seconds": round(seconds, 3), "host_syncs": syncs, "cause": cause, "frame": frame}
         self.compilations.append(event)
         return event
 
@@ -172,9 +173,11 @@ class Monitor:
     def _explain(self, step, shape, event):
         """The cause of an unexpected compilation in a training step, or None if it is expected."""
         length = shape[-1]
-        # name the cause unless it is the loader's ordinary graph cut at the end of a step
-        usual = "step end" in (event["cause"] or "")
-        where = f" ({event['cause']}, at {event['frame']})" if event["frame"] and not usual else ""
+        where = f" ({event['cause']}, at {event['frame']})" if event["frame"] and not _usual(event["cause"]) else ""
+        if "tensor value" in (event["cause"] or ""):  # torch_xla: "user code trying to access tensor value ..."
+            return (f"step {step}: a device-to-host read inside the training step cut its graph, at "
+                    f"{event['frame']} ({event['cause']}): the host waits for the device at every step that "
+                    f"runs it; keep values on the device, or read them in a step closure")
         if self.buckets and shape not in self._seen and length not in self.buckets:
             fits = [b for b in self.buckets if b >= length]
             missed = f"it fits bucket {fits[0]}" if fits else "it is longer than every bucket"
@@ -191,3 +194,8 @@ class Monitor:
             return (f"{train_graphs} training graphs compiled by step {step} (more than {self.threshold}), "
                     f"the latest for new input shape {shape}{where}: {hint}")
         return None
+
+
+def _usual(cause):
+    """The loader's ordinary graph cut at the end of every step (torch_xla's wording)."""
+    return "step end" in (cause or "")
