@@ -42,13 +42,15 @@ def load_run(run_dir):
 
 
 def time_split(metrics, log):
-    """Seconds by where they went: compiling training graphs, training steps, the rest."""
-    train_compile = sum(e["seconds"] for e in log["compilations"] if e["phase"] == "train")
-    train = metrics["train_seconds"]
-    parts = {"compiling training graphs": min(train_compile, train),
-             "training steps": max(train - train_compile, 0.0)}
+    """Seconds by where they went. Training steps: the training phase's time less the training
+    graphs' compilations (the last step's graph may compile after the phase, so this is a floor)."""
+    compiling = {phase: sum(e["seconds"] for e in log["compilations"] if e["phase"] == phase)
+                 for phase in ("train", "eval")}
+    parts = {"compiling training graphs": compiling["train"],
+             "training steps": max(metrics["train_seconds"] - compiling["train"], 0.0),
+             "compiling evaluation graphs": compiling["eval"]}
     if log.get("wall_seconds"):
-        parts["evaluation, loading, saving"] = max(log["wall_seconds"] - train, 0.0)
+        parts["evaluation, loading, saving"] = max(log["wall_seconds"] - sum(parts.values()), 0.0)
     return parts
 
 
@@ -86,7 +88,7 @@ def plot_throughput(ax, scalars, log):
 def plot_time(ax, metrics, log):
     parts = time_split(metrics, log)
     left = 0.0
-    for (name, seconds), color in zip(parts.items(), ("tab:red", "tab:green", "tab:gray")):
+    for (name, seconds), color in zip(parts.items(), ("tab:red", "tab:green", "tab:pink", "tab:gray")):
         ax.barh(0, seconds, left=left, height=0.6, color=color, label=f"{name}: {seconds:.1f} s")
         left += seconds
     ax.set_ylim(-1.6, 0.5)
@@ -101,7 +103,7 @@ def plot_padding(ax, metrics):
     lengths = list(by_length)
     eff = [by_length[k]["efficiency"] for k in lengths]
     bars = ax.bar(range(len(lengths)), eff, color="tab:purple")
-    for bar, k in zip(bars, lengths):
+    for bar, k in zip(bars, lengths if len(lengths) <= 12 else []):
         ax.annotate(f"{by_length[k]['batches']} batches", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                     ha="center", va="bottom", fontsize=7)
     ax.set_xticks(range(len(lengths)), lengths, fontsize=7 if len(lengths) > 12 else None,
