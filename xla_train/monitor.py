@@ -15,6 +15,7 @@ Files, on the main replica and only for a local --output-dir:
 
 import json
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -44,10 +45,10 @@ class Monitor:
         self.samples_per_step = cfg.batch_size * cfg.grad_accum * engine.num_devices
         self.padding = cfg.padding
         self.compilations, self.warning = [], None
-        self._seen, self._warm, self._epoch_ends, self._log_points = set(), set(), [], []
-        self._writer, self._debug, self._debug_offset = None, None, 0
-        self._t_start = self._t_first = time.perf_counter()
-        self._last = None
+        self._seen, self._warm, self._epoch_ends = set(), set(), []
+        self._writer, self._debug, self._debug_offset, self._tmp = None, None, 0, None
+        self._t_start = time.perf_counter()
+        self._last, self._last_log = None, (0, self._t_start)
         if not self.on:
             return
         if self.out:
@@ -56,7 +57,8 @@ class Monitor:
             self._writer = SummaryWriter(str(self.out / "tensorboard"))
             debug_path = self.out / "xla_debug.log"
         else:
-            debug_path = Path(tempfile.mkdtemp(prefix="xla_train_")) / "xla_debug.log"
+            self._tmp = tempfile.mkdtemp(prefix="xla_train_")
+            debug_path = Path(self._tmp) / "xla_debug.log"
         debug_path.unlink(missing_ok=True)
         debug = self.backend.trace_compilations(debug_path)  # before the first compilation
         if debug:
@@ -68,7 +70,7 @@ class Monitor:
     def step(self, step, batch):
         """After each optimizer step: once the step's graph is cut, note any compilation."""
         if step == 1:
-            self._t_first = time.perf_counter()  # throughput counts from here
+            self._last_log = (0, time.perf_counter())  # throughput counts from here
         if self.on and self._last is not None:
             inputs = batch["input_ids"] if "input_ids" in batch else next(iter(batch.values()))
             self.backend.step_closure(self._after_step, (step, tuple(inputs.shape)))
@@ -84,8 +86,7 @@ class Monitor:
         if not self.on:
             return
         now = time.perf_counter()
-        prev_step, prev_t = self._log_points[-1] if self._log_points else (0, self._t_first)
-        self._log_points.append((step, now))
+        (prev_step, prev_t), self._last_log = self._last_log, (step, now)
         values = {"loss": loss, "lr": lr, "grad_norm": grad_norm}
         # samples/s since the previous log point; skipped when an evaluation ran in between
         if not any(prev_step <= e < step for e in self._epoch_ends):
@@ -108,6 +109,8 @@ class Monitor:
 
     def close(self, metrics):
         """At the end of the run: metrics.json, compilations.json and the report."""
+        if self._tmp:
+            shutil.rmtree(self._tmp, ignore_errors=True)
         if not self.out:
             return
         self._writer.close()
