@@ -69,7 +69,10 @@ def plot_loss_lr(ax, scalars):
 
 def plot_throughput(ax, scalars, log):
     steps, rate = scalars.get(TAGS["throughput"], ([], []))
-    ax.step(steps, rate, "o-", where="pre", color="tab:green", ms=3, label="samples/s over each log interval")
+    log_steps = [0] + scalars.get(TAGS["loss"], ([], []))[0]
+    starts = [max((s for s in log_steps if s < step), default=0) for step in steps]  # each interval's start
+    ax.hlines(rate, starts, steps, color="tab:green", label="samples/s over each log interval")
+    ax.plot(steps, rate, "o", color="tab:green", ms=3)
     first = True
     for e in log["compilations"]:
         if e["phase"] != "train":
