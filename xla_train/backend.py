@@ -108,6 +108,11 @@ class Backend(ABC):
         """Copies a list of device tensors to the CPU (one device-to-host transfer on XLA)."""
         return [t.detach().cpu() for t in tensors]
 
+    def read(self, tensors):
+        """Copies tensors that are already computed (e.g. in a step closure) to the CPU, in one
+        device-to-host transfer on XLA, without cutting the graph."""
+        return [t.detach().cpu() for t in tensors]
+
     def step_closure(self, fn, args=()):
         """Runs `fn(*args)` once the current step's tensors are computed (at once when eager)."""
         fn(*args)
@@ -133,6 +138,12 @@ class Backend(ABC):
     # --- observability ----------------------------------------------------------------------
     def compile_stats(self):
         """A snapshot of compilation counters, or None where nothing is compiled."""
+        return None
+
+    def trace_compilations(self, path):
+        """Asks the runtime to append the cause and Python frames of every compilation to `path`.
+        Returns the file the analyses go to, or None where nothing is compiled or it is too late
+        (it must be called before the first compilation of the process)."""
         return None
 
 

@@ -1,4 +1,4 @@
-"""`xla-train` (also `python -m xla_train`): train, env."""
+"""`xla-train` (also `python -m xla_train`): train, report, env."""
 
 import argparse
 import os
@@ -44,7 +44,8 @@ def build_parser():
     t.add_argument("--max-grad-norm", type=float, default=None)
     t.add_argument("--log-every", type=int, default=defaults["log_every"])
     t.add_argument("--output-dir", default=None, help="local folder or gs://bucket/prefix for checkpoints and the "
-                   "fine-tuned model and tokenizer")
+                   "fine-tuned model and tokenizer; locally also TensorBoard events (tensorboard/), metrics.json, "
+                   "compilations.json and report/")
     t.add_argument("--save-every", type=int, default=None, help="steps between checkpoints (default: every epoch)")
     t.add_argument("--keep-last", type=int, default=defaults["keep_last"], help="complete checkpoints to keep")
     t.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint in "
@@ -52,6 +53,8 @@ def build_parser():
     t.add_argument("--resume-from", default=None, help="continue from this checkpoint (OUTPUT_DIR/checkpoints/step-N)")
     t.add_argument("--compile-cache", default=None, help="persistent XLA compilation cache folder")
     t.add_argument("--metrics-out", default=None, help="write the run's metrics JSON here")
+    r = sub.add_parser("report", help="write RUN_DIR/report/ (Markdown and PNG plots) from a run's --output-dir")
+    r.add_argument("run_dir", help="the --output-dir of a training run")
     sub.add_parser("env", help="show the detected backend, devices and versions")
     return p
 
@@ -62,6 +65,12 @@ def cmd_train(args):
     opts = {k: v for k, v in vars(args).items() if k != "command"}
     opts["model"] = opts["model"] or bundled_model_path()
     run(TrainConfig(**opts))
+
+
+def cmd_report(args):
+    from .report import write_report
+
+    print(write_report(args.run_dir))
 
 
 def cmd_env(args):
@@ -87,7 +96,7 @@ def cmd_env(args):
 def main(argv=None):
     try:
         args = build_parser().parse_args(argv)
-        {"train": cmd_train, "env": cmd_env}[args.command](args)
+        {"train": cmd_train, "report": cmd_report, "env": cmd_env}[args.command](args)
     except UserError as e:
         if str(e):
             print(e.line(), file=sys.stderr)

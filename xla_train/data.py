@@ -260,13 +260,23 @@ class BatchPlan(torch.utils.data.Sampler):
     def __len__(self):
         return math.ceil(len(self.lengths) / (self.batch_size * self.num_replicas))
 
+    def padding_by_length(self):
+        """Per padded length, over one epoch of this plan: {length: {"batches", "real_tokens",
+        "padded_tokens", "efficiency"}} (filler rows count as padding)."""
+        out = {}
+        for rows, pad_to, n_real in self.global_batches():
+            b = out.setdefault(int(pad_to), {"batches": 0, "real_tokens": 0, "padded_tokens": 0})
+            b["batches"] += 1
+            b["real_tokens"] += int(self.lengths[rows[:n_real]].sum())
+            b["padded_tokens"] += len(rows) * int(pad_to)
+        for b in out.values():
+            b["efficiency"] = round(b["real_tokens"] / b["padded_tokens"], 4)
+        return dict(sorted(out.items()))
+
     def padding_efficiency(self):
         """Real tokens / padded tokens over one epoch of this plan (filler rows count as padding)."""
-        real = padded = 0
-        for rows, pad_to, n_real in self.global_batches():
-            real += int(self.lengths[rows[:n_real]].sum())
-            padded += len(rows) * pad_to
-        return real / padded
+        per_length = self.padding_by_length().values()
+        return sum(b["real_tokens"] for b in per_length) / sum(b["padded_tokens"] for b in per_length)
 
 
 class PlannedRows(torch.utils.data.Dataset):

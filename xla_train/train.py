@@ -23,6 +23,7 @@ from .data import CostModel, check_fit, choose_buckets, load_mrpc, make_loader, 
 from .errors import Stopped, UserError
 from .signals import StopRequest
 from .storage import open_store
+from .monitor import Monitor
 
 PADDING_MODES = ("buckets", "max_length", "dynamic")
 PRECISIONS = ("fp32", "bf16")
@@ -178,6 +179,8 @@ def train_worker(cfg, tokenizer, model, data, buckets, report, resume=None):
                     compile_cache=cfg.compile_cache, strategy=cfg.strategy)
     engine.backend.seed(cfg.seed)  # dropout
     bucket_list = buckets if cfg.padding == "buckets" else None
+    # TensorBoard, compilation log, explainer; before anything is compiled
+    monitor = Monitor(engine, cfg, bucket_list or ([cfg.max_length] if cfg.padding == "max_length" else None))
     train_dl = make_loader(data["train"], tokenizer, cfg.batch_size, cfg.padding, bucket_list, cfg.max_length,
                            shuffle=True, seed=cfg.seed, fill="repeat")
     eval_dl = make_loader(data["validation"], tokenizer, cfg.batch_size, cfg.padding, bucket_list, cfg.max_length,
@@ -251,11 +254,13 @@ def train_worker(cfg, tokenizer, model, data, buckets, report, resume=None):
                 optimizer.zero_grad(set_to_none=True)
                 run["step"] = step = run["step"] + 1
                 bar.update(1)
+                monitor.step(step, batch)
                 log_point = step % cfg.log_every == 0 or step == total_steps
                 if log_point:
                     # Read the loss once the step has run (a step closure on XLA): the host never
                     # waits for the device inside the loop.
-                    engine.backend.step_closure(_log_loss, (history, bar, step, tracker, lr))
+                    engine.backend.step_closure(_log_loss, (history, bar, step, tracker, lr, monitor,
+                                                            engine.last_grad_norm))
                     clock.mark(step)
                 if stop_now(stop, log_point):
                     if tracker.bad_step:
@@ -273,6 +278,7 @@ def train_worker(cfg, tokenizer, model, data, buckets, report, resume=None):
             results = run["results"] = evaluate_model(engine, model, eval_dl)
             engine.print(f"epoch {run['epoch']}: accuracy {results['accuracy']:.4f}  f1 {results['f1']:.4f}  "
                          f"(n={results['n']})")
+            monitor.epoch_end(run["step"], run["epoch"], results)
             clock.end_of_epoch()
             if store and (not cfg.save_every or run["step"] == total_steps):
                 save_checkpoint()  # every epoch by default; the end of the run in any case
@@ -293,6 +299,7 @@ def train_worker(cfg, tokenizer, model, data, buckets, report, resume=None):
         "epochs": round(step / steps_per_epoch, 4),
         "train_samples": step * samples_per_step, **timing,
         "padding_efficiency": round(plan.padding_efficiency(), 4),
+        "padding_by_bucket": plan.padding_by_length(),
         "eval": results,
         "train_loss": [h[:3] for h in history],  # [step, mean loss since the last entry, learning rate]
         "param_checksum": float(sums[0].double().sum()),
@@ -307,6 +314,7 @@ def train_worker(cfg, tokenizer, model, data, buckets, report, resume=None):
         if cfg.metrics_out:
             Path(cfg.metrics_out).parent.mkdir(parents=True, exist_ok=True)
             Path(cfg.metrics_out).write_text(json.dumps(metrics, indent=2) + "\n")
+    monitor.close(metrics)
     return metrics
 
 
@@ -335,13 +343,14 @@ class LossTracker:
         return total
 
 
-def _log_loss(history, bar, step, tracker, lr):
+def _log_loss(history, bar, step, tracker, lr, monitor, grad_norm):
     """Logs the mean loss since the previous log point, from the running sum."""
-    total = tracker.read()
+    total, grad_norm = monitor.read(tracker, grad_norm)
     prev_step, prev_total = (history[-1][0], history[-1][3]) if history else (0, 0.0)
     loss = (total - prev_total) / (step - prev_step)
     history.append([step, round(loss, 6), lr, total])
     bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", refresh=False)
+    monitor.log(step, loss, lr, grad_norm)
 
 
 def replica_checksums(engine, model):

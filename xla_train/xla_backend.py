@@ -167,6 +167,11 @@ class XLABackend(Backend):
         torch_xla.sync()
         return [t.detach().cpu() for t in tensors]
 
+    def read(self, tensors):
+        import torch_xla
+
+        return torch_xla._XLAC._xla_get_cpu_tensors([t.detach() for t in tensors])  # one transfer for all
+
     def step_closure(self, fn, args=()):
         import torch_xla.core.xla_model as xm
 
@@ -220,6 +225,20 @@ class XLABackend(Backend):
             "cache_misses": met.counter_value("PersistentCacheMiss") or 0,
             "cache_load_failures": met.counter_value("PersistentCacheDeserializeFailure") or 0,
         }
+
+
+    def trace_compilations(self, path):
+        import torch_xla.debug.metrics as met
+
+        # torch_xla's own compilation analysis (PT_XLA_DEBUG_LEVEL=1: cause and Python frames, one
+        # block per compilation, nothing per execution). Both variables are read at the first
+        # compilation of the process, so a user's own settings win and a late call does nothing.
+        if os.environ.get("PT_XLA_DEBUG_LEVEL", "0") != "0":
+            return os.environ.get("PT_XLA_DEBUG_FILE")  # None: the user sends it to stderr
+        if met.metric_data("CompileTime"):
+            return None
+        os.environ["PT_XLA_DEBUG_LEVEL"], os.environ["PT_XLA_DEBUG_FILE"] = "1", str(path)
+        return str(path)
 
 
 def _run_replica(index, fn, args):

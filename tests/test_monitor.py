@@ -1,0 +1,182 @@
+"""TensorBoard events, the run report and the recompilation explainer, for real on XLA:CPU."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, run_cli, write_slice
+from xla_train.monitor import TAGS
+from xla_train.report import read_scalars
+
+WARNING = "xla-train: warning: recompilation:"
+
+
+def run_patched(patch, args):
+    """`xla-train train ARGS` in a fresh process on XLA:CPU, after running `patch` (Python) in it."""
+    script = f"{patch}\nimport sys\nfrom xla_train import cli\nsys.exit(cli.main({['train', *map(str, args)]!r}))\n"
+    return subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PJRT_DEVICE": "CPU", "TOKENIZERS_PARALLELISM": "false"})
+
+
+def warnings_in(stderr):
+    return [line for line in stderr.splitlines() if WARNING in line]
+
+
+@pytest.fixture(scope="module")
+def short_data(tmp_path_factory):
+    """160 training rows (20 steps of 8) and one evaluation batch."""
+    return write_slice(tmp_path_factory.mktemp("data") / "mrpc", 160, 8)
+
+
+@pytest.fixture(scope="module")
+def xla_run(short_data, tiny_model, tmp_path_factory):
+    """One epoch of 20 steps with one bucket, logging every 10 steps, into an output folder."""
+    tmp = tmp_path_factory.mktemp("run")
+    out = tmp / "out"
+    proc, m = run_cli(["--backend", "xla", "--model", tiny_model, "--data-dir", short_data, "--max-steps", 20,
+                       "--buckets", "128", "--log-every", 10, "--output-dir", out], tmp)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc, m, out
+
+
+def test_event_files_hold_every_tag_at_each_log_point(xla_run):
+    _, m, out = xla_run
+    scalars = read_scalars(out / "tensorboard")
+    for key in ("loss", "lr", "grad_norm", "throughput", "compiles", "compile_seconds", "host_syncs"):
+        assert scalars[TAGS[key]][0] == [10, 20], key
+    assert scalars[TAGS["accuracy"]] == ([20], [pytest.approx(m["eval"]["accuracy"])])
+    assert scalars[TAGS["f1"]][0] == [20]
+    # the logged losses are the run's own, the gradient norm and throughput are real numbers
+    assert scalars[TAGS["loss"]][1] == pytest.approx([loss for _, loss, _ in m["train_loss"]], rel=1e-5)
+    assert all(v > 0 for v in scalars[TAGS["grad_norm"]][1] + scalars[TAGS["throughput"]][1])
+    # counters over steps: the one bucket's graphs (first step, then the stateful step) by step 10
+    assert scalars[TAGS["compiles"]][1] == [2, 2]
+
+
+def test_logging_adds_no_host_sync(xla_run):
+    proc, m, _ = xla_run
+    # one transfer per log point (loss and gradient norm together), nothing else
+    assert m["xla"]["host_syncs_per_step"] <= 0.1
+    assert m["xla"]["aten_fallbacks"] == 0
+    assert m["xla"]["executions"] == 20 + 1  # one graph per step and per evaluation batch
+    assert WARNING not in proc.stderr
+
+
+def test_run_folder_holds_metrics_compilations_and_report(xla_run):
+    _, m, out = xla_run
+    assert json.loads((out / "metrics.json").read_text())["steps"] == m["steps"] == 20
+    log = json.loads((out / "compilations.json").read_text())
+    assert log["warning"] is None
+    train = [e for e in log["compilations"] if e["phase"] == "train"]
+    assert [(e["step"], e["shape"]) for e in train] == [(1, [8, 128]), (2, [8, 128])]
+    assert sum(e["graphs"] for e in log["compilations"]) == m["xla"]["compiles"]
+    assert all(e["seconds"] > 0 and e["cause"] for e in log["compilations"])
+    for name in ("overview", "loss_lr", "throughput", "padding"):
+        png = out / "report" / f"{name}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000, name
+    md = (out / "report" / "report.md").read_text()
+    assert "| 1 | train | (8, 128) | 1 |" in md and "| 128 | 20 |" in md
+
+
+def test_report_command_rebuilds_the_report(xla_run, tmp_path):
+    _, _, out = xla_run
+    (out / "report" / "overview.png").unlink()
+    proc = subprocess.run([sys.executable, "-m", "xla_train", "report", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == str(out / "report" / "report.md")
+    assert (out / "report" / "overview.png").stat().st_size > 10_000
+
+
+def test_report_on_a_folder_without_a_run_is_a_user_error(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "xla_train", "report", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [f"xla-train: error: {tmp_path} holds no run (no metrics.json); "
+                                                f"write one with xla-train train --output-dir {tmp_path}"]
+
+
+def test_off_bucket_batch_mid_run_is_named(short_data, tiny_model, tmp_path):
+    """A collator that pads the 6th training batch to 120 instead of the bucket 128 (a stand-in
+    for a custom collator's bug): XLA compiles a real new graph at step 6 and the explainer names
+    the shape and the bucket it missed. Only xla_train's own collator is replaced."""
+    out = tmp_path / "out"
+    patch = """
+from xla_train import data
+calls = [0]
+pad = data.PadCollator.__call__
+def off_bucket(self, items):
+    calls[0] += 1
+    if calls[0] == 6:
+        items = [(features, 120, valid) for features, _, valid in items]
+    return pad(self, items)
+data.PadCollator.__call__ = off_bucket
+"""
+    proc = run_patched(patch, ["--backend", "xla", "--model", tiny_model, "--data-dir", short_data, "--max-steps", 6,
+                               "--buckets", "128", "--output-dir", out])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warnings = warnings_in(proc.stderr)
+    assert len(warnings) == 1, proc.stderr[-3000:]
+    assert ("step 6 compiled a new graph for input shape (8, 120): length 120 is not one of the buckets [128] "
+            "(it fits bucket 128)") in warnings[0]
+    log = json.loads((out / "compilations.json").read_text())
+    assert log["warning"] in warnings[0]
+    assert {"step": 6, "shape": [8, 120], "graphs": 1}.items() <= next(
+        e for e in log["compilations"] if e["step"] == 6).items()
+    assert "| 6 | train | (8, 120) | 1 |" in (out / "report" / "report.md").read_text()
+
+
+def test_sync_inside_the_step_is_named_by_its_python_frame(short_data, tiny_model, tmp_path):
+    """transformers' stock SDPA mask check (`padding_mask.all()`) reads the device inside every
+    forward. The run avoids it with its own attention function; with that switched off (the
+    seed's setup), the explainer names transformers' frame behind the sync."""
+    out = tmp_path / "out"
+    patch = """
+from xla_train import xla_backend
+xla_backend._register_attention = lambda: None  # keep transformers' stock "sdpa"
+xla_backend.XLA_ATTENTION = "sdpa"
+"""
+    proc = run_patched(patch, ["--backend", "xla", "--model", tiny_model, "--data-dir", short_data, "--max-steps", 2,
+                               "--buckets", "128", "--output-dir", out])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warnings = warnings_in(proc.stderr)
+    assert len(warnings) == 1, proc.stderr[-3000:]
+    assert "step 1: a device-to-host read inside the training step cut its graph, at " \
+           "_ignore_bidirectional_mask_sdpa (" in warnings[0]
+    assert "transformers/masking_utils.py:" in warnings[0]
+    first = json.loads((out / "compilations.json").read_text())["compilations"][0]
+    assert first["step"] == 1 and first["graphs"] == 2  # the sync cuts the step in two graphs
+    assert first["frame"].startswith("_ignore_bidirectional_mask_sdpa")
+
+
+def test_dynamic_padding_warns_once_past_the_threshold(short_data, tiny_model, tmp_path):
+    """The course's per-batch padding: every new batch length compiles; the run warns once, when
+    the training graphs pass the threshold (one unbounded bucket + 2 = 3), naming the shape."""
+    out = tmp_path / "out"
+    proc, m = run_cli(["--backend", "xla", "--model", tiny_model, "--data-dir", short_data, "--max-steps", 4,
+                       "--padding", "dynamic", "--output-dir", out], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = json.loads((out / "compilations.json").read_text())
+    train = [e for e in log["compilations"] if e["phase"] == "train"]
+    assert len(train) == 4  # steps 1-4: lengths 69, 68, 79, 65 with seed 42
+    fourth = train[3]
+    warnings = warnings_in(proc.stderr)
+    assert len(warnings) == 1, proc.stderr[-3000:]
+    assert (f"4 training graphs compiled by step {fourth['step']} (more than 3), the latest for new input shape "
+            f"{tuple(fourth['shape'])}") in warnings[0]
+    assert "--padding dynamic compiles a graph for every batch length" in warnings[0]
+
+
+def test_fallback_backend_writes_events_without_xla_counters(short_data, tiny_model, tmp_path):
+    out = tmp_path / "out"
+    proc, m = run_cli(["--backend", "cpu", "--model", tiny_model, "--data-dir", short_data, "--max-steps", 4,
+                       "--log-every", 2, "--output-dir", out], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    scalars = read_scalars(out / "tensorboard")
+    assert scalars[TAGS["loss"]][0] == [2, 4] and scalars[TAGS["grad_norm"]][0] == [2, 4]
+    assert not any(tag.startswith("xla/") for tag in scalars)
+    assert json.loads((out / "compilations.json").read_text())["compilations"] == []
+    assert (out / "report" / "overview.png").stat().st_size > 10_000

@@ -1,0 +1,204 @@
+"""What the run is doing: TensorBoard scalars, a compilation log, and a recompilation explainer.
+
+The training loop calls a few hooks (`step`, `log`, `epoch_end`, `close`). Nothing here reads
+the device inside a step: per-step hooks only run host work in a step closure (compilation and
+transfer counters, the input shape), and values that live on the device (loss, gradient norm)
+are read at `--log-every` points in the loop's own closure, in one transfer (`read`).
+
+Files, on the main replica and only for a local --output-dir:
+    OUTPUT_DIR/tensorboard/      event files (tags below)
+    OUTPUT_DIR/metrics.json      the run's metrics dict
+    OUTPUT_DIR/compilations.json every compilation (step, phase, input shape, seconds, cause)
+    OUTPUT_DIR/xla_debug.log     torch_xla's own compilation analysis (PT_XLA_DEBUG_LEVEL=1)
+    OUTPUT_DIR/report/           see xla_train.report
+"""
+
+import json
+import re
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+TAGS = {
+    "loss": "train/loss", "lr": "train/learning_rate", "grad_norm": "train/grad_norm",
+    "throughput": "train/samples_per_s", "accuracy": "eval/accuracy", "f1": "eval/f1",
+    "compiles": "xla/compiles", "compile_seconds": "xla/compile_seconds", "host_syncs": "xla/host_syncs",
+}
+ANALYSIS = re.compile(r"Compilation Cause\n\s*(.*?)\n.*?Python Frame Triggered Execution: *\n(.*?)\n-{10}", re.S)
+LIBRARY_FRAME = re.compile(r"[/\\](torch|torch_xla)[/\\]|xla_train[/\\](api|backend|xla_backend|monitor)\.py")  # plumbing
+
+
+class Monitor:
+    """One per worker; a no-op on replicas other than the main one."""
+
+    def __init__(self, engine, cfg, buckets=None):
+        self.engine, self.backend = engine, engine.backend
+        self.on = engine.is_main_process
+        local = bool(cfg.output_dir) and not str(cfg.output_dir).startswith("gs://")
+        self.out = Path(cfg.output_dir) if self.on and local else None
+        self.buckets = sorted(buckets) if buckets else None
+        # training graphs a healthy run compiles: one per bucket plus the first step's (no
+        # optimizer state yet), and one spare; dynamic padding counts as one unbounded bucket
+        self.threshold = (len(self.buckets) if self.buckets else 1) + 2
+        self.samples_per_step = cfg.batch_size * cfg.grad_accum * engine.num_devices
+        self.padding = cfg.padding
+        self.compilations, self.warning = [], None
+        self._seen, self._warm, self._epoch_ends = set(), set(), []
+        self._writer, self._debug, self._debug_offset, self._tmp = None, None, 0, None
+        self._t_start = time.perf_counter()
+        self._last, self._last_log = None, (0, self._t_start)
+        if not self.on:
+            return
+        if self.out:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(str(self.out / "tensorboard"))
+            debug_path = self.out / "xla_debug.log"
+        else:
+            self._tmp = tempfile.mkdtemp(prefix="xla_train_")
+            debug_path = Path(self._tmp) / "xla_debug.log"
+        debug_path.unlink(missing_ok=True)
+        debug = self.backend.trace_compilations(debug_path)  # before the first compilation
+        if debug:
+            self._debug = Path(debug)
+            self._debug_offset = self._debug.stat().st_size if self._debug.exists() else 0
+        self._base = self._last = self.backend.compile_stats()
+
+    # --- hooks --------------------------------------------------------------------------------
+    def step(self, step, batch):
+        """After each optimizer step: once the step's graph is cut, note any compilation."""
+        if step == 1:
+            self._last_log = (0, time.perf_counter())  # throughput counts from here
+        if self.on and self._last is not None:
+            inputs = batch["input_ids"] if "input_ids" in batch else next(iter(batch.values()))
+            self.backend.step_closure(self._after_step, (step, tuple(inputs.shape)))
+
+    def read(self, tracker, grad_norm):
+        """In the loop's log closure: the loss sum (a `LossTracker`) and gradient norm on the host,
+        in one transfer."""
+        host = self.backend.read([tracker.t] + ([grad_norm] if grad_norm is not None else []))
+        return tracker.read(host[0]), (float(host[1]) if len(host) > 1 else None)
+
+    def log(self, step, loss, lr, grad_norm):
+        """At a log point (inside the step closure): scalars to TensorBoard."""
+        if not self.on:
+            return
+        now = time.perf_counter()
+        (prev_step, prev_t), self._last_log = self._last_log, (step, now)
+        values = {"loss": loss, "lr": lr, "grad_norm": grad_norm}
+        # samples/s since the previous log point; skipped when an evaluation ran in between
+        if not any(prev_step <= e < step for e in self._epoch_ends):
+            values["throughput"] = (step - prev_step) * self.samples_per_step / (now - prev_t)
+        stats = self.backend.compile_stats()
+        if stats:
+            values.update(compiles=stats["compiles"] - self._base["compiles"],
+                          compile_seconds=stats["compile_seconds"] - self._base["compile_seconds"],
+                          host_syncs=stats["transfers"] - self._base["transfers"])
+        self._scalars(step, values)
+
+    def epoch_end(self, step, epoch, results):
+        """After each evaluation: eval scalars; compilations since the last step are evaluation's."""
+        if not self.on:
+            return
+        self._epoch_ends.append(step)
+        self._scalars(step, {"accuracy": results["accuracy"], "f1": results["f1"]})
+        if self._last is not None:
+            self._note_compiles(step, "eval", None, self.backend.compile_stats())
+
+    def close(self, metrics):
+        """At the end of the run: metrics.json, compilations.json and the report."""
+        if self._tmp:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+        if not self.out:
+            return
+        self._writer.close()
+        (self.out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+        log = {"compilations": self.compilations, "warning": self.warning, "threshold": self.threshold,
+               "wall_seconds": round(time.perf_counter() - self._t_start, 3)}
+        (self.out / "compilations.json").write_text(json.dumps(log, indent=2) + "\n")
+        from .report import write_report
+
+        path = write_report(self.out)
+        self.engine.print(f"report: {path}")
+
+    # --- inside step closures ---------------------------------------------------------------
+    def _scalars(self, step, values):
+        if self._writer:
+            for key, value in values.items():
+                if value is not None:
+                    self._writer.add_scalar(TAGS[key], value, step)
+
+    def _after_step(self, step, shape):
+        stats = self.backend.compile_stats()
+        new = self._note_compiles(step, "train", shape, stats)
+        if not new:
+            self._warm.add(shape)
+        elif self.warning is None:
+            reason = self._explain(step, shape, new)
+            if reason:
+                self.warning = reason
+                self.engine.print(f"xla-train: warning: recompilation: {reason}", file=sys.stderr)
+        self._seen.add(shape)
+
+    def _note_compiles(self, step, phase, shape, stats):
+        graphs = stats["compiles"] - self._last["compiles"]
+        seconds = stats["compile_seconds"] - self._last["compile_seconds"]
+        syncs = stats["transfers"] - self._last["transfers"]
+        self._last = stats
+        if not graphs:
+            return None
+        # of several graphs in one step, name one not cut by the loader at the end of the step
+        causes = self._analyses(graphs)
+        cause, frame = next((c for c in causes if not _usual(c[0])), causes[-1]) if causes else (None, None)
+        event = {"step": step, "phase": phase, "shape": list(shape) if shape else None, "graphs": graphs,
+                 "seconds": round(seconds, 3), "host_syncs": syncs, "cause": cause, "frame": frame}
+        self.compilations.append(event)
+        return event
+
+    def _analyses(self, count):
+        """(cause, innermost frame outside torch) of the last `count` compilations, if traced."""
+        if not self._debug or not self._debug.exists():
+            return []
+        with open(self._debug, encoding="utf-8", errors="replace") as f:
+            f.seek(self._debug_offset)
+            chunk = f.read()
+        self._debug_offset += len(chunk.encode("utf-8"))
+        text = re.sub(r"(?m)^Compilation Analysis: ?", "", chunk)
+        out = []
+        for cause, frames in ANALYSIS.findall(text):
+            lines = [ln.strip() for ln in frames.splitlines() if ln.strip()]
+            user = [ln for ln in lines if not LIBRARY_FRAME.search(ln)]
+            out.append((cause.strip(), (user or lines or [None])[0]))
+        return out[-count:]
+
+    def _explain(self, step, shape, event):
+        """The cause of an unexpected compilation in a training step, or None if it is expected."""
+        length = shape[-1]
+        where = f" ({event['cause']}, at {event['frame']})" if event["frame"] and not _usual(event["cause"]) else ""
+        if "tensor value" in (event["cause"] or ""):  # torch_xla: "user code trying to access tensor value ..."
+            return (f"step {step}: a device-to-host read inside the training step cut its graph, at "
+                    f"{event['frame']} ({event['cause']}): the host waits for the device at every step that "
+                    f"runs it; keep values on the device, or read them in a step closure")
+        if self.buckets and shape not in self._seen and length not in self.buckets:
+            fits = [b for b in self.buckets if b >= length]
+            missed = f"it fits bucket {fits[0]}" if fits else "it is longer than every bucket"
+            return (f"step {step} compiled a new graph for input shape {shape}: length {length} is not one "
+                    f"of the buckets {self.buckets} ({missed}); pad every batch to a bucket length")
+        if shape in self._warm:
+            return (f"step {step} compiled input shape {shape} again, after steps of that shape ran "
+                    f"without compiling: the graph changed{where}; {event['host_syncs']} device-to-host "
+                    f"transfer(s) since the previous step. PT_XLA_DEBUG_LEVEL=2 prints every frame")
+        train_graphs = sum(e["graphs"] for e in self.compilations if e["phase"] == "train")
+        if train_graphs > self.threshold:
+            hint = ("--padding dynamic compiles a graph for every batch length; --padding buckets bounds them"
+                    if self.padding == "dynamic" else "every new input shape or graph change compiles")
+            return (f"{train_graphs} training graphs compiled by step {step} (more than {self.threshold}), "
+                    f"the latest for new input shape {shape}{where}: {hint}")
+        return None
+
+
+def _usual(cause):
+    """The loader's ordinary graph cut at the end of every step (torch_xla's wording)."""
+    return "step end" in (cause or "")

@@ -1,0 +1,181 @@
+"""`xla-train report RUN_DIR`: a Markdown summary and PNG plots of a run's output folder.
+
+Rebuilt from what the run wrote: `metrics.json`, `compilations.json` and the TensorBoard events
+in `tensorboard/` (read back with tensorboard's EventAccumulator). Writes `RUN_DIR/report/`:
+    overview.png     the four panels below in one picture
+    loss_lr.png      training loss and learning rate per step
+    throughput.png   samples/s per log interval, compilations marked, and where the time went
+    padding.png      padding efficiency per bucket (real tokens / padded tokens)
+    report.md        the numbers, the explainer's warning and every compilation
+"""
+
+import json
+from pathlib import Path
+
+from .errors import UserError
+from .monitor import TAGS
+
+
+def read_scalars(folder):
+    """{tag: ([steps], [values])} from the TensorBoard event files in `folder`."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(folder), size_guidance={"scalars": 0})  # 0: keep every point
+    acc.Reload()
+    out = {}
+    for tag in acc.Tags()["scalars"]:
+        events = acc.Scalars(tag)
+        out[tag] = ([e.step for e in events], [e.value for e in events])
+    return out
+
+
+def load_run(run_dir):
+    run_dir = Path(run_dir)
+    if not (run_dir / "metrics.json").is_file():
+        raise UserError(f"{run_dir} holds no run (no metrics.json); write one with "
+                        f"xla-train train --output-dir {run_dir}")
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    log_file = run_dir / "compilations.json"
+    log = json.loads(log_file.read_text()) if log_file.is_file() else {"compilations": [], "warning": None}
+    scalars = read_scalars(run_dir / "tensorboard") if (run_dir / "tensorboard").is_dir() else {}
+    return metrics, log, scalars
+
+
+def time_split(metrics, log):
+    """Seconds by where they went. Training steps: the training phase's time less the training
+    graphs' compilations (the last step's graph may compile after the phase, so this is a floor)."""
+    compiling = {phase: sum(e["seconds"] for e in log["compilations"] if e["phase"] == phase)
+                 for phase in ("train", "eval")}
+    parts = {"compiling training graphs": compiling["train"],
+             "training steps": max(metrics["train_seconds"] - compiling["train"], 0.0),
+             "compiling evaluation graphs": compiling["eval"]}
+    if log.get("wall_seconds"):
+        parts["evaluation, loading, saving"] = max(log["wall_seconds"] - sum(parts.values()), 0.0)
+    return parts
+
+
+# --- panels: each draws on one matplotlib axis ---------------------------------------------------
+def plot_loss_lr(ax, scalars):
+    steps, loss = scalars.get(TAGS["loss"], ([], []))
+    ax.plot(steps, loss, "o-", color="tab:blue", ms=3, label="loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (mean since last log point)", color="tab:blue")
+    lr_ax = ax.twinx()
+    lr_steps, lr = scalars.get(TAGS["lr"], ([], []))
+    lr_ax.plot(lr_steps, lr, color="tab:orange", label="learning rate")
+    lr_ax.set_ylabel("learning rate", color="tab:orange")
+    ax.set_title("Loss and learning rate")
+
+
+def plot_throughput(ax, scalars, log):
+    steps, rate = scalars.get(TAGS["throughput"], ([], []))
+    log_steps = [0] + scalars.get(TAGS["loss"], ([], []))[0]
+    starts = [max((s for s in log_steps if s < step), default=0) for step in steps]  # each interval's start
+    ax.hlines(rate, starts, steps, color="tab:green", label="samples/s over each log interval")
+    ax.plot(steps, rate, "o", color="tab:green", ms=3)
+    first = True
+    for e in log["compilations"]:
+        if e["phase"] != "train":
+            continue
+        ax.axvline(e["step"], color="tab:red", alpha=0.5, lw=1, label="compilation" if first else None)
+        ax.annotate(f"{tuple(e['shape'])} {e['seconds']:.1f}s", (e["step"], 0), xycoords=("data", "axes fraction"),
+                    rotation=90, fontsize=7, va="bottom", ha="right", color="tab:red")
+        first = False
+    ax.set_xlabel("step")
+    ax.set_ylabel("samples/s")
+    ax.set_ylim(bottom=0)
+    ax.legend(loc="upper left", fontsize=8)
+    ax.set_title("Throughput, compilations marked")
+
+
+def plot_time(ax, metrics, log):
+    parts = time_split(metrics, log)
+    left = 0.0
+    for (name, seconds), color in zip(parts.items(), ("tab:red", "tab:green", "tab:pink", "tab:gray")):
+        ax.barh(0, seconds, left=left, height=0.6, color=color, label=f"{name}: {seconds:.1f} s")
+        left += seconds
+    ax.set_ylim(-1.6, 0.5)
+    ax.set_yticks([])
+    ax.set_xlabel("seconds")
+    ax.legend(loc="lower center", fontsize=9)
+    ax.set_title("Where the time went")
+
+
+def plot_padding(ax, metrics):
+    by_length = metrics.get("padding_by_bucket") or {}
+    lengths = list(by_length)
+    eff = [by_length[k]["efficiency"] for k in lengths]
+    bars = ax.bar(range(len(lengths)), eff, color="tab:purple")
+    for bar, k in zip(bars, lengths if len(lengths) <= 12 else []):
+        ax.annotate(f"{by_length[k]['batches']} batches", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                    ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(lengths)), lengths, fontsize=7 if len(lengths) > 12 else None,
+                  rotation=90 if len(lengths) > 12 else 0)
+    ax.set_ylim(0, 1.1)
+    ax.set_xlabel("padded length (bucket)")
+    ax.set_ylabel("real tokens / padded tokens")
+    ax.set_title(f"Padding efficiency per bucket (overall {metrics.get('padding_efficiency', 0):.3f})")
+
+
+# --- the report ------------------------------------------------------------------------------
+def write_report(run_dir):
+    """Writes RUN_DIR/report/ (PNGs and report.md); returns the path of report.md."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metrics, log, scalars = load_run(run_dir)
+    out = Path(run_dir) / "report"
+    out.mkdir(exist_ok=True)
+    panels = {"loss_lr": lambda ax: plot_loss_lr(ax, scalars),
+              "throughput": lambda ax: plot_throughput(ax, scalars, log),
+              "padding": lambda ax: plot_padding(ax, metrics)}
+    for name, draw in panels.items():
+        fig, ax = plt.subplots(figsize=(8, 4.5), layout="constrained")
+        draw(ax)
+        fig.savefig(out / f"{name}.png", dpi=100)
+        plt.close(fig)
+    fig, axes = plt.subplots(2, 2, figsize=(15, 9), layout="constrained")
+    for ax, draw in zip(axes.flat, panels.values()):
+        draw(ax)
+    plot_time(axes[1, 1], metrics, log)
+    fig.suptitle(f"{metrics['model']} on {metrics['backend']} ({metrics['device']}): {metrics['steps']} steps")
+    fig.savefig(out / "overview.png", dpi=100)
+    plt.close(fig)
+    path = out / "report.md"
+    path.write_text(markdown(metrics, log))
+    return path
+
+
+def markdown(metrics, log):
+    ev, xla = metrics.get("eval") or {}, metrics.get("xla")
+    rows = [("backend / device", f"{metrics['backend']} / {metrics['device']} x {metrics['world_size']}"),
+            ("model", metrics["model"]), ("steps / epochs", f"{metrics['steps']} / {metrics['epochs']}"),
+            ("training seconds", metrics["train_seconds"]),
+            ("samples/s (all / after the last compilation)",
+             f"{metrics['train_samples_per_s']} / {metrics['steady_samples_per_s']}"),
+            ("padding efficiency", metrics["padding_efficiency"]),
+            ("dev accuracy / F1", f"{ev.get('accuracy', float('nan')):.4f} / {ev.get('f1', float('nan')):.4f}"
+                                  f" (n={ev.get('n')})")]
+    if xla:
+        rows += [("compilations (seconds)", f"{xla['compiles']} ({xla['compile_seconds']} s)"),
+                 ("compilations after the first epoch", xla["compiles_after_first_epoch"]),
+                 ("host syncs per training step", xla["host_syncs_per_step"]),
+                 ("CPU fallbacks (aten ops)", xla["aten_fallbacks"])]
+    rows += [(f"time: {k}", f"{v:.1f} s") for k, v in time_split(metrics, log).items()]
+    lines = ["# Run report", "", "| | |", "| --- | --- |", *(f"| {k} | {v} |" for k, v in rows), ""]
+    lines += ["## Recompilation warning", "", log.get("warning") or "none: every graph was expected", ""]
+    lines += ["## Pictures", "", "![overview](overview.png)", "", "![loss and learning rate](loss_lr.png)",
+              "![throughput](throughput.png)", "![padding per bucket](padding.png)", ""]
+    lines += ["## Compilations", "", "| step | phase | input shape | graphs | seconds | cause | Python frame |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]
+    for e in log["compilations"]:
+        shape = tuple(e["shape"]) if e["shape"] else "(evaluation batches)"
+        lines.append(f"| {e['step']} | {e['phase']} | {shape} | {e['graphs']} | {e['seconds']} | "
+                     f"{e.get('cause') or ''} | {e.get('frame') or ''} |")
+    lines += ["", "## Padding per bucket", "", "| length | batches | real tokens | padded tokens | efficiency |",
+              "| --- | --- | --- | --- | --- |"]
+    for length, b in (metrics.get("padding_by_bucket") or {}).items():
+        lines.append(f"| {length} | {b['batches']} | {b['real_tokens']} | {b['padded_tokens']} | {b['efficiency']} |")
+    return "\n".join(lines) + "\n"
