@@ -207,13 +207,13 @@ def train_worker(cfg, tokenizer, model, data, buckets, report, resume=None):
         nonlocal saved, saved_step
         if saved_step == run["step"]:
             return saved
-        (host,) = engine.backend.to_host([tracker.t])  # cuts the step's graph: its transfer counts
-        tracker.read(host)
-        if tracker.bad_step:
-            raise diverged()
-        state = {"run": {**run, "loss_sum": float(host[0]), "history": history}, "buckets": buckets,
-                 "world_size": engine.num_devices, "n_train": len(data["train"]), "config": asdict(cfg)}
-        with clock.excluding():
+        with clock.excluding():  # a checkpoint's reads are not the training steps' syncs
+            (host,) = engine.backend.to_host([tracker.t])
+            tracker.read(host)
+            if tracker.bad_step:
+                raise diverged()
+            state = {"run": {**run, "loss_sum": float(host[0]), "history": history}, "buckets": buckets,
+                     "world_size": engine.num_devices, "n_train": len(data["train"]), "config": asdict(cfg)}
             saved = checkpoint.save(engine, store, model, optimizer, scheduler, state, cfg.keep_last)
         saved_step = run["step"]
         return saved
