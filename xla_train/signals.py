@@ -16,25 +16,32 @@ class StopRequest:
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    # Process-wide, so that a signal caught by the launcher's request before the training loop
+    # began (start-up, the first compilation) still stops the loop; reset by the outermost one.
+    signum = None
+    _depth = 0
 
     def __init__(self):
-        self.signum = None
         self._previous = {}
 
     def __enter__(self):
+        if StopRequest._depth == 0:
+            StopRequest.signum = None
+        StopRequest._depth += 1
         if threading.current_thread() is threading.main_thread():  # signals only reach the main thread
             for sig in self.SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
     def __exit__(self, *exc):
+        StopRequest._depth -= 1
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
     def _handle(self, signum, frame):
-        if self.signum:
+        if StopRequest.signum:
             return
-        self.signum = signum
+        StopRequest.signum = signum
         for child in multiprocessing.active_children():
             os.kill(child.pid, signum)
 

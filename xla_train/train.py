@@ -230,7 +230,7 @@ def train_worker(cfg, tokenizer, model, data, buckets, report, resume=None):
                 return False
             (agreed,) = engine.backend.to_host([engine.backend.gather(torch.tensor([flags]).to(engine.device))])
             flags = agreed.max(0).values.tolist()
-            stop.signum, tracker.bad_step = flags[0] or None, flags[1] or None
+            StopRequest.signum, tracker.bad_step = flags[0] or None, flags[1] or None
         return any(flags)
 
     clock = RunClock(engine)
