@@ -172,21 +172,23 @@ class _DeviceLoader:
 def _worker(local_rank, backend, env, fn, args):
     os.environ.update(env, RANK=str(local_rank), LOCAL_RANK=str(local_rank))
     try:
-        _run_and_teardown(backend, fn, args)
+        _run_and_teardown(backend, fn, args, report_stop=True)
     except UserError as e:
-        # One line, not the traceback torch.multiprocessing would pass up. A stop happens on every
-        # replica at once, so only the main one reports it; other errors may be one replica's.
-        if str(e) and (local_rank == 0 or not isinstance(e, Stopped)):
+        # One line, not the traceback torch.multiprocessing would pass up (a stop was reported
+        # before the workers parted, as torch may terminate the others once one has exited).
+        if str(e) and not isinstance(e, Stopped):
             print(e.line(), file=sys.stderr, flush=True)
         sys.exit(e.exit_code)
 
 
-def _run_and_teardown(backend, fn, args):
+def _run_and_teardown(backend, fn, args, report_stop=False):
     stopped = None
     try:
         fn(*args)
     except Stopped as e:  # every replica stopped at the same step: they leave together
         stopped = e.args  # not the exception: its traceback holds fn's frames and DDP model
+        if report_stop and backend.is_main:  # a spawned worker: say it before the barrier lets others exit
+            print(e.line(), file=sys.stderr, flush=True)
     # Only now, with fn's DDP model and its gradient reducer freed, may the process group go:
     # a reducer that outlives its group can hang in the group's destructor.
     gc.collect()

@@ -2,6 +2,7 @@
 the previous run's checkpoints and model in the output folder stay byte for byte as they were."""
 
 import hashlib
+import json
 import shutil
 from pathlib import Path
 
@@ -110,3 +111,14 @@ def test_unknown_model_name_offline(tmp_path):
     assert proc.stderr.strip().splitlines()[-1].startswith(
         "xla-train: error: cannot load model 'no-such-org/no-such-model': ")
     assert "Traceback" not in proc.stderr
+
+
+def test_resuming_a_finished_run_trains_nothing_and_reports_it(previous_run, mrpc_slice, tiny_model, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(previous_run, out)
+    metrics = tmp_path / "m.json"
+    assert main(["train", "--backend", "cpu", "--model", str(tiny_model), "--data-dir", str(mrpc_slice),
+                 "--max-steps", "4", "--save-every", "2", "--output-dir", str(out), "--resume",
+                 "--metrics-out", str(metrics)]) == 0
+    m = json.loads(metrics.read_text())
+    assert m["first_step"] == m["steps"] == 4 and m["eval"]["n"] == 48

@@ -43,20 +43,22 @@ def assert_same_weights(a, b, atol=1e-6):
 
 
 def test_sigterm_then_resume_equals_the_uninterrupted_run(mrpc_slice, tiny_dropout_model, tmp_path):
-    args = [*COMMON, "--model", tiny_dropout_model, "--data-dir", mrpc_slice, "--max-steps", 45, "--save-every", 4]
+    """Gradient accumulation over 3 micro-batches: 20 batches make 6 steps an epoch, 2 left over."""
+    args = [*COMMON, "--model", tiny_dropout_model, "--data-dir", mrpc_slice, "--max-steps", 45, "--save-every", 4,
+            "--grad-accum", 3, "--batch-size", 8]
     proc, whole = run_cli([*args, "--output-dir", tmp_path / "whole"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
     out = tmp_path / "stopped"
     run = start_cli([*args, "--output-dir", out])
     wait_for(lambda: (out / "checkpoints" / "step-00000004" / "COMPLETE").exists(), run)
-    run.send_signal(signal.SIGTERM)  # mid-epoch: 20 steps per epoch
+    run.send_signal(signal.SIGTERM)
     _, err = run.communicate(timeout=300)
     assert run.returncode == 128 + signal.SIGTERM, err[-3000:]
     last = err.strip().splitlines()[-1]
     assert last.startswith("xla-train: stopped by SIGTERM after step ") and "continue with --resume" in last
     stopped_at = int(last.split("after step ")[1].split(":")[0])
-    assert 4 <= stopped_at < 45 and stopped_at % 20 != 0
+    assert 4 <= stopped_at < 45 and stopped_at % 6 != 0  # mid-epoch
     assert (out / "checkpoints" / f"step-{stopped_at:08d}" / "COMPLETE").exists()
 
     proc, resumed = run_cli([*args, "--output-dir", out, "--resume"], tmp_path)

@@ -56,21 +56,30 @@ def save(engine, store, model, optimizer, scheduler, state, keep_last=None):
     model_state, opt_state = _host_tree(backend, (model_state, optimizer.state_dict()))
     rng = backend.gather(backend.rng_state()[None].int().to(backend.device))  # one row per replica
     (rng,) = backend.to_host([rng])
-    name = checkpoint_name(state["run"]["step"])
+    name, error = checkpoint_name(state["run"]["step"]), None
     if engine.is_main_process:
-        staging = store.staging(name)
-        save_file({k: v.contiguous() for k, v in model_state.items()}, str(staging / "model.safetensors"))
-        torch.save(opt_state, staging / "optimizer.pt")
-        torch.save(scheduler.state_dict(), staging / "scheduler.pt")
-        torch.save({"rng": rng.to(torch.uint8)}, staging / "rng.pt")
-        (staging / "state.json").write_text(json.dumps(state, indent=1))
-        (staging / MARKER).write_text("")
-        store.commit(staging, name)
-        if keep_last:
-            complete = sorted(s for s, ok in store.checkpoints().items() if ok)
-            for old in complete[:-keep_last]:
-                store.delete(checkpoint_name(old))
-    backend.barrier()  # nobody moves on (or exits) before the checkpoint is whole
+        try:
+            staging = store.staging(name)
+            save_file({k: v.contiguous() for k, v in model_state.items()}, str(staging / "model.safetensors"))
+            torch.save(opt_state, staging / "optimizer.pt")
+            torch.save(scheduler.state_dict(), staging / "scheduler.pt")
+            torch.save({"rng": rng.to(torch.uint8)}, staging / "rng.pt")
+            (staging / "state.json").write_text(json.dumps(state, indent=1))
+            (staging / MARKER).write_text("")
+            store.commit(staging, name)
+            if keep_last:
+                complete = sorted(s for s, ok in store.checkpoints().items() if ok)
+                for old in complete[:-keep_last]:
+                    store.delete(checkpoint_name(old))
+        except UserError as e:
+            error = str(e)
+        except OSError as e:  # a full disk, a folder removed under the run
+            error = f"cannot write checkpoint {store.checkpoint_url(name)}: {e.strerror or e}"
+    # Every replica learns whether the main one managed (this also keeps them together until the
+    # checkpoint is whole): nobody waits forever for a replica that failed.
+    failed = backend.gather(torch.tensor([int(error is not None)]).to(backend.device))
+    if backend.to_host([failed])[0].any():
+        raise UserError(error or "the main replica could not write the checkpoint")
     return store.checkpoint_url(name)
 
 
@@ -85,13 +94,13 @@ def find(store, resume_from=None):
             raise UserError(f"--resume-from {resume_from}: expected a path like OUTPUT_DIR/checkpoints/step-00000100")
         store = open_store(parent)
         found = store.checkpoints()
-        step = int(name.rpartition("-")[2]) if name.startswith("step-") and name[5:].isdigit() else None
+        step = int(name[5:]) if name.startswith("step-") and name[5:].isdigit() else None
         if step not in found:
             raise UserError(f"checkpoint not found: {resume_from}")
         if not found[step]:
             raise UserError(f"checkpoint {resume_from} is incomplete (no {MARKER} marker: it was interrupted "
                             "while being written); resume from an earlier one")
-        return store.fetch(name), url
+        return store.fetch(checkpoint_name(step)), store.checkpoint_url(checkpoint_name(step))
     complete = sorted(s for s, ok in store.checkpoints().items() if ok)
     if not complete:
         raise UserError(f"--resume: no complete checkpoint in {store.checkpoint_url('')[:-1]}")

@@ -5,7 +5,7 @@ import os
 import sys
 from dataclasses import fields
 
-from .errors import UserError
+from .errors import Stopped, UserError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -98,7 +98,8 @@ def main(argv=None):
         args = build_parser().parse_args(argv)
         {"train": cmd_train, "report": cmd_report, "env": cmd_env}[args.command](args)
     except UserError as e:
-        if str(e):
+        # under torchrun every rank runs this; a stop (the same on every rank) is told once
+        if str(e) and not (isinstance(e, Stopped) and os.environ.get("RANK", "0") != "0"):
             print(e.line(), file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:

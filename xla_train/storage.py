@@ -71,7 +71,9 @@ class LocalStore:
         return self.root / "checkpoints" / name
 
     def delete(self, name):
-        shutil.rmtree(self.root / "checkpoints" / name, ignore_errors=True)
+        doomed = self.root / "checkpoints" / f".partial-deleted-{name}"
+        (self.root / "checkpoints" / name).rename(doomed)  # gone at once, even if the removal is cut short
+        shutil.rmtree(doomed, ignore_errors=True)
 
     def put_folder(self, local, subpath=""):
         """Files written locally by the caller already live here when `subpath` is the root."""

@@ -201,21 +201,35 @@ def train_worker(cfg, tokenizer, model, data, buckets, report, resume=None):
     store = open_store(cfg.output_dir) if cfg.output_dir else None
     first_step, history = run["step"], run["history"]
     tracker = LossTracker(engine, run["loss_sum"], run["step"] * cfg.grad_accum, cfg.grad_accum)
-    saved, saved_step = (resume.url, first_step) if resume else (None, None)  # the latest checkpoint
+    # the latest checkpoint, and the position it holds
+    saved, saved_at = (resume.url, _position(run)) if resume else (None, None)
+
+    def agree(flags):
+        """Per position, the largest value any replica has (a collective every replica reaches)."""
+        if engine.backend.world_size == 1:
+            return flags
+        (agreed,) = engine.backend.to_host([engine.backend.gather(torch.tensor([flags]).to(engine.device))])
+        return agreed.max(0).values.tolist()
+
+    def check_finite():
+        """Reads the loss tracker (a sync) and stops every replica if any saw a non-finite loss."""
+        (host,) = engine.backend.to_host([tracker.t])
+        tracker.read(host)
+        (tracker.bad_step,) = agree([tracker.bad_step or 0])
+        if tracker.bad_step:
+            raise diverged()
+        return float(host[0])
 
     def save_checkpoint():
-        nonlocal saved, saved_step
-        if saved_step == run["step"]:
+        nonlocal saved, saved_at
+        if saved_at == _position(run):
             return saved
         with clock.excluding():  # a checkpoint's reads are not the training steps' syncs
-            (host,) = engine.backend.to_host([tracker.t])
-            tracker.read(host)
-            if tracker.bad_step:
-                raise diverged()
-            state = {"run": {**run, "loss_sum": float(host[0]), "history": history}, "buckets": buckets,
+            loss_sum = check_finite()
+            state = {"run": {**run, "loss_sum": loss_sum, "history": history}, "buckets": buckets,
                      "world_size": engine.num_devices, "n_train": len(data["train"]), "config": asdict(cfg)}
             saved = checkpoint.save(engine, store, model, optimizer, scheduler, state, cfg.keep_last)
-        saved_step = run["step"]
+        saved_at = _position(run)
         return saved
 
     def diverged():
@@ -224,24 +238,24 @@ def train_worker(cfg, tokenizer, model, data, buckets, report, resume=None):
 
     def stop_now(stop, at_log_point):
         """Whether every replica should stop here (a signal or a non-finite loss on any replica)."""
-        flags = [stop.signum or 0, tracker.bad_step or 0]
-        if engine.backend.world_size > 1:
-            if not at_log_point:  # agreeing needs a collective: only at log points
-                return False
-            (agreed,) = engine.backend.to_host([engine.backend.gather(torch.tensor([flags]).to(engine.device))])
-            flags = agreed.max(0).values.tolist()
-            StopRequest.signum, tracker.bad_step = flags[0] or None, flags[1] or None
+        if engine.backend.world_size > 1 and not at_log_point:  # agreeing needs a collective
+            return False
+        flags = agree([stop.signum or 0, tracker.bad_step or 0])
+        StopRequest.signum, tracker.bad_step = flags[0] or None, flags[1] or None
         return any(flags)
 
     clock = RunClock(engine)
     bar = tqdm(total=total_steps, initial=first_step, desc="Training", disable=not engine.is_main_process,
                dynamic_ncols=True)
-    with StopRequest() as stop:
-        while run["step"] < total_steps:
+    with StopRequest() as stop, bar:  # the bar is closed (its line ended) before any message
+        # (a run stopped at its last step resumes for the evaluation it had not run)
+        while run["step"] < total_steps or run["batch"]:
             train_dl.set_epoch(run["epoch"], start=run["batch"])
             model.train()
             clock.start()
             for batch in train_dl:
+                if run["step"] == total_steps or run["batch"] == steps_per_epoch * cfg.grad_accum:
+                    break  # done, or the epoch's last micro-batches would not fill an optimizer step
                 run["batch"] += 1
                 with engine.autocast():
                     loss = model(**batch).loss
@@ -282,7 +296,7 @@ def train_worker(cfg, tokenizer, model, data, buckets, report, resume=None):
             clock.end_of_epoch()
             if store and (not cfg.save_every or run["step"] == total_steps):
                 save_checkpoint()  # every epoch by default; the end of the run in any case
-    bar.close()
+    check_finite()  # the last log interval's loss, which no closure has read yet on XLA
 
     step, results = run["step"], run["results"]
     samples_per_step = cfg.batch_size * cfg.grad_accum * engine.num_devices
@@ -316,6 +330,11 @@ def train_worker(cfg, tokenizer, model, data, buckets, report, resume=None):
             Path(cfg.metrics_out).write_text(json.dumps(metrics, indent=2) + "\n")
     monitor.close(metrics)
     return metrics
+
+
+def _position(run):
+    """Where a run stands: (optimizer steps, epoch, micro-batches taken from the epoch)."""
+    return run["step"], run["epoch"], run["batch"]
 
 
 class LossTracker:
