@@ -254,7 +254,7 @@ def train_worker(cfg, tokenizer, model, data, buckets, report, resume=None):
             model.train()
             clock.start()
             for batch in train_dl:
-                if run["step"] == total_steps or run["batch"] == steps_per_epoch * cfg.grad_accum:
+                if run["step"] >= total_steps or run["batch"] == steps_per_epoch * cfg.grad_accum:
                     break  # done, or the epoch's last micro-batches would not fill an optimizer step
                 run["batch"] += 1
                 with engine.autocast():
