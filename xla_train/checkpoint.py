@@ -11,7 +11,7 @@ import json
 import torch
 
 from .errors import UserError
-from .storage import MARKER, checkpoint_name
+from .storage import MARKER, checkpoint_name, open_store
 
 FILES = ("model.safetensors", "optimizer.pt", "scheduler.pt", "rng.pt", "state.json")
 # What must match for a resumed run to continue the same run (the data order depends on these).
@@ -86,8 +86,6 @@ def save(engine, store, model, optimizer, scheduler, state, keep_last=None):
 def find(store, resume_from=None):
     """The local folder of the checkpoint to resume: `resume_from`, else the latest complete one."""
     if resume_from:
-        from .storage import open_store
-
         url = str(resume_from).rstrip("/")
         parent, _, name = url.rpartition("/checkpoints/")
         if not parent or not name:

@@ -75,13 +75,11 @@ class LocalStore:
         (self.root / "checkpoints" / name).rename(doomed)  # gone at once, even if the removal is cut short
         shutil.rmtree(doomed, ignore_errors=True)
 
-    def put_folder(self, local, subpath=""):
-        """Files written locally by the caller already live here when `subpath` is the root."""
-        if Path(local) != self.root / subpath:
-            shutil.copytree(local, self.root / subpath, dirs_exist_ok=True)
+    def publish(self):
+        """Nothing to do: files written into `local_folder()` are already in place."""
 
     def local_folder(self):
-        """A local folder whose contents `put_folder` publishes (here: the folder itself)."""
+        """Where the run writes files that `publish` makes final (here: the folder itself)."""
         return self.root
 
 
@@ -186,8 +184,9 @@ class GCSStore:
         for blob in self._blobs("checkpoints", name):
             self._call(f"deleting {blob.name}", blob.delete)
 
-    def put_folder(self, local, subpath=""):
-        local = Path(local)
+    def publish(self):
+        """Uploads what the run wrote into `local_folder()` (checkpoints are committed on their own)."""
+        local = self.local_folder()
         for f in sorted(p for p in local.rglob("*") if p.is_file() and "checkpoints" not in p.relative_to(local).parts):
-            blob = self.bucket.blob(self._key(subpath, *f.relative_to(local).parts))
+            blob = self.bucket.blob(self._key(*f.relative_to(local).parts))
             self._call(f"writing {self.url}", blob.upload_from_filename, str(f))

@@ -304,7 +304,7 @@ def train_worker(cfg, tokenizer, model, data, buckets, report, resume=None):
     if store:
         engine.save_pretrained(model, tokenizer, store.local_folder())
         if engine.is_main_process:
-            store.put_folder(store.local_folder())
+            store.publish()
     sums = replica_checksums(engine, model)
     plan = train_dl.loader.batch_sampler
     metrics = {
