@@ -74,7 +74,8 @@ class Engine:
         """
         modules = [o for o in objects if isinstance(o, torch.nn.Module)]
         before = [list(m.parameters()) for m in modules]
-        moved = {id(m): self._prepare_model(m) for m in modules}
+        moved = {id(m): self.backend.prepare_model(m) for m in modules}
+        self._model = moved[id(modules[-1])] if modules else self._model  # for no_sync on micro-steps
         remap = {}
         for m, old in zip(modules, before):
             remap.update({id(p): q for p, q in zip(old, self.backend.unwrap_model(moved[id(m)]).parameters())})
@@ -91,10 +92,6 @@ class Engine:
             else:
                 out.append(o)
         return tuple(out) if len(out) > 1 else out[0]
-
-    def _prepare_model(self, model):
-        self._model = self.backend.prepare_model(model)
-        return self._model
 
     def _prepare_loader(self, loader):
         if (self.backend.name == "xla" and isinstance(loader.collate_fn, DataCollatorWithPadding)

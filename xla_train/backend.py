@@ -25,6 +25,9 @@ class Backend(ABC):
     # Rough costs for `--buckets auto` (see data.CostModel); backends override them.
     compile_seconds = 0.0
     token_seconds = 1e-5
+    # torch.optim's fused kernels (`fused=True`) exist for the CPU and CUDA, not for XLA, which
+    # traces the default multi-tensor update into the step's one graph anyway.
+    fused_optimizer = False
 
     # --- launching ------------------------------------------------------------------------
     @abstractmethod

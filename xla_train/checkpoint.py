@@ -9,6 +9,7 @@ the rest, JSON for the run state.
 import json
 
 import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .errors import UserError
 from .storage import MARKER, checkpoint_name, open_store
@@ -20,31 +21,11 @@ MUST_MATCH = ("model", "batch_size", "grad_accum", "seed", "padding", "max_lengt
 
 def _host_tree(backend, tree):
     """`tree` (dicts, lists, tensors) with every tensor copied to the CPU in one transfer."""
-    tensors = []
-
-    def collect(x):
-        if isinstance(x, torch.Tensor):
-            tensors.append(x)
-        elif isinstance(x, dict):
-            for v in x.values():
-                collect(v)
-        elif isinstance(x, (list, tuple)):
-            for v in x:
-                collect(v)
-
-    collect(tree)
-    host = iter(backend.to_host(tensors))
-
-    def rebuild(x):
-        if isinstance(x, torch.Tensor):
-            return next(host)
-        if isinstance(x, dict):
-            return {k: rebuild(v) for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return type(x)(rebuild(v) for v in x)
-        return x
-
-    return rebuild(tree)
+    leaves, spec = tree_flatten(tree)
+    where = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+    for i, host in zip(where, backend.to_host([leaves[i] for i in where])):
+        leaves[i] = host
+    return tree_unflatten(leaves, spec)
 
 
 def save(engine, store, model, optimizer, scheduler, state, keep_last=None):

@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from . import checkpoint
 from .api import Engine
 from .backend import select_backend
-from .data import CostModel, check_fit, choose_buckets, load_mrpc, make_loader, parse_buckets, tokenize
+from .data import CostModel, auto_buckets, check_fit, load_mrpc, make_loader, parse_buckets, tokenize
 from .errors import Stopped, UserError
 from .signals import StopRequest
 from .storage import open_store
@@ -88,13 +88,17 @@ class TrainConfig:
         parse_buckets(self.buckets, self.max_length)
 
 
+def _from_pretrained(cls, name, **kwargs):
+    try:
+        return cls.from_pretrained(name, **kwargs)
+    except Exception as e:  # missing folder, unknown hub name offline, weights missing or corrupt
+        raise UserError(f"cannot load model {name!r}: {str(e).strip().splitlines()[0]}")
+
+
 def load_tokenizer(name):
     from transformers import AutoTokenizer
 
-    try:
-        return AutoTokenizer.from_pretrained(name)
-    except Exception as e:  # missing folder, unknown hub name offline, broken files
-        raise UserError(f"cannot load model {name!r}: {str(e).strip().splitlines()[0]}")
+    return _from_pretrained(AutoTokenizer, name)
 
 
 def prepare_data(cfg, backend, resume=None):
@@ -114,12 +118,8 @@ def prepare_data(cfg, backend, resume=None):
         steps = min(cfg.max_steps or 10**9, steps_per_epoch * cfg.epochs)
         compile_s = backend.compile_seconds if cfg.compile_seconds is None else cfg.compile_seconds
         cost = CostModel(compile_seconds=compile_s, token_seconds=backend.token_seconds)
-        train_len, eval_len = data["train"]["length"], data["validation"]["length"]
-        passes = steps * cfg.grad_accum * cfg.batch_size * world / len(train_len)  # times a row is fed
-        epochs = min(cfg.epochs, math.ceil(passes))  # evaluation runs after every epoch
-        buckets, estimate = choose_buckets(list(train_len) + list(eval_len),
-                                           [passes] * len(train_len) + [epochs / 3] * len(eval_len),
-                                           cfg.max_length, cost)
+        buckets, estimate = auto_buckets(data["train"]["length"], data["validation"]["length"], steps,
+                                         cfg.batch_size * world * cfg.grad_accum, cfg.epochs, cfg.max_length, cost)
         estimate["steps"] = steps
         print(f"buckets auto: {buckets} for {steps} steps (compile {compile_s:g} s/graph, "
               f"{cost.token_seconds:g} s/token): estimated {estimate['estimated_seconds']} s, "
@@ -160,10 +160,7 @@ def load_model(name, seed):
     from transformers import AutoModelForSequenceClassification
 
     torch.manual_seed(seed)
-    try:
-        return AutoModelForSequenceClassification.from_pretrained(name, num_labels=2)
-    except Exception as e:  # weights missing or corrupt
-        raise UserError(f"cannot load model {name!r}: {str(e).strip().splitlines()[0]}")
+    return _from_pretrained(AutoModelForSequenceClassification, name, num_labels=2)
 
 
 def train_worker(cfg, tokenizer, model, data, buckets, report, resume=None):
@@ -185,7 +182,8 @@ def train_worker(cfg, tokenizer, model, data, buckets, report, resume=None):
                            shuffle=True, seed=cfg.seed, fill="repeat")
     eval_dl = make_loader(data["validation"], tokenizer, cfg.batch_size, cfg.padding, bucket_list, cfg.max_length,
                           shuffle=False, seed=cfg.seed, fill="mask")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                  fused=engine.backend.fused_optimizer or None)
     train_dl, eval_dl, model, optimizer = engine.prepare(train_dl, eval_dl, model, optimizer)
 
     steps_per_epoch = len(train_dl) // cfg.grad_accum
@@ -244,6 +242,7 @@ def train_worker(cfg, tokenizer, model, data, buckets, report, resume=None):
         StopRequest.signum, tracker.bad_step = flags[0] or None, flags[1] or None
         return any(flags)
 
+    metric = load_metric()
     clock = RunClock(engine)
     bar = tqdm(total=total_steps, initial=first_step, desc="Training", disable=not engine.is_main_process,
                dynamic_ncols=True)
@@ -289,7 +288,7 @@ def train_worker(cfg, tokenizer, model, data, buckets, report, resume=None):
             clock.stop(run["step"])
             run["epoch"] += 1
             run["batch"] = 0
-            results = run["results"] = evaluate_model(engine, model, eval_dl)
+            results = run["results"] = evaluate_model(engine, model, eval_dl, metric)
             engine.print(f"epoch {run['epoch']}: accuracy {results['accuracy']:.4f}  f1 {results['f1']:.4f}  "
                          f"(n={results['n']})")
             monitor.epoch_end(run["step"], run["epoch"], results)
@@ -380,11 +379,15 @@ def replica_checksums(engine, model):
     return host
 
 
-def evaluate_model(engine, model, eval_dl):
-    """Accuracy and F1 over every dev row exactly once, with evaluate's glue/mrpc definitions."""
+def load_metric():
+    """evaluate's glue/mrpc metric (accuracy and F1), from the copy inside the package (no hub)."""
     import evaluate
 
-    metric = evaluate.load(str(Path(__file__).parent / "glue_mrpc"))
+    return evaluate.load(str(Path(__file__).parent / "glue_mrpc"))
+
+
+def evaluate_model(engine, model, eval_dl, metric):
+    """Accuracy and F1 over every dev row exactly once (`compute` empties `metric` for the next call)."""
     model.eval()
     with torch.no_grad():
         for batch in eval_dl:
