@@ -111,3 +111,14 @@ def gcs_emulator():
         os.environ.pop("STORAGE_EMULATOR_HOST", None)
     else:
         os.environ["STORAGE_EMULATOR_HOST"] = old
+
+
+def assert_same_weights(a, b, atol=1e-6):
+    """The models saved in output folders `a` and `b` are equal within `atol`, tensor by tensor."""
+    import torch
+    from safetensors.torch import load_file
+
+    wa, wb = load_file(str(Path(a) / "model.safetensors")), load_file(str(Path(b) / "model.safetensors"))
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], atol=atol, rtol=0, msg=k)

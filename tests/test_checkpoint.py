@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, assert_same_weights, run_cli
 
 COMMON = ["--backend", "cpu", "--epochs", "10", "--log-every", "3"]
 
@@ -33,13 +32,6 @@ def wait_for(condition, proc, timeout=300, every=0.005):
         assert proc.poll() is None, f"the run ended early:\n{proc.communicate()[1][-3000:]}"
         time.sleep(every)
     raise AssertionError("timed out")
-
-
-def assert_same_weights(a, b, atol=1e-6):
-    wa, wb = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
-    assert wa.keys() == wb.keys()
-    for k in wa:
-        assert torch.allclose(wa[k], wb[k], atol=atol, rtol=0), k
 
 
 def test_sigterm_then_resume_equals_the_uninterrupted_run(mrpc_slice, tiny_dropout_model, tmp_path):

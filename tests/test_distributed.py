@@ -7,20 +7,8 @@ import subprocess
 import sys
 
 import torch
-from safetensors.torch import load_file
 
-from conftest import ROOT, run_cli
-
-
-def _weights(folder):
-    return load_file(str(folder / "model.safetensors"))
-
-
-def assert_same_model(a, b, atol):
-    wa, wb = _weights(a), _weights(b)
-    assert wa.keys() == wb.keys()
-    for k in wa:
-        torch.testing.assert_close(wa[k], wb[k], atol=atol, rtol=0, msg=k)
+from conftest import ROOT, assert_same_weights, run_cli
 
 
 def test_spmd_over_four_devices_matches_one_device(mrpc_slice, tiny_model, tmp_path):
@@ -35,7 +23,7 @@ def test_spmd_over_four_devices_matches_one_device(mrpc_slice, tiny_model, tmp_p
     assert spmd["train_samples"] == single["train_samples"] == 40
     torch.testing.assert_close([l for _, l, _ in spmd["train_loss"]], [l for _, l, _ in single["train_loss"]],
                                atol=1e-5, rtol=0)
-    assert_same_model(tmp_path / "spmd", tmp_path / "single", atol=1e-6)
+    assert_same_weights(tmp_path / "spmd", tmp_path / "single", atol=1e-6)
     assert spmd["eval"]["n"] == 48
     assert spmd["xla"]["aten_fallbacks"] == 0
 
@@ -49,7 +37,7 @@ def test_two_gloo_processes_match_one_process(mrpc_slice, tiny_model, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert two["world_size"] == 2 and two["replicas_identical"]
     assert two["eval"]["n"] == one["eval"]["n"] == 48
-    assert_same_model(tmp_path / "two", tmp_path / "one", atol=1e-6)
+    assert_same_weights(tmp_path / "two", tmp_path / "one", atol=1e-6)
 
 
 def test_torchrun_starts_the_same_entry_point(mrpc_slice, tiny_model, tmp_path):
