@@ -58,4 +58,3 @@ def test_env_command(capsys):
     assert main(["env"]) == 0
     out = capsys.readouterr().out
     assert "torch_xla     2.9.0" in out and "--backend auto -> cpu: no TPU or CUDA device found" in out
-

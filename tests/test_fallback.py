@@ -35,4 +35,3 @@ def test_two_gloo_processes_agree_and_score_every_dev_row_once(tmp_path):
 
     model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "out")
     assert model.config.num_labels == 2
-
