@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from transformers import AutoTokenizer
 
-from xla_train.data import CostModel, auto_buckets, load_mrpc, tokenize
+from xla_train.data import CostModel, auto_buckets, job_rows, load_mrpc, tokenize
 from xla_train.train import bundled_model_path
 from xla_train.xla_backend import XLABackend
 
@@ -30,10 +30,8 @@ FIXED = {"128": [128], "32,64,96,128": [32, 64, 96, 128]}
 
 
 def fixed_estimate(buckets, train_len, eval_len, steps, batch, epochs, cost):
-    """The cost model's time for a fixed bucket list (same weights as auto_buckets)."""
-    lengths = np.concatenate([train_len, eval_len])
-    passes = steps * batch / len(train_len)
-    weights = np.concatenate([np.full(len(train_len), passes), np.full(len(eval_len), min(epochs, np.ceil(passes)) / 3)])
+    """The cost model's time for a fixed bucket list (the rows and weights auto_buckets uses)."""
+    lengths, weights = job_rows(train_len, eval_len, steps, batch, epochs)
     padded = np.asarray(buckets)[np.searchsorted(buckets, lengths)]
     return cost.total(len(buckets), float((padded * weights).sum()))
 

@@ -186,13 +186,19 @@ def choose_buckets(lengths, weights, max_length, cost, multiple=8):
     return buckets, estimate
 
 
-def auto_buckets(train_lengths, eval_lengths, steps, rows_per_step, epochs, max_length, cost):
-    """`--buckets auto` for a job of `steps` optimizer steps of `rows_per_step` training rows
-    (batch x replicas x accumulation), evaluating after each of up to `epochs` epochs."""
+def job_rows(train_lengths, eval_lengths, steps, rows_per_step, epochs):
+    """(lengths, weights) of every row a job of `steps` optimizer steps of `rows_per_step` training
+    rows (batch x replicas x accumulation) feeds, evaluating after each of up to `epochs` epochs;
+    a row's weight is its cost in training-row passes."""
     passes = steps * rows_per_step / len(train_lengths)  # times each training row is fed
     evals = min(epochs, math.ceil(passes))  # an evaluation after every epoch, forward only (~1/3)
-    return choose_buckets(list(train_lengths) + list(eval_lengths),
-                          [passes] * len(train_lengths) + [evals / 3] * len(eval_lengths), max_length, cost)
+    return (np.concatenate([train_lengths, eval_lengths]),
+            np.concatenate([np.full(len(train_lengths), passes), np.full(len(eval_lengths), evals / 3)]))
+
+
+def auto_buckets(train_lengths, eval_lengths, steps, rows_per_step, epochs, max_length, cost):
+    """`--buckets auto` for such a job (see `job_rows`)."""
+    return choose_buckets(*job_rows(train_lengths, eval_lengths, steps, rows_per_step, epochs), max_length, cost)
 
 
 # ---------------------------------------------------------------------------------------------
