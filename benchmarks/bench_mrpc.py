@@ -5,6 +5,11 @@ tokenisation, compilation, training, evaluation) for the same number of steps de
     python benchmarks/bench_mrpc.py                        # full 3-epoch runs (about 1.5 h here)
     python benchmarks/bench_mrpc.py --max-steps 200        # a quick comparison
     python benchmarks/bench_mrpc.py --cases cpu,cpu-ref    # only the CPU fallback pair
+    python benchmarks/bench_mrpc.py --pin                  # cases at once, one core and one thread each
+
+--pin runs the cases concurrently, each pinned to its own core with one thread (a case waits for
+a free core); the speed drift of a shared machine then hits every case alike, and the wall-time
+ratios compare one core against one core.
 
 Writes OUT/results.json and OUT/results.md (OUT defaults to benchmarks/out).
 """
@@ -33,19 +38,56 @@ CASES = {
 }
 
 
-def run(name, cmd, env, extra, metrics):
-    print(f"== {name}: {' '.join(cmd[1:] + extra)}", flush=True)
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd + extra + ["--metrics-out", str(metrics)], cwd=ROOT,
-                          env={**os.environ, **env}, stderr=subprocess.PIPE, text=True)
-    wall = time.perf_counter() - t0
+def start(name, cmd, env, extra, metrics, core=None):
+    print(f"== {name}: {' '.join(cmd[1:] + extra)}" + (f" (core {core})" if core is not None else ""),
+          flush=True)
+    if core is not None:
+        env = {**env, "OMP_NUM_THREADS": "1"}
+    log = metrics.with_suffix(".log")  # the case's stderr: progress bars, its summary, any error
+    with log.open("w") as f:
+        proc = subprocess.Popen(cmd + extra + ["--metrics-out", str(metrics)], cwd=ROOT,
+                                env={**os.environ, **env}, stderr=f, preexec_fn=None if core is None
+                                else lambda: os.sched_setaffinity(0, {core}))
+    proc.t0, proc.name, proc.metrics, proc.log, proc.core = time.perf_counter(), name, metrics, log, core
+    return proc
+
+
+def finish(proc):
+    proc.wait()
+    wall = time.perf_counter() - proc.t0
     if proc.returncode != 0:
-        print(proc.stderr[-4000:], file=sys.stderr)
-        raise SystemExit(f"{name} failed with exit code {proc.returncode}")
-    m = json.loads(metrics.read_text())
+        print(proc.log.read_text()[-4000:], file=sys.stderr)
+        raise SystemExit(f"{proc.name} failed with exit code {proc.returncode}")
+    m = json.loads(proc.metrics.read_text())
     m["wall_seconds"] = round(wall, 2)
-    print(f"   wall {wall:.1f} s, accuracy {m['eval']['accuracy']:.4f}, f1 {m['eval']['f1']:.4f}", flush=True)
+    if proc.core is not None:
+        m["pinned_core"] = proc.core
+    print(f"   {proc.name}: wall {wall:.1f} s, accuracy {m['eval']['accuracy']:.4f}, "
+          f"f1 {m['eval']['f1']:.4f}", flush=True)
     return m
+
+
+def run_pinned(keys, extra, out_dir):
+    """Each case on its own core, as many at once as there are cores."""
+    free, running, results = sorted(os.sched_getaffinity(0)), {}, {}
+    queue = list(keys)
+    try:
+        while queue or running:
+            while queue and free:
+                key = queue.pop(0)
+                label, cmd, env = CASES[key]
+                running[key] = start(label, cmd, env, extra, out_dir / f"{key}.json", free.pop(0))
+            done = next((k for k, pr in running.items() if pr.poll() is not None), None)
+            if done is None:
+                time.sleep(1)
+                continue
+            proc = running.pop(done)
+            results[done] = finish(proc)
+            free.append(proc.core)
+    finally:  # a failed case (or Ctrl-C) stops the others too
+        for proc in running.values():
+            proc.kill()
+    return {k: results[k] for k in keys}
 
 
 def table(results):
@@ -69,6 +111,7 @@ def main():
     p.add_argument("--max-steps", type=int, default=None)
     p.add_argument("--cases", default=",".join(CASES), help="comma-separated, from: " + ", ".join(CASES))
     p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "out"))
+    p.add_argument("--pin", action="store_true", help="run the cases at once, each on its own core")
     args = p.parse_args()
     unknown = set(args.cases.split(",")) - set(CASES)
     if unknown:
@@ -76,10 +119,14 @@ def main():
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     extra = ["--max-steps", str(args.max_steps)] if args.max_steps else []
-    results = {}
-    for key in args.cases.split(","):
-        label, cmd, env = CASES[key]
-        results[key] = run(label, cmd, env, extra, out_dir / f"{key}.json")
+    keys = args.cases.split(",")
+    if args.pin:
+        results = run_pinned(keys, extra, out_dir)
+    else:
+        results = {}
+        for key in keys:
+            label, cmd, env = CASES[key]
+            results[key] = finish(start(label, cmd, env, extra, out_dir / f"{key}.json"))
     md = f"Command: `python benchmarks/bench_mrpc.py {' '.join(sys.argv[1:])}`\n\n" + table(results)
     (out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     (out_dir / "results.md").write_text(md)
