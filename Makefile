@@ -14,7 +14,7 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/xla-train train --metrics-out runs/demo/metrics.json
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/bench_mrpc.py

@@ -6,6 +6,7 @@ tokenisation, compilation, training, evaluation) for the same number of steps de
     python benchmarks/bench_mrpc.py --max-steps 200        # a quick comparison
     python benchmarks/bench_mrpc.py --cases cpu,cpu-ref    # only the CPU fallback pair
     python benchmarks/bench_mrpc.py --pin                  # cases at once, one core and one thread each
+    python benchmarks/bench_mrpc.py --cases xla,xla-bf16   # bf16 autocast against fp32, same seed
 
 --pin runs the cases concurrently, each pinned to its own core with one thread (a case waits for
 a free core); the speed drift of a shared machine then hits every case alike, and the wall-time
@@ -31,6 +32,7 @@ CPU_ENV = {"USE_TORCH_XLA": "0"}  # otherwise Accelerate silently moves the job 
 # name: (label, command, environment); "<backend>-..." rows are compared with the "<backend>" row
 CASES = {
     "xla": ("xla_train (xla, buckets auto)", OURS + ["--backend", "xla"], XLA_ENV),
+    "xla-bf16": ("xla_train (xla, bf16)", OURS + ["--backend", "xla", "--precision", "bf16"], XLA_ENV),
     "xla-ref-static": ("accelerate (xla, max_length 128)", REF + ["--padding", "max_length"], XLA_ENV),
     "xla-ref-dynamic": ("accelerate (xla, dynamic)", REF + ["--padding", "dynamic"], XLA_ENV),
     "cpu": ("xla_train (cpu, buckets auto)", OURS + ["--backend", "cpu"], CPU_ENV),
@@ -109,7 +111,8 @@ def table(results):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--max-steps", type=int, default=None)
-    p.add_argument("--cases", default=",".join(CASES), help="comma-separated, from: " + ", ".join(CASES))
+    p.add_argument("--cases", default=",".join(k for k in CASES if k != "xla-bf16"),
+                   help="comma-separated, from: " + ", ".join(CASES))
     p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "out"))
     p.add_argument("--pin", action="store_true", help="run the cases at once, each on its own core")
     args = p.parse_args()
