@@ -57,9 +57,11 @@ def start(name, cmd, env, extra, metrics, core=None):
 def finish(proc):
     proc.wait()
     wall = time.perf_counter() - proc.t0
-    if proc.returncode != 0:
-        print(proc.log.read_text()[-4000:], file=sys.stderr)
-        raise SystemExit(f"{proc.name} failed with exit code {proc.returncode}")
+    if proc.returncode != 0:  # a result too (the other cases go on): the table says how it ended
+        print(proc.log.read_text()[-2000:], file=sys.stderr)
+        print(f"   {proc.name}: FAILED with exit code {proc.returncode} after {wall:.1f} s "
+              f"(log: {proc.log})", flush=True)
+        return {"failed": proc.returncode, "wall_seconds": round(wall, 2), "log": str(proc.log)}
     m = json.loads(proc.metrics.read_text())
     m["wall_seconds"] = round(wall, 2)
     if proc.core is not None:
@@ -86,7 +88,7 @@ def run_pinned(keys, extra, out_dir):
             proc = running.pop(done)
             results[done] = finish(proc)
             free.append(proc.core)
-    finally:  # a failed case (or Ctrl-C) stops the others too
+    finally:  # Ctrl-C stops every case
         for proc in running.values():
             proc.kill()
     return {k: results[k] for k in keys}
@@ -97,7 +99,12 @@ def table(results):
             "syncs/step | aten fallbacks | padding eff. | accuracy | F1 |",
             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for key, m in results.items():
+        if "failed" in m:
+            rows.append(f"| {CASES[key][0]} | failed (exit code {m['failed']}) after {m['wall_seconds']:.1f} s "
+                        f"| - | - | - | - | - | - | - | - | - |")
+            continue
         ours = results.get(key.split("-")[0])
+        ours = None if ours is None or "failed" in ours else ours
         x = m.get("xla") or {}
         rows.append("| {} | {:.1f} | {} | {:.1f} | {} | {} | {} | {} | {} | {:.4f} | {:.4f} |".format(
             CASES[key][0], m["wall_seconds"],
@@ -134,6 +141,9 @@ def main():
     (out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     (out_dir / "results.md").write_text(md)
     print(md)
+    failed = [CASES[k][0] for k, m in results.items() if "failed" in m]
+    if failed:
+        raise SystemExit(f"failed: {', '.join(failed)} (logs in {out_dir})")
 
 
 if __name__ == "__main__":
