@@ -2,7 +2,7 @@
 under HF Accelerate, on XLA:CPU and on the plain CPU. Whole-job wall time (start-up,
 tokenisation, compilation, training, evaluation) for the same number of steps decides.
 
-    python benchmarks/bench_mrpc.py                        # full 3-epoch runs (about 1.5 h here)
+    python benchmarks/bench_mrpc.py                        # full 3-epoch runs (3 h or more here)
     python benchmarks/bench_mrpc.py --max-steps 200        # a quick comparison
     python benchmarks/bench_mrpc.py --cases cpu,cpu-ref    # only the CPU fallback pair
     python benchmarks/bench_mrpc.py --pin                  # cases at once, one core and one thread each
