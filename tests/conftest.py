@@ -66,6 +66,21 @@ def tiny_dropout_model(tmp_path_factory):
     return _tiny_bert(tmp_path_factory.mktemp("tiny_bert_dropout"), dropout=0.1)
 
 
+TINY = ["--max-steps", 16, "--buckets", "64,128", "--log-every", 1]
+
+
+@pytest.fixture(scope="session")
+def tiny_bucketed_run(mrpc_slice, tiny_model, tmp_path_factory):
+    """16 steps of the tiny BERT (no dropout) on one XLA:CPU device, two buckets, the loss read
+    every step; the reference of the eager-CPU, dynamic-padding and SPMD tests. Returns the
+    metrics and the output folder."""
+    out = tmp_path_factory.mktemp("tiny_xla")
+    proc, m = run_cli(["--backend", "xla", "--model", tiny_model, "--data-dir", mrpc_slice, *TINY,
+                       "--output-dir", out / "run"], out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return m, out / "run"
+
+
 def run_cli(args, tmp_path, env=None, timeout=900):
     """Runs `python -m xla_train train ARGS --metrics-out ...` in a fresh process.
 

@@ -8,36 +8,42 @@ import sys
 
 import torch
 
-from conftest import ROOT, assert_same_weights, run_cli
+from conftest import ROOT, TINY, assert_same_weights, run_cli, write_slice
 
 
-def test_spmd_over_four_devices_matches_one_device(mrpc_slice, tiny_model, tmp_path):
-    common = ["--backend", "xla", "--model", tiny_model, "--data-dir", mrpc_slice, "--max-steps", 5,
-              "--log-every", 1, "--buckets", "64,128"]
-    proc, spmd = run_cli([*common, "--strategy", "spmd", "--batch-size", 2, "--output-dir", tmp_path / "spmd"],
+def test_spmd_over_four_devices_matches_one_device(mrpc_slice, tiny_model, tiny_bucketed_run, tmp_path):
+    """The global batch of 8 split over 4 devices against the one-device run of conftest."""
+    proc, spmd = run_cli(["--backend", "xla", "--model", tiny_model, "--data-dir", mrpc_slice, *TINY,
+                          "--strategy", "spmd", "--batch-size", 2, "--output-dir", tmp_path / "spmd"],
                          tmp_path, env={"CPU_NUM_DEVICES": "4"})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    proc, single = run_cli([*common, "--batch-size", 8, "--output-dir", tmp_path / "single"], tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    single, single_dir = tiny_bucketed_run
     assert spmd["world_size"] == 4 and single["world_size"] == 1
-    assert spmd["train_samples"] == single["train_samples"] == 40
+    assert spmd["train_samples"] == single["train_samples"] == 16 * 8
     torch.testing.assert_close([l for _, l, _ in spmd["train_loss"]], [l for _, l, _ in single["train_loss"]],
                                atol=1e-5, rtol=0)
-    assert_same_weights(tmp_path / "spmd", tmp_path / "single", atol=1e-6)
+    assert_same_weights(tmp_path / "spmd", single_dir, atol=1e-6)
     assert spmd["eval"]["n"] == 48
     assert spmd["xla"]["aten_fallbacks"] == 0
 
 
-def test_two_gloo_processes_match_one_process(mrpc_slice, tiny_model, tmp_path):
-    common = ["--backend", "cpu", "--model", tiny_model, "--data-dir", mrpc_slice, "--max-steps", 6]
+def test_two_gloo_processes_match_one_process(tiny_model, tmp_path):
+    """44 dev rows do not fill the last 2 x 8 batch: every row is still scored once."""
+    data = write_slice(tmp_path / "mrpc", 160, 44)
+    common = ["--backend", "cpu", "--model", tiny_model, "--data-dir", data, "--max-steps", 6]
     proc, two = run_cli([*common, "--num-processes", 2, "--batch-size", 8, "--output-dir", tmp_path / "two"],
                         tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     proc, one = run_cli([*common, "--batch-size", 16, "--output-dir", tmp_path / "one"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert two["world_size"] == 2 and two["replicas_identical"]
-    assert two["eval"]["n"] == one["eval"]["n"] == 48
+    assert two["world_size"] == 2 and two["replicas_identical"] and two["train_samples"] == 6 * 8 * 2
+    assert two["eval"]["n"] == one["eval"]["n"] == 44
+    assert two["eval"] == one["eval"]
     assert_same_weights(tmp_path / "two", tmp_path / "one", atol=1e-6)
+    # the saved model loads in plain transformers
+    from transformers import AutoModelForSequenceClassification
+
+    assert AutoModelForSequenceClassification.from_pretrained(tmp_path / "two").config.num_labels == 2
 
 
 def test_torchrun_starts_the_same_entry_point(mrpc_slice, tiny_model, tmp_path):

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import run_cli
+from conftest import TINY, run_cli
 
 EVAL_ROWS, BATCH = 48, 8
 
@@ -51,25 +51,13 @@ def test_loss_goes_down(bucketed_run):
     assert losses[3] < losses[0] and losses[2] + losses[3] < losses[0] + losses[1]
 
 
-TINY = ["--max-steps", 16, "--buckets", "64,128", "--log-every", 1]
-
-
-@pytest.fixture(scope="module")
-def tiny_bucketed_run(mrpc_slice, tiny_model, tmp_path_factory):
-    """16 steps of the tiny BERT (no dropout) on XLA:CPU, two buckets, the loss read every step."""
-    proc, m = run_cli(["--backend", "xla", "--model", tiny_model, "--data-dir", mrpc_slice, *TINY],
-                      tmp_path_factory.mktemp("tiny_xla"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return m
-
-
 def test_dynamic_padding_compiles_far_more_graphs(mrpc_slice, tiny_model, tiny_bucketed_run, tmp_path):
     """The reason the package exists: the course's per-batch padding compiles a graph for nearly
     every batch; buckets compile a handful. Measured here: 17 against 5 over 16 steps."""
     proc_d, dynamic = run_cli(["--backend", "xla", "--model", tiny_model, "--data-dir", mrpc_slice, "--max-steps", 16,
                                "--padding", "dynamic"], tmp_path)
     assert proc_d.returncode == 0, proc_d.stderr[-3000:]
-    buckets = tiny_bucketed_run
+    buckets = tiny_bucketed_run[0]
     ratio = dynamic["xla"]["compiles"] / buckets["xla"]["compiles"]
     assert buckets["xla"]["compiles"] <= 5
     assert ratio >= 3, (buckets["xla"], dynamic["xla"])
@@ -79,7 +67,7 @@ def test_xla_computes_what_eager_torch_computes(mrpc_slice, tiny_model, tiny_buc
     """The same run on the eager CPU backend: the same losses at every step and the same weights."""
     proc, eager = run_cli(["--backend", "cpu", "--model", tiny_model, "--data-dir", mrpc_slice, *TINY], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    xla = tiny_bucketed_run
+    xla = tiny_bucketed_run[0]
     assert [s for s, _, _ in xla["train_loss"]] == list(range(1, 17))
     torch.testing.assert_close([loss for _, loss, _ in xla["train_loss"]],
                                [loss for _, loss, _ in eager["train_loss"]], atol=1e-5, rtol=0)
