@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import TINY, run_cli
+from conftest import TINY, assert_same_weights, run_cli
 
 EVAL_ROWS, BATCH = 48, 8
 
@@ -65,13 +65,15 @@ def test_dynamic_padding_compiles_far_more_graphs(mrpc_slice, tiny_model, tiny_b
 
 def test_xla_computes_what_eager_torch_computes(mrpc_slice, tiny_model, tiny_bucketed_run, tmp_path):
     """The same run on the eager CPU backend: the same losses at every step and the same weights."""
-    proc, eager = run_cli(["--backend", "cpu", "--model", tiny_model, "--data-dir", mrpc_slice, *TINY], tmp_path)
+    proc, eager = run_cli(["--backend", "cpu", "--model", tiny_model, "--data-dir", mrpc_slice, *TINY,
+                           "--output-dir", tmp_path / "eager"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    xla = tiny_bucketed_run[0]
+    xla, xla_dir = tiny_bucketed_run
     assert [s for s, _, _ in xla["train_loss"]] == list(range(1, 17))
     torch.testing.assert_close([loss for _, loss, _ in xla["train_loss"]],
                                [loss for _, loss, _ in eager["train_loss"]], atol=1e-5, rtol=0)
     assert xla["param_checksum"] == pytest.approx(eager["param_checksum"], rel=1e-6)
+    assert_same_weights(xla_dir, tmp_path / "eager", atol=1e-5)
 
 
 def test_bf16_with_gradient_accumulation(mrpc_slice, tiny_model, tmp_path):
