@@ -1,4 +1,7 @@
-"""CUDA DDP (NCCL) or CPU (gloo / single process) implementation of xla_train's Backend.
+"""CUDA DDP (NCCL) and CPU (gloo / single process) implementations of xla_train's Backend.
+
+`TorchBackend` holds what both share (DDP, process groups, launching); `CudaBackend` and
+`CPUBackend` differ only in their device, process-group backend and a few costs.
 
 Launch commands this backend serves:
     xla-train train --backend cpu                       # one CPU process
@@ -19,7 +22,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from xla_train.backend import Backend
-from xla_train.errors import Stopped, UserError
+from xla_train.errors import ExitError, Stopped, UserError
 
 
 def _launched_by_torchrun():
@@ -33,26 +36,31 @@ def _free_port():
 
 
 class TorchBackend(Backend):
-    token_seconds = 1.2e-3  # eager CPU (2 cores here), training step of the bundled model, per padded token
-    fused_optimizer = True  # one fused AdamW kernel instead of a chain of multi-tensor ops
+    """Plain torch: DDP across processes (one per device), or one process."""
 
-    def __init__(self, name, num_processes=None):
-        assert name in ("cuda", "cpu")
-        self.name = name
+    fused_optimizer = True  # one fused AdamW kernel instead of a chain of multi-tensor ops
+    process_group = None  # torch.distributed backend: "nccl" | "gloo"
+
+    def __init__(self, num_processes=None):
         self.num_processes = num_processes
-        if name == "cuda":
-            self.token_seconds = 5e-6  # a rough guess for a current GPU; not measured here
         # transformers and accelerate move work onto XLA when torch_xla is importable; this
         # backend is the plain-torch path, so tell them not to.
         os.environ.setdefault("USE_TORCH_XLA", "0")
 
+    def default_processes(self):
+        """Workers on this host when --num-processes is not given."""
+        return 1
+
     # --- launching ------------------------------------------------------------------------
+    def planned_devices(self):
+        if _launched_by_torchrun():
+            return int(os.environ["WORLD_SIZE"])
+        return self.num_processes or self.default_processes()
+
     def launch(self, fn, args=(), nprocs=None, start_method="spawn"):
-        nprocs = nprocs or self.num_processes
-        if nprocs is None:
-            nprocs = torch.cuda.device_count() if self.name == "cuda" else 1
+        nprocs = nprocs or self.num_processes or self.default_processes()
         if _launched_by_torchrun() or nprocs == 1:
-            _run_and_teardown(self, fn, args)  # torchrun started this process already, or there is one
+            self.run_worker(fn, args)  # torchrun started this process already, or there is one
             return
         # spawn by default: a forked child of a process whose OpenMP pool already ran can hang.
         # Notebooks need fork (spawn cannot import a function defined in a cell), so
@@ -73,11 +81,25 @@ class TorchBackend(Backend):
         finally:
             spawn_log.setLevel(level)
 
+    def run_worker(self, fn, args=(), report_stop=False):
+        stopped = None
+        with self.activated():
+            try:
+                fn(*args)
+            except Stopped as e:  # every replica stopped at the same step: they leave together
+                stopped = e.args  # not the exception: its traceback holds fn's frames and DDP model
+                if report_stop and self.is_main:  # a spawned worker: say it before the barrier lets others exit
+                    print(e.line(), file=sys.stderr, flush=True)
+        # Only now, with fn's DDP model and its gradient reducer freed, may the process group go:
+        # a reducer that outlives its group can hang in the group's destructor.
+        gc.collect()
+        self.teardown()
+        if stopped:
+            raise Stopped(*stopped)
+
     def setup(self):
         if _launched_by_torchrun() and int(os.environ["WORLD_SIZE"]) > 1 and not dist.is_initialized():
-            if self.name == "cuda":
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-            dist.init_process_group("nccl" if self.name == "cuda" else "gloo")
+            dist.init_process_group(self.process_group)
 
     def teardown(self):
         if dist.is_initialized():
@@ -86,12 +108,6 @@ class TorchBackend(Backend):
 
     # --- topology ---------------------------------------------------------------------------
     @property
-    def device(self):
-        if self.name == "cuda":
-            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        return torch.device("cpu")
-
-    @property
     def world_size(self):
         return dist.get_world_size() if dist.is_initialized() else 1
 
@@ -99,17 +115,13 @@ class TorchBackend(Backend):
     def rank(self):
         return dist.get_rank() if dist.is_initialized() else 0
 
-    def describe_device(self):
-        if self.name == "cuda":
-            return torch.cuda.get_device_name(self.device)
-        return f"cpu ({torch.get_num_threads()} threads)"
-
     # --- model, data, step ------------------------------------------------------------------
     def prepare_model(self, model):
         model = model.to(self.device)
         if self.world_size > 1:
             # DDP broadcasts rank 0's parameters, so every replica starts identical.
-            model = DistributedDataParallel(model, device_ids=[self.device.index] if self.name == "cuda" else None)
+            model = DistributedDataParallel(model, device_ids=[self.device.index] if self.device.index is not None
+                                            else None)
         return model
 
     def unwrap_model(self, model):
@@ -129,16 +141,6 @@ class TorchBackend(Backend):
         optimizer.step()
         return norm
 
-    def rng_state(self):
-        if self.name == "cuda":
-            return torch.cat([torch.get_rng_state(), torch.cuda.get_rng_state(self.device)])
-        return super().rng_state()
-
-    def set_rng_state(self, state):
-        super().set_rng_state(state)
-        if self.name == "cuda":
-            torch.cuda.set_rng_state(state[len(torch.get_rng_state()):].clone(), self.device)
-
     # --- across replicas --------------------------------------------------------------------
     def gather(self, tensor):
         if self.world_size == 1:
@@ -151,9 +153,53 @@ class TorchBackend(Backend):
         if self.world_size > 1:
             dist.barrier()
 
+
+class CPUBackend(TorchBackend):
+    """The CPU: one process, or gloo processes on this host."""
+
+    name = "cpu"
+    process_group = "gloo"
+    token_seconds = 1.2e-3  # eager CPU (2 cores here), training step of the bundled model, per padded token
+
+    @property
+    def device(self):
+        return torch.device("cpu")
+
+    def describe_device(self):
+        return f"cpu ({torch.get_num_threads()} threads)"
+
+
+class CudaBackend(TorchBackend):
+    """NVIDIA GPUs: one process per visible GPU, DDP over NCCL."""
+
+    name = "cuda"
+    process_group = "nccl"
+    token_seconds = 5e-6  # a rough guess for a current GPU; not measured here
+
+    def default_processes(self):
+        return torch.cuda.device_count()
+
+    def setup(self):
+        if _launched_by_torchrun():
+            torch.cuda.set_device(self.device)  # before the NCCL group, which binds to the current device
+        super().setup()
+
+    @property
+    def device(self):
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+
+    def describe_device(self):
+        return torch.cuda.get_device_name(self.device)
+
+    def rng_state(self):
+        return torch.cat([torch.get_rng_state(), torch.cuda.get_rng_state(self.device)])
+
+    def set_rng_state(self, state):
+        super().set_rng_state(state)
+        torch.cuda.set_rng_state(state[len(torch.get_rng_state()):].clone(), self.device)
+
     def synchronize(self):
-        if self.name == "cuda":
-            torch.cuda.synchronize(self.device)
+        torch.cuda.synchronize(self.device)
 
 
 class _DeviceLoader:
@@ -173,26 +219,10 @@ class _DeviceLoader:
 def _worker(local_rank, backend, env, fn, args):
     os.environ.update(env, RANK=str(local_rank), LOCAL_RANK=str(local_rank))
     try:
-        _run_and_teardown(backend, fn, args, report_stop=True)
-    except UserError as e:
+        backend.run_worker(fn, args, report_stop=True)
+    except ExitError as e:
         # One line, not the traceback torch.multiprocessing would pass up (a stop was reported
         # before the workers parted, as torch may terminate the others once one has exited).
         if str(e) and not isinstance(e, Stopped):
             print(e.line(), file=sys.stderr, flush=True)
         sys.exit(e.exit_code)
-
-
-def _run_and_teardown(backend, fn, args, report_stop=False):
-    stopped = None
-    try:
-        fn(*args)
-    except Stopped as e:  # every replica stopped at the same step: they leave together
-        stopped = e.args  # not the exception: its traceback holds fn's frames and DDP model
-        if report_stop and backend.is_main:  # a spawned worker: say it before the barrier lets others exit
-            print(e.line(), file=sys.stderr, flush=True)
-    # Only now, with fn's DDP model and its gradient reducer freed, may the process group go:
-    # a reducer that outlives its group can hang in the group's destructor.
-    gc.collect()
-    backend.teardown()
-    if stopped:
-        raise Stopped(*stopped)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from xla_train.data import BUNDLED_MRPC
+from xla_train.tasks import BUNDLED_MRPC
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,7 +42,7 @@ def _tiny_bert(path, dropout):
     import torch
     from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
 
-    from xla_train.train import bundled_model_path
+    from xla_train.tasks import bundled_model_path
 
     torch.manual_seed(0)
     tok = AutoTokenizer.from_pretrained(bundled_model_path())

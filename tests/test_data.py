@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from xla_train.data import BatchPlan, CostModel, choose_buckets, load_mrpc, parse_buckets, read_glue_tsv, tokenize
+from xla_train.data import BatchPlan, CostModel, choose_buckets, parse_buckets, tokenize
+from xla_train.tasks import load_mrpc, read_glue_tsv
 from xla_train.errors import UserError
 
 
@@ -118,7 +119,7 @@ def test_auto_buckets_trade_compilations_for_padding():
 def test_rows_longer_than_max_length_are_truncated_and_counted(mrpc_slice):
     from transformers import AutoTokenizer
 
-    from xla_train.train import bundled_model_path
+    from xla_train.tasks import bundled_model_path
 
     data, truncated = tokenize(load_mrpc(mrpc_slice), AutoTokenizer.from_pretrained(bundled_model_path()), 40)
     full, _ = tokenize(load_mrpc(mrpc_slice), AutoTokenizer.from_pretrained(bundled_model_path()), 512)

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from conftest import ROOT, TINY, assert_same_weights, run_cli, write_slice
@@ -58,3 +59,20 @@ def test_torchrun_starts_the_same_entry_point(mrpc_slice, tiny_model, tmp_path):
 
     m = json.loads(out.read_text())
     assert m["world_size"] == 2 and m["replicas_identical"] and m["eval"]["n"] == 48
+
+
+@pytest.mark.parametrize("args, env, devices", [
+    (["--backend", "xla", "--strategy", "spmd"], {"CPU_NUM_DEVICES": "4"}, 4),  # one process, 4 XLA:CPU devices
+    (["--backend", "cpu", "--num-processes", "2"], {}, 2),  # two gloo processes
+])
+def test_buckets_auto_plans_for_the_devices_the_run_will_have(args, env, devices, tiny_model, tmp_path):
+    """`--buckets auto` plans the job before launch: with every device counted, 3,668 MRPC rows
+    in global batches of 8 x devices take 115 steps an epoch on 4 devices, 230 on 2."""
+    proc, m = run_cli([*args, "--model", tiny_model, "--max-steps", 1], tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plan = next(line for line in proc.stdout.splitlines() if line.startswith("buckets auto:"))
+    per_epoch = -(-3668 // (8 * devices))
+    assert f"global batch {8 * devices} = 8 x {devices} device(s) x 1 accumulated" in plan, plan
+    assert f"{per_epoch} steps per epoch, {3 * per_epoch} for 3 epochs" in plan, plan
+    assert m["world_size"] == devices and m["buckets_auto"]["steps_per_epoch"] == per_epoch
+    assert m["buckets"] == m["buckets_auto"]["buckets"]

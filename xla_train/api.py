@@ -11,16 +11,18 @@
             optimizer.zero_grad(set_to_none=True)
 
 `launch(fn, args)` runs `fn` on every local TPU core / GPU / CPU worker; create the Engine
-inside `fn`. The package's own MRPC job (`xla_train.train`) is written on this same API.
+inside `fn` (it then uses the backend that launched the worker). The package's own job
+(`xla_train.train`) is written on this same API.
 """
 
 import torch
 from tqdm.auto import tqdm
-
-from .backend import select_backend
 from transformers import DataCollatorWithPadding
 
+from .backend import Backend, active_backend
 from .data import BatchPlan, make_loader
+from .errors import UserError
+from .selection import select_backend
 
 
 class Engine:
@@ -28,8 +30,8 @@ class Engine:
 
     def __init__(self, backend="auto", precision="fp32", grad_accum=1, max_grad_norm=None,
                  num_processes=None, compile_cache=None, strategy="ddp"):
-        self.backend = select_backend(backend, num_processes, strategy) if isinstance(backend, str) else backend
-        self.backend.setup()  # process groups, SPMD mode: before anything touches the device
+        self.backend = _engine_backend(backend, num_processes, strategy)
+        self.backend.start()  # process groups, SPMD mode: before anything touches the device
         if compile_cache:
             self.backend.use_compile_cache(compile_cache)  # before the first compilation
         self.precision, self.grad_accum, self.max_grad_norm = precision, grad_accum, max_grad_norm
@@ -58,6 +60,23 @@ class Engine:
     @property
     def is_main_process(self):
         return self.backend.is_main
+
+    @property
+    def runtime(self):
+        """The backend's name: "xla", "cuda" or "cpu"."""
+        return self.backend.name
+
+    def describe_device(self):
+        return self.backend.describe_device()
+
+    @property
+    def fused_optimizer(self):
+        """Whether torch.optim's fused kernels (`fused=True`) run on this device."""
+        return self.backend.fused_optimizer
+
+    def seed(self, seed):
+        """Seeds the host generator and the device's (dropout masks)."""
+        self.backend.seed(seed)
 
     def print(self, *args, **kwargs):
         """print() on the main process only, without breaking progress bars."""
@@ -94,7 +113,7 @@ class Engine:
         return tuple(out) if len(out) > 1 else out[0]
 
     def _prepare_loader(self, loader):
-        if (self.backend.name == "xla" and isinstance(loader.collate_fn, DataCollatorWithPadding)
+        if (self.backend.static_shapes and isinstance(loader.collate_fn, DataCollatorWithPadding)
                 and hasattr(loader.dataset, "with_format")):
             loader = _static_shape_loader(loader)
         plan = loader.batch_sampler
@@ -168,12 +187,45 @@ class Engine:
         cols = [host[:, i] for i in range(len(tensors))]
         return cols[0] if single else tuple(cols)
 
+    def gather(self, tensor):
+        """Concatenates `tensor` (same shape on every replica) along dim 0, on the device."""
+        return self.backend.gather(tensor)
+
+    def to_host(self, tensors):
+        """Cuts the pending graph and copies device tensors to the CPU (one transfer on XLA)."""
+        return self.backend.to_host(tensors)
+
+    def read(self, tensors):
+        """Copies tensors the step has already computed to the CPU (in a step closure)."""
+        return self.backend.read(tensors)
+
+    def step_closure(self, fn, args=()):
+        """Runs `fn(*args)` on the host once the current step has run (at once when eager):
+        logging that never makes the loop wait for the device."""
+        self.backend.step_closure(fn, args)
+
+    def synchronize(self):
+        """Waits for all queued device work (for honest timings)."""
+        self.backend.synchronize()
+
     def wait_for_everyone(self):
         self.backend.barrier()
 
-    def save(self, obj, path):
-        """Every process calls this (never inside `if is_main_process`); the main one writes."""
-        self.backend.save(obj, path)
+    # --- state and observability --------------------------------------------------------
+    def rng_state(self):
+        """This process's random state (host and device generators) as a 1-D uint8 tensor."""
+        return self.backend.rng_state()
+
+    def set_rng_state(self, state):
+        self.backend.set_rng_state(state)
+
+    def compile_stats(self):
+        """A snapshot of the process's compilation counters, or None where nothing compiles."""
+        return self.backend.compile_stats()
+
+    def trace_compilations(self, path):
+        """Sends the cause and Python frames of every compilation to `path` (see Backend)."""
+        return self.backend.trace_compilations(path)
 
     def save_pretrained(self, model, tokenizer, path):
         """`save_pretrained` of the unwrapped model (weights moved to the CPU) and tokenizer."""
@@ -224,6 +276,18 @@ def _static_shape_loader(loader):
     return make_loader(ds, tokenizer, loader.batch_size, "buckets", list(range(32, top + 1, 32)), top,
                        shuffle=shuffle, seed=torch.initial_seed(), fill="repeat" if shuffle else "mask",
                        lengths=lengths)
+
+
+def _engine_backend(backend, num_processes, strategy):
+    """The backend object an Engine uses: the launching one inside `launch`, else a new one."""
+    if isinstance(backend, Backend):
+        return backend
+    active = active_backend()
+    if active is None:
+        return select_backend(backend, num_processes, strategy)
+    if backend not in ("auto", active.name):
+        raise UserError(f"Engine(backend={backend!r}) inside a worker launched with the {active.name} backend")
+    return active
 
 
 def launch(fn, args=(), backend="auto", num_processes=None, strategy="ddp"):

@@ -1,21 +1,24 @@
-"""The backend interface, and the one function that picks an implementation.
+"""The backend interface. It imports no implementation; `xla_train.selection` picks one.
 
-Two implementations: `xla_train.xla_backend.XLABackend` (torch_xla, PJRT) and
-`gpu_fallback.backend.TorchBackend` (CUDA DDP with NCCL, or the CPU with gloo). Nothing outside
-those two files imports torch_xla or torch.distributed, and nothing else branches on the backend.
+Implementations: `xla_train.xla_backend.XLABackend` (torch_xla, PJRT) and, in `gpu_fallback.backend`,
+`CudaBackend` (DDP over NCCL) and `CPUBackend` (gloo or one process). Nothing outside those
+files imports torch_xla or torch.distributed, and nothing else branches on the backend: where
+backends differ, the difference is an attribute or a method here.
 """
 
-import importlib.util
-import os
 from abc import ABC, abstractmethod
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 
 from .errors import UserError
 
-BACKENDS = ("auto", "xla", "cuda", "cpu")
-STRATEGIES = ("ddp", "spmd")  # ddp: one replica per device; spmd: one process shards the batch (XLA)
+_active = None  # the backend `launch` started this worker process with (see `Backend.run_worker`)
+
+
+def active_backend():
+    """The backend of the launch this process is a worker of, or None outside `launch`."""
+    return _active
 
 
 class Backend(ABC):
@@ -28,18 +31,52 @@ class Backend(ABC):
     # torch.optim's fused kernels (`fused=True`) exist for the CPU and CUDA, not for XLA, which
     # traces the default multi-tensor update into the step's one graph anyway.
     fused_optimizer = False
+    # Whether every new input shape costs a compilation: DataLoaders padded per batch
+    # (DataCollatorWithPadding) are then rebuilt with a few fixed shapes by `Engine.prepare`.
+    static_shapes = False
+    _started = False
 
     # --- launching ------------------------------------------------------------------------
     @abstractmethod
     def launch(self, fn, args=(), nprocs=None, start_method=None):
-        """Runs `fn(*args)` once on every local core/GPU/CPU worker and waits for all of them.
-        `start_method` "fork" lets a notebook's own functions run in the workers."""
+        """Runs `fn(*args)` once on every local core/GPU/CPU worker and waits for all of them,
+        each worker through `run_worker`. `start_method` "fork" lets a notebook's own functions
+        run in the workers."""
+
+    @abstractmethod
+    def planned_devices(self):
+        """In the launching process, before `launch` and without starting any runtime: how many
+        devices will train in data parallel (every replica on every host, SPMD's devices too)."""
+
+    def run_worker(self, fn, args=()):
+        """In each worker: this object becomes the process's backend (an `Engine` made inside
+        `fn` uses it), is set up, runs `fn(*args)` and is torn down, all on one object."""
+        with self.activated():
+            fn(*args)
+        self.teardown()
+
+    @contextmanager
+    def activated(self):
+        """This object as the process's backend (`active_backend()`), set up, for the block."""
+        global _active
+        _active = self
+        try:
+            self.start()
+            yield self
+        finally:
+            _active = None
+
+    def start(self):
+        """`setup` once per process (an Engine made outside `launch` calls it too)."""
+        if not self._started:
+            self._started = True
+            self.setup()
 
     def setup(self):
         """Called in each worker before anything touches the device (process groups and such)."""
 
     def teardown(self):
-        """Called by `launch` in each worker once the function has returned (process groups go)."""
+        """Called in each worker once the function has returned (process groups go)."""
 
     # --- topology ---------------------------------------------------------------------------
     @property
@@ -123,11 +160,6 @@ class Backend(ABC):
     def synchronize(self):
         """Waits until all queued device work is done (for honest timings)."""
 
-    def save(self, obj, path):
-        """Every replica calls this; only the main one writes."""
-        if self.is_main:
-            torch.save(obj, path)
-
     def seed(self, seed):
         torch.manual_seed(seed)
 
@@ -148,50 +180,3 @@ class Backend(ABC):
         Returns the file the analyses go to, or None where nothing is compiled or it is too late
         (it must be called before the first compilation of the process)."""
         return None
-
-
-def xla_available():
-    return importlib.util.find_spec("torch_xla") is not None
-
-
-def _tpu_present():
-    # A TPU VM exposes its chips as /dev/accel* (v4 and later) or /dev/vfio (v5e/v6e);
-    # PJRT_DEVICE=TPU set by the user also counts. Checked without importing torch_xla.
-    if os.environ.get("PJRT_DEVICE", "").upper() == "TPU":
-        return True
-    return any(os.path.exists(p) for p in ("/dev/accel0", "/dev/vfio/0"))
-
-
-def auto_choice():
-    """(backend name, reason) that `--backend auto` picks: TPU, then CUDA, then CPU."""
-    if _tpu_present() and xla_available():
-        return "xla", "a TPU is attached and torch_xla is installed"
-    if torch.cuda.is_available():
-        return "cuda", f"{torch.cuda.device_count()} CUDA device(s) visible"
-    reason = "no TPU or CUDA device found"
-    if _tpu_present():
-        reason = "a TPU is attached but torch_xla is not installed (pip install 'xla-train[tpu]')"
-    return "cpu", reason
-
-
-def select_backend(name="auto", num_processes=None, strategy="ddp"):
-    """The backend for `--backend NAME`; the only place that maps names to implementations."""
-    if name not in BACKENDS:
-        raise UserError(f"--backend must be one of {', '.join(BACKENDS)}, not {name!r}")
-    if strategy not in STRATEGIES:
-        raise UserError(f"--strategy must be one of {', '.join(STRATEGIES)}, not {strategy!r}")
-    if name == "auto":
-        name, _ = auto_choice()
-    if strategy == "spmd" and name != "xla":
-        raise UserError(f"--strategy spmd needs the xla backend, not {name}")
-    if name == "xla":
-        if not xla_available():
-            raise UserError("--backend xla needs torch_xla: pip install 'xla-train[tpu]' (or torch_xla for CPU)")
-        from .xla_backend import XLABackend
-
-        return XLABackend(num_processes, strategy)
-    if name == "cuda" and not torch.cuda.is_available():
-        raise UserError("--backend cuda: no CUDA device is visible")
-    from gpu_fallback.backend import TorchBackend
-
-    return TorchBackend(name, num_processes)

@@ -19,11 +19,11 @@ FILES = ("model.safetensors", "optimizer.pt", "scheduler.pt", "rng.pt", "state.j
 MUST_MATCH = ("model", "batch_size", "grad_accum", "seed", "padding", "max_length")
 
 
-def _host_tree(backend, tree):
+def _host_tree(engine, tree):
     """`tree` (dicts, lists, tensors) with every tensor copied to the CPU in one transfer."""
     leaves, spec = tree_flatten(tree)
     where = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-    for i, host in zip(where, backend.to_host([leaves[i] for i in where])):
+    for i, host in zip(where, engine.to_host([leaves[i] for i in where])):
         leaves[i] = host
     return tree_unflatten(leaves, spec)
 
@@ -32,11 +32,10 @@ def save(engine, store, model, optimizer, scheduler, state, keep_last=None):
     """Writes checkpoint `step-<state["run"]["step"]>`; every replica must call this. Returns its URL."""
     from safetensors.torch import save_file
 
-    backend = engine.backend
     model_state = engine.unwrap_model(model).state_dict()
-    model_state, opt_state = _host_tree(backend, (model_state, optimizer.state_dict()))
-    rng = backend.gather(backend.rng_state()[None].int().to(backend.device))  # one row per replica
-    (rng,) = backend.to_host([rng])
+    model_state, opt_state = _host_tree(engine, (model_state, optimizer.state_dict()))
+    rng = engine.gather(engine.rng_state()[None].int().to(engine.device))  # one row per replica
+    (rng,) = engine.to_host([rng])
     name, error = checkpoint_name(state["run"]["step"]), None
     if engine.is_main_process:
         try:
@@ -58,8 +57,8 @@ def save(engine, store, model, optimizer, scheduler, state, keep_last=None):
             error = f"cannot write checkpoint {store.checkpoint_url(name)}: {e.strerror or e}"
     # Every replica learns whether the main one managed (this also keeps them together until the
     # checkpoint is whole): nobody waits forever for a replica that failed.
-    failed = backend.gather(torch.tensor([int(error is not None)]).to(backend.device))
-    if backend.to_host([failed])[0].any():
+    failed = engine.gather(torch.tensor([int(error is not None)]).to(engine.device))
+    if engine.to_host([failed])[0].any():
         raise UserError(error or "the main replica could not write the checkpoint")
     return store.checkpoint_url(name)
 
@@ -139,7 +138,7 @@ class Resume:
 
         optimizer.load_state_dict(load("optimizer.pt"))  # param groups carry the current learning rate
         scheduler.load_state_dict(load("scheduler.pt"))
-        engine.backend.set_rng_state(load("rng.pt")["rng"][engine.backend.rank])
+        engine.set_rng_state(load("rng.pt")["rng"][engine.rank])
 
 
 def _first_line(e):

@@ -5,7 +5,7 @@ import os
 import sys
 from dataclasses import fields
 
-from .errors import Stopped, UserError
+from .errors import ExitError, Stopped, UserError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -77,7 +77,7 @@ def cmd_env(args):
     import torch
     import transformers
 
-    from .backend import auto_choice, xla_available
+    from .selection import auto_choice, xla_available
 
     choice, reason = auto_choice()
     print(f"torch         {torch.__version__}")
@@ -97,7 +97,7 @@ def main(argv=None):
     try:
         args = build_parser().parse_args(argv)
         {"train": cmd_train, "report": cmd_report, "env": cmd_env}[args.command](args)
-    except UserError as e:
+    except ExitError as e:
         # under torchrun every rank runs this; a stop (the same on every rank) is told once
         if str(e) and not (isinstance(e, Stopped) and os.environ.get("RANK", "0") != "0"):
             print(e.line(), file=sys.stderr)

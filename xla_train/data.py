@@ -1,4 +1,4 @@
-"""MRPC loading, tokenisation and static-shape batching.
+"""Tokenisation and static-shape batching.
 
 XLA compiles one graph per distinct input shape, so the batch plan decides how many graphs a run
 compiles. `BatchPlan` is the single place that decides shapes: every batch has the same number
@@ -7,77 +7,15 @@ batch (`dynamic`, the course's `DataCollatorWithPadding` behaviour) or one fixed
 (`max_length`). Rows are grouped by length in buckets mode so little compute goes to padding.
 """
 
-import csv
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from .errors import UserError
 
-BUNDLED_MRPC = Path(__file__).parent / "data" / "mrpc"
-TSV_COLUMNS = ("Quality", "#1 String", "#2 String")
-SPLIT_FILES = {"train": "train.tsv", "validation": "dev.tsv"}
 MODEL_INPUTS = ("input_ids", "token_type_ids", "attention_mask")
-
-
-# ---------------------------------------------------------------------------------------------
-# Reading
-
-
-def read_glue_tsv(path):
-    """Reads one labelled GLUE MRPC TSV file into columns, with one clear error per bad row."""
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"missing data file: {path}")
-    # MRPC sentences contain bare quote characters, so quoting is off (as in GLUE's own reader).
-    with open(path, newline="", encoding="utf-8") as f:
-        rows = list(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
-    if not rows:
-        raise UserError(f"empty data file: {path}")
-    header = rows[0]
-    missing = [c for c in TSV_COLUMNS if c not in header]
-    if missing:
-        raise UserError(f"{path}: header lacks column(s) {', '.join(missing)} (found: {', '.join(header)})")
-    col = {c: header.index(c) for c in TSV_COLUMNS}
-    out = {"sentence1": [], "sentence2": [], "label": [], "idx": []}
-    for lineno, row in enumerate(rows[1:], start=2):
-        if len(row) != len(header):
-            raise UserError(f"{path}:{lineno}: expected {len(header)} tab-separated fields, found {len(row)}")
-        label = row[col["Quality"]].strip()
-        if label not in ("0", "1"):
-            raise UserError(f"{path}:{lineno}: label must be 0 or 1, found {label!r}")
-        out["sentence1"].append(row[col["#1 String"]])
-        out["sentence2"].append(row[col["#2 String"]])
-        out["label"].append(int(label))
-        out["idx"].append(lineno - 2)
-    if not out["label"]:
-        raise UserError(f"{path}: no rows (empty split)")
-    return out
-
-
-def load_mrpc(data_dir=None):
-    """MRPC as a `datasets.DatasetDict` with `train` and `validation`.
-
-    `data_dir` is a GLUE-format folder (train.tsv, dev.tsv), None for the copy bundled with the
-    package, or `hub` for `load_dataset("glue", "mrpc")` where the Hugging Face hub is reachable.
-    """
-    import datasets
-
-    if data_dir == "hub":
-        try:
-            ds = datasets.load_dataset("glue", "mrpc")
-        except Exception as e:  # offline, hub down, no such dataset
-            raise UserError(f"cannot load glue/mrpc from the hub: {type(e).__name__}: {str(e).splitlines()[0]}")
-        return datasets.DatasetDict(train=ds["train"], validation=ds["validation"])
-    folder = Path(data_dir) if data_dir else BUNDLED_MRPC
-    if not folder.is_dir():
-        raise UserError(f"data folder not found: {folder}")
-    return datasets.DatasetDict(
-        {split: datasets.Dataset.from_dict(read_glue_tsv(folder / name)) for split, name in SPLIT_FILES.items()}
-    )
 
 
 def tokenize(ds, tokenizer, max_length):
@@ -138,7 +76,8 @@ class CostModel:
     """What `--buckets auto` minimises: graphs x compile cost + padded tokens x per-token cost.
 
     compile_seconds: cost of one XLA compilation (XLA:CPU here ~10-15 s for this model's training
-        graph; 30-60 s is common for BERT-base on a TPU; 0 on the eager CUDA/CPU fallback).
+        graph; about 6 s a graph in Hugging Face's TPU blog post, see XLABackend; 0 on the eager
+        CUDA/CPU fallback).
     token_seconds: cost of one padded token in one training step (forward + backward).
     graphs_per_bucket: graphs each bucket length costs (training step and evaluation step).
     """

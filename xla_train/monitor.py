@@ -2,8 +2,9 @@
 
 The training loop calls a few hooks (`step`, `log`, `epoch_end`, `close`). Nothing here reads
 the device inside a step: per-step hooks only run host work in a step closure (compilation and
-transfer counters, the input shape), and values that live on the device (loss, gradient norm)
-are read at `--log-every` points in the loop's own closure, in one transfer (`read`).
+transfer counters, the input shape); values that live on the device (loss, gradient norm) are
+read by the run's state at `--log-every` points and handed to `log`. The monitor owns the
+`RunClock`, the one place that reads and diffs the compilation counters.
 
 Files, on the main replica and only for a local --output-dir:
     OUTPUT_DIR/tensorboard/      event files (tags below)
@@ -21,20 +22,18 @@ import tempfile
 import time
 from pathlib import Path
 
-TAGS = {
-    "loss": "train/loss", "lr": "train/learning_rate", "grad_norm": "train/grad_norm",
-    "throughput": "train/samples_per_s", "accuracy": "eval/accuracy", "f1": "eval/f1",
-    "compiles": "xla/compiles", "compile_seconds": "xla/compile_seconds", "host_syncs": "xla/host_syncs",
-}
+from .clock import RunClock
+from .report import TAGS, write_report
+
 ANALYSIS = re.compile(r"Compilation Cause\n\s*(.*?)\n.*?Python Frame Triggered Execution: *\n(.*?)\n-{10}", re.S)
-LIBRARY_FRAME = re.compile(r"[/\\](torch|torch_xla)[/\\]|xla_train[/\\](api|backend|xla_backend|monitor)\.py")  # plumbing
+LIBRARY_FRAME = re.compile(r"[/\\](torch|torch_xla)[/\\]|xla_train[/\\](api|backend|xla_backend|monitor|clock|run_state)\.py")  # plumbing
 
 
 class Monitor:
     """One per worker; a no-op on replicas other than the main one."""
 
     def __init__(self, engine, cfg, buckets=None):
-        self.engine, self.backend = engine, engine.backend
+        self.engine = engine
         self.on = engine.is_main_process
         local = bool(cfg.output_dir) and not str(cfg.output_dir).startswith("gs://")
         self.out = Path(cfg.output_dir) if self.on and local else None
@@ -49,8 +48,12 @@ class Monitor:
         self._writer, self._debug, self._debug_offset, self._tmp = None, None, 0, None
         self._t_start = time.perf_counter()
         self._last, self._last_log = None, (0, self._t_start)
-        if not self.on:
-            return
+        if self.on:
+            self._open_files()
+        self.clock = RunClock(engine)  # counters start here, once compilations are traced
+        self._last = self.clock.delta()[1] if self.on and self.clock.counting else None
+
+    def _open_files(self):
         if self.out:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -60,11 +63,10 @@ class Monitor:
             self._tmp = tempfile.mkdtemp(prefix="xla_train_")
             debug_path = Path(self._tmp) / "xla_debug.log"
         debug_path.unlink(missing_ok=True)
-        debug = self.backend.trace_compilations(debug_path)  # before the first compilation
+        debug = self.engine.trace_compilations(debug_path)  # before the first compilation
         if debug:
             self._debug = Path(debug)
             self._debug_offset = self._debug.stat().st_size if self._debug.exists() else 0
-        self._base = self._last = self.backend.compile_stats()
 
     # --- hooks --------------------------------------------------------------------------------
     def step(self, step, batch):
@@ -73,13 +75,7 @@ class Monitor:
             self._last_log = (0, time.perf_counter())  # throughput counts from here
         if self.on and self._last is not None:
             inputs = batch["input_ids"] if "input_ids" in batch else next(iter(batch.values()))
-            self.backend.step_closure(self._after_step, (step, tuple(inputs.shape)))
-
-    def read(self, tracker, grad_norm):
-        """In the loop's log closure: the loss sum (a `LossTracker`) and gradient norm on the host,
-        in one transfer."""
-        host = self.backend.read([tracker.t] + ([grad_norm] if grad_norm is not None else []))
-        return tracker.read(host[0]), (float(host[1]) if len(host) > 1 else None)
+            self.engine.step_closure(self._after_step, (step, tuple(inputs.shape)))
 
     def log(self, step, loss, lr, grad_norm):
         """At a log point (inside the step closure): scalars to TensorBoard."""
@@ -91,11 +87,10 @@ class Monitor:
         # samples/s since the previous log point; skipped when an evaluation ran in between
         if not any(prev_step <= e < step for e in self._epoch_ends):
             values["throughput"] = (step - prev_step) * self.samples_per_step / (now - prev_t)
-        stats = self.backend.compile_stats()
+        stats = self.clock.counters()
         if stats:
-            values.update(compiles=stats["compiles"] - self._base["compiles"],
-                          compile_seconds=stats["compile_seconds"] - self._base["compile_seconds"],
-                          host_syncs=stats["transfers"] - self._base["transfers"])
+            values.update(compiles=stats["compiles"], compile_seconds=stats["compile_seconds"],
+                          host_syncs=stats["transfers"])
         self._scalars(step, values)
 
     def epoch_end(self, step, epoch, results):
@@ -105,7 +100,8 @@ class Monitor:
         self._epoch_ends.append(step)
         self._scalars(step, {"accuracy": results["accuracy"], "f1": results["f1"]})
         if self._last is not None:
-            self._note_compiles(step, "eval", None, self.backend.compile_stats())
+            self._note_compiles(step, "eval", None)
+        self.clock.end_of_epoch()
 
     def close(self, metrics):
         """At the end of the run: metrics.json, compilations.json and the report."""
@@ -118,8 +114,6 @@ class Monitor:
         log = {"compilations": self.compilations, "warning": self.warning, "threshold": self.threshold,
                "wall_seconds": round(time.perf_counter() - self._t_start, 3)}
         (self.out / "compilations.json").write_text(json.dumps(log, indent=2) + "\n")
-        from .report import write_report
-
         path = write_report(self.out)
         self.engine.print(f"report: {path}")
 
@@ -131,8 +125,7 @@ class Monitor:
                     self._writer.add_scalar(TAGS[key], value, step)
 
     def _after_step(self, step, shape):
-        stats = self.backend.compile_stats()
-        new = self._note_compiles(step, "train", shape, stats)
+        new = self._note_compiles(step, "train", shape)
         if not new:
             self._warm.add(shape)
         elif self.warning is None:
@@ -142,11 +135,9 @@ class Monitor:
                 self.engine.print(f"xla-train: warning: recompilation: {reason}", file=sys.stderr)
         self._seen.add(shape)
 
-    def _note_compiles(self, step, phase, shape, stats):
-        graphs = stats["compiles"] - self._last["compiles"]
-        seconds = stats["compile_seconds"] - self._last["compile_seconds"]
-        syncs = stats["transfers"] - self._last["transfers"]
-        self._last = stats
+    def _note_compiles(self, step, phase, shape):
+        since, self._last = self.clock.delta(self._last)
+        graphs, seconds, syncs = since["compiles"], since["compile_seconds"], since["transfers"]
         if not graphs:
             return None
         # of several graphs in one step, name one not cut by the loader at the end of the step

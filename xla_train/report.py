@@ -13,7 +13,13 @@ import json
 from pathlib import Path
 
 from .errors import UserError
-from .monitor import TAGS
+
+# TensorBoard tags the monitor writes and this module reads (the reader owns the names).
+TAGS = {
+    "loss": "train/loss", "lr": "train/learning_rate", "grad_norm": "train/grad_norm",
+    "throughput": "train/samples_per_s", "accuracy": "eval/accuracy", "f1": "eval/f1",
+    "compiles": "xla/compiles", "compile_seconds": "xla/compile_seconds", "host_syncs": "xla/host_syncs",
+}
 
 
 def read_scalars(folder):

@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from .backend import Backend, _tpu_present
+from .backend import Backend
 
 # Attention implementation registered below: transformers' own SDPA attention with a mask
 # function that never asks whether the padding mask is all ones. Stock "sdpa" evaluates
@@ -34,20 +34,51 @@ def _register_attention():
     AttentionMaskInterface.register(XLA_ATTENTION, always_materialised_mask)
 
 
+def tpu_present():
+    """Whether this host has a TPU, checked without importing torch_xla."""
+    # A TPU VM exposes its chips as /dev/accel* (v4 and later) or /dev/vfio (v5e/v6e);
+    # PJRT_DEVICE=TPU set by the user also counts.
+    if os.environ.get("PJRT_DEVICE", "").upper() == "TPU":
+        return True
+    return any(os.path.exists(p) for p in ("/dev/accel0", "/dev/vfio/0"))
+
+
 class XLABackend(Backend):
     name = "xla"
+    static_shapes = True
     compile_seconds = 12.0  # one training graph of the bundled model on XLA:CPU, measured here
     token_seconds = 2e-3  # XLA:CPU, training step, per padded token
 
     def __init__(self, num_processes=None, strategy="ddp"):
         # Pick the PJRT device before torch_xla starts its runtime; without a TPU, the CPU.
-        os.environ.setdefault("PJRT_DEVICE", "TPU" if _tpu_present() else "CPU")
+        os.environ.setdefault("PJRT_DEVICE", "TPU" if tpu_present() else "CPU")
         if os.environ["PJRT_DEVICE"].upper() == "TPU":
-            # BERT-sized training graphs often take 30-60 s to compile on a TPU; the per-token
-            # cost is a rough figure for a v4 chip, not measured here.
-            self.compile_seconds, self.token_seconds = 40.0, 2e-6
+            # Compile cost: Hugging Face's "Hugging Face on PyTorch / XLA TPUs" (huggingface.co/blog/
+            # pytorch-xla, 2021) prints torch_xla's CompileTime for a run of its TPU example: 5
+            # graphs in 28.9 s (0.43 to 11.1 s each, median 3.65 s), i.e. about 6 s a graph. The
+            # post does not say which of its runs (bert-large MLM on a v3-8) printed it; not
+            # measured here. The per-token cost is a rough figure for a v4 chip, not measured here.
+            self.compile_seconds, self.token_seconds = 6.0, 2e-6
         self.num_processes, self.strategy = num_processes, strategy
         _register_attention()
+
+    def planned_devices(self):
+        # Read from the environment and the host, never from the runtime: the parent must not
+        # start it before xmp.spawn forks the replicas.
+        device = os.environ["PJRT_DEVICE"].upper()
+        if device == "TPU":
+            from torch_xla._internal import tpu
+
+            if self.strategy != "spmd" and self.num_processes == 1:
+                return tpu.num_tpu_workers()  # one replica per host
+            # PCI chips x cores per chip x hosts; "safe to call before xmp.spawn"
+            # (torch_xla/_internal/tpu.py, num_available_devices and num_expected_global_devices)
+            return tpu.num_expected_global_devices()
+        if self.strategy != "spmd":
+            return 1 if device == "CPU" else int(os.environ.get("GPU_NUM_DEVICES", 1))  # see launch()
+        # SPMD shards each batch over every device of the process: CPU_NUM_DEVICES / GPU_NUM_DEVICES
+        # (torch_xla/core/xla_env_vars.py), one device when unset
+        return int(os.environ.get(f"{device}_NUM_DEVICES", 1))
 
     def setup(self):
         if self.strategy == "spmd":
@@ -81,14 +112,14 @@ class XLABackend(Backend):
         import torch_xla.distributed.xla_multiprocessing as xmp
 
         if self.strategy == "spmd":
-            fn(*args)  # one process for every device; xmp.spawn would start the runtime before use_spmd()
+            self.run_worker(fn, args)  # one process for every device; xmp.spawn would start the runtime before use_spmd()
             return
         nprocs = nprocs or self.num_processes
         if os.environ["PJRT_DEVICE"].upper() == "CPU":
             nprocs = 1  # XLA:CPU runs one replica; xmp.spawn then calls fn in this process.
         # fork: replicas share the parent's tokenised data and checkpoint pages instead of
         # each loading a copy. The parent must not have started the XLA runtime.
-        xmp.spawn(_run_replica, args=(fn, args), nprocs=nprocs, start_method=start_method)
+        xmp.spawn(_run_replica, args=(self, fn, args), nprocs=nprocs, start_method=start_method)
 
     @property
     def device(self):
@@ -182,11 +213,6 @@ class XLABackend(Backend):
 
         xm.wait_device_ops()
 
-    def save(self, obj, path):
-        import torch_xla.core.xla_model as xm
-
-        xm.save(obj, path, master_only=True)  # moves tensors to the CPU; every replica must call it
-
     def seed(self, seed):
         import torch_xla.core.xla_model as xm
 
@@ -226,7 +252,6 @@ class XLABackend(Backend):
             "cache_load_failures": met.counter_value("PersistentCacheDeserializeFailure") or 0,
         }
 
-
     def trace_compilations(self, path):
         import torch_xla.debug.metrics as met
 
@@ -241,5 +266,5 @@ class XLABackend(Backend):
         return str(path)
 
 
-def _run_replica(index, fn, args):
-    fn(*args)
+def _run_replica(index, backend, fn, args):
+    backend.run_worker(fn, args)

@@ -1,0 +1,99 @@
+"""Where the training time goes: wall time of the training phases and XLA's compilation counters."""
+
+import time
+from contextlib import contextmanager
+
+
+class RunClock:
+    """Training-phase wall time and compilation counters, excluding evaluation.
+
+    The one reader of `Engine.compile_stats()` (process-wide counters, so everything counts from
+    this object's creation) and the one place that diffs them; the monitor owns it.
+    Timings wait for the device at the end of each training phase, so they include every
+    queued step; `steady` rates start at the first log point after the last compilation.
+    """
+
+    def __init__(self, engine):
+        self.engine, self.seconds, self.marks = engine, 0.0, []
+        self.checkpoint_seconds = 0.0
+        self.transfers = 0  # device-to-host transfers during training phases only
+        self.first_epoch_compiles = None
+        self.counting = engine.compile_stats() is not None  # False where nothing compiles
+        self._last = self._base = self._stats()  # counters are per process: count from here
+        self.outside = self._last.get("compiles", 0)  # compilations outside training phases
+
+    def _stats(self):
+        return self.engine.compile_stats() or {}
+
+    def counters(self):
+        """The run's counters so far ({} where nothing compiles)."""
+        return _diff(self._stats(), self._base)
+
+    def delta(self, mark=None):
+        """(counters since `mark`, a new mark); `mark` None: since this clock began."""
+        now = self._stats()
+        return _diff(now, mark or self._base), now
+
+    def start(self):
+        self._t0, s = time.perf_counter(), self._stats()
+        self.outside += s.get("compiles", 0) - self._last.get("compiles", 0)
+        self._last = s
+
+    def now(self):
+        return self.seconds + time.perf_counter() - self._t0
+
+    @contextmanager
+    def excluding(self):
+        """A checkpoint inside a training phase: its time and transfers are counted apart."""
+        t0, before = time.perf_counter(), self._stats().get("transfers", 0)
+        yield
+        self._last["transfers"] = self._last.get("transfers", 0) + self._stats().get("transfers", 0) - before
+        elapsed = time.perf_counter() - t0
+        self._t0 += elapsed
+        self.checkpoint_seconds += elapsed
+
+    def mark(self, step):
+        self.marks.append((step, self.now(), self._stats().get("compiles", 0) - self.outside))
+
+    def stop(self, step):
+        self.engine.synchronize()
+        self.seconds = self.now()
+        s = self._stats()
+        self.transfers += s.get("transfers", 0) - self._last.get("transfers", 0)
+        self.marks.append((step, self.seconds, s.get("compiles", 0) - self.outside))
+        self._last = s
+
+    def end_of_epoch(self):
+        if self.first_epoch_compiles is None:
+            self.first_epoch_compiles = self._stats().get("compiles", 0)
+
+    def summary(self, steps, samples_per_step, first_step=0):
+        """Rates over the steps this process ran (`first_step` < step <= `steps`)."""
+        total = samples_per_step * (steps - first_step)
+        if not total:  # nothing was left to train (a finished run resumed)
+            return {"train_seconds": 0.0, "train_samples_per_s": 0.0, "steady_samples_per_s": 0.0, "xla": None}
+        final_compiles = self.marks[-1][2]
+        # steady: from the first mark with every compilation already done, to the end
+        s0, t0 = next((s, t) for s, t, c in self.marks if c == final_compiles)
+        if steps > s0 and self.seconds > t0:
+            steady = samples_per_step * (steps - s0) / (self.seconds - t0)
+        else:
+            steady = total / self.seconds
+        out = {"train_seconds": round(self.seconds, 3), "train_samples_per_s": round(total / self.seconds, 3),
+               "steady_samples_per_s": round(steady, 3), "checkpoint_seconds": round(self.checkpoint_seconds, 3),
+               "xla": None}
+        now, stats = self._stats(), self.counters()
+        if stats:
+            out["xla"] = {
+                "compiles": stats["compiles"], "compile_seconds": round(stats["compile_seconds"], 3),
+                "compiles_after_first_epoch": now["compiles"] - (self.first_epoch_compiles or now["compiles"]),
+                "host_syncs_per_step": round(self.transfers / max(steps, 1), 4),
+                "aten_fallbacks": stats["aten_fallbacks"], "cache_hits": stats["cache_hits"],
+                "cache_misses": stats["cache_misses"], "cache_load_failures": stats["cache_load_failures"],
+                "executions": stats["executions"],
+            }
+        return out
+
+
+def _diff(now, before):
+    return {k: v - before[k] for k, v in now.items()}

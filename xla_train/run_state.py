@@ -1,0 +1,157 @@
+"""Where a run stands, and the decisions that depend on it.
+
+`RunState` holds the position (optimizer steps, epoch, micro-batches taken from the epoch), the
+loss tracker, the loss history and the latest checkpoint. It reads the loss at log points
+without stalling the device, makes every replica agree on stopping (a signal or a non-finite
+loss on any of them), and decides when a checkpoint is written and what it holds.
+"""
+
+import math
+from dataclasses import asdict
+
+import torch
+
+from . import checkpoint
+from .errors import Stopped
+from .signals import StopRequest
+from .storage import open_store
+
+
+class LossTracker:
+    """The running sum of the loss and the first micro-step whose loss was not finite, kept on the
+    device as one tensor [sum, micro-steps, first bad micro-step] and read only at log points."""
+
+    def __init__(self, engine, loss_sum, micro_steps, grad_accum):
+        # Made on the CPU and uploaded: torch_xla turns a constant made on the device into a
+        # graph of its own, compiled and run once before the first step.
+        self.t = torch.tensor([loss_sum, float(micro_steps), 0.0]).to(engine.device)
+        self.grad_accum = grad_accum
+
+    def add(self, loss):
+        loss = loss.detach().float()
+        micro = self.t[1] + 1
+        first_bad = torch.where((self.t[2] == 0) & ~torch.isfinite(loss), micro, self.t[2])
+        self.t = torch.stack([self.t[0] + loss / self.grad_accum, micro, first_bad])
+
+    def parse(self, host):
+        """(loss sum, first optimizer step with a non-finite loss or None) from `t` on the CPU."""
+        total, _, first_bad = (float(x) for x in host)
+        return total, (math.ceil(first_bad / self.grad_accum) if first_bad else None)
+
+
+class RunState:
+    """One per worker: the run's position and its log, stop and checkpoint decisions."""
+
+    def __init__(self, engine, cfg, resume=None):
+        run = resume.state["run"] if resume else {}
+        self.engine, self.cfg, self.resume = engine, cfg, resume
+        self.store = open_store(cfg.output_dir) if cfg.output_dir else None
+        self.step, self.epoch, self.batch = run.get("step", 0), run.get("epoch", 0), run.get("batch", 0)
+        self.history = run.get("history", [])  # [step, mean loss since the last entry, lr, loss sum]
+        self.results = run.get("results")  # the latest evaluation
+        self.first_step = self.step
+        self.tracker = LossTracker(engine, run.get("loss_sum", 0.0), self.step * cfg.grad_accum, cfg.grad_accum)
+        self.bad_step = None  # the first optimizer step whose loss was not finite, once known
+        # the latest checkpoint, and the position it holds
+        self.saved, self.saved_at = (resume.url, self.position) if resume else (None, None)
+        self._checkpoint_args = None
+
+    @property
+    def position(self):
+        return self.step, self.epoch, self.batch
+
+    def unfinished(self, total_steps):
+        """Steps are left, or an epoch was cut short (a run stopped at its last step resumes
+        for the evaluation it had not run)."""
+        return self.step < total_steps or self.batch > 0
+
+    def end_epoch(self):
+        self.epoch, self.batch = self.epoch + 1, 0
+
+    # --- the loss ---------------------------------------------------------------------------
+    def log_point(self, lr, bar, monitor):
+        """Reads the loss once the step has run (a step closure on XLA): the host never waits
+        for the device inside the loop."""
+        self.engine.step_closure(self._log, (self.step, lr, bar, monitor, self.engine.last_grad_norm))
+        monitor.clock.mark(self.step)
+
+    def _log(self, step, lr, bar, monitor, grad_norm):
+        """Logs the mean loss since the previous log point, from the running sum (one transfer)."""
+        host = self.engine.read([self.tracker.t] + ([grad_norm] if grad_norm is not None else []))
+        total, bad = self.tracker.parse(host[0])
+        self.bad_step = self.bad_step or bad
+        grad_norm = float(host[1]) if len(host) > 1 else None
+        prev_step, prev_total = (self.history[-1][0], self.history[-1][3]) if self.history else (0, 0.0)
+        loss = (total - prev_total) / (step - prev_step)
+        self.history.append([step, round(loss, 6), lr, total])
+        bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", refresh=False)
+        monitor.log(step, loss, lr, grad_norm)
+
+    def check_finite(self):
+        """Reads the loss tracker (a sync) and stops every replica if any saw a non-finite loss.
+        Returns the loss sum."""
+        (host,) = self.engine.to_host([self.tracker.t])
+        total, bad = self.tracker.parse(host)
+        (self.bad_step,) = self._agree([self.bad_step or bad or 0])
+        if self.bad_step:
+            raise self._diverged()
+        return total
+
+    # --- stopping -----------------------------------------------------------------------------
+    def check_stop(self, stop, at_log_point):
+        """Raises `Stopped` on every replica at once if any replica got a signal (after saving a
+        checkpoint) or saw a non-finite loss (without saving)."""
+        if self.engine.world_size > 1 and not at_log_point:  # agreeing needs a collective
+            return
+        flags = self._agree([stop.signum or 0, self.bad_step or 0])
+        StopRequest.signum, self.bad_step = flags[0] or None, flags[1] or None
+        if self.bad_step:
+            raise self._diverged()
+        if stop.signum:
+            where = f"checkpoint saved to {self.save()}" if self.store else "nothing saved (no --output-dir)"
+            raise Stopped(f"stopped by {stop.name} after step {self.step}: {where}"
+                          + ("; continue with --resume" if self.store else ""), 128 + stop.signum)
+
+    def _agree(self, flags):
+        """Per position, the largest value any replica has (a collective every replica reaches)."""
+        if self.engine.world_size == 1:
+            return flags
+        (agreed,) = self.engine.to_host([self.engine.gather(torch.tensor([flags]).to(self.engine.device))])
+        return agreed.max(0).values.tolist()
+
+    def _diverged(self):
+        return Stopped(f"the training loss was not finite at step {self.bad_step}; stopped without saving "
+                       f"(last good checkpoint: {self.saved or 'none'}); try a lower --lr or --max-grad-norm", 3)
+
+    # --- checkpoints --------------------------------------------------------------------------
+    def track(self, model, optimizer, scheduler, clock, extra):
+        """What a checkpoint holds besides the position: the objects, and `extra` state (JSON).
+        A resumed run loads the optimizer's and scheduler's state and the random state here."""
+        self._checkpoint_args = (model, optimizer, scheduler, clock, extra)
+        if self.resume:
+            self.resume.load_training_state(self.engine, optimizer, scheduler, self.engine.num_devices)
+            self.engine.print(f"resumed from {self.resume.url} at step {self.step}")
+
+    def save_due(self, total_steps, end_of_epoch=False):
+        """Whether a checkpoint is due now: every --save-every steps, else at each epoch's end;
+        the end of the run in any case."""
+        if not self.store:
+            return False
+        if end_of_epoch:
+            return not self.cfg.save_every or self.step == total_steps
+        return bool(self.cfg.save_every) and self.step % self.cfg.save_every == 0
+
+    def save(self):
+        """Writes a checkpoint of this position (once; every replica calls it). Returns its URL."""
+        if self.saved_at == self.position:
+            return self.saved
+        model, optimizer, scheduler, clock, extra = self._checkpoint_args
+        with clock.excluding():  # a checkpoint's reads are not the training steps' syncs
+            loss_sum = self.check_finite()
+            run = {"step": self.step, "epoch": self.epoch, "batch": self.batch, "loss_sum": loss_sum,
+                   "history": self.history, "results": self.results}
+            state = {"run": run, **extra, "world_size": self.engine.num_devices, "config": asdict(self.cfg)}
+            self.saved = checkpoint.save(self.engine, self.store, model, optimizer, scheduler, state,
+                                         self.cfg.keep_last)
+        self.saved_at = self.position
+        return self.saved
