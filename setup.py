@@ -8,13 +8,14 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["xla_train", "xla_train.*", "gpu_fallback", "gpu_fallback.*"]),
-    package_data={"xla_train": ["data/mrpc/*.tsv", "glue_mrpc/*.py"]},
+    package_data={"xla_train": ["data/mrpc/*.tsv", "task_metric/*.py"]},
     install_requires=[
         "torch==2.9.0",  # torch_xla 2.9.0 pins exactly this torch
         "transformers>=5.0,<6",
         "datasets>=3.0",
         "evaluate>=0.4",
-        "scikit-learn",  # F1 inside the glue/mrpc metric
+        "scikit-learn",  # F1 and Matthews correlation in the task metrics
+        "scipy",  # Pearson and Spearman correlations (STS-B, regression)
         "tqdm",
         "tensorboard",  # event files in --output-dir/tensorboard, read back by `xla-train report`
         "matplotlib",  # the report's plots

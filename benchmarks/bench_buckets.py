@@ -1,4 +1,5 @@
-"""How `--buckets auto` moves with job length and compile cost, on MRPC with the bundled tokenizer.
+"""How `--buckets auto` moves with job length and compile cost, on a task's data (MRPC by default)
+with the bundled tokenizer.
 
 For each job length (optimizer steps of batch 8) and each cost of one compilation, it prints the
 bucket lengths the chooser picks, the time its cost model expects, and the padding efficiency,
@@ -8,6 +9,8 @@ choices it makes are in bench_mrpc.py's runs (benchmarks/RESULTS.md).
 
     python benchmarks/bench_buckets.py                             # XLA:CPU's per-token cost
     python benchmarks/bench_buckets.py --token-seconds 2e-6        # a TPU chip's (rough)
+    python benchmarks/bench_buckets.py --train-file T.tsv --validation-file D.tsv --text-columns sentence
+                                                                   # own data, as xla-train train reads it
 
 Writes OUT/buckets.json and OUT/buckets.md (OUT defaults to benchmarks/out).
 """
@@ -21,7 +24,7 @@ import numpy as np
 from transformers import AutoTokenizer
 
 from xla_train.data import CostModel, auto_buckets, job_rows, tokenize
-from xla_train.tasks import bundled_model_path, load_mrpc
+from xla_train.tasks import bundled_model_path, load_task
 from xla_train.xla_backend import XLABackend
 
 STEPS = (20, 100, 459, 1377, 4590)  # 459 steps of batch 8 = one MRPC epoch
@@ -42,14 +45,20 @@ def main():
                    help="seconds per padded token of a training step (default: XLA:CPU's, measured here)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "out"))
+    for option in ("task", "data-dir", "train-file", "validation-file", "text-columns"):
+        p.add_argument(f"--{option}", default=None, help="as for xla-train train")
+    p.add_argument("--label-column", default="label")
     args = p.parse_args()
 
-    data, _ = tokenize(load_mrpc(), AutoTokenizer.from_pretrained(bundled_model_path()), 128)
-    train_len, eval_len = np.asarray(data["train"]["length"]), np.asarray(data["validation"]["length"])
+    task = load_task(args.task, args.data_dir, args.train_file, args.validation_file, args.text_columns,
+                     args.label_column)
+    data, _ = tokenize(task.splits, AutoTokenizer.from_pretrained(bundled_model_path()), 128)
+    train_len = np.asarray(data["train"]["length"])
+    eval_len = np.concatenate([data[split]["length"] for split in task.eval_splits])
     epochs = 3
     rows, md = [], [f"Command: `python benchmarks/bench_buckets.py {' '.join(sys.argv[1:])}`\n",
-                    f"Per-token cost {args.token_seconds:g} s; batch {args.batch_size}; MRPC train rows "
-                    f"average {train_len.mean():.1f} tokens (max {train_len.max()}).\n",
+                    f"Per-token cost {args.token_seconds:g} s; batch {args.batch_size}; {task.describe()}; "
+                    f"train rows average {train_len.mean():.1f} tokens (max {train_len.max()}).\n",
                     "| steps | compile s | auto buckets | auto est. s | auto padding eff. | "
                     + " | ".join(f"[{k}] est. s" for k in FIXED) + " |",
                     "| ---: | ---: | --- | ---: | ---: | " + " | ".join("---:" for _ in FIXED) + " |"]

@@ -71,6 +71,7 @@ CASES = {  # name: (extra arguments, given the run's copy and a scratch folder; 
                                          "checkpoint not found"),
     "missing bucket": (lambda out, tmp: ["--output-dir", "gs://no-such-bucket/run"],
                        "bucket gs://no-such-bucket does not exist"),
+    "unknown task": (lambda out, tmp: ["--task", "squad"], "--task must be one of cola, sst2, mrpc"),
 }
 
 

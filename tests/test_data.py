@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from xla_train.data import BatchPlan, CostModel, choose_buckets, parse_buckets, tokenize
-from xla_train.tasks import load_mrpc, read_glue_tsv
+from xla_train.tasks import load_mrpc, load_task, read_glue_tsv
 from xla_train.errors import UserError
 
 
@@ -121,7 +121,8 @@ def test_rows_longer_than_max_length_are_truncated_and_counted(mrpc_slice):
 
     from xla_train.tasks import bundled_model_path
 
-    data, truncated = tokenize(load_mrpc(mrpc_slice), AutoTokenizer.from_pretrained(bundled_model_path()), 40)
-    full, _ = tokenize(load_mrpc(mrpc_slice), AutoTokenizer.from_pretrained(bundled_model_path()), 512)
+    splits = load_task(data_dir=mrpc_slice).splits
+    data, truncated = tokenize(splits, AutoTokenizer.from_pretrained(bundled_model_path()), 40)
+    full, _ = tokenize(splits, AutoTokenizer.from_pretrained(bundled_model_path()), 512)
     assert truncated["train"] == sum(n > 40 for n in full["train"]["length"]) > 0
     assert max(data["train"]["length"]) == 40

@@ -16,7 +16,8 @@ from .storage import MARKER, checkpoint_name, open_store
 
 FILES = ("model.safetensors", "optimizer.pt", "scheduler.pt", "rng.pt", "state.json")
 # What must match for a resumed run to continue the same run (the data order depends on these).
-MUST_MATCH = ("model", "batch_size", "grad_accum", "seed", "padding", "max_length")
+MUST_MATCH = ("model", "task", "train_file", "text_columns", "label_column", "problem", "batch_size", "grad_accum",
+              "seed", "padding", "max_length")
 
 
 def _host_tree(engine, tree):
@@ -107,7 +108,7 @@ class Resume:
                             f"data has {n_train}: resume with the same data")
         saved = self.state["config"]
         for key in MUST_MATCH:
-            if saved[key] != getattr(cfg, key):
+            if saved.get(key, getattr(cfg, key)) != getattr(cfg, key):  # keys older checkpoints lack match
                 flag = "--" + key.replace("_", "-")
                 raise UserError(f"checkpoint {self.url} was made with {flag} {saved[key]}; this run has "
                                 f"{flag} {getattr(cfg, key)}: resume with the same value")

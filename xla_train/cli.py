@@ -14,15 +14,27 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser():
+    from .tasks import PROBLEMS, TASKS
     from .train import PADDING_MODES, PRECISIONS, TrainConfig
 
     p = _Parser(prog="xla-train", description="Fine-tune Hugging Face transformers on TPU/XLA, GPU or CPU.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    t = sub.add_parser("train", help="fine-tune on GLUE MRPC")
+    t = sub.add_parser("train", help="fine-tune on a GLUE task or own data (default: GLUE MRPC)")
     defaults = {f.name: f.default for f in fields(TrainConfig)}
     t.add_argument("--model", default=None, help="model folder or hub name (default: the bundled MiniLM-L6-H384)")
-    t.add_argument("--data-dir", default=None, help="GLUE MRPC folder (train.tsv, dev.tsv); 'hub' for "
-                   "load_dataset('glue', 'mrpc'); default: the copy bundled with the package")
+    t.add_argument("--task", default=None, help=f"GLUE task: {', '.join(TASKS)} (default: mrpc; with own "
+                   "files: custom)")
+    t.add_argument("--data-dir", default=None, help="the task's folder in GLUE's layout (train.tsv, dev.tsv; MNLI: "
+                   "dev_matched.tsv, dev_mismatched.tsv); 'hub' for load_dataset('glue', TASK); default: the MRPC "
+                   "copy bundled with the package")
+    t.add_argument("--train-file", default=None, help="own training data: .csv, .tsv, .json or .jsonl")
+    t.add_argument("--validation-file", default=None, help="own validation data, same columns")
+    t.add_argument("--text-columns", default=None, help="own data: A or A,B (default: sentence1,sentence2 if "
+                   "present, else the first two text columns, else the first)")
+    t.add_argument("--label-column", default=defaults["label_column"], help="own data: the label's column "
+                   "(default: label)")
+    t.add_argument("--problem", default=None, help=f"own data: {' | '.join(PROBLEMS)} (default: float labels "
+                   "make a regression, others a classification)")
     t.add_argument("--backend", default=defaults["backend"], help="auto | xla | cuda | cpu (auto: TPU, then CUDA, then CPU)")
     t.add_argument("--num-processes", type=int, default=None, help="workers on this host")
     t.add_argument("--strategy", default=defaults["strategy"], help="ddp (a replica per device) or spmd (XLA: one process "

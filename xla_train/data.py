@@ -19,14 +19,16 @@ MODEL_INPUTS = ("input_ids", "token_type_ids", "attention_mask")
 
 
 def tokenize(ds, tokenizer, max_length):
-    """Tokenises sentence pairs (truncated to `max_length`), adding a `length` column.
+    """Tokenises `text1` (and `text2`, for sentence pairs), truncated to `max_length`, adding a
+    `length` column.
 
     Returns the tokenised DatasetDict and the number of truncated rows per split.
     """
 
     def encode(batch):
-        full = tokenizer(batch["sentence1"], batch["sentence2"])["input_ids"]
-        enc = tokenizer(batch["sentence1"], batch["sentence2"], truncation=True, max_length=max_length)
+        texts = (batch["text1"], batch["text2"]) if "text2" in batch else (batch["text1"],)
+        full = tokenizer(*texts)["input_ids"]
+        enc = tokenizer(*texts, truncation=True, max_length=max_length)
         enc["length"] = [len(ids) for ids in enc["input_ids"]]
         enc["truncated"] = [len(ids) > max_length for ids in full]
         return enc
@@ -34,11 +36,14 @@ def tokenize(ds, tokenizer, max_length):
     import datasets
 
     keep = set(MODEL_INPUTS) | {"label", "length", "truncated"}
-    datasets.disable_progress_bars()  # about a second for MRPC: not worth a bar
+    quiet = sum(len(split) for split in ds.values()) < 50_000  # MRPC takes about a second: no bar
+    if quiet:
+        datasets.disable_progress_bars()
     try:
-        out = ds.map(encode, batched=True)
+        out = ds.map(encode, batched=True, desc="Tokenising")
     finally:
-        datasets.enable_progress_bars()
+        if quiet:
+            datasets.enable_progress_bars()
     out = out.remove_columns([c for c in out["train"].column_names if c not in keep])
     truncated = {split: int(sum(out[split]["truncated"])) for split in out}
     return out.remove_columns("truncated"), truncated

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from .clock import RunClock
-from .report import TAGS, write_report
+from .report import tag, write_report
 
 ANALYSIS = re.compile(r"Compilation Cause\n\s*(.*?)\n.*?Python Frame Triggered Execution: *\n(.*?)\n-{10}", re.S)
 LIBRARY_FRAME = re.compile(r"[/\\](torch|torch_xla)[/\\]|xla_train[/\\](api|backend|xla_backend|monitor|clock|run_state)\.py")  # plumbing
@@ -98,7 +98,7 @@ class Monitor:
         if not self.on:
             return
         self._epoch_ends.append(step)
-        self._scalars(step, {"accuracy": results["accuracy"], "f1": results["f1"]})
+        self._scalars(step, {k: v for k, v in results.items() if k != "n" and not k.startswith("n_")})
         if self._last is not None:
             self._note_compiles(step, "eval", None)
         self.clock.end_of_epoch()
@@ -122,7 +122,7 @@ class Monitor:
         if self._writer:
             for key, value in values.items():
                 if value is not None:
-                    self._writer.add_scalar(TAGS[key], value, step)
+                    self._writer.add_scalar(tag(key), value, step)
 
     def _after_step(self, step, shape):
         new = self._note_compiles(step, "train", shape)

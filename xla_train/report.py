@@ -22,6 +22,11 @@ TAGS = {
 }
 
 
+def tag(key):
+    """The TensorBoard tag of a logged value; an evaluation metric not named above is `eval/KEY`."""
+    return TAGS.get(key, f"eval/{key}")
+
+
 def read_scalars(folder):
     """{tag: ([steps], [values])} from the TensorBoard event files in `folder`."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -162,8 +167,10 @@ def markdown(metrics, log):
             ("samples/s (all / after the last compilation)",
              f"{metrics['train_samples_per_s']} / {metrics['steady_samples_per_s']}"),
             ("padding efficiency", metrics["padding_efficiency"]),
-            ("dev accuracy / F1", f"{ev.get('accuracy', float('nan')):.4f} / {ev.get('f1', float('nan')):.4f}"
-                                  f" (n={ev.get('n')})")]
+            ("task", f"{metrics.get('task', 'mrpc')} ({metrics.get('problem', 'classification')})")]
+    main = metrics.get("main_metric")
+    rows += [(f"dev {k}" + (" (main metric)" if k == main else ""), v if k == "n" or k.startswith("n_") else
+              f"{v:.4f}") for k, v in ev.items()]
     if xla:
         rows += [("compilations (seconds)", f"{xla['compiles']} ({xla['compile_seconds']} s)"),
                  ("compilations after the first epoch", xla["compiles_after_first_epoch"]),

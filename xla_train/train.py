@@ -24,7 +24,7 @@ from .run_state import RunState
 from .selection import select_backend
 from .signals import StopRequest
 from .storage import open_store
-from .tasks import bundled_model_path, load_metric, load_mrpc
+from .tasks import PROBLEMS, TASKS, bundled_model_path, load_metric, load_task
 
 PADDING_MODES = ("buckets", "max_length", "dynamic")
 PRECISIONS = ("fp32", "bf16")
@@ -34,7 +34,13 @@ PRECISIONS = ("fp32", "bf16")
 class TrainConfig:
     # what to train on
     model: str = field(default_factory=bundled_model_path)  # path or hub name
-    data_dir: str = None  # GLUE-format folder; None = bundled MRPC copy; "hub" = load_dataset("glue", "mrpc")
+    task: str = None  # a GLUE task (None: mrpc, or "custom" with own files)
+    data_dir: str = None  # the task's GLUE-format folder; None = bundled MRPC copy; "hub" = load_dataset("glue", task)
+    train_file: str = None  # own data: .csv .tsv .json .jsonl (with validation_file)
+    validation_file: str = None
+    text_columns: str = None  # own data: "A" or "A,B" (None: sentence1/sentence2, else the first text columns)
+    label_column: str = "label"  # own data: the label's column
+    problem: str = None  # own data: classification | regression (None: float labels make a regression)
     # hyperparameters (the course's: AdamW, linear schedule, 3 epochs, batch 8)
     epochs: int = 3
     batch_size: int = 8  # per replica
@@ -77,6 +83,10 @@ class TrainConfig:
         for name in ("max_steps", "save_every", "keep_last"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise UserError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.task is not None and self.task not in TASKS:
+            raise UserError(f"--task must be one of {', '.join(TASKS)}, not {self.task!r}")
+        if self.problem is not None and self.problem not in PROBLEMS:
+            raise UserError(f"--problem must be one of {', '.join(PROBLEMS)}, not {self.problem!r}")
         if self.resume and not self.output_dir:
             raise UserError("--resume needs --output-dir, the folder that holds the checkpoints")
         parse_buckets(self.buckets, self.max_length)
@@ -96,9 +106,14 @@ def load_tokenizer(name):
 
 
 def prepare_data(cfg, backend, resume=None):
-    """In the parent process: read and tokenise MRPC once, and settle the bucket lengths."""
+    """In the parent process: read the task's data (every check before the model loads),
+    tokenise it once, and settle the bucket lengths."""
+    task = load_task(cfg.task, cfg.data_dir, cfg.train_file, cfg.validation_file, cfg.text_columns,
+                     cfg.label_column, cfg.problem)
+    print(task.describe())
     tokenizer = load_tokenizer(cfg.model)
-    data, truncated = tokenize(load_mrpc(cfg.data_dir), tokenizer, cfg.max_length)
+    data, truncated = tokenize(task.splits, tokenizer, cfg.max_length)
+    task.splits = None  # the workers get the tokenised copy
     if any(truncated.values()):
         print(f"truncated to --max-length {cfg.max_length} tokens: "
               + ", ".join(f"{n} {split} rows" for split, n in truncated.items()))
@@ -115,7 +130,8 @@ def prepare_data(cfg, backend, resume=None):
         steps = min(cfg.max_steps or 10**9, steps_per_epoch * cfg.epochs)
         compile_s = backend.compile_seconds if cfg.compile_seconds is None else cfg.compile_seconds
         cost = CostModel(compile_seconds=compile_s, token_seconds=backend.token_seconds)
-        buckets, estimate = auto_buckets(data["train"]["length"], data["validation"]["length"], steps,
+        eval_lengths = [n for split in task.eval_splits for n in data[split]["length"]]
+        buckets, estimate = auto_buckets(data["train"]["length"], eval_lengths, steps,
                                          rows_per_step, cfg.epochs, cfg.max_length, cost)
         estimate.update(steps=steps, devices=devices, rows_per_step=rows_per_step, steps_per_epoch=steps_per_epoch)
         print(f"buckets auto: {buckets} for {steps} steps (global batch {rows_per_step} = {cfg.batch_size} x "
@@ -126,7 +142,7 @@ def prepare_data(cfg, backend, resume=None):
     if cfg.padding == "buckets":
         for split in data.values():
             check_fit(split["length"], buckets)
-    return tokenizer, data, truncated, buckets, estimate
+    return task, tokenizer, data, truncated, buckets, estimate
 
 
 def run(cfg):
@@ -141,29 +157,40 @@ def run(cfg):
         resume = checkpoint.Resume(*checkpoint.find(store, cfg.resume_from))
     elif cfg.resume:
         print(f"--resume: no complete checkpoint in {cfg.output_dir} yet; starting from the beginning")
-    tokenizer, data, truncated, buckets, estimate = prepare_data(cfg, backend, resume)
+    task, tokenizer, data, truncated, buckets, estimate = prepare_data(cfg, backend, resume)
     weights = resume.model_weights() if resume else None  # a corrupt file fails before any loading
-    model = load_model(cfg.model, cfg.seed)
+    model = load_model(cfg.model, cfg.seed, task)
     if resume:
         resume.load_model(model, weights)
         del weights
     # Workers get the tokenised data and the model from here: forked replicas (XLA) share these
     # pages instead of each loading a copy; spawned ones (gloo, NCCL) receive them pickled.
     with StopRequest():  # a launcher passes SIGTERM on to its workers, which save and stop
-        backend.launch(train_worker, (cfg, tokenizer, model, data, buckets,
+        backend.launch(train_worker, (cfg, task, tokenizer, model, data, buckets,
                                       {"truncated": truncated, "buckets_auto": estimate}, resume))
 
 
-
-def load_model(name, seed):
-    """The pretrained encoder with a new 2-class head, initialised from `seed`."""
-    from transformers import AutoModelForSequenceClassification
+def load_model(name, seed, task):
+    """The pretrained encoder with a new head for the task (its label names in the config, so
+    pipelines print them), initialised from `seed`."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
 
     torch.manual_seed(seed)
-    return _from_pretrained(AutoModelForSequenceClassification, name, num_labels=2)
+    options = {"num_labels": task.num_labels, "problem_type": "regression" if task.problem == "regression" else None}
+    if task.labels:
+        options.update(id2label=dict(enumerate(task.labels)), label2id={n: i for i, n in enumerate(task.labels)})
+    config = _from_pretrained(AutoConfig, name)
+    classifier = any(a.endswith("ForSequenceClassification") for a in config.architectures or ())
+    if classifier and config.num_labels != task.num_labels:
+        # a classifier fine-tuned for another label set: its head is replaced, as run_glue's
+        # --ignore_mismatched_sizes does
+        print(f"{name}: its classification head has {config.num_labels} output(s); a new one with "
+              f"{task.num_labels} is initialised")
+        options["ignore_mismatched_sizes"] = True
+    return _from_pretrained(AutoModelForSequenceClassification, name, **options)
 
 
-def train_worker(cfg, tokenizer, model, data, buckets, report, resume=None):
+def train_worker(cfg, task, tokenizer, model, data, buckets, report, resume=None):
     """The training function each worker runs: the course's loop on the Engine API."""
     engine = Engine(cfg.backend, precision=cfg.precision, grad_accum=cfg.grad_accum,
                     max_grad_norm=cfg.max_grad_norm, num_processes=cfg.num_processes,
@@ -173,17 +200,17 @@ def train_worker(cfg, tokenizer, model, data, buckets, report, resume=None):
     bucket_list = buckets if cfg.padding == "buckets" else None
     # TensorBoard, compilation log, explainer and the run's clock; before anything is compiled
     monitor = Monitor(engine, cfg, bucket_list or ([cfg.max_length] if cfg.padding == "max_length" else None))
-    train_dl, eval_dl = make_loaders(cfg, tokenizer, data, bucket_list)
+    train_dl, *eval_dls = make_loaders(cfg, tokenizer, data, bucket_list, task.eval_splits)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
                                   fused=engine.fused_optimizer or None)
-    train_dl, eval_dl, model, optimizer = engine.prepare(train_dl, eval_dl, model, optimizer)
+    train_dl, *eval_dls, model, optimizer = engine.prepare(train_dl, *eval_dls, model, optimizer)
     steps_per_epoch = len(train_dl) // cfg.grad_accum
     total_steps = min(cfg.max_steps or 10**9, steps_per_epoch * cfg.epochs)
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=int(cfg.warmup_ratio * total_steps),
                               num_training_steps=total_steps)
     state = RunState(engine, cfg, resume)  # where the run stands, and its stop and checkpoint decisions
     state.track(model, optimizer, scheduler, monitor.clock, {"buckets": buckets, "n_train": len(data["train"])})
-    metric = load_metric()
+    metric = load_metric(task.metric_name)
     bar = tqdm(total=total_steps, initial=state.step, desc="Training", disable=not engine.is_main_process,
                dynamic_ncols=True)
     with StopRequest() as stop, bar:  # the bar is closed (its line ended) before any message
@@ -217,14 +244,13 @@ def train_worker(cfg, tokenizer, model, data, buckets, report, resume=None):
                     break
             monitor.clock.stop(state.step)  # the training phase's time ends here, before evaluation
             state.end_epoch()
-            state.results = evaluate_model(engine, model, eval_dl, metric)
-            engine.print(f"epoch {state.epoch}: accuracy {state.results['accuracy']:.4f}  "
-                         f"f1 {state.results['f1']:.4f}  (n={state.results['n']})")
+            state.results = evaluate_all(engine, model, task, dict(zip(task.eval_splits, eval_dls)), metric)
+            engine.print(f"epoch {state.epoch}: {scores(state.results)}")
             monitor.epoch_end(state.step, state.epoch, state.results)
             if state.save_due(total_steps, end_of_epoch=True):
                 state.save()  # every epoch by default; the end of the run in any case
     state.check_finite()  # the last log interval's loss, which no closure has read yet on XLA
-    return finish(engine, cfg, state, model, tokenizer, train_dl, monitor, steps_per_epoch, report, resume)
+    return finish(engine, cfg, task, state, model, tokenizer, train_dl, monitor, steps_per_epoch, report, resume)
 
 
 def _private_copy(model):
@@ -235,15 +261,15 @@ def _private_copy(model):
     return model
 
 
-def make_loaders(cfg, tokenizer, data, bucket_list):
-    """The training loader (shuffled, the last batch filled with repeats) and the evaluation one
-    (in order, the last batch filled with masked rows, so every row is scored once)."""
-    return tuple(make_loader(data[split], tokenizer, cfg.batch_size, cfg.padding, bucket_list, cfg.max_length,
-                             shuffle=train, seed=cfg.seed, fill="repeat" if train else "mask")
-                 for split, train in (("train", True), ("validation", False)))
+def make_loaders(cfg, tokenizer, data, bucket_list, eval_splits):
+    """The training loader (shuffled, the last batch filled with repeats), then one per evaluation
+    split (in order, the last batch filled with masked rows, so every row is scored once)."""
+    return [make_loader(data[split], tokenizer, cfg.batch_size, cfg.padding, bucket_list, cfg.max_length,
+                        shuffle=split == "train", seed=cfg.seed, fill="repeat" if split == "train" else "mask")
+            for split in ("train", *eval_splits)]
 
 
-def finish(engine, cfg, state, model, tokenizer, train_dl, monitor, steps_per_epoch, report, resume):
+def finish(engine, cfg, task, state, model, tokenizer, train_dl, monitor, steps_per_epoch, report, resume):
     """After the loop: the final model, the metrics JSON and the run folder's files."""
     step, results = state.step, state.results
     samples_per_step = cfg.batch_size * cfg.grad_accum * engine.num_devices
@@ -256,7 +282,8 @@ def finish(engine, cfg, state, model, tokenizer, train_dl, monitor, steps_per_ep
     plan = train_dl.loader.batch_sampler
     metrics = {
         "backend": engine.runtime, "device": engine.describe_device(),
-        "world_size": engine.num_devices, "model": cfg.model, "steps": step,
+        "world_size": engine.num_devices, "model": cfg.model, "task": task.name, "problem": task.problem,
+        "labels": task.labels, "num_labels": task.num_labels, "main_metric": task.main, "steps": step,
         "epochs": round(step / steps_per_epoch, 4),
         "train_samples": step * samples_per_step, **timing,
         "padding_efficiency": round(plan.padding_efficiency(), 4),
@@ -270,8 +297,7 @@ def finish(engine, cfg, state, model, tokenizer, train_dl, monitor, steps_per_ep
         "first_step": state.first_step, "checkpoint": state.saved, "config": asdict(cfg), **report,
     }
     if engine.is_main_process:
-        engine.print(f"dev accuracy {results['accuracy']:.4f}  f1 {results['f1']:.4f}  "
-                     f"({metrics['train_samples_per_s']:.1f} samples/s)")
+        engine.print(f"dev {scores(results)}  (training {metrics['train_samples_per_s']:.1f} samples/s)")
         if cfg.metrics_out:
             Path(cfg.metrics_out).parent.mkdir(parents=True, exist_ok=True)
             Path(cfg.metrics_out).write_text(json.dumps(metrics, indent=2) + "\n")
@@ -287,15 +313,36 @@ def replica_checksums(engine, model):
     return host
 
 
-def evaluate_model(engine, model, eval_dl, metric):
-    """Accuracy and F1 over every dev row exactly once (`compute` empties `metric` for the next call)."""
+def evaluate_model(engine, model, eval_dl, metric, problem):
+    """The task's metrics over every row of one evaluation split exactly once (`compute` empties
+    `metric` for the next call), and `n`, the rows scored."""
     model.eval()
     with torch.no_grad():
         for batch in eval_dl:
             labels = batch.pop("labels")
             with engine.autocast():
                 logits = model(**batch).logits
-            preds, refs = engine.gather_for_metrics((logits.argmax(-1), labels))
+            if problem == "regression":
+                preds, refs = engine.gather_for_metrics((logits[:, 0].float(), labels.float()))
+            else:
+                preds, refs = engine.gather_for_metrics((logits.argmax(-1), labels))
             metric.add_batch(predictions=preds, references=refs)
     n = len(metric)
     return {**metric.compute(), "n": n}
+
+
+def evaluate_all(engine, model, task, eval_dls, metric):
+    """Every evaluation split, keys suffixed per split (MNLI's mismatched set: `accuracy_mm`, `n_mm`)."""
+    results = {}
+    for split, dl in eval_dls.items():
+        suffix = task.eval_suffix(split)
+        results.update({k + suffix: v for k, v in evaluate_model(engine, model, dl, metric, task.problem).items()})
+    return results
+
+
+def scores(results):
+    """The metrics of an evaluation on one line: `accuracy 0.8064  f1 0.8663  (n=408)`."""
+    counted = [k for k in results if k == "n" or k.startswith("n_")]
+    values = "  ".join(f"{k} {v:.4f}" for k, v in results.items() if k not in counted)
+    counts = ", ".join(f"{k}={results[k]}" for k in counted)
+    return f"{values}  ({counts})"
