@@ -8,8 +8,7 @@ import sys
 import pytest
 
 from conftest import ROOT, run_cli, write_slice
-from xla_train.monitor import TAGS
-from xla_train.report import read_scalars
+from xla_train.report import TAGS, read_scalars
 
 WARNING = "xla-train: warning: recompilation:"
 
