@@ -136,6 +136,10 @@ class Engine:
         """bf16 autocast on the backend's device with precision="bf16"; a no-op for fp32."""
         return self.backend.autocast(self.precision)
 
+    def inference_mode(self):
+        """`torch.inference_mode()` where the backend supports it, else `torch.no_grad()`."""
+        return self.backend.inference_mode()
+
     @property
     def sync_gradients(self):
         """True when the next `optimizer_step` will step (the last micro-step of an accumulation)."""

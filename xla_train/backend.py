@@ -130,6 +130,10 @@ class Backend(ABC):
     def optimizer_step(self, optimizer, max_grad_norm=None):
         """All-reduces gradients across replicas (once), optionally clips, then steps."""
 
+    def inference_mode(self):
+        """A context for forward passes whose results are never differentiated."""
+        return torch.inference_mode()
+
     def autocast(self, precision):
         """A context for the forward pass: bf16 autocast, or a no-op for fp32."""
         if precision == "fp32":

@@ -14,6 +14,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .errors import UserError
 from .storage import MARKER, checkpoint_name, open_store
 
+BEST = "best"  # checkpoints/best: the best evaluation's weights (--save-best)
 FILES = ("model.safetensors", "optimizer.pt", "scheduler.pt", "rng.pt", "state.json")
 # What must match for a resumed run to continue the same run (the data order depends on these).
 MUST_MATCH = ("model", "task", "train_file", "text_columns", "label_column", "problem", "batch_size", "grad_accum",
@@ -37,31 +38,66 @@ def save(engine, store, model, optimizer, scheduler, state, keep_last=None):
     model_state, opt_state = _host_tree(engine, (model_state, optimizer.state_dict()))
     rng = engine.gather(engine.rng_state()[None].int().to(engine.device))  # one row per replica
     (rng,) = engine.to_host([rng])
-    name, error = checkpoint_name(state["run"]["step"]), None
+    name = checkpoint_name(state["run"]["step"])
+
+    def write():
+        staging = store.staging(name)
+        save_file({k: v.contiguous() for k, v in model_state.items()}, str(staging / "model.safetensors"))
+        torch.save(opt_state, staging / "optimizer.pt")
+        torch.save(scheduler.state_dict(), staging / "scheduler.pt")
+        torch.save({"rng": rng.to(torch.uint8)}, staging / "rng.pt")
+        (staging / "state.json").write_text(json.dumps(state, indent=1))
+        (staging / MARKER).write_text("")
+        store.commit(staging, name)
+        if keep_last:
+            complete = sorted(s for s, ok in store.checkpoints().items() if ok)
+            for old in complete[:-keep_last]:
+                store.delete(checkpoint_name(old))
+
+    _on_main(engine, write, f"cannot write checkpoint {store.checkpoint_url(name)}")
+    return store.checkpoint_url(name)
+
+
+def save_best(engine, store, model):
+    """Keeps the model's weights as the best so far: in `OUTPUT_DIR/checkpoints/best/` with a store
+    (so a resumed run still has them), else returned on the CPU. Every replica must call this."""
+    from safetensors.torch import save_file
+
+    weights = _host_tree(engine, engine.unwrap_model(model).state_dict())
+    if store is None:
+        return weights
+
+    def write():
+        staging = store.staging(BEST)
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(staging / "model.safetensors"))
+        (staging / MARKER).write_text("")
+        store.commit(staging, BEST)
+
+    _on_main(engine, write, f"cannot write the best model to {store.checkpoint_url(BEST)}")
+    return None
+
+
+def load_best(store):
+    """The best weights `save_best` kept in the store."""
+    from safetensors.torch import load_file
+
+    return load_file(str(store.fetch(BEST) / "model.safetensors"))
+
+
+def _on_main(engine, write, what):
+    """Runs `write` on the main replica; every replica learns whether it managed (this also keeps
+    them together until the files are whole): nobody waits forever for a replica that failed."""
+    error = None
     if engine.is_main_process:
         try:
-            staging = store.staging(name)
-            save_file({k: v.contiguous() for k, v in model_state.items()}, str(staging / "model.safetensors"))
-            torch.save(opt_state, staging / "optimizer.pt")
-            torch.save(scheduler.state_dict(), staging / "scheduler.pt")
-            torch.save({"rng": rng.to(torch.uint8)}, staging / "rng.pt")
-            (staging / "state.json").write_text(json.dumps(state, indent=1))
-            (staging / MARKER).write_text("")
-            store.commit(staging, name)
-            if keep_last:
-                complete = sorted(s for s, ok in store.checkpoints().items() if ok)
-                for old in complete[:-keep_last]:
-                    store.delete(checkpoint_name(old))
+            write()
         except UserError as e:
             error = str(e)
         except OSError as e:  # a full disk, a folder removed under the run
-            error = f"cannot write checkpoint {store.checkpoint_url(name)}: {e.strerror or e}"
-    # Every replica learns whether the main one managed (this also keeps them together until the
-    # checkpoint is whole): nobody waits forever for a replica that failed.
+            error = f"{what}: {e.strerror or e}"
     failed = engine.gather(torch.tensor([int(error is not None)]).to(engine.device))
     if engine.to_host([failed])[0].any():
         raise UserError(error or "the main replica could not write the checkpoint")
-    return store.checkpoint_url(name)
 
 
 def find(store, resume_from=None):

@@ -1,4 +1,4 @@
-"""`xla-train` (also `python -m xla_train`): train, report, env."""
+"""`xla-train` (also `python -m xla_train`): train, predict, report, env."""
 
 import argparse
 import os
@@ -35,6 +35,8 @@ def build_parser():
                    "(default: label)")
     t.add_argument("--problem", default=None, help=f"own data: {' | '.join(PROBLEMS)} (default: float labels "
                    "make a regression, others a classification)")
+    t.add_argument("--test-file", default=None, help="rows to predict with the final (or best) model, written to "
+                   "OUTPUT_DIR/predictions.EXT (a GLUE test.tsv: GLUE's submission format)")
     t.add_argument("--backend", default=defaults["backend"], help="auto | xla | cuda | cpu (auto: TPU, then CUDA, then CPU)")
     t.add_argument("--num-processes", type=int, default=None, help="workers on this host")
     t.add_argument("--strategy", default=defaults["strategy"], help="ddp (a replica per device) or spmd (XLA: one process "
@@ -65,6 +67,29 @@ def build_parser():
     t.add_argument("--resume-from", default=None, help="continue from this checkpoint (OUTPUT_DIR/checkpoints/step-N)")
     t.add_argument("--compile-cache", default=None, help="persistent XLA compilation cache folder")
     t.add_argument("--metrics-out", default=None, help="write the run's metrics JSON here")
+    t.add_argument("--eval-every", type=int, default=None, help="evaluate every N optimizer steps (default: at the "
+                   "end of each epoch)")
+    t.add_argument("--metric-for-best", default=None, help="the evaluation metric that ranks models (default: the "
+                   "task's main metric; mse is minimised, the others maximised)")
+    t.add_argument("--save-best", action="store_true", help="keep the best evaluation's weights: the final model "
+                   "(and --test-file's predictions) are the best one's")
+    t.add_argument("--early-stopping-patience", type=int, default=None, help="stop after this many evaluations "
+                   "without improvement")
+    pr = sub.add_parser("predict", help="predict labels for a file with a fine-tuned classifier")
+    pr.add_argument("--model", required=True, help="a folder written by xla-train train (or any fine-tuned "
+                    "sequence-classification folder)")
+    pr.add_argument("--input", required=True, help=".csv, .tsv, .json, .jsonl, or a GLUE .tsv file (test.tsv)")
+    pr.add_argument("--output", required=True, help="file to write: GLUE's index<TAB>prediction for a GLUE file, "
+                    "else the input's columns plus prediction and score, in the format of its extension")
+    pr.add_argument("--backend", default="auto", help="auto | xla | cuda | cpu")
+    pr.add_argument("--strategy", default="ddp", help="ddp or spmd (XLA)")
+    pr.add_argument("--num-processes", type=int, default=None, help="workers on this host")
+    pr.add_argument("--batch-size", type=int, default=8, help="rows per replica and batch (default: 8)")
+    pr.add_argument("--text-columns", default=None, help="A or A,B (default: the columns the model was trained on)")
+    pr.add_argument("--task", default=None, help="the GLUE task whose file layout --input has (default: the "
+                    "model's own task)")
+    pr.add_argument("--max-length", type=int, default=None, help="truncate rows (default: training's, else 128)")
+    pr.add_argument("--buckets", default="auto", help="auto, or lengths like 32,64,96,128")
     r = sub.add_parser("report", help="write RUN_DIR/report/ (Markdown and PNG plots) from a run's --output-dir")
     r.add_argument("run_dir", help="the --output-dir of a training run")
     sub.add_parser("env", help="show the detected backend, devices and versions")
@@ -77,6 +102,12 @@ def cmd_train(args):
     opts = {k: v for k, v in vars(args).items() if k != "command"}
     opts["model"] = opts["model"] or bundled_model_path()
     run(TrainConfig(**opts))
+
+
+def cmd_predict(args):
+    from .predict import PredictConfig, run
+
+    run(PredictConfig(**{k: v for k, v in vars(args).items() if k != "command"}))
 
 
 def cmd_report(args):
@@ -108,7 +139,7 @@ def cmd_env(args):
 def main(argv=None):
     try:
         args = build_parser().parse_args(argv)
-        {"train": cmd_train, "report": cmd_report, "env": cmd_env}[args.command](args)
+        {"train": cmd_train, "predict": cmd_predict, "report": cmd_report, "env": cmd_env}[args.command](args)
     except ExitError as e:
         # under torchrun every rank runs this; a stop (the same on every rank) is told once
         if str(e) and not (isinstance(e, Stopped) and os.environ.get("RANK", "0") != "0"):

@@ -35,7 +35,7 @@ def tokenize(ds, tokenizer, max_length):
 
     import datasets
 
-    keep = set(MODEL_INPUTS) | {"label", "length", "truncated"}
+    keep = set(MODEL_INPUTS) | {"label", "length", "truncated", "row"}  # row: a prediction's input position
     quiet = sum(len(split) for split in ds.values()) < 50_000  # MRPC takes about a second: no bar
     if quiet:
         datasets.disable_progress_bars()
@@ -44,7 +44,7 @@ def tokenize(ds, tokenizer, max_length):
     finally:
         if quiet:
             datasets.enable_progress_bars()
-    out = out.remove_columns([c for c in out["train"].column_names if c not in keep])
+    out = out.remove_columns([c for c in next(iter(out.values())).column_names if c not in keep])
     truncated = {split: int(sum(out[split]["truncated"])) for split in out}
     return out.remove_columns("truncated"), truncated
 
@@ -250,7 +250,7 @@ class PlannedRows(torch.utils.data.Dataset):
     def __getitem__(self, key):
         row, pad_to, valid = key
         record = self.ds[row]
-        return {k: record[k] for k in (*MODEL_INPUTS, "label", "labels") if k in record}, pad_to, valid
+        return {k: record[k] for k in (*MODEL_INPUTS, "label", "labels", "row") if k in record}, pad_to, valid
 
 
 class PadCollator:

@@ -1,6 +1,6 @@
 """What the run is doing: TensorBoard scalars, a compilation log, and a recompilation explainer.
 
-The training loop calls a few hooks (`step`, `log`, `epoch_end`, `close`). Nothing here reads
+The training loop calls a few hooks (`step`, `log`, `evaluated`, `close`). Nothing here reads
 the device inside a step: per-step hooks only run host work in a step closure (compilation and
 transfer counters, the input shape); values that live on the device (loss, gradient norm) are
 read by the run's state at `--log-every` points and handed to `log`. The monitor owns the
@@ -44,7 +44,7 @@ class Monitor:
         self.samples_per_step = cfg.batch_size * cfg.grad_accum * engine.num_devices
         self.padding = cfg.padding
         self.compilations, self.warning = [], None
-        self._seen, self._warm, self._epoch_ends = set(), set(), []
+        self._seen, self._warm, self._eval_steps = set(), set(), []
         self._writer, self._debug, self._debug_offset, self._tmp = None, None, 0, None
         self._t_start = time.perf_counter()
         self._last, self._last_log = None, (0, self._t_start)
@@ -85,7 +85,7 @@ class Monitor:
         (prev_step, prev_t), self._last_log = self._last_log, (step, now)
         values = {"loss": loss, "lr": lr, "grad_norm": grad_norm}
         # samples/s since the previous log point; skipped when an evaluation ran in between
-        if not any(prev_step <= e < step for e in self._epoch_ends):
+        if not any(prev_step <= e < step for e in self._eval_steps):
             values["throughput"] = (step - prev_step) * self.samples_per_step / (now - prev_t)
         stats = self.clock.counters()
         if stats:
@@ -93,15 +93,14 @@ class Monitor:
                           host_syncs=stats["transfers"])
         self._scalars(step, values)
 
-    def epoch_end(self, step, epoch, results):
+    def evaluated(self, step, results):
         """After each evaluation: eval scalars; compilations since the last step are evaluation's."""
         if not self.on:
             return
-        self._epoch_ends.append(step)
+        self._eval_steps.append(step)
         self._scalars(step, {k: v for k, v in results.items() if k != "n" and not k.startswith("n_")})
         if self._last is not None:
             self._note_compiles(step, "eval", None)
-        self.clock.end_of_epoch()
 
     def close(self, metrics):
         """At the end of the run: metrics.json, compilations.json and the report."""

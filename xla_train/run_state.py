@@ -1,9 +1,10 @@
 """Where a run stands, and the decisions that depend on it.
 
 `RunState` holds the position (optimizer steps, epoch, micro-batches taken from the epoch), the
-loss tracker, the loss history and the latest checkpoint. It reads the loss at log points
-without stalling the device, makes every replica agree on stopping (a signal or a non-finite
-loss on any of them), and decides when a checkpoint is written and what it holds.
+loss tracker, the loss history, the evaluations and the best one, and the latest checkpoint. It
+reads the loss at log points without stalling the device, makes every replica agree on stopping
+(a signal or a non-finite loss on any of them), keeps the best model (--save-best), stops early
+(--early-stopping-patience), and decides when a checkpoint is written and what it holds.
 """
 
 import math
@@ -15,6 +16,7 @@ from . import checkpoint
 from .errors import Stopped
 from .signals import StopRequest
 from .storage import open_store
+from .tasks import MINIMISED
 
 
 class LossTracker:
@@ -49,6 +51,11 @@ class RunState:
         self.step, self.epoch, self.batch = run.get("step", 0), run.get("epoch", 0), run.get("batch", 0)
         self.history = run.get("history", [])  # [step, mean loss since the last entry, lr, loss sum]
         self.results = run.get("results")  # the latest evaluation
+        self.evaluations = run.get("evaluations", [])  # [[step, results], ...]
+        self.best = run.get("best")  # {"step", "metric", "value"} of the best evaluation so far
+        self.bad_evals = run.get("bad_evals", 0)  # evaluations since the best one
+        self.stopped_early = run.get("stopped_early", False)
+        self.best_weights = None  # the best model on the CPU, with --save-best and no output folder
         self.first_step = self.step
         self.tracker = LossTracker(engine, run.get("loss_sum", 0.0), self.step * cfg.grad_accum, cfg.grad_accum)
         self.bad_step = None  # the first optimizer step whose loss was not finite, once known
@@ -62,8 +69,8 @@ class RunState:
 
     def unfinished(self, total_steps):
         """Steps are left, or an epoch was cut short (a run stopped at its last step resumes
-        for the evaluation it had not run)."""
-        return self.step < total_steps or self.batch > 0
+        for the evaluation it had not run); never after early stopping."""
+        return not self.stopped_early and (self.step < total_steps or self.batch > 0)
 
     def end_epoch(self):
         self.epoch, self.batch = self.epoch + 1, 0
@@ -123,6 +130,48 @@ class RunState:
         return Stopped(f"the training loss was not finite at step {self.bad_step}; stopped without saving "
                        f"(last good checkpoint: {self.saved or 'none'}); try a lower --lr or --max-grad-norm", 3)
 
+    # --- evaluations and the best model -------------------------------------------------------
+    def eval_due(self, total_steps):
+        """With --eval-every N: every N steps and at the last one (else the loop evaluates at
+        each epoch's end)."""
+        every = self.cfg.eval_every
+        return bool(every) and (self.step % every == 0 or self.step == total_steps)
+
+    def eval_at_epoch_end(self, total_steps):
+        """Without --eval-every, at every epoch's end; with it, only if the run's last step has not
+        been evaluated (a run stopped by a signal right at its end)."""
+        if not self.cfg.eval_every:
+            return True
+        last = self.evaluations[-1][0] if self.evaluations else None
+        return self.step == total_steps and last != self.step and not self.stopped_early
+
+    def evaluated(self, results, model, main_metric):
+        """Records an evaluation: the best so far (its weights kept with --save-best) and the
+        early-stopping count. Every replica has the same results, so all decide alike."""
+        self.results = results
+        self.evaluations.append([self.step, results])
+        name = self.cfg.metric_for_best or main_metric
+        if _improves(results[name], self.best["value"] if self.best else None, name in MINIMISED):
+            self.best, self.bad_evals = {"step": self.step, "metric": name, "value": results[name]}, 0
+            if self.cfg.save_best:
+                self.best_weights = checkpoint.save_best(self.engine, self.store, model)
+        else:
+            self.bad_evals += 1
+        patience = self.cfg.early_stopping_patience
+        if patience and self.bad_evals >= patience:
+            self.stopped_early = True
+            self.engine.print(f"early stopping at step {self.step}: {name} has not improved in {patience} "
+                              f"evaluation(s); the best, {self.best['value']:.4f}, was at step {self.best['step']}")
+
+    def restore_best(self, model):
+        """With --save-best: puts the best evaluation's weights back into `model`. Returns the
+        results of the evaluation the model now has."""
+        if not (self.cfg.save_best and self.best) or self.best["step"] == self.evaluations[-1][0]:
+            return self.results
+        weights = self.best_weights if self.best_weights is not None else checkpoint.load_best(self.store)
+        self.engine.unwrap_model(model).load_state_dict(weights)
+        return next(r for s, r in self.evaluations if s == self.best["step"])
+
     # --- checkpoints --------------------------------------------------------------------------
     def track(self, model, optimizer, scheduler, clock, extra):
         """What a checkpoint holds besides the position: the objects, and `extra` state (JSON).
@@ -138,7 +187,7 @@ class RunState:
         if not self.store:
             return False
         if end_of_epoch:
-            return not self.cfg.save_every or self.step == total_steps
+            return not self.cfg.save_every or self.step == total_steps or self.stopped_early
         return bool(self.cfg.save_every) and self.step % self.cfg.save_every == 0
 
     def save(self):
@@ -149,9 +198,19 @@ class RunState:
         with clock.excluding():  # a checkpoint's reads are not the training steps' syncs
             loss_sum = self.check_finite()
             run = {"step": self.step, "epoch": self.epoch, "batch": self.batch, "loss_sum": loss_sum,
-                   "history": self.history, "results": self.results}
+                   "history": self.history, "results": self.results, "evaluations": self.evaluations,
+                   "best": self.best, "bad_evals": self.bad_evals, "stopped_early": self.stopped_early}
             state = {"run": run, **extra, "world_size": self.engine.num_devices, "config": asdict(self.cfg)}
             self.saved = checkpoint.save(self.engine, self.store, model, optimizer, scheduler, state,
                                          self.cfg.keep_last)
         self.saved_at = self.position
         return self.saved
+
+
+def _improves(value, best, minimise):
+    """Whether `value` beats `best` (None: nothing yet); a NaN never does, and anything beats one."""
+    if math.isnan(value):
+        return best is None
+    if best is None or math.isnan(best):
+        return True
+    return value < best if minimise else value > best

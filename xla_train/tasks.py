@@ -20,6 +20,11 @@ from .errors import UserError
 BUNDLED_MRPC = Path(__file__).parent / "data" / "mrpc"
 FILE_FORMATS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json"}
 PROBLEMS = ("classification", "regression")
+# the keys each metric module config computes (see task_metric/task_metric.py), the main one first
+METRIC_KEYS = {"cola": ("matthews_correlation",), "stsb": ("pearson", "spearmanr"), "mrpc": ("accuracy", "f1"),
+               "qqp": ("accuracy", "f1"), "classification": ("accuracy", "f1"),
+               "regression": ("pearson", "spearmanr", "mse")}
+MINIMISED = ("mse", "loss")  # metrics where lower is better
 
 
 @dataclass(frozen=True)
@@ -70,6 +75,7 @@ class Task:
     metric_name: str  # the task_metric config: a GLUE task, "classification" or "regression"
     main: str  # the main metric's key
     eval_splits: list = field(default_factory=lambda: ["validation"])
+    test: object = None  # predict.Table of --test-file's rows, if any
 
     @property
     def num_labels(self):
@@ -78,6 +84,12 @@ class Task:
     @property
     def pair(self):
         return "text2" in self.splits["train"].column_names
+
+    @property
+    def metric_keys(self):
+        """Every key an evaluation reports (besides the row counts), the main one first."""
+        keys = METRIC_KEYS.get(self.metric_name, ("accuracy",))
+        return [k + self.eval_suffix(split) for split in self.eval_splits for k in keys]
 
     def eval_suffix(self, split):
         """The metrics' key suffix of an evaluation split ("" for the first, "_mm" for MNLI's second)."""
@@ -265,6 +277,8 @@ def read_table(path):
     try:
         ds = datasets.load_dataset(kind, data_files=str(path), split="train", **options)
     except Exception as e:  # malformed CSV/JSON: pandas and pyarrow name the line
+        if "corresponds to no data" in str(e):  # a header and no rows, or an empty JSON list
+            raise UserError(f"{path}: no rows (empty split)")
         raise UserError(f"{path}: cannot read it as {path.suffix[1:].upper()}: {_first_line(_root(e))}")
     finally:
         datasets.enable_progress_bars()
@@ -284,7 +298,7 @@ def load_files(train_file, validation_file, text_columns=None, label_column="lab
         if label_column not in ds.column_names:
             raise UserError(f"{files[split]}: no label column {label_column!r} (columns: {', '.join(ds.column_names)}); "
                             "name it with --label-column")
-    texts = _text_columns(raw["train"], label_column, text_columns, files["train"])
+    texts = text_columns_of(raw["train"], label_column, text_columns, files["train"])
     for split, ds in raw.items():
         missing = [c for c in texts if c not in ds.column_names]
         if missing:
@@ -321,16 +335,17 @@ def load_files(train_file, validation_file, text_columns=None, label_column="lab
     return Task("custom", problem, labels, datasets.DatasetDict(splits), list(texts), metric, main)
 
 
-def _text_columns(ds, label_column, given, path):
-    """`--text-columns`, else run_glue's rule: sentence1/sentence2 if present, else the first two
-    other text columns, else the first one."""
+def text_columns_of(ds, label_column, given, path, what=None):
+    """`given` ("A" or "A,B"), else run_glue's rule: sentence1/sentence2 if present, else the first
+    two other text columns, else the first one. `what` says where `given` came from, for errors."""
     if given:
         names = [c.strip() for c in given.split(",") if c.strip()]
         if not 1 <= len(names) <= 2:
             raise UserError(f"--text-columns takes one column or two (a pair), not {given!r}")
         missing = [c for c in names if c not in ds.column_names]
         if missing:
-            raise UserError(f"{path}: no column {missing[0]!r} (columns: {', '.join(ds.column_names)})")
+            which = f"no column {', '.join(map(repr, missing))}" + (f", which {what}" if what else "")
+            raise UserError(f"{path}: {which} (columns: {', '.join(ds.column_names)})")
         return names
     others = [c for c in ds.column_names if c != label_column]
     if "sentence1" in others and "sentence2" in others:

@@ -20,6 +20,7 @@ from .api import Engine
 from .data import CostModel, auto_buckets, check_fit, make_loader, parse_buckets, tokenize
 from .errors import UserError
 from .monitor import Monitor
+from .predict import ModelInfo, predict_loader, predict_rows, read_input, tokenize_rows, write_output
 from .run_state import RunState
 from .selection import select_backend
 from .signals import StopRequest
@@ -41,6 +42,7 @@ class TrainConfig:
     text_columns: str = None  # own data: "A" or "A,B" (None: sentence1/sentence2, else the first text columns)
     label_column: str = "label"  # own data: the label's column
     problem: str = None  # own data: classification | regression (None: float labels make a regression)
+    test_file: str = None  # rows to predict with the final (or best) model into OUTPUT_DIR/predictions.EXT
     # hyperparameters (the course's: AdamW, linear schedule, 3 epochs, batch 8)
     epochs: int = 3
     batch_size: int = 8  # per replica
@@ -69,6 +71,11 @@ class TrainConfig:
     resume_from: str = None  # continue from this checkpoint folder
     compile_cache: str = None  # persistent XLA compilation cache folder
     metrics_out: str = None  # JSON file with the run's numbers
+    # model selection
+    eval_every: int = None  # evaluate every N optimizer steps (None: at the end of each epoch)
+    metric_for_best: str = None  # the evaluation key that ranks models (None: the task's main metric)
+    save_best: bool = False  # the final model is the best evaluation's, not the last one's
+    early_stopping_patience: int = None  # stop after this many evaluations without improvement
 
     def check(self):
         choices = {"padding": PADDING_MODES, "precision": PRECISIONS}
@@ -80,13 +87,15 @@ class TrainConfig:
                 raise UserError(f"--{name.replace('_', '-')} must be at least 1")
         if self.lr <= 0:
             raise UserError("--lr must be positive")
-        for name in ("max_steps", "save_every", "keep_last"):
+        for name in ("max_steps", "save_every", "keep_last", "eval_every", "early_stopping_patience"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise UserError(f"--{name.replace('_', '-')} must be at least 1")
         if self.task is not None and self.task not in TASKS:
             raise UserError(f"--task must be one of {', '.join(TASKS)}, not {self.task!r}")
         if self.problem is not None and self.problem not in PROBLEMS:
             raise UserError(f"--problem must be one of {', '.join(PROBLEMS)}, not {self.problem!r}")
+        if self.test_file and not self.output_dir:
+            raise UserError("--test-file needs --output-dir, where predictions.EXT is written")
         if self.resume and not self.output_dir:
             raise UserError("--resume needs --output-dir, the folder that holds the checkpoints")
         parse_buckets(self.buckets, self.max_length)
@@ -110,9 +119,16 @@ def prepare_data(cfg, backend, resume=None):
     tokenise it once, and settle the bucket lengths."""
     task = load_task(cfg.task, cfg.data_dir, cfg.train_file, cfg.validation_file, cfg.text_columns,
                      cfg.label_column, cfg.problem)
+    if cfg.metric_for_best and cfg.metric_for_best not in task.metric_keys:
+        raise UserError(f"--metric-for-best must be one of {task.name}'s metrics: {', '.join(task.metric_keys)}; "
+                        f"not {cfg.metric_for_best!r}")
+    if cfg.test_file:
+        task.test = read_input(cfg.test_file, task_info(task, cfg))
     print(task.describe())
     tokenizer = load_tokenizer(cfg.model)
     data, truncated = tokenize(task.splits, tokenizer, cfg.max_length)
+    if task.test is not None:
+        data["test"], truncated["test"] = tokenize_rows(task.test, tokenizer, cfg.max_length)
     task.splits = None  # the workers get the tokenised copy
     if any(truncated.values()):
         print(f"truncated to --max-length {cfg.max_length} tokens: "
@@ -130,7 +146,7 @@ def prepare_data(cfg, backend, resume=None):
         steps = min(cfg.max_steps or 10**9, steps_per_epoch * cfg.epochs)
         compile_s = backend.compile_seconds if cfg.compile_seconds is None else cfg.compile_seconds
         cost = CostModel(compile_seconds=compile_s, token_seconds=backend.token_seconds)
-        eval_lengths = [n for split in task.eval_splits for n in data[split]["length"]]
+        eval_lengths = [n for split in [*task.eval_splits, "test"] if split in data for n in data[split]["length"]]
         buckets, estimate = auto_buckets(data["train"]["length"], eval_lengths, steps,
                                          rows_per_step, cfg.epochs, cfg.max_length, cost)
         estimate.update(steps=steps, devices=devices, rows_per_step=rows_per_step, steps_per_epoch=steps_per_epoch)
@@ -210,7 +226,7 @@ def train_worker(cfg, task, tokenizer, model, data, buckets, report, resume=None
                               num_training_steps=total_steps)
     state = RunState(engine, cfg, resume)  # where the run stands, and its stop and checkpoint decisions
     state.track(model, optimizer, scheduler, monitor.clock, {"buckets": buckets, "n_train": len(data["train"])})
-    metric = load_metric(task.metric_name)
+    evaluate = Evaluator(engine, task, dict(zip(task.eval_splits, eval_dls)), state, monitor)
     bar = tqdm(total=total_steps, initial=state.step, desc="Training", disable=not engine.is_main_process,
                dynamic_ncols=True)
     with StopRequest() as stop, bar:  # the bar is closed (its line ended) before any message
@@ -238,19 +254,22 @@ def train_worker(cfg, task, tokenizer, model, data, buckets, report, resume=None
                 if log_point:
                     state.log_point(lr, bar, monitor)
                 state.check_stop(stop, log_point)  # a signal or a non-finite loss on any replica
+                if state.eval_due(total_steps):  # --eval-every
+                    evaluate(model, f"step {state.step}", mid_epoch=True)
                 if state.save_due(total_steps):
                     state.save()
-                if state.step == total_steps:
+                if state.step == total_steps or state.stopped_early:
                     break
             monitor.clock.stop(state.step)  # the training phase's time ends here, before evaluation
             state.end_epoch()
-            state.results = evaluate_all(engine, model, task, dict(zip(task.eval_splits, eval_dls)), metric)
-            engine.print(f"epoch {state.epoch}: {scores(state.results)}")
-            monitor.epoch_end(state.step, state.epoch, state.results)
+            if state.eval_at_epoch_end(total_steps):
+                evaluate(model, f"epoch {state.epoch}")
+            monitor.clock.end_of_epoch()
             if state.save_due(total_steps, end_of_epoch=True):
                 state.save()  # every epoch by default; the end of the run in any case
     state.check_finite()  # the last log interval's loss, which no closure has read yet on XLA
-    return finish(engine, cfg, task, state, model, tokenizer, train_dl, monitor, steps_per_epoch, report, resume)
+    return finish(engine, cfg, task, state, model, tokenizer, (train_dl, data, buckets), monitor, steps_per_epoch,
+                  report, resume)
 
 
 def _private_copy(model):
@@ -269,14 +288,27 @@ def make_loaders(cfg, tokenizer, data, bucket_list, eval_splits):
             for split in ("train", *eval_splits)]
 
 
-def finish(engine, cfg, task, state, model, tokenizer, train_dl, monitor, steps_per_epoch, report, resume):
-    """After the loop: the final model, the metrics JSON and the run folder's files."""
-    step, results = state.step, state.results
+def finish(engine, cfg, task, state, model, tokenizer, loaded, monitor, steps_per_epoch, report, resume):
+    """After the loop: the final (or best) model, its predictions for --test-file, the metrics
+    JSON and the run folder's files."""
+    train_dl, data, buckets = loaded
+    step = state.step
     samples_per_step = cfg.batch_size * cfg.grad_accum * engine.num_devices
     timing = monitor.clock.summary(step, samples_per_step, state.first_step)  # before the graphs below
+    results = state.restore_best(model)  # --save-best: the best evaluation's weights
+    predictions = None
     if state.store:
-        engine.save_pretrained(model, tokenizer, state.store.local_folder())
+        folder = state.store.local_folder()
+        engine.save_pretrained(model, tokenizer, folder)
+        if task.test is not None:
+            loader = predict_loader(engine, tokenizer, data["test"], cfg.batch_size,
+                                    buckets if cfg.padding == "buckets" else [cfg.max_length], cfg.max_length)
+            scores_ = predict_rows(engine, model, loader, task.problem)
+            predictions = f"{state.store.url.rstrip('/')}/predictions{Path(cfg.test_file).suffix.lower()}"
         if engine.is_main_process:
+            task_info(task, cfg).write(folder)
+            if task.test is not None:
+                write_output(folder / Path(predictions).name, task.test, task_info(task, cfg), scores_)
             state.store.publish()
     sums = replica_checksums(engine, model)
     plan = train_dl.loader.batch_sampler
@@ -288,7 +320,9 @@ def finish(engine, cfg, task, state, model, tokenizer, train_dl, monitor, steps_
         "train_samples": step * samples_per_step, **timing,
         "padding_efficiency": round(plan.padding_efficiency(), 4),
         "padding_by_bucket": plan.padding_by_length(),
-        "eval": results,
+        "eval": results,  # of the saved model: the last evaluation, or the best with --save-best
+        "best": state.best, "evaluations": state.evaluations, "stopped_early": state.stopped_early,
+        "predictions": predictions,
         "train_loss": [h[:3] for h in state.history],  # [step, mean loss since the last entry, learning rate]
         "param_checksum": float(sums[0].double().sum()),
         "replicas_identical": bool((sums == sums[0]).all()),
@@ -329,6 +363,31 @@ def evaluate_model(engine, model, eval_dl, metric, problem):
             metric.add_batch(predictions=preds, references=refs)
     n = len(metric)
     return {**metric.compute(), "n": n}
+
+
+class Evaluator:
+    """Scores every evaluation split, prints and logs the scores, and hands them to the run state
+    (best model, early stopping). Mid-epoch (--eval-every) it pauses the training clock."""
+
+    def __init__(self, engine, task, loaders, state, monitor):
+        self.engine, self.task, self.loaders, self.state, self.monitor = engine, task, loaders, state, monitor
+        self.metric = load_metric(task.metric_name)
+
+    def __call__(self, model, where, mid_epoch=False):
+        if mid_epoch:
+            self.monitor.clock.stop(self.state.step)
+        results = evaluate_all(self.engine, model, self.task, self.loaders, self.metric)
+        self.engine.print(f"{where}: {scores(results)}")
+        self.monitor.evaluated(self.state.step, results)
+        self.state.evaluated(results, model, self.task.main)
+        if mid_epoch:
+            model.train()
+            self.monitor.clock.start()
+
+
+def task_info(task, cfg):
+    """What the saved model folder records of its training data (read back by `xla-train predict`)."""
+    return ModelInfo(task.problem, task.labels, task.name, task.text_columns, cfg.max_length)
 
 
 def evaluate_all(engine, model, task, eval_dls, metric):

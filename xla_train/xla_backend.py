@@ -167,6 +167,9 @@ class XLABackend(Backend):
             sharding = xs.ShardingSpec(self._mesh(), ("data", None))
         return pl.MpDeviceLoader(loader, self.device, input_sharding=sharding)
 
+    def inference_mode(self):
+        return torch.no_grad()  # inference tensors are a plain-torch optimisation; no_grad is what torch_xla's examples use
+
     def optimizer_step(self, optimizer, max_grad_norm=None):
         import torch_xla.core.xla_model as xm
 
