@@ -26,7 +26,7 @@ from .api import Engine
 from .data import CostModel, check_fit, choose_buckets, make_loader, parse_buckets, tokenize
 from .errors import UserError
 from .selection import select_backend
-from .tasks import FILE_FORMATS, GLUE, read_table, text_columns_of
+from .tasks import FILE_FORMATS, GLUE, glue_rows, read_table, text_columns_of
 
 TASK_FILE = "xla_train_task.json"  # what training saved beside the model: task, text columns, labels
 GLUE_TEST_TEXTS = {"cola": ("sentence",)}  # test files whose text columns differ from train/dev's
@@ -126,13 +126,7 @@ def read_input(path, info, text_columns=None, task=None):
 
 
 def _read_glue_tsv(path):
-    if not path.is_file():
-        raise UserError(f"missing data file: {path}")
-    # GLUE's sentences hold bare quote characters: quoting off, as GLUE's own reader does
-    with open(path, newline="", encoding="utf-8-sig") as f:
-        rows = list(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
-    if not rows:
-        raise UserError(f"empty data file: {path}")
+    rows = glue_rows(path)
     header = rows[0]
     for lineno, row in enumerate(rows[1:], start=2):
         if len(row) != len(header):

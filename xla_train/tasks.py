@@ -156,10 +156,9 @@ def _glue(name, splits, text_columns):
 # GLUE: the original TSV files, or the hub
 
 
-def read_glue_tsv(path, task="mrpc"):
-    """One labelled TSV file of a GLUE task in GLUE's own layout, as columns `text1` [`text2`]
-    and `label`, with one clear error per bad row."""
-    spec, path = GLUE[task], Path(path)
+def glue_rows(path):
+    """The rows of a TSV file in GLUE's own layout (the header, if any, first)."""
+    path = Path(path)
     if not path.is_file():
         raise UserError(f"missing data file: {path}")
     # GLUE's sentences contain bare quote characters, so quoting is off (as in GLUE's own reader).
@@ -167,6 +166,14 @@ def read_glue_tsv(path, task="mrpc"):
         rows = list(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
     if not rows:
         raise UserError(f"empty data file: {path}")
+    return rows
+
+
+def read_glue_tsv(path, task="mrpc"):
+    """One labelled TSV file of a GLUE task in GLUE's own layout, as columns `text1` [`text2`]
+    and `label`, with one clear error per bad row."""
+    spec, path = GLUE[task], Path(path)
+    rows = glue_rows(path)
     header, first = (rows[0], 2) if spec.header else (None, 1)
     if header is not None:
         wanted = (*spec.file_texts, spec.file_label)
