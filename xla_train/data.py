@@ -49,6 +49,21 @@ def tokenize(ds, tokenizer, max_length):
     return out.remove_columns("truncated"), truncated
 
 
+def model_inputs_only(data, model):
+    """`data` without the input columns `model.forward` does not take (DistilBERT has no
+    `token_type_ids`), nor `token_type_ids` for a model with one token type (RoBERTa-style)."""
+    import inspect
+
+    takes = inspect.signature(model.forward).parameters
+    drop = [c for c in MODEL_INPUTS if c not in takes]
+    if getattr(model.config, "type_vocab_size", 2) < 2:
+        drop.append("token_type_ids")
+    present = data.column_names  # a Dataset's list, or a DatasetDict's lists per split
+    present = present if isinstance(present, list) else next(iter(present.values()))
+    drop = [c for c in dict.fromkeys(drop) if c in present]
+    return data.remove_columns(drop) if drop else data
+
+
 # ---------------------------------------------------------------------------------------------
 # Bucket choice
 

@@ -23,7 +23,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .api import Engine
-from .data import CostModel, check_fit, choose_buckets, make_loader, parse_buckets, tokenize
+from .data import CostModel, check_fit, choose_buckets, make_loader, model_inputs_only, parse_buckets, tokenize
 from .errors import UserError
 from .selection import select_backend
 from .tasks import FILE_FORMATS, GLUE, glue_rows, read_table, text_columns_of
@@ -265,6 +265,7 @@ def run(cfg):
         print(f"truncated to --max-length {cfg.max_length} tokens: {truncated} rows")
     buckets = plan(data["length"], backend, cfg.buckets, cfg.max_length)
     model = _load(AutoModelForSequenceClassification, cfg.model)
+    data = model_inputs_only(data, model)
     backend.launch(predict_worker, (cfg, info, table, model, tokenizer, data, buckets))
 
 

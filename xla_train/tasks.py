@@ -117,6 +117,18 @@ def load_metric(name="mrpc"):
     return evaluate.load(str(Path(__file__).parent / "task_metric"), config_name=name)
 
 
+def task_loss(logits, labels, problem):
+    """The training loss from the logits: cross-entropy for a classification, MSE for a regression
+    (the values transformers' heads compute for these problems). Computed here rather than by the
+    model, whose head may build it with data-dependent shapes (DeBERTa-v2's `(labels >= 0).nonzero()`):
+    on XLA that is a device-to-host read and a second graph in every step."""
+    import torch.nn.functional as F
+
+    if problem == "regression":
+        return F.mse_loss(logits.squeeze(), labels.squeeze())
+    return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1))
+
+
 # ---------------------------------------------------------------------------------------------
 # Choosing the source
 

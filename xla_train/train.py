@@ -17,7 +17,7 @@ from transformers import get_scheduler
 
 from . import checkpoint
 from .api import Engine
-from .data import CostModel, auto_buckets, check_fit, make_loader, parse_buckets, tokenize
+from .data import CostModel, auto_buckets, check_fit, make_loader, model_inputs_only, parse_buckets, tokenize
 from .errors import UserError
 from .monitor import Monitor
 from .predict import ModelInfo, predict_loader, predict_rows, read_input, tokenize_rows, write_output
@@ -25,7 +25,7 @@ from .run_state import RunState
 from .selection import select_backend
 from .signals import StopRequest
 from .storage import open_store
-from .tasks import PROBLEMS, TASKS, bundled_model_path, load_metric, load_task
+from .tasks import PROBLEMS, TASKS, bundled_model_path, load_metric, load_task, task_loss
 
 PADDING_MODES = ("buckets", "max_length", "dynamic")
 PRECISIONS = ("fp32", "bf16")
@@ -176,6 +176,7 @@ def run(cfg):
     task, tokenizer, data, truncated, buckets, estimate = prepare_data(cfg, backend, resume)
     weights = resume.model_weights() if resume else None  # a corrupt file fails before any loading
     model = load_model(cfg.model, cfg.seed, task)
+    data = model_inputs_only(data, model)
     if resume:
         resume.load_model(model, weights)
         del weights
@@ -238,8 +239,9 @@ def train_worker(cfg, task, tokenizer, model, data, buckets, report, resume=None
                 if state.step >= total_steps or state.batch == steps_per_epoch * cfg.grad_accum:
                     break  # done, or the epoch's last micro-batches would not fill an optimizer step
                 state.batch += 1
+                labels = batch.pop("labels")  # the loss is the job's own: no model head can add a host sync
                 with engine.autocast():
-                    loss = model(**batch).loss
+                    loss = task_loss(model(**batch).logits, labels, task.problem)
                 engine.backward(loss)
                 state.tracker.add(loss)
                 if not engine.optimizer_step(optimizer):
