@@ -65,10 +65,10 @@ def test_torchrun_starts_the_same_entry_point(mrpc_slice, tiny_model, tmp_path):
     (["--backend", "xla", "--strategy", "spmd"], {"CPU_NUM_DEVICES": "4"}, 4),  # one process, 4 XLA:CPU devices
     (["--backend", "cpu", "--num-processes", "2"], {}, 2),  # two gloo processes
 ])
-def test_buckets_auto_plans_for_the_devices_the_run_will_have(args, env, devices, tiny_model, tmp_path):
+def test_buckets_auto_plans_for_the_devices_the_run_will_have(args, env, devices, tiny_model, full_train, tmp_path):
     """`--buckets auto` plans the job before launch: with every device counted, 3,668 MRPC rows
     in global batches of 8 x devices take 115 steps an epoch on 4 devices, 230 on 2."""
-    proc, m = run_cli([*args, "--model", tiny_model, "--max-steps", 1], tmp_path, env=env)
+    proc, m = run_cli([*args, "--model", tiny_model, "--max-steps", 1, *full_train], tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     plan = next(line for line in proc.stdout.splitlines() if line.startswith("buckets auto:"))
     per_epoch = -(-3668 // (8 * devices))
@@ -76,3 +76,20 @@ def test_buckets_auto_plans_for_the_devices_the_run_will_have(args, env, devices
     assert f"{per_epoch} steps per epoch, {3 * per_epoch} for 3 epochs" in plan, plan
     assert m["world_size"] == devices and m["buckets_auto"]["steps_per_epoch"] == per_epoch
     assert m["buckets"] == m["buckets_auto"]["buckets"]
+
+
+@pytest.fixture(scope="module")
+def full_train(tmp_path_factory):
+    """MRPC's 3,668 training rows as an own CSV file, with 8 validation rows (a cheap evaluation)."""
+    import csv
+
+    from xla_train.tasks import BUNDLED_MRPC, read_glue_tsv
+
+    folder = tmp_path_factory.mktemp("full")
+    for name, source, n in (("train.csv", "train.tsv", None), ("dev.csv", "dev.tsv", 8)):
+        rows = read_glue_tsv(BUNDLED_MRPC / source)
+        with open(folder / name, "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["sentence1", "sentence2", "label"])
+            writer.writerows(list(zip(rows["text1"], rows["text2"], rows["label"]))[:n])
+    return ["--train-file", folder / "train.csv", "--validation-file", folder / "dev.csv"]
