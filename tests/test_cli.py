@@ -23,6 +23,10 @@ from xla_train.cli import main
     (["--unknown-flag"], "unrecognized arguments: --unknown-flag"),
     (["--resume"], "--resume needs --output-dir"),
     (["--save-every", "0"], "--save-every must be at least 1"),
+    (["--eval-every", "0"], "--eval-every must be at least 1"),
+    (["--test-file", "test.tsv"], "--test-file needs --output-dir"),
+    (["--metric-for-best", "mcc"], "--metric-for-best must be one of mrpc's metrics: accuracy, f1; not 'mcc'"),
+    (["--task", "cola"], "the bundled data is MRPC only"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message, capsys):
     code = main(["train", "--backend", "cpu", *args] if "--backend" not in args else ["train", *args])
