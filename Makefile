@@ -1,9 +1,10 @@
 # make demo: build .venv and fine-tune MRPC with the defaults.  make test: build .venv and run the tests.
+# make dist: build dist/xla_train-VERSION.tar.gz and dist/xla_train-VERSION-py3-none-any.whl and list the wheel's files.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test bench clean
+.PHONY: demo test dist bench clean
 
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -16,8 +17,16 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(PY) -m pytest -q --durations=15 tests
 
+# setup.py is the build script; --no-isolation builds with .venv's setuptools and wheel (the dev
+# extra), as tests/test_install.py does. The wheel is built from the sdist, so nothing stale in the
+# checkout (build/) gets into it.
+dist: $(VENV)/.installed
+	rm -rf dist build xla_train.egg-info  # a stale egg-info SOURCES.txt would add old files to the sdist
+	$(PY) -m build --no-isolation --outdir dist .
+	$(PY) -m zipfile -l dist/*.whl
+
 bench: $(VENV)/.installed
 	$(PY) benchmarks/bench_mrpc.py
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) runs dist build

@@ -27,7 +27,8 @@ setup(
         "tpu": ["torch_xla[tpu]==2.9.0"],  # adds libtpu, for Cloud TPU VMs and Colab TPU
         "gcs": ["google-cloud-storage"],
         "dev": ["pytest", "accelerate", "gcp-storage-emulator", "google-cloud-storage", "torch_xla==2.9.0",
-                "nbclient", "nbformat", "ipykernel"],
+                "nbclient", "nbformat", "ipykernel",
+                "build", "setuptools", "wheel"],  # make dist and tests/test_install.py build the wheel
     },
     entry_points={"console_scripts": ["xla-train=xla_train.cli:main"]},
 )
