@@ -81,6 +81,17 @@ def tiny_bucketed_run(mrpc_slice, tiny_model, tmp_path_factory):
     return m, out / "run"
 
 
+@pytest.fixture(scope="session")
+def previous_run(mrpc_slice, tiny_model, tmp_path_factory):
+    """An output folder holding a finished 4-step run on the CPU: checkpoints 2 and 4, the final
+    model and the run's record. Tests copy it before changing anything."""
+    out = tmp_path_factory.mktemp("previous") / "run"
+    proc, _ = run_cli(["--backend", "cpu", "--model", tiny_model, "--data-dir", mrpc_slice, "--max-steps", 4,
+                       "--save-every", 2, "--output-dir", out], out.parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
 def run_cli(args, tmp_path, env=None, timeout=900):
     """Runs `python -m xla_train train ARGS --metrics-out ...` in a fresh process.
 

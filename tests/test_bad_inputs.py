@@ -14,16 +14,6 @@ from xla_train.cli import main
 HEADER = "Quality\t#1 ID\t#2 ID\t#1 String\t#2 String\n"
 
 
-@pytest.fixture(scope="module")
-def previous_run(mrpc_slice, tiny_model, tmp_path_factory):
-    """An output folder holding a finished 4-step run: checkpoints 2 and 4 and the final model."""
-    out = tmp_path_factory.mktemp("previous") / "run"
-    proc, _ = run_cli(["--backend", "cpu", "--model", tiny_model, "--data-dir", mrpc_slice, "--max-steps", 4,
-                       "--save-every", 2, "--output-dir", out], out.parent)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return out
-
-
 def digest(folder):
     return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(folder.rglob("*")) if p.is_file()}
@@ -50,7 +40,21 @@ def unmarked(out):
     return ["--resume-from", checkpoint(out)]
 
 
-CASES = {  # name: (extra arguments, given the run's copy and a scratch folder; expected message)
+def bytes_data(tmp, body):
+    folder = write_slice(tmp / "data", 16, 16)
+    (folder / "train.tsv").write_bytes(body)
+    return ["--data-dir", folder]
+
+
+def no_model(tmp):
+    (tmp / "notes.txt").write_text("a folder without a model")
+    return ["--model", tmp]
+
+
+ROW = "1\t1\t2\tOne sentence.\tAnother sentence.\r\n".encode()
+# name: (extra arguments, given the run's copy and a scratch folder; expected message). Cases
+# without --resume pass --overwrite: a failed check must not remove the folder's run either.
+CASES = {
     "missing data folder": (lambda out, tmp: ["--data-dir", tmp / "nope"], "data folder not found"),
     "empty data folder": (lambda out, tmp: ["--data-dir", tmp], "missing data file"),
     "missing column": (lambda out, tmp: bad_data(tmp, "Quality\t#1 ID\t#2 ID\t#1 String\n1\t1\t2\ta\n"),
@@ -59,8 +63,20 @@ CASES = {  # name: (extra arguments, given the run's copy and a scratch folder; 
                           "label must be 0 or 1, found 'yes'"),
     "label not 0/1": (lambda out, tmp: bad_data(tmp, HEADER + "2\t1\t2\ta\tb\n"), "label must be 0 or 1, found '2'"),
     "empty split": (lambda out, tmp: bad_data(tmp, HEADER), "no rows (empty split)"),
+    "a Latin-1 byte on line 3": (lambda out, tmp: bytes_data(tmp, HEADER.encode() + ROW + b"0\t3\t4\tCaf\xe9.\tx\n"),
+                                 "train.tsv:3: not UTF-8 text (byte 0xe9); save the file as UTF-8"),
+    "UTF-16 file": (lambda out, tmp: bytes_data(tmp, (HEADER + "1\t1\t2\ta\tb\n").encode("utf-16")),
+                    "train.tsv: UTF-16 text; save it as UTF-8"),
+    "fewer rows than one optimizer step": (lambda out, tmp: [*bad_data(tmp, HEADER + "1\t1\t2\ta\tb\n" * 9),
+                                                             "--grad-accum", 3],
+                                           "9 training rows make 2 batch(es) of 8 x 1 device(s), fewer than one "
+                                           "optimizer step takes (--grad-accum 3)"),
+    "longer than the model's positions": (lambda out, tmp: ["--max-length", 1024],
+                                          "--max-length 1024 is longer than model"),
     "row longer than the longest bucket": (lambda out, tmp: ["--buckets", "32,48"],
                                            "do not fit the longest bucket 48"),
+    "metrics file that is a folder": (lambda out, tmp: ["--metrics-out", tmp], "is a folder; name a file"),
+    "model folder without a model": (lambda out, tmp: no_model(tmp), "not a model folder (no config.json in it)"),
     "corrupt checkpoint": (lambda out, tmp: corrupt(out), "is corrupt: model.safetensors"),
     "partial checkpoint": (lambda out, tmp: unmarked(out), "is incomplete (no COMPLETE marker"),
     "resume with another batch size": (lambda out, tmp: ["--resume", "--batch-size", 16],
@@ -69,10 +85,23 @@ CASES = {  # name: (extra arguments, given the run's copy and a scratch folder; 
                                   "was made with --model"),
     "resume from a missing checkpoint": (lambda out, tmp: ["--resume-from", checkpoint(out, 99)],
                                          "checkpoint not found"),
+    "resume and overwrite": (lambda out, tmp: ["--resume", "--overwrite"], "--overwrite starts a new run"),
+    "a checkpoint of another run": (lambda out, tmp: other_run(out), "belongs to run "),
+    "a new run into a folder holding one": (lambda out, tmp: ["--no-overwrite"],
+                                            "already holds a run (checkpoints at steps 2, 4, a fine-tuned model, "
+                                            "finished at step 4): continue it with --resume, or replace it with "
+                                            "--overwrite"),
     "missing bucket": (lambda out, tmp: ["--output-dir", "gs://no-such-bucket/run"],
                        "bucket gs://no-such-bucket does not exist"),
     "unknown task": (lambda out, tmp: ["--task", "squad"], "--task must be one of cola, sst2, mrpc"),
 }
+
+
+def other_run(out):
+    """The folder's record names another run than its checkpoints do."""
+    record = json.loads((out / "xla_train_run.json").read_text())
+    (out / "xla_train_run.json").write_text(json.dumps({**record, "run_id": "someone-else"}))
+    return ["--resume-from", checkpoint(out)]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -81,11 +110,15 @@ def test_bad_input(case, previous_run, mrpc_slice, tiny_model, gcs_emulator, tmp
     shutil.copytree(previous_run, out)
     shutil.copytree(tiny_model, out.parent / "other")  # the same weights under another name
     make_args, message = CASES[case]
+    (tmp_path / "scratch").mkdir(exist_ok=True)
     extra = [str(a) for a in make_args(out, tmp_path / "scratch")]
     before = digest(out)
+    if "--no-overwrite" in extra:
+        extra.remove("--no-overwrite")
+    elif not {"--resume", "--resume-from"} & set(extra):
+        extra.append("--overwrite")
     args = ["train", "--backend", "cpu", "--model", str(tiny_model), "--data-dir", str(mrpc_slice), "--max-steps", "4",
             "--output-dir", str(out), *extra]  # the last of a repeated option wins
-    (tmp_path / "scratch").mkdir(exist_ok=True)
     code = main(args)
     err = capsys.readouterr().err
     assert code == 2, err
@@ -114,12 +147,38 @@ def test_unknown_model_name_offline(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-def test_resuming_a_finished_run_trains_nothing_and_reports_it(previous_run, mrpc_slice, tiny_model, tmp_path):
-    out = tmp_path / "run"
-    shutil.copytree(previous_run, out)
-    metrics = tmp_path / "m.json"
-    assert main(["train", "--backend", "cpu", "--model", str(tiny_model), "--data-dir", str(mrpc_slice),
-                 "--max-steps", "4", "--save-every", "2", "--output-dir", str(out), "--resume",
-                 "--metrics-out", str(metrics)]) == 0
-    m = json.loads(metrics.read_text())
-    assert m["first_step"] == m["steps"] == 4 and m["eval"]["n"] == 48
+def test_harmless_encodings_are_accepted(tmp_path):
+    """A byte-order mark and Windows line endings, as spreadsheet programs save files, read the
+    same rows as plain UTF-8 (GLUE's TSV and own CSV)."""
+    from xla_train.tasks import BUNDLED_MRPC, read_glue_tsv, read_table
+
+    plain = "".join((BUNDLED_MRPC / "train.tsv").read_text(encoding="utf-8").splitlines(keepends=True)[:9])
+    (tmp_path / "plain.tsv").write_text(plain, encoding="utf-8")
+    (tmp_path / "windows.tsv").write_bytes(b"\xef\xbb\xbf" + plain.replace("\n", "\r\n").encode())
+    assert read_glue_tsv(tmp_path / "windows.tsv") == read_glue_tsv(tmp_path / "plain.tsv")
+    (tmp_path / "plain.csv").write_text("label,sentence\n1,Déjà vu.\n0,\"a, b\"\n", encoding="utf-8")
+    (tmp_path / "windows.csv").write_bytes(b"\xef\xbb\xbf" + "label,sentence\r\n1,Déjà vu.\r\n0,\"a, b\"\r\n".encode())
+    assert read_table(tmp_path / "windows.csv")[:] == read_table(tmp_path / "plain.csv")[:]
+
+
+def test_tokenizer_without_a_padding_token(mrpc_slice, tmp_path, capsys):
+    """A decoder (GPT-2) whose tokenizer has no padding token: padded with its end-of-sequence
+    token, said in one line, and the model finds each row's last token by it."""
+    from transformers import AutoTokenizer, GPT2Config, GPT2ForSequenceClassification
+
+    from xla_train.tasks import bundled_model_path
+
+    tok = AutoTokenizer.from_pretrained(bundled_model_path())
+    tok.eos_token, tok.pad_token = "[SEP]", None
+    config = GPT2Config(vocab_size=tok.vocab_size, n_embd=32, n_layer=2, n_head=2, n_positions=128,
+                        eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id, pad_token_id=None)
+    GPT2ForSequenceClassification(config).save_pretrained(tmp_path / "gpt2")
+    tok.save_pretrained(tmp_path / "gpt2")
+    assert AutoTokenizer.from_pretrained(tmp_path / "gpt2").pad_token is None
+    assert main(["train", "--backend", "cpu", "--model", str(tmp_path / "gpt2"), "--data-dir", str(mrpc_slice),
+                 "--max-steps", "2", "--output-dir", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    assert f"tokenizer of {tmp_path / 'gpt2'}: no padding token; padding with its end-of-sequence token '[SEP]'" in out
+    saved = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert saved["pad_token_id"] == tok.eos_token_id
+    assert AutoTokenizer.from_pretrained(tmp_path / "out").pad_token == "[SEP]"

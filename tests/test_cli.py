@@ -12,7 +12,15 @@ from xla_train.cli import main
 
 @pytest.mark.parametrize("args, message", [
     (["--data-dir", "/no/such/folder"], "data folder not found: /no/such/folder"),
-    (["--model", "/no/such/model"], "cannot load model '/no/such/model'"),
+    (["--model", "/no/such/model"], "--model /no/such/model: no such folder"),
+    (["--lr", "nan"], "--lr must be a positive number, not nan"),
+    (["--lr", "inf"], "--lr must be a positive number, not inf"),
+    (["--warmup-ratio", "1"], "--warmup-ratio must be in [0, 1), not 1.0"),
+    (["--compile-seconds", "-1"], "--compile-seconds must be a number of seconds >= 0, not -1.0"),
+    (["--max-grad-norm", "0"], "--max-grad-norm must be a positive number, not 0.0"),
+    (["--seed", "-1"], "--seed must be in [0, 2**32), not -1"),
+    (["--num-processes", "0"], "--num-processes must be at least 1, not 0"),
+    (["--backend", "xla", "--num-processes", "2"], "--num-processes 2: on XLA give 1 (one replica) or leave it out"),
     (["--padding", "ragged"], "--padding must be one of buckets, max_length, dynamic, not 'ragged'"),
     (["--backend", "tpu"], "--backend must be one of auto, xla, cuda, cpu, not 'tpu'"),
     (["--buckets", "32,x"], "--buckets must be 'auto' or lengths"),

@@ -1,7 +1,16 @@
 """xla_train: fine-tune Hugging Face transformers on TPU/XLA first, with a CUDA/CPU fallback."""
 
-from .api import Engine, launch, notebook_launcher
 from .errors import UserError
 
 __version__ = "0.1.0"
 __all__ = ["Engine", "launch", "notebook_launcher", "UserError", "__version__"]
+
+
+def __getattr__(name):
+    # Imported on first use (PEP 562): `xla-train` starts without torch, so a Ctrl-C while the
+    # libraries load reaches the CLI's handler, and `xla-train --help` is quick.
+    if name in ("Engine", "launch", "notebook_launcher"):
+        from . import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'xla_train' has no attribute {name!r}")

@@ -15,6 +15,8 @@ inside `fn` (it then uses the backend that launched the worker). The package's o
 (`xla_train.train`) is written on this same API.
 """
 
+import contextlib
+
 import torch
 from tqdm.auto import tqdm
 from transformers import DataCollatorWithPadding
@@ -237,9 +239,26 @@ class Engine:
         state = model.state_dict()
         state = dict(zip(state, self.backend.to_host(list(state.values()))))
         if self.is_main_process:
-            model.save_pretrained(path, state_dict=state)
-            tokenizer.save_pretrained(path)
+            with quiet_transformers():
+                model.save_pretrained(path, state_dict=state)
+                tokenizer.save_pretrained(path)
         self.wait_for_everyone()
+
+
+@contextlib.contextmanager
+def quiet_transformers():
+    """transformers without its progress bars and warnings (the job says what matters itself)."""
+    from transformers.utils import logging as hf_logging
+
+    level, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 class PreparedLoader:

@@ -12,13 +12,11 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .errors import UserError
+from .run_folder import mismatch
 from .storage import MARKER, checkpoint_name, open_store
 
 BEST = "best"  # checkpoints/best: the best evaluation's weights (--save-best)
 FILES = ("model.safetensors", "optimizer.pt", "scheduler.pt", "rng.pt", "state.json")
-# What must match for a resumed run to continue the same run (the data order depends on these).
-MUST_MATCH = ("model", "task", "train_file", "text_columns", "label_column", "problem", "batch_size", "grad_accum",
-              "seed", "padding", "max_length")
 
 
 def _host_tree(engine, tree):
@@ -142,12 +140,9 @@ class Resume:
         if self.state["n_train"] != n_train:
             raise UserError(f"checkpoint {self.url} was made with {self.state['n_train']} training rows; this "
                             f"data has {n_train}: resume with the same data")
-        saved = self.state["config"]
-        for key in MUST_MATCH:
-            if saved.get(key, getattr(cfg, key)) != getattr(cfg, key):  # keys older checkpoints lack match
-                flag = "--" + key.replace("_", "-")
-                raise UserError(f"checkpoint {self.url} was made with {flag} {saved[key]}; this run has "
-                                f"{flag} {getattr(cfg, key)}: resume with the same value")
+        error = mismatch(self.state["config"], cfg, f"checkpoint {self.url}")
+        if error:
+            raise error
 
     def model_weights(self):
         from safetensors.torch import load_file

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .api import Engine
+from .api import Engine, quiet_transformers
 from .data import CostModel, check_fit, choose_buckets, make_loader, model_inputs_only, parse_buckets, tokenize
 from .errors import UserError
 from .selection import select_backend
@@ -259,19 +259,22 @@ def run(cfg):
     cfg.max_length = cfg.max_length or info.max_length
     table = read_input(cfg.input, info, cfg.text_columns, cfg.task)
     backend = select_backend(cfg.backend, cfg.num_processes, cfg.strategy)
-    tokenizer = _load(AutoTokenizer, cfg.model)
+    tokenizer = load_pretrained(AutoTokenizer, cfg.model)
     data, truncated = tokenize_rows(table, tokenizer, cfg.max_length)
     if truncated:
         print(f"truncated to --max-length {cfg.max_length} tokens: {truncated} rows")
     buckets = plan(data["length"], backend, cfg.buckets, cfg.max_length)
-    model = _load(AutoModelForSequenceClassification, cfg.model)
+    model = load_pretrained(AutoModelForSequenceClassification, cfg.model)
     data = model_inputs_only(data, model)
     backend.launch(predict_worker, (cfg, info, table, model, tokenizer, data, buckets))
 
 
-def _load(cls, name):
+def load_pretrained(cls, name, **kwargs):
+    """`cls.from_pretrained(name)` without transformers' progress bars and load report; a model
+    that cannot be loaded (missing, unknown hub name offline, corrupt weights) is one line."""
     try:
-        return cls.from_pretrained(name)
+        with quiet_transformers():
+            return cls.from_pretrained(name, **kwargs)
     except Exception as e:
         raise UserError(f"cannot load model {name!r}: {_first_line(e)}")
 

@@ -36,6 +36,8 @@ def select_backend(name="auto", num_processes=None, strategy="ddp"):
         raise UserError(f"--backend must be one of {', '.join(BACKENDS)}, not {name!r}")
     if strategy not in STRATEGIES:
         raise UserError(f"--strategy must be one of {', '.join(STRATEGIES)}, not {strategy!r}")
+    if num_processes is not None and num_processes < 1:
+        raise UserError(f"--num-processes must be at least 1, not {num_processes}")
     if name == "auto":
         name, _ = auto_choice()
     if strategy == "spmd" and name != "xla":

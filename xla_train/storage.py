@@ -6,7 +6,9 @@ renamed when whole, so a crash leaves the previous ones untouched; on Cloud Stor
 uploaded first and the marker last.
 """
 
+import os
 import re
+import socket
 import shutil
 import tempfile
 from pathlib import Path
@@ -31,11 +33,19 @@ class LocalStore:
         self.url = str(path)
 
     def check_writable(self):
+        """Whether the folder can be written (or made), without writing anything."""
+        existing = self.root
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        if existing.is_dir() and os.access(existing, os.W_OK | os.X_OK):
+            return
+        reason = "not a folder" if existing.exists() and not existing.is_dir() else "permission denied"
+        where = "" if existing == self.root else f" ({existing}: {reason})"
+        raise UserError(f"output folder {self.root} is not writable{where or ': ' + reason}")
+
+    def make(self):
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-            probe = self.root / ".xla_train_write_test"
-            probe.write_text("")
-            probe.unlink()
         except OSError as e:
             raise UserError(f"output folder {self.root} is not writable: {e.strerror}")
 
@@ -77,6 +87,27 @@ class LocalStore:
 
     def publish(self):
         """Nothing to do: files written into `local_folder()` are already in place."""
+
+    def names(self):
+        """The names at the top of the folder."""
+        return [p.name for p in self.root.iterdir()] if self.root.is_dir() else []
+
+    def read_text(self, name):
+        path = self.root / name
+        return path.read_text(encoding="utf-8") if path.is_file() else None
+
+    def write_text(self, name, text):
+        tmp = self.root / f".{name}.tmp"
+        tmp.write_text(text, encoding="utf-8")
+        tmp.rename(self.root / name)  # whole or not at all
+
+    def remove(self, names):
+        for name in names:
+            path = self.root / name
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            elif path.exists() or path.is_symlink():
+                path.unlink()
 
     def local_folder(self):
         """Where the run writes files that `publish` makes final (here: the folder itself)."""
@@ -130,9 +161,23 @@ class GCSStore:
     def check_writable(self):
         if not self._call(f"reading gs://{self.bucket_name}", self.bucket.exists):
             raise UserError(f"bucket gs://{self.bucket_name} does not exist")
-        blob = self.bucket.blob(self._key(".xla_train_write_test"))
+        # A probe per host and process: on a pod every host's parent checks at once, and one
+        # host's delete must not remove (or find gone) another's probe.
+        blob = self.bucket.blob(self._key(f".xla_train_write_test-{socket.gethostname()}-{os.getpid()}"))
         self._call(f"writing to {self.url}", blob.upload_from_string, b"")
-        self._call(f"writing to {self.url}", blob.delete)
+
+        def delete():
+            from google.api_core import exceptions as gexc
+
+            try:
+                blob.delete()
+            except gexc.NotFound:
+                pass  # gone already: the write worked, which is all the probe asks
+
+        self._call(f"writing to {self.url}", delete)
+
+    def make(self):
+        """Nothing to make: a prefix exists once an object is under it."""
 
     def checkpoint_url(self, name):
         return f"{self.url}/checkpoints/{name}"
@@ -151,6 +196,29 @@ class GCSStore:
                 step = int(m.group(1))
                 found[step] = found.get(step, False) or rest == MARKER
         return found
+
+    def names(self):
+        """The names at the top of the prefix."""
+        base = self._key() + "/" if self.prefix else ""
+        blobs = self._call(f"listing {self.url}", lambda: list(self.bucket.list_blobs(prefix=base)))
+        return sorted({b.name[len(base):].split("/", 1)[0] for b in blobs if b.name[len(base):]})
+
+    def read_text(self, name):
+        blob = self.bucket.blob(self._key(name))
+        if not self._call(f"reading {self.url}/{name}", blob.exists):
+            return None
+        return self._call(f"reading {self.url}/{name}", blob.download_as_bytes).decode("utf-8")
+
+    def write_text(self, name, text):
+        blob = self.bucket.blob(self._key(name))
+        self._call(f"writing {self.url}/{name}", blob.upload_from_string, text.encode("utf-8"))
+
+    def remove(self, names):
+        base = self._key() + "/" if self.prefix else ""
+        for name in names:
+            for blob in self._call(f"listing {self.url}", lambda: list(self.bucket.list_blobs(prefix=base + name))):
+                if blob.name == base + name or blob.name.startswith(base + name + "/"):
+                    self._call(f"deleting {blob.name}", blob.delete)
 
     def local_folder(self):
         if self._tmp is None:

@@ -168,11 +168,25 @@ def _glue(name, splits, text_columns):
 # GLUE: the original TSV files, or the hub
 
 
+def check_text(path):
+    """A data file is UTF-8 text (a byte-order mark and Windows line endings are fine); else one
+    line naming the file and the line of the first bad byte."""
+    data = Path(path).read_bytes()
+    if data.startswith((b"\xff\xfe", b"\xfe\xff")):
+        raise UserError(f"{path}: UTF-16 text; save it as UTF-8")
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise UserError(f"{path}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x}); save the file as UTF-8")
+
+
 def glue_rows(path):
     """The rows of a TSV file in GLUE's own layout (the header, if any, first)."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"missing data file: {path}")
+    check_text(path)
     # GLUE's sentences contain bare quote characters, so quoting is off (as in GLUE's own reader).
     with open(path, newline="", encoding="utf-8-sig") as f:
         rows = list(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
@@ -289,6 +303,7 @@ def read_table(path):
         raise UserError(f"missing data file: {path}")
     if path.stat().st_size == 0:
         raise UserError(f"empty data file: {path}")
+    check_text(path)
     options = {"sep": "\t"} if path.suffix.lower() == ".tsv" else {}
     if kind == "csv":
         options["encoding"] = "utf-8-sig"  # a byte-order mark is not part of the first column's name

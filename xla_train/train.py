@@ -13,14 +13,15 @@ from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
-from transformers import get_scheduler
+from transformers import AutoConfig, get_scheduler
 
 from . import checkpoint
 from .api import Engine
 from .data import CostModel, auto_buckets, check_fit, make_loader, model_inputs_only, parse_buckets, tokenize
 from .errors import UserError
 from .monitor import Monitor
-from .predict import ModelInfo, predict_loader, predict_rows, read_input, tokenize_rows, write_output
+from .predict import ModelInfo, load_pretrained, predict_loader, predict_rows, read_input, tokenize_rows, write_output
+from .run_folder import RunFolder, write_finished
 from .run_state import RunState
 from .selection import select_backend
 from .signals import StopRequest
@@ -68,6 +69,7 @@ class TrainConfig:
     save_every: int = None  # steps between checkpoints (None: at the end of every epoch)
     keep_last: int = 2  # complete checkpoints kept (older ones are deleted after a new one is whole)
     resume: bool = False  # continue from the latest complete checkpoint in output_dir, if any
+    overwrite: bool = False  # replace the run output_dir holds (its checkpoints and model)
     resume_from: str = None  # continue from this checkpoint folder
     compile_cache: str = None  # persistent XLA compilation cache folder
     metrics_out: str = None  # JSON file with the run's numbers
@@ -85,8 +87,19 @@ class TrainConfig:
         for name in ("epochs", "batch_size", "grad_accum", "log_every", "max_length"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name.replace('_', '-')} must be at least 1")
-        if self.lr <= 0:
-            raise UserError("--lr must be positive")
+        numbers = {  # name: (allowed, what the message says)
+            "lr": (lambda x: x > 0, "a positive number"),
+            "weight_decay": (lambda x: x >= 0, "a number >= 0"),
+            "warmup_ratio": (lambda x: 0 <= x < 1, "in [0, 1)"),
+            "max_grad_norm": (lambda x: x > 0, "a positive number"),
+            "compile_seconds": (lambda x: x >= 0, "a number of seconds >= 0"),
+        }
+        for name, (ok, what) in numbers.items():
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and ok(value)):
+                raise UserError(f"--{name.replace('_', '-')} must be {what}, not {value}")
+        if not 0 <= self.seed < 2**32:
+            raise UserError(f"--seed must be in [0, 2**32), not {self.seed}")
         for name in ("max_steps", "save_every", "keep_last", "eval_every", "early_stopping_patience"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise UserError(f"--{name.replace('_', '-')} must be at least 1")
@@ -99,19 +112,56 @@ class TrainConfig:
         if self.resume and not self.output_dir:
             raise UserError("--resume needs --output-dir, the folder that holds the checkpoints")
         parse_buckets(self.buckets, self.max_length)
+        check_model_name(self.model)
+        if self.metrics_out:
+            check_file_target(self.metrics_out, "--metrics-out")
 
 
-def _from_pretrained(cls, name, **kwargs):
-    try:
-        return cls.from_pretrained(name, **kwargs)
-    except Exception as e:  # missing folder, unknown hub name offline, weights missing or corrupt
-        raise UserError(f"cannot load model {name!r}: {str(e).strip().splitlines()[0]}")
+def check_model_name(name):
+    """A --model that names a local path must be a model folder (anything else is a hub name)."""
+    path = Path(name).expanduser()
+    if not (path.exists() or str(name).startswith(("/", ".", "~"))):
+        return
+    if not path.exists():
+        raise UserError(f"--model {name}: no such folder")
+    if not (path / "config.json").is_file():
+        raise UserError(f"--model {name}: not a model folder (no config.json in it)")
+
+
+def check_file_target(name, option):
+    """A file the run writes at its end can be written: not a folder, under a folder (or a path
+    to one that can be made)."""
+    path = Path(name)
+    if path.is_dir():
+        raise UserError(f"{option} {name} is a folder; name a file")
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UserError(f"{option} {name}: {parent} is a file, not a folder")
+
+
+def position_limit(config, tokenizer):
+    """The longest input the model takes: its position embeddings (RoBERTa's two offset ones not
+    counted, as its tokenizer's model_max_length says), unbounded for relative positions only."""
+    limits = [tokenizer.model_max_length] if tokenizer.model_max_length < 10**6 else []
+    relative_only = config.model_type.startswith("deberta") and not getattr(config, "position_biased_input", True)
+    if getattr(config, "max_position_embeddings", None) and not relative_only:
+        limits.append(config.max_position_embeddings)
+    return min(limits, default=10**9)
 
 
 def load_tokenizer(name):
     from transformers import AutoTokenizer
 
-    return _from_pretrained(AutoTokenizer, name)
+    tokenizer = load_pretrained(AutoTokenizer, name)
+    if tokenizer.pad_token is None:  # GPT-2, Llama and kin: pad with the end-of-sequence token, as users do
+        if tokenizer.eos_token is None:
+            raise UserError(f"the tokenizer of {name} has neither a padding nor an end-of-sequence token; save one "
+                            "with a pad_token set")
+        tokenizer.pad_token = tokenizer.eos_token
+        print(f"tokenizer of {name}: no padding token; padding with its end-of-sequence token {tokenizer.eos_token!r}")
+    return tokenizer
 
 
 def prepare_data(cfg, backend, resume=None):
@@ -126,6 +176,15 @@ def prepare_data(cfg, backend, resume=None):
         task.test = read_input(cfg.test_file, task_info(task, cfg))
     print(task.describe())
     tokenizer = load_tokenizer(cfg.model)
+    limit = position_limit(load_pretrained(AutoConfig, cfg.model), tokenizer)
+    if cfg.max_length > limit:
+        raise UserError(f"--max-length {cfg.max_length} is longer than model {cfg.model} takes ({limit} tokens)")
+    devices = backend.planned_devices()
+    batches = math.ceil(len(task.splits["train"]) / (cfg.batch_size * devices))
+    if batches < cfg.grad_accum:
+        raise UserError(f"{len(task.splits['train'])} training rows make {batches} batch(es) of {cfg.batch_size} x "
+                        f"{devices} device(s), fewer than one optimizer step takes (--grad-accum {cfg.grad_accum}): "
+                        "give more rows, or a smaller --batch-size or --grad-accum")
     data, truncated = tokenize(task.splits, tokenizer, cfg.max_length)
     if task.test is not None:
         data["test"], truncated["test"] = tokenize_rows(task.test, tokenizer, cfg.max_length)
@@ -140,7 +199,6 @@ def prepare_data(cfg, backend, resume=None):
     if cfg.padding == "buckets" and buckets == "auto":
         # every device training in data parallel (replicas on every host, SPMD's devices), asked
         # before launch: the plan is for the job the run will really be
-        devices = backend.planned_devices()
         rows_per_step = cfg.batch_size * devices * cfg.grad_accum
         steps_per_epoch = math.ceil(len(data["train"]) / rows_per_step)
         steps = min(cfg.max_steps or 10**9, steps_per_epoch * cfg.epochs)
@@ -166,45 +224,62 @@ def run(cfg):
     cfg.check()
     backend = select_backend(cfg.backend, cfg.num_processes, cfg.strategy)
     store = open_store(cfg.output_dir) if cfg.output_dir else None
+    folder = None
     if store:
         store.check_writable()
+        folder = RunFolder(store, cfg)  # one run per folder
+        folder.check()
+        done = folder.finished_message()
+        if done:
+            print(done)
+            return None
     resume = None
     if cfg.resume_from or (cfg.resume and any(store.checkpoints().values())):
         resume = checkpoint.Resume(*checkpoint.find(store, cfg.resume_from))
+        if folder:
+            folder.check_checkpoint(resume)
     elif cfg.resume:
         print(f"--resume: no complete checkpoint in {cfg.output_dir} yet; starting from the beginning")
     task, tokenizer, data, truncated, buckets, estimate = prepare_data(cfg, backend, resume)
     weights = resume.model_weights() if resume else None  # a corrupt file fails before any loading
-    model = load_model(cfg.model, cfg.seed, task)
+    model = load_model(cfg.model, cfg.seed, task, tokenizer.pad_token_id)
     data = model_inputs_only(data, model)
     if resume:
         resume.load_model(model, weights)
         del weights
+    run_id = folder.claim(resume) if folder else None  # every check passed: the folder is this run's
     # Workers get the tokenised data and the model from here: forked replicas (XLA) share these
     # pages instead of each loading a copy; spawned ones (gloo, NCCL) receive them pickled.
     with StopRequest():  # a launcher passes SIGTERM on to its workers, which save and stop
         backend.launch(train_worker, (cfg, task, tokenizer, model, data, buckets,
-                                      {"truncated": truncated, "buckets_auto": estimate}, resume))
+                                      {"run_id": run_id, "truncated": truncated, "buckets_auto": estimate}, resume))
 
 
-def load_model(name, seed, task):
+def load_model(name, seed, task, pad_token_id=None):
     """The pretrained encoder with a new head for the task (its label names in the config, so
     pipelines print them), initialised from `seed`."""
-    from transformers import AutoConfig, AutoModelForSequenceClassification
+    from transformers import AutoModelForSequenceClassification
 
     torch.manual_seed(seed)
     options = {"num_labels": task.num_labels, "problem_type": "regression" if task.problem == "regression" else None}
     if task.labels:
         options.update(id2label=dict(enumerate(task.labels)), label2id={n: i for i, n in enumerate(task.labels)})
-    config = _from_pretrained(AutoConfig, name)
+    config = load_pretrained(AutoConfig, name)
+    if config.pad_token_id is None and pad_token_id is not None:
+        options["pad_token_id"] = pad_token_id  # decoder classifiers find each row's last token by it
     classifier = any(a.endswith("ForSequenceClassification") for a in config.architectures or ())
     if classifier and config.num_labels != task.num_labels:
         # a classifier fine-tuned for another label set: its head is replaced, as run_glue's
         # --ignore_mismatched_sizes does
-        print(f"{name}: its classification head has {config.num_labels} output(s); a new one with "
-              f"{task.num_labels} is initialised")
         options["ignore_mismatched_sizes"] = True
-    return _from_pretrained(AutoModelForSequenceClassification, name, **options)
+    # transformers' load report would list the new head as a problem: say it here
+    model, info = load_pretrained(AutoModelForSequenceClassification, name, output_loading_info=True, **options)
+    new = sorted({*info["missing_keys"], *(k[0] if isinstance(k, tuple) else k for k in info["mismatched_keys"])})
+    if new:
+        shown = "the bundled MiniLM-L6-H384" if name == bundled_model_path() else name
+        print(f"model {shown}: new classification head for {task.num_labels} output(s) ({', '.join(new)}), "
+              f"initialised with --seed {seed}")
+    return model
 
 
 def train_worker(cfg, task, tokenizer, model, data, buckets, report, resume=None):
@@ -226,7 +301,8 @@ def train_worker(cfg, task, tokenizer, model, data, buckets, report, resume=None
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=int(cfg.warmup_ratio * total_steps),
                               num_training_steps=total_steps)
     state = RunState(engine, cfg, resume)  # where the run stands, and its stop and checkpoint decisions
-    state.track(model, optimizer, scheduler, monitor.clock, {"buckets": buckets, "n_train": len(data["train"])})
+    state.track(model, optimizer, scheduler, monitor.clock,
+                {"buckets": buckets, "n_train": len(data["train"]), "run_id": report["run_id"]})
     evaluate = Evaluator(engine, task, dict(zip(task.eval_splits, eval_dls)), state, monitor)
     bar = tqdm(total=total_steps, initial=state.step, desc="Training", disable=not engine.is_main_process,
                dynamic_ncols=True)
@@ -311,6 +387,7 @@ def finish(engine, cfg, task, state, model, tokenizer, loaded, monitor, steps_pe
             task_info(task, cfg).write(folder)
             if task.test is not None:
                 write_output(folder / Path(predictions).name, task.test, task_info(task, cfg), scores_)
+            write_finished(folder, report["run_id"], cfg, step, results, state.best, state.stopped_early)
             state.store.publish()
     sums = replica_checksums(engine, model)
     plan = train_dl.loader.batch_sampler

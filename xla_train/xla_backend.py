@@ -12,6 +12,7 @@ import os
 import torch
 
 from .backend import Backend
+from .errors import UserError
 
 # Attention implementation registered below: transformers' own SDPA attention with a mask
 # function that never asks whether the padding mask is all ones. Stock "sdpa" evaluates
@@ -50,6 +51,12 @@ class XLABackend(Backend):
     token_seconds = 2e-3  # XLA:CPU, training step, per padded token
 
     def __init__(self, num_processes=None, strategy="ddp"):
+        if num_processes not in (None, 1):
+            # xmp.spawn under PJRT takes nprocs 1 or None (every local device) and raises
+            # ValueError for anything else (torch_xla/_internal/pjrt.py, spawn, lines 204-209)
+            raise UserError(f"--num-processes {num_processes}: on XLA give 1 (one replica) or leave it out (one "
+                            "replica per local device); limit TPU chips with TPU_VISIBLE_CHIPS and "
+                            "TPU_PROCESS_BOUNDS")
         # Pick the PJRT device before torch_xla starts its runtime; without a TPU, the CPU.
         os.environ.setdefault("PJRT_DEVICE", "TPU" if tpu_present() else "CPU")
         if os.environ["PJRT_DEVICE"].upper() == "TPU":

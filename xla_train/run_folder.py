@@ -1,0 +1,128 @@
+"""An output folder holds one run.
+
+The run records who it is in `OUTPUT_DIR/xla_train_run.json` (its id and config) before anything
+else is written; once it has finished, the record also holds the final step and scores. A new run
+into a folder that holds another run stops with one line unless `--overwrite` is given, which
+removes the old run's files (checkpoints, model, logs) before the new run writes anything.
+`--resume` continues only the recorded run; a finished run resumed with the same length does
+nothing and says so.
+"""
+
+import fnmatch
+import json
+import uuid
+from dataclasses import asdict
+
+from .errors import UserError
+
+RECORD = "xla_train_run.json"
+# What a run writes at the top of its folder: its own files and save_pretrained's (model and
+# tokenizer files of any model family); --overwrite removes these and nothing else.
+RUN_FILES = (RECORD, "checkpoints", "tensorboard", "report", "metrics.json", "compilations.json",
+             "xla_train_task.json", "predictions.*", "config.json", "generation_config.json", "model*.safetensors",
+             "model.safetensors.index.json", "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*",
+             "merges.txt", "*.model", "chat_template.jinja")
+# Settings that make a run what it is: a resumed run must have the same (the data order depends on them).
+MUST_MATCH = ("model", "task", "train_file", "text_columns", "label_column", "problem", "batch_size", "grad_accum",
+              "seed", "padding", "max_length")
+
+
+def mismatch(saved, cfg, where):
+    """The first MUST_MATCH setting that differs between `saved` (a config dict) and `cfg`, as a
+    UserError, or None. Keys an older record lacks match."""
+    for key in MUST_MATCH:
+        if saved.get(key, getattr(cfg, key)) != getattr(cfg, key):
+            flag = "--" + key.replace("_", "-")
+            return UserError(f"{where} was made with {flag} {saved[key]}; this run has {flag} {getattr(cfg, key)}: "
+                             "resume with the same value")
+    return None
+
+
+def _run_files(names):
+    return sorted(n for n in names if any(fnmatch.fnmatch(n, p) for p in RUN_FILES))
+
+
+class RunFolder:
+    """The output folder's run: checked in the parent before any work, claimed just before the
+    workers start."""
+
+    def __init__(self, store, cfg):
+        self.store, self.cfg = store, cfg
+        self.found = _run_files(store.names())  # (first: a missing bucket is named here)
+        text = store.read_text(RECORD) if RECORD in self.found else None
+        try:
+            self.record = json.loads(text) if text is not None else None
+        except ValueError:
+            self.record = None  # an unreadable record: the folder still holds a run (its files)
+        self.run_id = None
+
+    def describe(self):
+        """What the folder holds, in a few words."""
+        parts = []
+        steps = sorted(s for s, ok in self.store.checkpoints().items() if ok)
+        if steps:
+            parts.append(f"checkpoints at step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))}")
+        if "model.safetensors" in self.found or "config.json" in self.found:
+            parts.append("a fine-tuned model")
+        finished = (self.record or {}).get("finished")
+        if finished:
+            parts.append(f"finished at step {finished['step']}")
+        return ", ".join(parts) or ", ".join(self.found)
+
+    def finished_message(self):
+        """With --resume: the line to print when the recorded run has finished and this run asks
+        for no more steps than it had, else None."""
+        finished = (self.record or {}).get("finished")
+        if not (self.cfg.resume and finished):
+            return None
+        saved = self.record["config"]
+        if (self.cfg.max_steps, self.cfg.epochs) != (saved.get("max_steps"), saved.get("epochs")):
+            return None  # a longer (or shorter) run: continue from its checkpoint
+        from .train import scores
+
+        return (f"{self.store.url} holds a finished run ({self.record['run_id']}): step {finished['step']}, dev "
+                f"{scores(finished['eval'])}; nothing to do (a larger --max-steps or --epochs trains on, "
+                "--overwrite starts over)")
+
+    def check(self):
+        """Before any work: a new run needs an empty folder (or --overwrite); --resume needs the
+        recorded run's settings."""
+        cfg = self.cfg
+        if cfg.overwrite and (cfg.resume or cfg.resume_from):
+            raise UserError("--overwrite starts a new run; it cannot be used with --resume or --resume-from")
+        if cfg.resume and self.record:
+            error = mismatch(self.record["config"], cfg, f"the run in {self.store.url}")
+            if error:
+                raise UserError(f"{error}, or start over with --overwrite")
+        if self.found and not (cfg.resume or cfg.resume_from or cfg.overwrite):
+            raise UserError(f"{self.store.url} already holds a run ({self.describe()}): continue it with --resume, "
+                            "or replace it with --overwrite")
+
+    def check_checkpoint(self, resume):
+        """A checkpoint this run resumes from belongs to the folder's run (if it records one)."""
+        theirs = resume.state.get("run_id")
+        mine = (self.record or {}).get("run_id")
+        if mine and theirs and mine != theirs:
+            raise UserError(f"checkpoint {resume.url} belongs to run {theirs}, not to {mine}, the run in "
+                            f"{self.store.url}: resume into that run's folder, or start over with --overwrite")
+
+    def claim(self, resume=None):
+        """Just before the workers start: the folder is made; --overwrite removes the old
+        run's files; the record names this run (a resumed run keeps its id). Returns the run id."""
+        self.store.make()
+        if self.cfg.overwrite and self.found:
+            self.store.remove(self.found)
+            print(f"--overwrite: removed the run in {self.store.url} ({', '.join(self.found)})")
+            self.record = None
+        old = (resume.state.get("run_id") if resume else None) or (self.record or {}).get("run_id")
+        self.run_id = old or uuid.uuid4().hex[:12]
+        self.store.write_text(RECORD, json.dumps({"run_id": self.run_id, "config": asdict(self.cfg),
+                                                  "finished": None}, indent=1) + "\n")
+        return self.run_id
+
+
+def write_finished(folder, run_id, cfg, step, results, best, stopped_early):
+    """The record of a finished run, into the run's local folder (published with the model)."""
+    record = {"run_id": run_id, "config": asdict(cfg),
+              "finished": {"step": step, "eval": results, "best": best, "stopped_early": stopped_early}}
+    (folder / RECORD).write_text(json.dumps(record, indent=1) + "\n")
