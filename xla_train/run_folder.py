@@ -14,6 +14,7 @@ import uuid
 from dataclasses import asdict
 
 from .errors import UserError
+from .tasks import scores
 
 RECORD = "xla_train_run.json"
 # What a run writes at the top of its folder: its own files and save_pretrained's (model and
@@ -78,8 +79,6 @@ class RunFolder:
         saved = self.record["config"]
         if (self.cfg.max_steps, self.cfg.epochs) != (saved.get("max_steps"), saved.get("epochs")):
             return None  # a longer (or shorter) run: continue from its checkpoint
-        from .train import scores
-
         return (f"{self.store.url} holds a finished run ({self.record['run_id']}): step {finished['step']}, dev "
                 f"{scores(finished['eval'])}; nothing to do (a larger --max-steps or --epochs trains on, "
                 "--overwrite starts over)")

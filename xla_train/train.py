@@ -26,7 +26,7 @@ from .run_state import RunState
 from .selection import select_backend
 from .signals import StopRequest
 from .storage import open_store
-from .tasks import PROBLEMS, TASKS, bundled_model_path, load_metric, load_task, task_loss
+from .tasks import PROBLEMS, TASKS, bundled_model_path, load_metric, load_task, scores, task_loss
 
 PADDING_MODES = ("buckets", "max_length", "dynamic")
 PRECISIONS = ("fp32", "bf16")
@@ -476,11 +476,3 @@ def evaluate_all(engine, model, task, eval_dls, metric):
         suffix = task.eval_suffix(split)
         results.update({k + suffix: v for k, v in evaluate_model(engine, model, dl, metric, task.problem).items()})
     return results
-
-
-def scores(results):
-    """The metrics of an evaluation on one line: `accuracy 0.8064  f1 0.8663  (n=408)`."""
-    counted = [k for k in results if k == "n" or k.startswith("n_")]
-    values = "  ".join(f"{k} {v:.4f}" for k, v in results.items() if k not in counted)
-    counts = ", ".join(f"{k}={results[k]}" for k in counted)
-    return f"{values}  ({counts})"
