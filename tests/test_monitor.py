@@ -179,3 +179,36 @@ def test_fallback_backend_writes_events_without_xla_counters(short_data, tiny_mo
     assert not any(tag.startswith("xla/") for tag in scalars)
     assert json.loads((out / "compilations.json").read_text())["compilations"] == []
     assert (out / "report" / "overview.png").stat().st_size > 10_000
+
+
+def graphs_in(debug_log):
+    """[(graph hash, graph outputs, Python frames)] for each compilation torch_xla's analysis logged."""
+    return [(block.split("Graph Hash: ")[1].split()[0], int(block.split("Number of Graph Outputs: ")[1].split()[0]),
+             block.split("Python Frame Triggered Execution:")[1].split("-----")[0])
+            for block in debug_log.split("Compilation Analysis: Compilation Cause")[1:]]
+
+
+def test_replicas_agreeing_at_a_log_point_compile_no_new_step_graph(xla_run, short_data, tiny_model, tmp_path):
+    """The several-replica agreement on one XLA:CPU replica: the stop flags go through a real
+    xm.all_gather (at every step here; several replicas do it at log points). The step's graph is
+    cut before the flags are built, so the gather compiles as a small graph of its own and the
+    step runs the graphs the plain run compiled: built on the pending step, the gather would make
+    step and gather one new graph (a second full-step compile per bucket)."""
+    out = tmp_path / "out"
+    patch = """
+import torch_xla.core.xla_model as xm
+from xla_train.run_state import RunState
+from xla_train.xla_backend import XLABackend
+RunState._agree = RunState._agree_across  # the path several replicas take
+XLABackend.gather = lambda self, tensor: xm.all_gather(tensor, dim=0)  # a real collective on one replica
+"""
+    proc = run_patched(patch, ["--backend", "xla", "--model", tiny_model, "--data-dir", short_data, "--max-steps", 4,
+                               "--buckets", "128", "--log-every", 2, "--output-dir", out])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plain = graphs_in((xla_run[2] / "xla_debug.log").read_text())
+    agreeing = graphs_in((out / "xla_debug.log").read_text())
+    step_graphs = {h for h, outputs, _ in plain if outputs > 100}
+    assert {h for h, outputs, _ in agreeing if outputs > 100} == step_graphs, (plain, agreeing)
+    new = [(h, outputs) for h, outputs, frames in agreeing if "_agree_across" in frames and h not in step_graphs]
+    # the flags' gathers alone (the stop check's two flags, the finite check's one): one output each
+    assert len(new) == 2 and all(outputs == 1 for _, outputs in new), agreeing

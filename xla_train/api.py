@@ -214,6 +214,10 @@ class Engine:
         """Waits for all queued device work (for honest timings)."""
         self.backend.synchronize()
 
+    def cut_graph(self):
+        """Ends the pending graph (XLA): what comes next compiles, and is cached, on its own."""
+        self.backend.cut_graph()
+
     def wait_for_everyone(self):
         self.backend.barrier()
 

@@ -164,6 +164,10 @@ class Backend(ABC):
     def synchronize(self):
         """Waits until all queued device work is done (for honest timings)."""
 
+    def cut_graph(self):
+        """Ends the pending lazy graph here, so what is built next is a graph of its own (XLA;
+        nothing to do when eager)."""
+
     def seed(self, seed):
         torch.manual_seed(seed)
 

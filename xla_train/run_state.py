@@ -123,6 +123,14 @@ class RunState:
         """Per position, the largest value any replica has (a collective every replica reaches)."""
         if self.engine.world_size == 1:
             return flags
+        return self._agree_across(flags)
+
+    def _agree_across(self, flags):
+        # Cut the step's graph first, as xm.rendezvous does (torch_xla/core/xla_model.py,
+        # xla_rendezvous, line 1330): the step then runs as the graph already compiled, and the
+        # flags' all_gather is a small graph of its own. Built on the pending step, the gather
+        # and the step would compile as one new graph at the first log point of every bucket.
+        self.engine.cut_graph()
         (agreed,) = self.engine.to_host([self.engine.gather(torch.tensor([flags]).to(self.engine.device))])
         return agreed.max(0).values.tolist()
 

@@ -223,6 +223,11 @@ class XLABackend(Backend):
 
         xm.wait_device_ops()
 
+    def cut_graph(self):
+        import torch_xla
+
+        torch_xla.sync()  # asynchronous: queues the pending graph and returns
+
     def seed(self, seed):
         import torch_xla.core.xla_model as xm
 
