@@ -169,3 +169,29 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(mrpc_slice, ti
     good = out / "checkpoints" / f"step-{bad - 1:08d}"
     assert f"last good checkpoint: {good}" in last
     assert (good / "COMPLETE").exists() and not (out / "checkpoints" / f"step-{bad:08d}").exists()
+
+
+def test_main_worker_failing_to_publish_stops_both_gloo_workers(mrpc_slice, tiny_model, tmp_path):
+    """The main worker's final write raises an error that is not an OSError (as a Cloud Storage
+    transport error or a SafetensorError would): both workers learn it through the shared flag and
+    stop, the error is shown in one line, and the run exits non-zero instead of hanging."""
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    # sitecustomize runs at the start of every Python process, the spawned workers included
+    (inject / "sitecustomize.py").write_text(
+        "from xla_train import storage\n"
+        "def publish(self):\n"
+        "    raise RuntimeError('connection reset by peer')\n"
+        "storage.LocalStore.publish = publish\n")
+    out = tmp_path / "run"
+    start = time.monotonic()
+    proc, _ = run_cli([*COMMON, "--num-processes", 2, "--model", tiny_model, "--data-dir", mrpc_slice, "--max-steps", 4,
+                       "--output-dir", out], tmp_path,
+                      env={"PYTHONPATH": os.pathsep.join([str(inject), str(ROOT), os.environ.get("PYTHONPATH", "")])},
+                      timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert (f"xla-train: error: cannot write the run's files to {out}: RuntimeError: connection reset by peer"
+            in proc.stderr.splitlines())
+    assert time.monotonic() - start < 240
+    assert (out / "checkpoints" / "step-00000004" / "COMPLETE").exists()  # the last checkpoint stays

@@ -242,11 +242,33 @@ class Engine:
         model = self.unwrap_model(model)
         state = model.state_dict()
         state = dict(zip(state, self.backend.to_host(list(state.values()))))
-        if self.is_main_process:
+
+        def write():
             with quiet_transformers():
                 model.save_pretrained(path, state_dict=state)
                 tokenizer.save_pretrained(path)
-        self.wait_for_everyone()
+
+        self.on_main(write, f"cannot save the model to {path}")
+
+    def on_main(self, write, what):
+        """Runs `write()` on the main replica only; every replica learns whether it worked, and
+        all raise a UserError if not (this keeps them together until the files are whole). Any
+        error counts, not only OSError (a SafetensorError, a Cloud Storage transport error): a
+        replica that failed alone would leave the others waiting in the next collective."""
+        error = None
+        if self.is_main_process:
+            try:
+                write()
+            except UserError as e:
+                error = str(e)
+            except OSError as e:  # a full disk, a folder removed under the run
+                error = f"{what}: {e.strerror or e}"
+            except Exception as e:
+                text = str(e).strip()
+                error = f"{what}: {type(e).__name__}" + (f": {text.splitlines()[0]}" if text else "")
+        failed = self.gather(torch.tensor([int(error is not None)], dtype=torch.int32).to(self.device))
+        if self.to_host([failed])[0].any():
+            raise UserError(error or f"the main replica failed: {what}")
 
 
 @contextlib.contextmanager

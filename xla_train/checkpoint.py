@@ -52,7 +52,7 @@ def save(engine, store, model, optimizer, scheduler, state, keep_last=None):
             for old in complete[:-keep_last]:
                 store.delete(checkpoint_name(old))
 
-    _on_main(engine, write, f"cannot write checkpoint {store.checkpoint_url(name)}")
+    engine.on_main(write, f"cannot write checkpoint {store.checkpoint_url(name)}")
     return store.checkpoint_url(name)
 
 
@@ -71,7 +71,7 @@ def save_best(engine, store, model):
         (staging / MARKER).write_text("")
         store.commit(staging, BEST)
 
-    _on_main(engine, write, f"cannot write the best model to {store.checkpoint_url(BEST)}")
+    engine.on_main(write, f"cannot write the best model to {store.checkpoint_url(BEST)}")
     return None
 
 
@@ -80,22 +80,6 @@ def load_best(store):
     from safetensors.torch import load_file
 
     return load_file(str(store.fetch(BEST) / "model.safetensors"))
-
-
-def _on_main(engine, write, what):
-    """Runs `write` on the main replica; every replica learns whether it managed (this also keeps
-    them together until the files are whole): nobody waits forever for a replica that failed."""
-    error = None
-    if engine.is_main_process:
-        try:
-            write()
-        except UserError as e:
-            error = str(e)
-        except OSError as e:  # a full disk, a folder removed under the run
-            error = f"{what}: {e.strerror or e}"
-    failed = engine.gather(torch.tensor([int(error is not None)]).to(engine.device))
-    if engine.to_host([failed])[0].any():
-        raise UserError(error or "the main replica could not write the checkpoint")
 
 
 def find(store, resume_from=None):

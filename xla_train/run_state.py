@@ -131,7 +131,9 @@ class RunState:
         # flags' all_gather is a small graph of its own. Built on the pending step, the gather
         # and the step would compile as one new graph at the first log point of every bucket.
         self.engine.cut_graph()
-        (agreed,) = self.engine.to_host([self.engine.gather(torch.tensor([flags]).to(self.engine.device))])
+        # int32: 64-bit integer collectives may not lower on TPU (pytorch/xla#1952)
+        flags = torch.tensor([flags], dtype=torch.int32).to(self.engine.device)
+        (agreed,) = self.engine.to_host([self.engine.gather(flags)])
         return agreed.max(0).values.tolist()
 
     def _diverged(self):

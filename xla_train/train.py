@@ -383,12 +383,15 @@ def finish(engine, cfg, task, state, model, tokenizer, loaded, monitor, steps_pe
                                     buckets if cfg.padding == "buckets" else [cfg.max_length], cfg.max_length)
             scores_ = predict_rows(engine, model, loader, task.problem)
             predictions = f"{state.store.url.rstrip('/')}/predictions{Path(cfg.test_file).suffix.lower()}"
-        if engine.is_main_process:
+
+        def write_files():
             task_info(task, cfg).write(folder)
             if task.test is not None:
                 write_output(folder / Path(predictions).name, task.test, task_info(task, cfg), scores_)
             write_finished(folder, report["run_id"], cfg, step, results, state.best, state.stopped_early)
             state.store.publish()
+
+        engine.on_main(write_files, f"cannot write the run's files to {state.store.url}")
     sums = replica_checksums(engine, model)
     plan = train_dl.loader.batch_sampler
     metrics = {
@@ -438,7 +441,8 @@ def evaluate_model(engine, model, eval_dl, metric, problem):
             if problem == "regression":
                 preds, refs = engine.gather_for_metrics((logits[:, 0].float(), labels.float()))
             else:
-                preds, refs = engine.gather_for_metrics((logits.argmax(-1), labels))
+                # int32 across replicas: 64-bit integer collectives may not lower on TPU (pytorch/xla#1952)
+                preds, refs = engine.gather_for_metrics((logits.argmax(-1).int(), labels.int()))
             metric.add_batch(predictions=preds, references=refs)
     n = len(metric)
     return {**metric.compute(), "n": n}
