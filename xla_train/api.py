@@ -241,7 +241,10 @@ class Engine:
         """`save_pretrained` of the unwrapped model (weights moved to the CPU) and tokenizer."""
         model = self.unwrap_model(model)
         state = model.state_dict()
-        state = dict(zip(state, self.backend.to_host(list(state.values()))))
+        if self.is_main_process:  # the writer copies the weights to the CPU; the others cut their graph alike
+            state = dict(zip(state, self.backend.to_host(list(state.values()))))
+        else:
+            self.cut_graph()
 
         def write():
             with quiet_transformers():

@@ -19,8 +19,13 @@ BEST = "best"  # checkpoints/best: the best evaluation's weights (--save-best)
 FILES = ("model.safetensors", "optimizer.pt", "scheduler.pt", "rng.pt", "state.json")
 
 
-def _host_tree(engine, tree):
-    """`tree` (dicts, lists, tensors) with every tensor copied to the CPU in one transfer."""
+def _host_tree(engine, tree, writer_only=False):
+    """`tree` (dicts, lists, tensors) with every tensor copied to the CPU in one transfer. With
+    `writer_only`, only the main replica (which writes) copies; the others cut their graph at the
+    same point, so every replica keeps running the same graphs, and get None."""
+    if writer_only and not engine.is_main_process:
+        engine.cut_graph()
+        return None
     leaves, spec = tree_flatten(tree)
     where = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
     for i, host in zip(where, engine.to_host([leaves[i] for i in where])):
@@ -32,13 +37,13 @@ def save(engine, store, model, optimizer, scheduler, state, keep_last=None):
     """Writes checkpoint `step-<state["run"]["step"]>`; every replica must call this. Returns its URL."""
     from safetensors.torch import save_file
 
-    model_state = engine.unwrap_model(model).state_dict()
-    model_state, opt_state = _host_tree(engine, (model_state, optimizer.state_dict()))
+    host = _host_tree(engine, (engine.unwrap_model(model).state_dict(), optimizer.state_dict()), writer_only=True)
     rng = engine.gather(engine.rng_state()[None].int().to(engine.device))  # one row per replica
     (rng,) = engine.to_host([rng])
     name = checkpoint_name(state["run"]["step"])
 
     def write():
+        model_state, opt_state = host
         staging = store.staging(name)
         save_file({k: v.contiguous() for k, v in model_state.items()}, str(staging / "model.safetensors"))
         torch.save(opt_state, staging / "optimizer.pt")
@@ -61,7 +66,8 @@ def save_best(engine, store, model):
     (so a resumed run still has them), else returned on the CPU. Every replica must call this."""
     from safetensors.torch import save_file
 
-    weights = _host_tree(engine, engine.unwrap_model(model).state_dict())
+    # without a store every replica keeps its copy (to restore it); with one, only the writer copies
+    weights = _host_tree(engine, engine.unwrap_model(model).state_dict(), writer_only=store is not None)
     if store is None:
         return weights
 
