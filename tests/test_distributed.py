@@ -2,6 +2,7 @@
 XLA:CPU devices, two gloo processes, and torchrun. The tiny model has no dropout, so the runs
 must agree to float precision."""
 
+import json
 import os
 import subprocess
 import sys
@@ -93,3 +94,29 @@ def full_train(tmp_path_factory):
             writer.writerow(["sentence1", "sentence2", "label"])
             writer.writerows(list(zip(rows["text1"], rows["text2"], rows["label"]))[:n])
     return ["--train-file", folder / "train.csv", "--validation-file", folder / "dev.csv"]
+
+
+def test_a_pod_host_with_a_local_output_folder_stops(tmp_path):
+    """Host 1 of a 2-host TPU slice, described the way torch_xla reads it without the metadata
+    server (TPU_SKIP_MDS_QUERY, TPU_WORKER_ID, TPU_WORKER_HOSTNAMES): a local --output-dir would
+    hold host 0's checkpoints only, so the run stops before any work."""
+    env = {"PJRT_DEVICE": "TPU", "TPU_SKIP_MDS_QUERY": "1", "TPU_WORKER_ID": "1", "TPU_WORKER_HOSTNAMES": "h0,h1",
+           "TPU_ACCELERATOR_TYPE": "v4-16"}
+    proc, _ = run_cli(["--backend", "xla", "--output-dir", tmp_path / "run"], tmp_path, env=env)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"xla-train: error: --output-dir {tmp_path / 'run'}: a run on 2 hosts needs a gs:// output, which every "
+        "host reads alike (a local folder holds host 0's checkpoints only)")
+    assert not (tmp_path / "run").exists()
+
+
+def test_only_the_first_host_writes_the_run_record(tmp_path):
+    from xla_train.run_folder import RECORD, RunFolder
+    from xla_train.storage import open_store
+    from xla_train.train import TrainConfig
+
+    cfg = TrainConfig(output_dir=str(tmp_path / "run"))
+    assert RunFolder(open_store(cfg.output_dir), cfg, writer=False).claim() is None
+    assert not (tmp_path / "run").exists()
+    run_id = RunFolder(open_store(cfg.output_dir), cfg).claim()
+    assert json.loads((tmp_path / "run" / RECORD).read_text())["run_id"] == run_id

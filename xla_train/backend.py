@@ -48,6 +48,11 @@ class Backend(ABC):
         """In the launching process, before `launch` and without starting any runtime: how many
         devices will train in data parallel (every replica on every host, SPMD's devices too)."""
 
+    def host_position(self):
+        """In the launching process, before `launch`: (this host's index, the number of hosts)
+        that start the job together (a TPU pod's hosts); (0, 1) on one host."""
+        return 0, 1
+
     def run_worker(self, fn, args=()):
         """In each worker: this object becomes the process's backend (an `Engine` made inside
         `fn` uses it), is set up, runs `fn(*args)` and is torn down, all on one object."""

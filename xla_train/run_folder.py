@@ -47,8 +47,8 @@ class RunFolder:
     """The output folder's run: checked in the parent before any work, claimed just before the
     workers start."""
 
-    def __init__(self, store, cfg):
-        self.store, self.cfg = store, cfg
+    def __init__(self, store, cfg, writer=True):
+        self.store, self.cfg, self.writer = store, cfg, writer  # writer: one host of a pod writes the record
         self.found = _run_files(store.names())  # (first: a missing bucket is named here)
         text = store.read_text(RECORD) if RECORD in self.found else None
         try:
@@ -108,12 +108,14 @@ class RunFolder:
     def claim(self, resume=None):
         """Just before the workers start: the folder is made; --overwrite removes the old
         run's files; the record names this run (a resumed run keeps its id). Returns the run id."""
+        old = (resume.state.get("run_id") if resume else None) or (self.record or {}).get("run_id")
+        if not self.writer:  # another host of the pod: host 0's parent writes (only its replica 0 saves)
+            return old
         self.store.make()
         if self.cfg.overwrite and self.found:
             self.store.remove(self.found)
             print(f"--overwrite: removed the run in {self.store.url} ({', '.join(self.found)})")
-            self.record = None
-        old = (resume.state.get("run_id") if resume else None) or (self.record or {}).get("run_id")
+            self.record, old = None, None
         self.run_id = old or uuid.uuid4().hex[:12]
         self.store.write_text(RECORD, json.dumps({"run_id": self.run_id, "config": asdict(self.cfg),
                                                   "finished": None}, indent=1) + "\n")

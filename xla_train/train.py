@@ -225,9 +225,14 @@ def run(cfg):
     backend = select_backend(cfg.backend, cfg.num_processes, cfg.strategy)
     store = open_store(cfg.output_dir) if cfg.output_dir else None
     folder = None
+    host, hosts = backend.host_position()
+    if store and hosts > 1 and not store.url.startswith("gs://"):
+        # only global ordinal 0 writes; every host decides on its own whether to resume
+        raise UserError(f"--output-dir {cfg.output_dir}: a run on {hosts} hosts needs a gs:// output, which every "
+                        "host reads alike (a local folder holds host 0's checkpoints only)")
     if store:
         store.check_writable()
-        folder = RunFolder(store, cfg)  # one run per folder
+        folder = RunFolder(store, cfg, writer=host == 0)  # one run per folder
         folder.check()
         done = folder.finished_message()
         if done:

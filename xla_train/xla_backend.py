@@ -7,6 +7,8 @@ Launch commands this backend serves:
     PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 xla-train train --backend xla --strategy spmd   # 4 CPU devices
 """
 
+import glob
+import importlib.util
 import os
 
 import torch
@@ -36,12 +38,29 @@ def _register_attention():
 
 
 def tpu_present():
-    """Whether this host has a TPU, checked without importing torch_xla."""
-    # A TPU VM exposes its chips as /dev/accel* (v4 and later) or /dev/vfio (v5e/v6e);
-    # PJRT_DEVICE=TPU set by the user also counts.
+    """Whether this host has a TPU, checked without starting any runtime."""
+    # PJRT_DEVICE=TPU set by the user counts; a TPU VM exposes its chips as /dev/accel* (v4 and
+    # later) or /dev/vfio (v5e/v6e). Else torch_xla's own PCI check (Google's vendor id and the
+    # TPU device ids: torch_xla/_internal/tpu.py, num_available_chips), asked only on a host with
+    # a Google PCI device, as importing torch_xla costs seconds.
     if os.environ.get("PJRT_DEVICE", "").upper() == "TPU":
         return True
-    return any(os.path.exists(p) for p in ("/dev/accel0", "/dev/vfio/0"))
+    if any(os.path.exists(p) for p in ("/dev/accel0", "/dev/vfio/0")):
+        return True
+    google = any(_read(p) == "0x1ae0" for p in glob.glob("/sys/bus/pci/devices/*/vendor"))
+    if not google or importlib.util.find_spec("torch_xla") is None:
+        return False
+    from torch_xla._internal import tpu
+
+    return tpu.num_available_chips() > 0
+
+
+def _read(path):
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
 
 
 class XLABackend(Backend):
@@ -86,6 +105,15 @@ class XLABackend(Backend):
         # SPMD shards each batch over every device of the process: CPU_NUM_DEVICES / GPU_NUM_DEVICES
         # (torch_xla/core/xla_env_vars.py), one device when unset
         return int(os.environ.get(f"{device}_NUM_DEVICES", 1))
+
+    def host_position(self):
+        if os.environ["PJRT_DEVICE"].upper() != "TPU":
+            return 0, 1
+        from torch_xla._internal import tpu
+
+        # the tpu-env metadata (or TPU_WORKER_ID / TPU_WORKER_HOSTNAMES), read without starting the
+        # runtime (torch_xla/_internal/tpu.py, worker_id and num_tpu_workers)
+        return tpu.worker_id(), tpu.num_tpu_workers()
 
     def setup(self):
         if self.strategy == "spmd":
@@ -144,6 +172,10 @@ class XLABackend(Backend):
     def rank(self):
         import torch_xla.runtime as xr
 
+        if self.strategy == "spmd":
+            # one process per host drives all its devices: the main one is process 0. The default
+            # device's global ordinal would be 0 on every host (torch_xla/runtime.py, process_index)
+            return xr.process_index()
         return xr.global_ordinal()
 
     def describe_device(self):
