@@ -120,3 +120,32 @@ def test_only_the_first_host_writes_the_run_record(tmp_path):
     assert not (tmp_path / "run").exists()
     run_id = RunFolder(open_store(cfg.output_dir), cfg).claim()
     assert json.loads((tmp_path / "run" / RECORD).read_text())["run_id"] == run_id
+
+
+def test_forked_replicas_get_the_job_without_pickling_it(tiny_model):
+    """xmp.spawn pickles its function and arguments into every replica with torch's pickler
+    (torch_xla/_internal/pjrt.py, run_multiprocess), which moves every tensor into shared memory.
+    With fork, the job is handed to the replicas through a module-level reference instead: what
+    gets pickled is a key, and the model's storage stays where it is."""
+    import functools
+    import io
+
+    from multiprocessing.reduction import ForkingPickler  # with torch's reductions (torch.multiprocessing)
+
+    import torch.multiprocessing  # noqa: F401  registers them
+    from transformers import AutoModelForSequenceClassification
+
+    from xla_train import xla_backend
+
+    def pickled(entry, args):
+        buf = io.BytesIO()
+        ForkingPickler(buf).dump(functools.partial(entry, *args))
+        return len(buf.getvalue())
+
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_model)
+    job = (object.__new__(xla_backend.XLABackend), len, (model,))
+    size = pickled(*xla_backend.spawn_arguments(*job, start_method="fork"))
+    xla_backend._HANDED_OFF.clear()
+    assert size < 1000 and not any(p.is_shared() for p in model.parameters())
+    pickled(*xla_backend.spawn_arguments(*job, start_method="spawn"))  # spawn cannot inherit: pickled
+    assert all(p.is_shared() for p in model.parameters())

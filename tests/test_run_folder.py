@@ -150,3 +150,17 @@ def test_ctrl_c_at_any_moment_is_one_line_and_130(when, mrpc_slice, tiny_model):
     assert "Traceback" not in err
     last = err.replace("\r", "\n").strip().splitlines()[-1]
     assert last == "xla-train: interrupted" or last.startswith("xla-train: stopped by SIGINT after step ")
+
+
+def test_pod_hosts_probing_one_prefix_at_once(gcs_emulator, tmp_path):
+    """Every host's parent checks that the gs:// output is writable at the same moment: each
+    probe has its own name, so no host deletes another's (or fails on a probe already gone)."""
+    url = f"gs://xla-train-test/{tmp_path.name}"
+    code = f"from xla_train.storage import open_store; open_store({url!r}).check_writable()"
+    env = {**os.environ, **gcs_emulator, "PYTHONPATH": str(ROOT)}
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stderr=subprocess.PIPE, text=True)
+             for _ in range(4)]
+    for proc in procs:
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err[-2000:]
+    assert snapshot(url) == {}  # every probe removed

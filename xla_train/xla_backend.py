@@ -10,6 +10,7 @@ Launch commands this backend serves:
 import glob
 import importlib.util
 import os
+import threading
 
 import torch
 
@@ -141,7 +142,15 @@ class XLABackend(Backend):
 
         # XLA:CPU writes entries but cannot load them back (PersistentCacheDeserializeFailure);
         # TPU and GPU do load them, so a second identical run compiles nothing there.
-        xr.initialize_cache(str(path), readonly=not self.is_main)
+        # The cache is the process's (environment variables), and a second call asserts that it
+        # is not initialised yet (torch_xla/runtime.py, initialize_cache, lines 258-264); on
+        # Colab's TPU v2-8/v3-8 two replicas share a process as threads. So the first replica
+        # of each process sets it, writable in the process of global ordinal 0.
+        global _cache_set
+        with _CACHE_LOCK:
+            if not _cache_set:
+                xr.initialize_cache(str(path), readonly=xr.process_index() != 0)
+                _cache_set = True
 
     def launch(self, fn, args=(), nprocs=None, start_method="fork"):
         import torch_xla.distributed.xla_multiprocessing as xmp
@@ -152,9 +161,13 @@ class XLABackend(Backend):
         nprocs = nprocs or self.num_processes
         if os.environ["PJRT_DEVICE"].upper() == "CPU":
             nprocs = 1  # XLA:CPU runs one replica; xmp.spawn then calls fn in this process.
-        # fork: replicas share the parent's tokenised data and checkpoint pages instead of
-        # each loading a copy. The parent must not have started the XLA runtime.
-        xmp.spawn(_run_replica, args=(self, fn, args), nprocs=nprocs, start_method=start_method)
+        # fork: replicas share the parent's tokenised data and model pages instead of each
+        # loading a copy. The parent must not have started the XLA runtime.
+        entry, entry_args = spawn_arguments(self, fn, args, start_method)
+        try:
+            xmp.spawn(entry, args=entry_args, nprocs=nprocs, start_method=start_method)
+        finally:
+            _HANDED_OFF.clear()
 
     @property
     def device(self):
@@ -311,6 +324,28 @@ class XLABackend(Backend):
             return None
         os.environ["PT_XLA_DEBUG_LEVEL"], os.environ["PT_XLA_DEBUG_FILE"] = "1", str(path)
         return str(path)
+
+
+_CACHE_LOCK = threading.Lock()
+_cache_set = False
+_HANDED_OFF = {}  # the job forked replicas inherit (set before xmp.spawn, never pickled)
+
+
+def spawn_arguments(backend, fn, args, start_method):
+    """The function and arguments for xmp.spawn. It pickles them into every replica
+    (torch_xla/_internal/pjrt.py, run_multiprocess: executor.map over a partial of fn and args),
+    and torch's pickler moves every tensor through shared memory (/dev/shm: 64 MB in a default
+    container). Forked replicas take the job from this module instead: only a key is pickled."""
+    if start_method != "fork":
+        return _run_replica, (backend, fn, args)
+    key = f"job-{len(_HANDED_OFF)}"
+    _HANDED_OFF[key] = (backend, fn, args)
+    return _run_handed_off, (key,)
+
+
+def _run_handed_off(index, key):
+    backend, fn, args = _HANDED_OFF[key]
+    backend.run_worker(fn, args)
 
 
 def _run_replica(index, backend, fn, args):
