@@ -56,7 +56,7 @@ def requirement(package, wheel_path=None):
     return package[: m.end()] + extras + package[m.end():] if m else package
 
 
-def commands(tpu, zone, project, package, train_args):
+def commands(tpu, zone, project, package, train_args, detach=False):
     where = [f"--zone={zone}", "--worker=all"] + ([f"--project={project}"] if project else [])
     ssh = ["gcloud", "compute", "tpus", "tpu-vm", "ssh", tpu, *where]
     steps = []
@@ -76,6 +76,8 @@ def commands(tpu, zone, project, package, train_args):
         install = f"python3 -m pip install --upgrade {shlex.quote(req)}"
     # `python3 -m` rather than the xla-train script: a user install's ~/.local/bin is not on ssh's PATH
     train = "PJRT_DEVICE=TPU python3 -m xla_train train " + " ".join(shlex.quote(a) for a in train_args)
+    if detach:  # the job outlives the ssh session (a dropped connection would hang up on it)
+        train = f"nohup sh -c {shlex.quote(train)} > xla_train.log 2>&1 < /dev/null & echo started: ~/xla_train.log"
     return steps + [ssh + ["--command", install], ssh + ["--command", train]]
 
 
@@ -86,6 +88,8 @@ def main(argv=None):
     p.add_argument("--project", default=None)
     p.add_argument("--package", required=True, help=PACKAGE_HELP)
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    p.add_argument("--detach", action="store_true", help="start the job under nohup with its output in "
+                   "~/xla_train.log on every host, so it survives a dropped ssh connection")
     p.add_argument("train_args", nargs="*", help="arguments for `xla-train train` (after --)")
     args = p.parse_args(argv)
     base, _ = split_extras(args.package)
@@ -95,7 +99,7 @@ def main(argv=None):
         if not base.endswith(".whl") and os.path.exists(base):
             p.error(f"--package {args.package}: a folder or file other than a wheel; build a wheel with "
                     "`make dist`, or give git+URL of the repository")
-    for cmd in commands(args.tpu, args.zone, args.project, args.package, args.train_args):
+    for cmd in commands(args.tpu, args.zone, args.project, args.package, args.train_args, args.detach):
         print(shlex.join(cmd), flush=True)
         if not args.dry_run:
             code = subprocess.call(cmd)

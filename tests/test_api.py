@@ -2,6 +2,7 @@
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 
@@ -63,3 +64,19 @@ def test_tpu_pod_dry_run_prints_the_gcloud_commands():
     prefix = "gcloud compute tpus tpu-vm ssh pod-1 --zone=us-central2-b --worker=all --command "
     assert install == prefix + "'python3 -m pip install --upgrade '\"'\"'xla-train[tpu]'\"'\"''"
     assert train == prefix + "'PJRT_DEVICE=TPU python3 -m xla_train train --model bert-base-uncased --data-dir hub'"
+
+
+def test_tpu_pod_detach_keeps_the_job_alive_after_ssh(tmp_path):
+    proc = subprocess.run([sys.executable, "scripts/tpu_pod.py", "--tpu", "pod-1", "--zone", "us-central2-b",
+                           "--package", "xla-train", "--dry-run", "--detach", "--", "--data-dir", "hub"],
+                          cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    command = shlex.split(proc.stdout.strip().splitlines()[-1])[-1]
+    assert command == ("nohup sh -c 'PJRT_DEVICE=TPU python3 -m xla_train train --data-dir hub' > xla_train.log "
+                       "2>&1 < /dev/null & echo started: ~/xla_train.log")
+    # what the host's shell runs, with `python3 -m xla_train` standing for itself: detached, output in the log
+    fake = command.replace("python3 -m xla_train train", "echo trained")
+    run = subprocess.run(["sh", "-c", fake + "; wait"], cwd=tmp_path, capture_output=True, text=True, timeout=30,
+                         env={**os.environ, "HOME": str(tmp_path)})  # ssh starts in the home folder
+    assert run.stdout.strip() == f"started: {tmp_path}/xla_train.log"
+    assert (tmp_path / "xla_train.log").read_text().strip() == "trained --data-dir hub"
