@@ -13,9 +13,12 @@ Launch commands this backend serves:
 import gc
 import logging
 import os
+import shutil
 import socket
 import sys
+import tempfile
 from contextlib import nullcontext
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -65,9 +68,13 @@ class TorchBackend(Backend):
         # spawn by default: a forked child of a process whose OpenMP pool already ran can hang.
         # Notebooks need fork (spawn cannot import a function defined in a cell), so
         # notebook_launcher forks before the notebook has run torch ops in parallel, as Accelerate's does.
-        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(nprocs)}
+        # A worker that fails leaves its one-line message in `errors` and this process prints it:
+        # torch stops the other workers as soon as one exits, maybe before they could print.
+        errors = tempfile.mkdtemp(prefix="xla_train_errors_")
+        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(nprocs),
+               "XLA_TRAIN_ERRORS": errors}
         # When one worker exits with an error, torch stops the others and logs each one it
-        # terminates; the worker's own message already says what happened.
+        # terminates; the worker's own message says what happened.
         spawn_log = logging.getLogger("torch.multiprocessing.spawn")
         level = spawn_log.level
         spawn_log.setLevel(logging.ERROR)
@@ -77,9 +84,11 @@ class TorchBackend(Backend):
         except torch.multiprocessing.ProcessExitedException as e:
             if e.exit_code is None or e.exit_code < 0:  # killed by a signal it did not handle
                 raise
-            raise UserError("", e.exit_code)  # the worker printed why
+            told = [Path(errors, f).read_text() for f in sorted(os.listdir(errors))]  # rank order
+            raise UserError(told[0] if told else "", e.exit_code)
         finally:
             spawn_log.setLevel(level)
+            shutil.rmtree(errors, ignore_errors=True)
 
     def run_worker(self, fn, args=(), report_stop=False):
         stopped = None
@@ -221,8 +230,8 @@ def _worker(local_rank, backend, env, fn, args):
     try:
         backend.run_worker(fn, args, report_stop=True)
     except ExitError as e:
-        # One line, not the traceback torch.multiprocessing would pass up (a stop was reported
-        # before the workers parted, as torch may terminate the others once one has exited).
+        # One line, not the traceback torch.multiprocessing would pass up, told by the launcher
+        # (a stop was reported before the workers parted).
         if str(e) and not isinstance(e, Stopped):
-            print(e.line(), file=sys.stderr, flush=True)
+            Path(env["XLA_TRAIN_ERRORS"], f"rank-{local_rank:05d}").write_text(str(e))
         sys.exit(e.exit_code)

@@ -191,7 +191,7 @@ def test_main_worker_failing_to_publish_stops_both_gloo_workers(mrpc_slice, tiny
                       timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
-    assert (f"xla-train: error: cannot write the run's files to {out}: RuntimeError: connection reset by peer"
-            in proc.stderr.splitlines())
+    line = f"xla-train: error: cannot write the run's files to {out}: RuntimeError: connection reset by peer"
+    assert proc.stderr.splitlines().count(line) == 1  # told once, by the launcher
     assert time.monotonic() - start < 240
     assert (out / "checkpoints" / "step-00000004" / "COMPLETE").exists()  # the last checkpoint stays

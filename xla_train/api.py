@@ -269,9 +269,18 @@ class Engine:
             except Exception as e:
                 text = str(e).strip()
                 error = f"{what}: {type(e).__name__}" + (f": {text.splitlines()[0]}" if text else "")
-        failed = self.gather(torch.tensor([int(error is not None)], dtype=torch.int32).to(self.device))
-        if self.to_host([failed])[0].any():
-            raise UserError(error or f"the main replica failed: {what}")
+        # the flag and the message's first bytes, so every replica can tell what went wrong
+        payload = torch.zeros(1 + _MESSAGE_BYTES, dtype=torch.int32)
+        if error is not None:
+            data = error.encode()[:_MESSAGE_BYTES]
+            payload[0], payload[1:1 + len(data)] = 1, torch.tensor(list(data), dtype=torch.int32)
+        (rows,) = self.to_host([self.gather(payload[None].to(self.device))])
+        failed = rows[rows[:, 0] == 1]
+        if len(failed):
+            raise UserError(bytes(failed[0, 1:].tolist()).rstrip(b"\0").decode(errors="replace"))
+
+
+_MESSAGE_BYTES = 512  # of a main-replica failure, shared with the other replicas
 
 
 @contextlib.contextmanager
