@@ -226,9 +226,9 @@ def test_bad_data_is_one_clear_error(case, tmp_path):
 
 
 def test_bad_own_file_fails_before_the_model_loads(tmp_path, capsys):
-    """From the command line: one line, exit 2, and the (missing) model is never reached."""
+    """From the command line: one line, exit 2, and the model (a hub name no hub has) is never reached."""
     train = bad(tmp_path, "a.csv", "text,label\nx,pos\ny,pos\n")
-    code = main(["train", "--backend", "cpu", "--model", str(tmp_path / "no-model"), "--train-file", str(train),
+    code = main(["train", "--backend", "cpu", "--model", "no-such-org/no-such-model", "--train-file", str(train),
                  "--validation-file", str(train)])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "every row has label 'pos'" in err
