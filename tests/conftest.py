@@ -82,6 +82,18 @@ def tiny_bucketed_run(mrpc_slice, tiny_model, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def dynamic_run(mrpc_slice, tiny_model, tmp_path_factory):
+    """The course's per-batch padding on one XLA:CPU device, 16 steps into an output folder: the
+    graph count against buckets (test_xla) and the recompilation warning (test_monitor).
+    Returns the completed process, the metrics and the output folder."""
+    out = tmp_path_factory.mktemp("dynamic")
+    proc, m = run_cli(["--backend", "xla", "--model", tiny_model, "--data-dir", mrpc_slice, "--max-steps", 16,
+                       "--padding", "dynamic", "--output-dir", out / "run"], out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc, m, out / "run"
+
+
+@pytest.fixture(scope="session")
 def previous_run(mrpc_slice, tiny_model, tmp_path_factory):
     """An output folder holding a finished 4-step run on the CPU: checkpoints 2 and 4, the final
     model and the run's record. Tests copy it before changing anything."""

@@ -151,16 +151,13 @@ xla_backend.XLA_ATTENTION = "sdpa"
     assert first["frame"].startswith("_ignore_bidirectional_mask_sdpa")
 
 
-def test_dynamic_padding_warns_once_past_the_threshold(short_data, tiny_model, tmp_path):
+def test_dynamic_padding_warns_once_past_the_threshold(dynamic_run):
     """The course's per-batch padding: every new batch length compiles; the run warns once, when
     the training graphs pass the threshold (one unbounded bucket + 2 = 3), naming the shape."""
-    out = tmp_path / "out"
-    proc, m = run_cli(["--backend", "xla", "--model", tiny_model, "--data-dir", short_data, "--max-steps", 4,
-                       "--padding", "dynamic", "--output-dir", out], tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc, m, out = dynamic_run
     log = json.loads((out / "compilations.json").read_text())
     train = [e for e in log["compilations"] if e["phase"] == "train"]
-    assert len(train) == 4  # steps 1-4: lengths 69, 68, 79, 65 with seed 42
+    assert [e["step"] for e in train[:4]] == [1, 2, 3, 4]  # lengths 69, 68, 79, 65 with seed 42
     fourth = train[3]
     warnings = warnings_in(proc.stderr)
     assert len(warnings) == 1, proc.stderr[-3000:]
