@@ -23,6 +23,14 @@ def open_store(url):
     return GCSStore(url) if str(url).startswith("gs://") else LocalStore(url)
 
 
+def nearest_existing(path):
+    """`path`, or its nearest ancestor that exists (where a write to `path` would be decided)."""
+    path = Path(path)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
 def checkpoint_name(step):
     return f"step-{step:08d}"
 
@@ -34,9 +42,7 @@ class LocalStore:
 
     def check_writable(self):
         """Whether the folder can be written (or made), without writing anything."""
-        existing = self.root
-        while not existing.exists() and existing != existing.parent:
-            existing = existing.parent
+        existing = nearest_existing(self.root)
         if existing.is_dir() and os.access(existing, os.W_OK | os.X_OK):
             return
         reason = "not a folder" if existing.exists() and not existing.is_dir() else "permission denied"

@@ -25,7 +25,7 @@ from .run_folder import RunFolder, write_finished
 from .run_state import RunState
 from .selection import select_backend
 from .signals import StopRequest
-from .storage import open_store
+from .storage import nearest_existing, open_store
 from .tasks import PROBLEMS, TASKS, bundled_model_path, load_metric, load_task, scores, task_loss
 
 PADDING_MODES = ("buckets", "max_length", "dynamic")
@@ -134,9 +134,7 @@ def check_file_target(name, option):
     path = Path(name)
     if path.is_dir():
         raise UserError(f"{option} {name} is a folder; name a file")
-    parent = path.parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
+    parent = nearest_existing(path.parent)
     if not parent.is_dir():
         raise UserError(f"{option} {name}: {parent} is a file, not a folder")
 
