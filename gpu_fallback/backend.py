@@ -18,14 +18,13 @@ import socket
 import sys
 import tempfile
 from contextlib import nullcontext
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from xla_train.backend import Backend
-from xla_train.errors import ExitError, Stopped, UserError
+from xla_train.errors import ExitError, Stopped, UserError, tell, told
 
 
 def _launched_by_torchrun():
@@ -84,8 +83,7 @@ class TorchBackend(Backend):
         except torch.multiprocessing.ProcessExitedException as e:
             if e.exit_code is None or e.exit_code < 0:  # killed by a signal it did not handle
                 raise
-            told = [Path(errors, f).read_text() for f in sorted(os.listdir(errors))]  # rank order
-            raise UserError(told[0] if told else "", e.exit_code)
+            raise told(errors) or UserError("", e.exit_code)
         finally:
             spawn_log.setLevel(level)
             shutil.rmtree(errors, ignore_errors=True)
@@ -233,5 +231,5 @@ def _worker(local_rank, backend, env, fn, args):
         # One line, not the traceback torch.multiprocessing would pass up, told by the launcher
         # (a stop was reported before the workers parted).
         if str(e) and not isinstance(e, Stopped):
-            Path(env["XLA_TRAIN_ERRORS"], f"rank-{local_rank:05d}").write_text(str(e))
+            tell(env["XLA_TRAIN_ERRORS"], local_rank, e)
         sys.exit(e.exit_code)

@@ -11,7 +11,7 @@ import json
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .errors import UserError
+from .errors import UserError, first_line
 from .run_folder import mismatch
 from .storage import MARKER, checkpoint_name, open_store
 
@@ -124,7 +124,7 @@ class Resume:
             for f in ("optimizer.pt", "scheduler.pt", "rng.pt"):  # checked here, loaded again by workers
                 torch.load(folder / f, weights_only=True, map_location="cpu")
         except Exception as e:
-            raise UserError(f"checkpoint {url} is corrupt: {_first_line(e)}")
+            raise UserError(f"checkpoint {url} is corrupt: {first_line(e)}")
 
     def check(self, cfg, n_train):
         if self.state["n_train"] != n_train:
@@ -140,14 +140,14 @@ class Resume:
         try:
             return load_file(str(self.folder / "model.safetensors"))
         except Exception as e:
-            raise UserError(f"checkpoint {self.url} is corrupt: model.safetensors: {_first_line(e)}")
+            raise UserError(f"checkpoint {self.url} is corrupt: model.safetensors: {first_line(e)}")
 
     def load_model(self, model, weights):
         try:
             model.load_state_dict(weights)
         except RuntimeError as e:
             raise UserError(f"checkpoint {self.url} does not fit model {self.state['config']['model']!r}: "
-                            f"{_first_line(e)}")
+                            f"{first_line(e)}")
 
     def load_training_state(self, engine, optimizer, scheduler, world_size):
         """In every worker, after `prepare` and after the scheduler exists."""
@@ -161,8 +161,3 @@ class Resume:
         optimizer.load_state_dict(load("optimizer.pt"))  # param groups carry the current learning rate
         scheduler.load_state_dict(load("scheduler.pt"))
         engine.set_rng_state(load("rng.pt")["rng"][engine.rank])
-
-
-def _first_line(e):
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__

@@ -4,6 +4,9 @@ Both are `ExitError`s: the CLI prints their message on one line and exits with `
 never a traceback. They carry everything in `args`, so they pickle across worker processes.
 """
 
+import os
+from pathlib import Path
+
 
 class ExitError(Exception):
     """Ends the run with one line on stderr and `exit_code` (an empty message prints nothing)."""
@@ -33,3 +36,28 @@ class Stopped(ExitError):
 
     def line(self):
         return f"xla-train: {self}"
+
+
+def first_line(e):
+    """An exception's message in one line (its type's name if it has none)."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def describe(e):
+    """An unexpected exception in one line: its type and its message's first line."""
+    return f"{type(e).__name__}: {first_line(e)}" if str(e).strip() else type(e).__name__
+
+
+def tell(folder, rank, error):
+    """A worker's last word, left in its launcher's `folder`: the launcher prints it, because a
+    worker may be stopped by the launcher (when another one failed) before it could print."""
+    Path(folder, f"rank-{rank:05d}").write_text(f"{error.exit_code} {error}")
+
+
+def told(folder):
+    """The failure the lowest-ranked worker told in `folder`, as a UserError; None if none did."""
+    for name in sorted(n for n in os.listdir(folder) if n.startswith("rank-")):
+        code, _, line = Path(folder, name).read_text().partition(" ")
+        return UserError(line, int(code))
+    return None

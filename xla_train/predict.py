@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from .api import Engine, quiet_transformers
 from .data import CostModel, check_fit, choose_buckets, make_loader, model_inputs_only, parse_buckets, tokenize
-from .errors import UserError
+from .errors import UserError, first_line
 from .selection import select_backend
 from .tasks import FILE_FORMATS, GLUE, glue_rows, read_table, text_columns_of
 
@@ -67,7 +67,7 @@ class ModelInfo:
         try:
             config = AutoConfig.from_pretrained(folder)
         except Exception as e:
-            raise UserError(f"--model {folder}: not a transformers model folder ({_first_line(e)})")
+            raise UserError(f"--model {folder}: not a transformers model folder ({first_line(e)})")
         if not any(a.endswith("ForSequenceClassification") for a in config.architectures or ()):
             raise UserError(f"--model {folder}: not a fine-tuned sequence classifier (architectures: "
                             f"{', '.join(config.architectures or ['none'])})")
@@ -276,10 +276,4 @@ def load_pretrained(cls, name, **kwargs):
         with quiet_transformers():
             return cls.from_pretrained(name, **kwargs)
     except Exception as e:
-        raise UserError(f"cannot load model {name!r}: {_first_line(e)}")
-
-
-def _first_line(e):
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
-
+        raise UserError(f"cannot load model {name!r}: {first_line(e)}")

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import UserError
+from .errors import UserError, describe, first_line
 
 BUNDLED_MRPC = Path(__file__).parent / "data" / "mrpc"
 FILE_FORMATS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json"}
@@ -258,7 +258,7 @@ def load_mrpc(data_dir=None):
         try:
             ds = datasets.load_dataset("glue", "mrpc")
         except Exception as e:  # offline, hub down
-            raise UserError(f"cannot load glue/mrpc from the hub: {type(e).__name__}: {_first_line(e)}")
+            raise UserError(f"cannot load glue/mrpc from the hub: {describe(e)}")
         return datasets.DatasetDict(train=ds["train"], validation=ds["validation"])
     splits = load_glue_folder("mrpc", Path(data_dir) if data_dir else BUNDLED_MRPC).splits
     return datasets.DatasetDict({
@@ -273,7 +273,7 @@ def load_glue_hub(task):
     try:
         ds = datasets.load_dataset("glue", task)
     except Exception as e:  # offline, hub down, no such dataset
-        raise UserError(f"cannot load glue/{task} from the hub: {type(e).__name__}: {_first_line(e)}")
+        raise UserError(f"cannot load glue/{task} from the hub: {describe(e)}")
     spec = GLUE[task]
     names = ["train", "validation"] if task != "mnli" else ["train", "validation_matched", "validation_mismatched"]
     splits = {}
@@ -313,7 +313,7 @@ def read_table(path):
     except Exception as e:  # malformed CSV/JSON: pandas and pyarrow name the line
         if "corresponds to no data" in str(e):  # a header and no rows, or an empty JSON list
             raise UserError(f"{path}: no rows (empty split)")
-        raise UserError(f"{path}: cannot read it as {path.suffix[1:].upper()}: {_first_line(_root(e))}")
+        raise UserError(f"{path}: cannot read it as {path.suffix[1:].upper()}: {first_line(_root(e))}")
     finally:
         datasets.enable_progress_bars()
     if len(ds) == 0:
@@ -415,11 +415,6 @@ def _root(e):
     while e.__cause__ or e.__context__:
         e = e.__cause__ or e.__context__
     return e
-
-
-def _first_line(e):
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
 
 
 def scores(results):
