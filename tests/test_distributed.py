@@ -149,3 +149,85 @@ def test_forked_replicas_get_the_job_without_pickling_it(tiny_model):
     assert size < 1000 and not any(p.is_shared() for p in model.parameters())
     pickled(*xla_backend.spawn_arguments(*job, start_method="spawn"))  # spawn cannot inherit: pickled
     assert all(p.is_shared() for p in model.parameters())
+
+
+def _replica_part(part, folder):
+    """What one replica does in test_one_failing_replica_ends_them_all."""
+    import signal
+    import time
+
+    from xla_train.errors import UserError
+
+    while len([n for n in os.listdir(folder) if n.startswith("pid-")]) < 2:  # both replicas are up
+        time.sleep(0.05)
+    if part == "stuck":  # stands for a replica waiting in a collective: a SIGTERM only asks it to stop
+        while True:
+            time.sleep(0.1)
+    if part == "fails":
+        raise UserError("cannot write the run's files to OUT: RuntimeError: connection reset by peer")
+    if part == "bug":
+        return 1 / 0
+    os.kill(os.getpid(), signal.SIGKILL)  # "killed": the kernel's out-of-memory killer
+
+
+def _pool_entry(index, parts):
+    from gpu_fallback.backend import CPUBackend
+    from xla_train import xla_backend
+
+    xla_backend._run_replica(index, CPUBackend(), _replica_part, (parts[index], os.environ[xla_backend._REPLICAS]))
+
+
+@pytest.mark.parametrize("part, line, code", [
+    ("fails", "cannot write the run's files to OUT: RuntimeError: connection reset by peer", 2),
+    ("bug", "replica 1 failed: ZeroDivisionError: division by zero", 1),
+    ("killed", "a replica process ended without a word", 1),
+])
+def test_one_failing_replica_ends_them_all(part, line, code, capfd):
+    """Several XLA replicas cannot run here, so this drives the replicas' wrapper in the pool that
+    xmp.spawn uses under PJRT (torch_xla/_internal/pjrt.py, run_multiprocess: a fork-context
+    ProcessPoolExecutor, results collected in order with executor.map), inside the launcher's
+    SIGTERM handler as the CLI runs it. Replica 0 never returns and ignores SIGTERM, as one
+    waiting in a collective would; replica 1 fails. Without the wrapper this test hangs."""
+    import concurrent.futures
+    import functools
+    import time
+
+    from xla_train import xla_backend
+    from xla_train.errors import UserError
+    from xla_train.signals import StopRequest
+
+    start = time.monotonic()
+    with pytest.raises(UserError) as failure, StopRequest(), xla_backend.replica_failures():
+        with concurrent.futures.ProcessPoolExecutor(2, mp_context=torch.multiprocessing.get_context("fork")) as pool:
+            list(pool.map(functools.partial(_pool_entry, parts=("stuck", part)), range(2)))
+    assert time.monotonic() - start < 30
+    assert str(failure.value).startswith(line) and failure.value.exit_code == code
+    err = capfd.readouterr().err
+    assert ("Traceback" in err and "ZeroDivisionError" in err) == (part == "bug")  # a bug keeps its traceback
+    assert xla_backend._REPLICAS not in os.environ
+    import multiprocessing
+    assert not multiprocessing.active_children()
+
+
+def test_spmd_processes_agree_through_a_reduction_over_every_device(tmp_path):
+    """Under SPMD each host's process has its own signals, but world_size is 1. The stop flags
+    become each process's rows of a tensor sharded over every device (torch_xla's `minibatch`:
+    a process's data is its part), and the largest is taken on the device. One process here
+    (4 XLA:CPU devices): the result is its own flags, and the compiled graph reduces across the
+    devices with an all-reduce, the collective that spans the hosts on a pod."""
+    script = """
+import torch, torch_xla
+from xla_train.xla_backend import XLABackend
+backend = XLABackend(strategy="spmd")
+backend.setup()
+rows = backend.gather_rows(torch.tensor([3, 0], dtype=torch.int32))
+print(backend.peers, tuple(rows.shape), torch_xla._XLAC._get_xla_sharding_spec(rows))
+print(rows.amax(0).cpu().tolist())
+"""
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4", "XLA_FLAGS": f"--xla_dump_to={tmp_path}"}
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines() == ["1 (4, 2) {devices=[4,1]0,1,2,3}", "[3, 0]"]
+    compiled = [p.read_text() for p in tmp_path.glob("*cpu_after_optimizations.txt")]
+    assert len(compiled) == 1 and "all-reduce(" in compiled[0]

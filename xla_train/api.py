@@ -23,7 +23,7 @@ from transformers import DataCollatorWithPadding
 
 from .backend import Backend, active_backend
 from .data import BatchPlan, make_loader
-from .errors import UserError
+from .errors import UserError, describe
 from .selection import select_backend
 
 
@@ -197,6 +197,15 @@ class Engine:
         """Concatenates `tensor` (same shape on every replica) along dim 0, on the device."""
         return self.backend.gather(tensor)
 
+    @property
+    def peers(self):
+        """How many processes must agree on a stop: the replicas (under SPMD: one process per host)."""
+        return self.backend.peers
+
+    def gather_rows(self, row):
+        """Every peer's `row` (a 1-D host tensor) as the rows of one device tensor."""
+        return self.backend.gather_rows(row)
+
     def to_host(self, tensors):
         """Cuts the pending graph and copies device tensors to the CPU (one transfer on XLA)."""
         return self.backend.to_host(tensors)
@@ -267,17 +276,17 @@ class Engine:
             except OSError as e:  # a full disk, a folder removed under the run
                 error = f"{what}: {e.strerror or e}"
             except Exception as e:
-                text = str(e).strip()
-                error = f"{what}: {type(e).__name__}" + (f": {text.splitlines()[0]}" if text else "")
-        # the flag and the message's first bytes, so every replica can tell what went wrong
+                error = f"{what}: {describe(e)}"
+        # the flag and the message's first bytes, so every replica (under SPMD, every host's
+        # process) can tell what went wrong; only the main one's row has any, so the largest per
+        # position is the main one's row
         payload = torch.zeros(1 + _MESSAGE_BYTES, dtype=torch.int32)
         if error is not None:
             data = error.encode()[:_MESSAGE_BYTES]
             payload[0], payload[1:1 + len(data)] = 1, torch.tensor(list(data), dtype=torch.int32)
-        (rows,) = self.to_host([self.gather(payload[None].to(self.device))])
-        failed = rows[rows[:, 0] == 1]
-        if len(failed):
-            raise UserError(bytes(failed[0, 1:].tolist()).rstrip(b"\0").decode(errors="replace"))
+        (shared,) = self.to_host([self.gather_rows(payload).amax(0)])
+        if shared[0]:
+            raise UserError(bytes(shared[1:].tolist()).rstrip(b"\0").decode(errors="replace"))
 
 
 _MESSAGE_BYTES = 512  # of a main-replica failure, shared with the other replicas

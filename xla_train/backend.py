@@ -150,6 +150,15 @@ class Backend(ABC):
         """Concatenates `tensor` (same shape on every replica) along dim 0 across replicas."""
         return tensor
 
+    @property
+    def peers(self):
+        """How many processes must agree on a stop, each with its own signals: the replicas."""
+        return self.world_size
+
+    def gather_rows(self, row):
+        """Every peer's `row` (a 1-D host tensor) as the rows of one device tensor."""
+        return self.gather(row[None].to(self.device))
+
     def barrier(self):
         pass
 

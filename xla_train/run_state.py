@@ -108,7 +108,7 @@ class RunState:
     def check_stop(self, stop, at_log_point):
         """Raises `Stopped` on every replica at once if any replica got a signal (after saving a
         checkpoint) or saw a non-finite loss (without saving)."""
-        if self.engine.world_size > 1 and not at_log_point:  # agreeing needs a collective
+        if self.engine.peers > 1 and not at_log_point:  # agreeing needs a collective
             return
         flags = self._agree([stop.signum or 0, self.bad_step or 0])
         StopRequest.signum, self.bad_step = flags[0] or None, flags[1] or None
@@ -121,7 +121,7 @@ class RunState:
 
     def _agree(self, flags):
         """Per position, the largest value any replica has (a collective every replica reaches)."""
-        if self.engine.world_size == 1:
+        if self.engine.peers == 1:
             return flags
         return self._agree_across(flags)
 
@@ -131,10 +131,10 @@ class RunState:
         # flags' all_gather is a small graph of its own. Built on the pending step, the gather
         # and the step would compile as one new graph at the first log point of every bucket.
         self.engine.cut_graph()
-        # int32: 64-bit integer collectives may not lower on TPU (pytorch/xla#1952)
-        flags = torch.tensor([flags], dtype=torch.int32).to(self.engine.device)
-        (agreed,) = self.engine.to_host([self.engine.gather(flags)])
-        return agreed.max(0).values.tolist()
+        # int32: 64-bit integer collectives may not lower on TPU (pytorch/xla#1952). The largest
+        # is taken on the device: under SPMD the rows are sharded over several hosts' devices.
+        (agreed,) = self.engine.to_host([self.engine.gather_rows(torch.tensor(flags, dtype=torch.int32)).amax(0)])
+        return agreed.tolist()
 
     def _diverged(self):
         return Stopped(f"the training loss was not finite at step {self.bad_step}; stopped without saving "

@@ -7,15 +7,23 @@ Launch commands this backend serves:
     PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 xla-train train --backend xla --strategy spmd   # 4 CPU devices
 """
 
+import contextlib
 import glob
 import importlib.util
 import os
+import shutil
+import signal
+import sys
+import tempfile
 import threading
+import traceback
+from concurrent.futures.process import BrokenProcessPool
+from pathlib import Path
 
 import torch
 
 from .backend import Backend
-from .errors import UserError
+from .errors import ExitError, Stopped, UserError, describe, tell, told
 
 # Attention implementation registered below: transformers' own SDPA attention with a mask
 # function that never asks whether the padding mask is all ones. Stock "sdpa" evaluates
@@ -165,7 +173,8 @@ class XLABackend(Backend):
         # loading a copy. The parent must not have started the XLA runtime.
         entry, entry_args = spawn_arguments(self, fn, args, start_method)
         try:
-            xmp.spawn(entry, args=entry_args, nprocs=nprocs, start_method=start_method)
+            with replica_failures() if nprocs != 1 else contextlib.nullcontext():
+                xmp.spawn(entry, args=entry_args, nprocs=nprocs, start_method=start_method)
         finally:
             _HANDED_OFF.clear()
 
@@ -238,6 +247,31 @@ class XLABackend(Backend):
         import torch_xla.core.xla_model as xm
 
         return xm.all_gather(tensor, dim=0) if self.world_size > 1 else tensor
+
+    @property
+    def peers(self):
+        if self.strategy == "spmd":  # one replica (world_size 1), but a process on every host
+            import torch_xla.runtime as xr
+
+            return xr.process_count()
+        return self.world_size
+
+    def gather_rows(self, row):
+        if self.strategy != "spmd":
+            return super().gather_rows(row)
+        import torch_xla.core.xla_model as xm
+        import torch_xla.distributed.spmd as xs
+        import torch_xla.runtime as xr
+
+        # Each process gives its own rows (one per local device) of a tensor sharded over every
+        # device: `minibatch` takes a process's data as its part of the global tensor
+        # (torch_xla/core/xla_model.py, send_cpu_data_to_device, lines 1279-1292, "per-host").
+        # A reduction over the rows then runs across the hosts; each process alone would give
+        # one host's view of a stop.
+        local = row[None].expand(xr.addressable_runtime_device_count(), -1).contiguous()
+        sharding = xs.ShardingSpec(self._mesh(), ("data", None), minibatch=True)
+        (rows,) = xm.send_cpu_data_to_device([local], self.device, sharding)
+        return rows
 
     def barrier(self):
         import torch_xla.core.xla_model as xm
@@ -344,9 +378,87 @@ def spawn_arguments(backend, fn, args, start_method):
 
 
 def _run_handed_off(index, key):
-    backend, fn, args = _HANDED_OFF[key]
-    backend.run_worker(fn, args)
+    _run_replica(index, *_HANDED_OFF[key])
 
 
 def _run_replica(index, backend, fn, args):
-    backend.run_worker(fn, args)
+    """One replica of xmp.spawn (`index`: its global ordinal). Under PJRT, xmp.spawn runs the
+    replicas in a ProcessPoolExecutor, collects their results in order, and leaving its `with`
+    block waits for every worker (torch_xla/_internal/pjrt.py, run_multiprocess, lines 159-168).
+    So a replica that fails alone would leave the others waiting in their next collective, and
+    the launcher waiting for them, for ever. Within `replica_failures()` a failing replica instead
+    tells the launcher its line, kills its sibling replicas (they are stuck in, or bound for, a
+    collective; a checkpoint is written whole or not at all) and leaves the pool at once: the
+    executor then fails the pending results with BrokenProcessPool (concurrent/futures/process.py,
+    terminate_broken), which `replica_failures()` turns into the line. A replica that dies without
+    a word (the kernel's out-of-memory killer) is noticed by the others' watchdog, which does the same."""
+    folder = os.environ.get(_REPLICAS)
+    if folder is None:  # nprocs=1: xmp.spawn calls this in the launcher's process, errors go up as they are
+        backend.run_worker(fn, args)
+        return
+    Path(folder, f"pid-{os.getpid()}").touch()  # threads of one process (Colab) share a pid
+    done = threading.Event()
+    threading.Thread(target=_watch_siblings, args=(folder, done), daemon=True).start()
+    try:
+        backend.run_worker(fn, args)
+    except Stopped:
+        raise  # every replica stopped at the same step: they leave together
+    except BaseException as e:  # noqa: B036 - any failure must end every replica
+        if not isinstance(e, ExitError):
+            traceback.print_exc()  # a bug: its traceback, then the job's one line
+            e = UserError(f"replica {index} failed: {describe(e)}", 1)
+        tell(folder, index, e)
+        _leave(folder, e.exit_code)
+    finally:
+        done.set()
+
+
+_REPLICAS = "XLA_TRAIN_REPLICAS"  # the folder where replicas register and tell failures
+NO_WORD = ("a replica process ended without a word (killed by a signal, or by the system for "
+           "want of memory?); every replica was stopped")
+
+
+@contextlib.contextmanager
+def replica_failures():
+    """Around xmp.spawn with several replicas: one replica's failure ends the job with its line."""
+    folder = tempfile.mkdtemp(prefix="xla_train_replicas_")
+    os.environ[_REPLICAS] = folder  # the replicas, forked or spawned, inherit it
+    try:
+        yield
+    except BrokenProcessPool:
+        raise told(folder) or UserError(NO_WORD, 1) from None
+    finally:
+        del os.environ[_REPLICAS]
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _siblings(folder):
+    pids = {int(name[4:]) for name in os.listdir(folder) if name.startswith("pid-")}
+    return pids - {os.getpid()}
+
+
+def _gone(pid):
+    """Ended, or a zombie its launcher has not reaped yet."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+def _watch_siblings(folder, done):
+    # A sibling's process ends only when the launcher's pool shuts down, after every replica
+    # returned: one that ends while this replica still runs was killed.
+    while not done.wait(1.0):
+        if os.path.isdir("/proc") and any(_gone(pid) for pid in _siblings(folder)):
+            _leave(folder, 1)
+
+
+def _leave(folder, code):
+    for pid in _siblings(folder):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
