@@ -61,6 +61,7 @@ def test_logging_adds_no_host_sync(xla_run):
     assert m["xla"]["host_syncs_per_step"] <= 0.1
     assert m["xla"]["aten_fallbacks"] == 0
     assert m["xla"]["executions"] == 20 + 1  # one graph per step and per evaluation batch
+    assert m["xla"]["replicas_sharing_counters"] == 1
     assert WARNING not in proc.stderr
 
 
@@ -88,6 +89,18 @@ def test_report_command_rebuilds_the_report(xla_run, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == str(out / "report" / "report.md")
     assert (out / "report" / "overview.png").stat().st_size > 10_000
+
+
+def test_report_says_when_threaded_replicas_share_the_counters(xla_run):
+    """Colab's TPU v2-8/v3-8 run two replicas as threads of one process; torch_xla's counters are
+    the process's, so the report says whose they are (not runnable here: one replica per process)."""
+    from xla_train.report import markdown
+
+    _, m, out = xla_run
+    log = json.loads((out / "compilations.json").read_text())
+    assert "share" not in markdown(m, log)
+    shared = {**m, "xla": {**m["xla"], "replicas_sharing_counters": 2}}
+    assert "| XLA counters below | this process's, which 2 replicas (threads) share |" in markdown(shared, log)
 
 
 def test_report_on_a_folder_without_a_run_is_a_user_error(tmp_path):

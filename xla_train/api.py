@@ -60,6 +60,11 @@ class Engine:
         return self.world_size * self.backend.devices_per_process
 
     @property
+    def replicas_per_process(self):
+        """Replicas sharing this process and its counters (threads on Colab's TPU v2-8/v3-8)."""
+        return self.backend.replicas_per_process
+
+    @property
     def is_main_process(self):
         return self.backend.is_main
 
@@ -277,6 +282,10 @@ class Engine:
                 error = f"{what}: {e.strerror or e}"
             except Exception as e:
                 error = f"{what}: {describe(e)}"
+        if self.peers == 1:
+            if error is not None:
+                raise UserError(error)
+            return
         # the flag and the message's first bytes, so every replica (under SPMD, every host's
         # process) can tell what went wrong; only the main one's row has any, so the largest per
         # position is the main one's row

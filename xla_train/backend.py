@@ -105,6 +105,11 @@ class Backend(ABC):
         """Devices that one process feeds (more than 1 only for SPMD)."""
         return 1
 
+    @property
+    def replicas_per_process(self):
+        """Replicas sharing this process, and so its counters (Colab's threaded replicas)."""
+        return 1
+
     def describe_device(self):
         return str(self.device)
 

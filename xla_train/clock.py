@@ -91,6 +91,7 @@ class RunClock:
                 "aten_fallbacks": stats["aten_fallbacks"], "cache_hits": stats["cache_hits"],
                 "cache_misses": stats["cache_misses"], "cache_load_failures": stats["cache_load_failures"],
                 "executions": stats["executions"],
+                "replicas_sharing_counters": self.engine.replicas_per_process,  # torch_xla's are per process
             }
         return out
 

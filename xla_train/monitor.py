@@ -41,6 +41,11 @@ class Monitor:
         # training graphs a healthy run compiles: one per bucket plus the first step's (no
         # optimizer state yet), and one spare; dynamic padding counts as one unbounded bucket
         self.threshold = (len(self.buckets) if self.buckets else 1) + 2
+        # torch_xla's counters and debug file are the process's: with replicas as threads in one
+        # process (Colab's TPU v2-8/v3-8) another replica's compilation shows up in this one's
+        # steps, so a compilation cannot be pinned on a shape that already ran
+        self.shared = engine.replicas_per_process
+        self.threshold *= self.shared
         self.samples_per_step = cfg.batch_size * cfg.grad_accum * engine.num_devices
         self.padding = cfg.padding
         self.compilations, self.warning = [], None
@@ -176,7 +181,7 @@ class Monitor:
             missed = f"it fits bucket {fits[0]}" if fits else "it is longer than every bucket"
             return (f"step {step} compiled a new graph for input shape {shape}: length {length} is not one "
                     f"of the buckets {self.buckets} ({missed}); pad every batch to a bucket length")
-        if shape in self._warm:
+        if shape in self._warm and self.shared == 1:
             return (f"step {step} compiled input shape {shape} again, after steps of that shape ran "
                     f"without compiling: the graph changed{where}; {event['host_syncs']} device-to-host "
                     f"transfer(s) since the previous step. PT_XLA_DEBUG_LEVEL=2 prints every frame")

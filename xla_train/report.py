@@ -172,6 +172,9 @@ def markdown(metrics, log):
     rows += [(f"dev {k}" + (" (main metric)" if k == main else ""), v if k == "n" or k.startswith("n_") else
               f"{v:.4f}") for k, v in ev.items()]
     if xla:
+        shared = xla.get("replicas_sharing_counters", 1)
+        if shared > 1:
+            rows += [("XLA counters below", f"this process's, which {shared} replicas (threads) share")]
         rows += [("compilations (seconds)", f"{xla['compiles']} ({xla['compile_seconds']} s)"),
                  ("compilations after the first epoch", xla["compiles_after_first_epoch"]),
                  ("host syncs per training step", xla["host_syncs_per_step"]),

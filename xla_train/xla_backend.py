@@ -200,6 +200,16 @@ class XLABackend(Backend):
             return xr.process_index()
         return xr.global_ordinal()
 
+    @property
+    def replicas_per_process(self):
+        if self.strategy == "spmd" or self.world_size == 1:
+            return 1
+        import torch_xla.runtime as xr
+
+        # xmp.spawn runs a thread per device the process addresses (torch_xla/_internal/pjrt.py,
+        # _run_thread_per_device, lines 44-78): two on Colab's TPU v2-8/v3-8, one on v4 and later
+        return xr.addressable_device_count()
+
     def describe_device(self):
         import torch_xla.runtime as xr
 
