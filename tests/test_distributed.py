@@ -174,7 +174,26 @@ def _pool_entry(index, parts):
     from gpu_fallback.backend import CPUBackend
     from xla_train import xla_backend
 
-    xla_backend._run_replica(index, CPUBackend(), _replica_part, (parts[index], os.environ[xla_backend._REPLICAS]))
+    xla_backend._run_replica(index, CPUBackend(), _replica_part, (parts[index], xla_backend.replica_folder()))
+
+
+FAILING_POOL = """
+import concurrent.futures, functools, json, multiprocessing, os, sys
+import torch
+sys.path.insert(0, {tests!r})
+from test_distributed import _pool_entry
+from xla_train import xla_backend
+from xla_train.errors import UserError
+from xla_train.signals import StopRequest
+try:
+    with StopRequest(), xla_backend.replica_failures():
+        context = torch.multiprocessing.get_context("fork")
+        with concurrent.futures.ProcessPoolExecutor(2, mp_context=context) as pool:
+            list(pool.map(functools.partial(_pool_entry, parts=("stuck", {part!r})), range(2)))
+except UserError as e:
+    print(json.dumps({{"line": str(e), "code": e.exit_code, "variable_left": xla_backend._REPLICAS in os.environ,
+                      "children": len(multiprocessing.active_children())}}))
+"""
 
 
 @pytest.mark.parametrize("part, line, code", [
@@ -182,31 +201,44 @@ def _pool_entry(index, parts):
     ("bug", "replica 1 failed: ZeroDivisionError: division by zero", 1),
     ("killed", "a replica process ended without a word", 1),
 ])
-def test_one_failing_replica_ends_them_all(part, line, code, capfd):
-    """Several XLA replicas cannot run here, so this drives the replicas' wrapper in the pool that
+def test_one_failing_replica_ends_them_all(part, line, code):
+    """Several XLA replicas cannot run here, so this drives the replicas' entry in the pool that
     xmp.spawn uses under PJRT (torch_xla/_internal/pjrt.py, run_multiprocess: a fork-context
     ProcessPoolExecutor, results collected in order with executor.map), inside the launcher's
     SIGTERM handler as the CLI runs it. Replica 0 never returns and ignores SIGTERM, as one
-    waiting in a collective would; replica 1 fails. Without the wrapper this test hangs."""
-    import concurrent.futures
-    import functools
-    import time
+    waiting in a collective would; replica 1 fails. Without the entry's handling the launcher
+    waits for ever (here: killed, with its process group, after 60 s)."""
+    import signal
 
-    from xla_train import xla_backend
-    from xla_train.errors import UserError
-    from xla_train.signals import StopRequest
-
-    start = time.monotonic()
-    with pytest.raises(UserError) as failure, StopRequest(), xla_backend.replica_failures():
-        with concurrent.futures.ProcessPoolExecutor(2, mp_context=torch.multiprocessing.get_context("fork")) as pool:
-            list(pool.map(functools.partial(_pool_entry, parts=("stuck", part)), range(2)))
-    assert time.monotonic() - start < 30
-    assert str(failure.value).startswith(line) and failure.value.exit_code == code
-    err = capfd.readouterr().err
+    proc = subprocess.Popen([sys.executable, "-c", FAILING_POOL.format(tests=str(ROOT / "tests"), part=part)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail("the launcher still waits for its replicas after 60 s")
+    assert proc.returncode == 0, err[-3000:]
+    told = json.loads(out)
+    assert told["line"].startswith(line) and told["code"] == code
+    assert not told["variable_left"] and told["children"] == 0
     assert ("Traceback" in err and "ZeroDivisionError" in err) == (part == "bug")  # a bug keeps its traceback
-    assert xla_backend._REPLICAS not in os.environ
-    import multiprocessing
-    assert not multiprocessing.active_children()
+
+
+def test_only_the_launchers_children_are_its_replicas():
+    """A process that a replica starts inherits the launch's variable, but is no replica: it must
+    neither register nor kill the replicas when it fails. Here a child of the launcher stands for a
+    replica, and the child it starts for a process a replica starts."""
+    from xla_train import xla_backend
+
+    ask = "from xla_train import xla_backend; print(xla_backend.replica_folder())"
+    replica = f"import subprocess, sys; {ask}; subprocess.run([sys.executable, '-c', {ask!r}])"
+    with xla_backend.replica_failures():
+        assert xla_backend.replica_folder() is None  # the launcher itself
+        folder = os.environ[xla_backend._REPLICAS].partition(":")[2]
+        proc = subprocess.run([sys.executable, "-c", replica], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.stdout.split() == [folder, "None"], proc.stderr[-3000:]
 
 
 def test_spmd_processes_agree_through_a_reduction_over_every_device(tmp_path):

@@ -208,7 +208,8 @@ class Engine:
         return self.backend.peers
 
     def gather_rows(self, row):
-        """Every peer's `row` (a 1-D host tensor) as the rows of one device tensor."""
+        """Every peer's `row` (a 1-D host tensor) as rows of one device tensor, for a reduction
+        over dim 0 on the device (under SPMD a process's row comes once per device it feeds)."""
         return self.backend.gather_rows(row)
 
     def to_host(self, tensors):

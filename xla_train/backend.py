@@ -161,7 +161,8 @@ class Backend(ABC):
         return self.world_size
 
     def gather_rows(self, row):
-        """Every peer's `row` (a 1-D host tensor) as the rows of one device tensor."""
+        """Every peer's `row` (a 1-D host tensor) as rows of one device tensor, for a reduction
+        over dim 0 on the device (under SPMD a process's row comes once per device it feeds)."""
         return self.gather(row[None].to(self.device))
 
     def barrier(self):

@@ -52,7 +52,10 @@ def describe(e):
 def tell(folder, rank, error):
     """A worker's last word, left in its launcher's `folder`: the launcher prints it, because a
     worker may be stopped by the launcher (when another one failed) before it could print."""
-    Path(folder, f"rank-{rank:05d}").write_text(f"{error.exit_code} {error}")
+    final = Path(folder, f"rank-{rank:05d}")
+    tmp = final.with_name(f".{final.name}.tmp")
+    tmp.write_text(f"{error.exit_code} {error}")
+    os.replace(tmp, final)  # whole or not at all: the worker may be killed while it writes
 
 
 def told(folder):

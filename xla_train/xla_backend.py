@@ -402,44 +402,58 @@ def _run_replica(index, backend, fn, args):
     executor then fails the pending results with BrokenProcessPool (concurrent/futures/process.py,
     terminate_broken), which `replica_failures()` turns into the line. A replica that dies without
     a word (the kernel's out-of-memory killer) is noticed by the others' watchdog, which does the same."""
-    folder = os.environ.get(_REPLICAS)
+    folder = replica_folder()
     if folder is None:  # nprocs=1: xmp.spawn calls this in the launcher's process, errors go up as they are
         backend.run_worker(fn, args)
         return
-    Path(folder, f"pid-{os.getpid()}").touch()  # threads of one process (Colab) share a pid
     done = threading.Event()
-    threading.Thread(target=_watch_siblings, args=(folder, done), daemon=True).start()
     try:
+        Path(folder, f"pid-{os.getpid()}").touch()  # threads of one process (Colab) share a pid
+        threading.Thread(target=_watch_siblings, args=(folder, done), daemon=True).start()
         backend.run_worker(fn, args)
     except Stopped:
         raise  # every replica stopped at the same step: they leave together
     except BaseException as e:  # noqa: B036 - any failure must end every replica
-        if not isinstance(e, ExitError):
-            traceback.print_exc()  # a bug: its traceback, then the job's one line
-            e = UserError(f"replica {index} failed: {describe(e)}", 1)
-        tell(folder, index, e)
-        _leave(folder, e.exit_code)
+        code = e.exit_code if isinstance(e, ExitError) else 1
+        try:
+            if not isinstance(e, ExitError):
+                traceback.print_exc()  # a bug: its traceback, then the job's one line
+                e = UserError(f"replica {index} failed: {describe(e)}", code)
+            tell(folder, index, e)
+        finally:  # even if the line cannot be told (a full disk), the job must end
+            _leave(folder, code)
     finally:
         done.set()
 
 
-_REPLICAS = "XLA_TRAIN_REPLICAS"  # the folder where replicas register and tell failures
-NO_WORD = ("a replica process ended without a word (killed by a signal, or by the system for "
-           "want of memory?); every replica was stopped")
+_REPLICAS = "XLA_TRAIN_REPLICAS"  # "LAUNCHER-PID:FOLDER": where replicas register and tell failures
+NO_WORD = ("a replica process ended without a word (killed by a signal or by the system for want of "
+           "memory, or it could not start); every replica was stopped")
 
 
 @contextlib.contextmanager
 def replica_failures():
     """Around xmp.spawn with several replicas: one replica's failure ends the job with its line."""
     folder = tempfile.mkdtemp(prefix="xla_train_replicas_")
-    os.environ[_REPLICAS] = folder  # the replicas, forked or spawned, inherit it
+    previous = os.environ.get(_REPLICAS)
+    os.environ[_REPLICAS] = f"{os.getpid()}:{folder}"  # the replicas, forked or spawned, inherit it
     try:
         yield
     except BrokenProcessPool:
         raise told(folder) or UserError(NO_WORD, 1) from None
     finally:
-        del os.environ[_REPLICAS]
+        if previous is None:
+            del os.environ[_REPLICAS]
+        else:
+            os.environ[_REPLICAS] = previous
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def replica_folder():
+    """In a replica started inside `replica_failures()`, the launch's folder; else None. Only the
+    launcher's own children are its replicas: a process a replica starts inherits the variable."""
+    launcher, _, folder = os.environ.get(_REPLICAS, "").partition(":")
+    return folder if folder and launcher == str(os.getppid()) else None
 
 
 def _siblings(folder):
@@ -448,7 +462,9 @@ def _siblings(folder):
 
 
 def _gone(pid):
-    """Ended, or a zombie its launcher has not reaped yet."""
+    """Ended, or a zombie its launcher has not reaped yet (Linux's /proc; elsewhere never)."""
+    if not os.path.isdir("/proc"):
+        return False
     try:
         return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] in ("Z", "X")
     except FileNotFoundError:
@@ -459,16 +475,17 @@ def _watch_siblings(folder, done):
     # A sibling's process ends only when the launcher's pool shuts down, after every replica
     # returned: one that ends while this replica still runs was killed.
     while not done.wait(1.0):
-        if os.path.isdir("/proc") and any(_gone(pid) for pid in _siblings(folder)):
+        if any(_gone(pid) for pid in _siblings(folder)):
             _leave(folder, 1)
 
 
 def _leave(folder, code):
-    for pid in _siblings(folder):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    try:
+        for pid in _siblings(folder):
+            if not _gone(pid):  # a pid already gone may be another process's by now
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)
