@@ -216,6 +216,14 @@ class Engine:
         """Cuts the pending graph and copies device tensors to the CPU (one transfer on XLA)."""
         return self.backend.to_host(tensors)
 
+    def to_writer(self, tensors):
+        """`to_host` on the main replica, which writes files; the others cut their graph at the
+        same point, so every replica keeps running the same graphs, and get None."""
+        if self.is_main_process:
+            return self.to_host(tensors)
+        self.cut_graph()
+        return None
+
     def read(self, tensors):
         """Copies tensors the step has already computed to the CPU (in a step closure)."""
         return self.backend.read(tensors)
@@ -256,14 +264,11 @@ class Engine:
         """`save_pretrained` of the unwrapped model (weights moved to the CPU) and tokenizer."""
         model = self.unwrap_model(model)
         state = model.state_dict()
-        if self.is_main_process:  # the writer copies the weights to the CPU; the others cut their graph alike
-            state = dict(zip(state, self.backend.to_host(list(state.values()))))
-        else:
-            self.cut_graph()
+        weights = self.to_writer(list(state.values()))
 
         def write():
             with quiet_transformers():
-                model.save_pretrained(path, state_dict=state)
+                model.save_pretrained(path, state_dict=dict(zip(state, weights)))
                 tokenizer.save_pretrained(path)
 
         self.on_main(write, f"cannot save the model to {path}")

@@ -21,14 +21,13 @@ FILES = ("model.safetensors", "optimizer.pt", "scheduler.pt", "rng.pt", "state.j
 
 def _host_tree(engine, tree, writer_only=False):
     """`tree` (dicts, lists, tensors) with every tensor copied to the CPU in one transfer. With
-    `writer_only`, only the main replica (which writes) copies; the others cut their graph at the
-    same point, so every replica keeps running the same graphs, and get None."""
-    if writer_only and not engine.is_main_process:
-        engine.cut_graph()
-        return None
+    `writer_only`, only the main replica copies (`Engine.to_writer`); the others get None."""
     leaves, spec = tree_flatten(tree)
     where = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-    for i, host in zip(where, engine.to_host([leaves[i] for i in where])):
+    hosts = (engine.to_writer if writer_only else engine.to_host)([leaves[i] for i in where])
+    if hosts is None:
+        return None
+    for i, host in zip(where, hosts):
         leaves[i] = host
     return tree_unflatten(leaves, spec)
 
