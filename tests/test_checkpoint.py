@@ -85,6 +85,22 @@ def test_ctrl_c_stops_two_gloo_workers_at_one_step(mrpc_slice, tiny_dropout_mode
     assert m["first_step"] == stopped_at and m["steps"] == 30 and m["replicas_identical"]
 
 
+def test_sighup_saves_a_checkpoint_and_exits_129(mrpc_slice, tiny_model, tmp_path):
+    """A dropped ssh session (SIGHUP) is a stop like SIGTERM: the step ends, a checkpoint is saved,
+    one line, exit 129; without the handler SIGHUP would end the process with nothing saved."""
+    out = tmp_path / "run"
+    run = start_cli([*COMMON, "--model", tiny_model, "--data-dir", mrpc_slice, "--max-steps", 200,
+                     "--save-every", 2, "--output-dir", out])
+    wait_for(lambda: (out / "checkpoints" / "step-00000002" / "COMPLETE").exists(), run)
+    run.send_signal(signal.SIGHUP)
+    _, err = run.communicate(timeout=300)
+    assert run.returncode == 128 + signal.SIGHUP == 129, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("xla-train: stopped by SIGHUP after step ") and "continue with --resume" in last
+    stopped_at = int(last.split("after step ")[1].split(":")[0])
+    assert (out / "checkpoints" / f"step-{stopped_at:08d}" / "COMPLETE").exists()
+
+
 def listing(url):
     """{step: file names} of the checkpoint folders under `url`, read from the disk or the bucket."""
     found = {}

@@ -1,5 +1,6 @@
-"""SIGTERM (preemption) and SIGINT (Ctrl-C) become a request to stop at the next step boundary,
-where the loop saves a checkpoint and exits."""
+"""SIGTERM (preemption), SIGINT (Ctrl-C) and SIGHUP (the ssh session that started the run was
+dropped) become a request to stop at the next step boundary, where the loop saves a checkpoint
+and exits with 128 + the signal's number."""
 
 import multiprocessing
 import os
@@ -8,14 +9,16 @@ import threading
 
 
 class StopRequest:
-    """While active, records the first SIGTERM or SIGINT in `signum` instead of dying. Later
+    """While active, records the first SIGTERM, SIGINT or SIGHUP in `signum` instead of dying. Later
     signals are ignored, so a second Ctrl-C cannot cut a checkpoint in half (SIGKILL still can).
 
     In a launcher process it also passes the signal on to the workers it started: a scheduler
     often signals only the process it launched.
     """
 
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    # SIGHUP's default action ends the process at once, without the checkpoint: a TPU VM job
+    # started over ssh without --detach (scripts/tpu_pod.py) gets it when the connection drops.
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
     # Process-wide, so that a signal caught by the launcher's request before the training loop
     # began (start-up, the first compilation) still stops the loop; reset by the outermost one.
     signum = None
