@@ -211,3 +211,17 @@ def test_main_worker_failing_to_publish_stops_both_gloo_workers(mrpc_slice, tiny
     assert proc.stderr.splitlines().count(line) == 1  # told once, by the launcher
     assert time.monotonic() - start < 240
     assert (out / "checkpoints" / "step-00000004" / "COMPLETE").exists()  # the last checkpoint stays
+
+
+def test_every_spmd_host_resumes_from_the_one_saved_random_state():
+    """Under SPMD a checkpoint holds one random-state row (world size 1), while each host's process
+    has its process index as rank: host 1 of 2 must read row 0, not fail on row 1. Data-parallel
+    replicas read their own row. (Several hosts cannot run here: the engine is described.)"""
+    from types import SimpleNamespace
+
+    from xla_train.checkpoint import replica_row
+
+    one = torch.arange(5)[None]
+    assert replica_row(one, SimpleNamespace(rank=1, world_size=1)).tolist() == [0, 1, 2, 3, 4]
+    rows = torch.arange(10).view(2, 5)
+    assert replica_row(rows, SimpleNamespace(rank=1, world_size=2)).tolist() == [5, 6, 7, 8, 9]

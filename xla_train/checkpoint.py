@@ -159,4 +159,13 @@ class Resume:
 
         optimizer.load_state_dict(load("optimizer.pt"))  # param groups carry the current learning rate
         scheduler.load_state_dict(load("scheduler.pt"))
-        engine.set_rng_state(load("rng.pt")["rng"][engine.rank])
+        engine.set_rng_state(replica_row(load("rng.pt")["rng"], engine))
+
+
+def replica_row(rows, engine):
+    """This process's row of a checkpoint's random states, saved one per replica (`engine.gather`).
+    Under SPMD there is one replica (world size 1) but a process on every host, each with a rank
+    (its process index): all of them run the same program from the same seed, so they share the
+    one row; indexing by rank would fail on host 1 and up."""
+    return rows[engine.rank if engine.world_size > 1 else 0]
+
