@@ -15,8 +15,11 @@ one of the same version.
 
 Every host runs `python3 -m xla_train train` with the same arguments; torch_xla's PJRT runtime
 discovers the pod's topology, so each host starts one replica per local chip and all of them
-train one model. Only the replica with global ordinal 0 prints and writes files, so give an
---output-dir on gs:// to keep the results.
+train one model. Only the replica with global ordinal 0 prints and writes checkpoints, the model
+and --metrics-out, so give an --output-dir on gs:// to keep the results: that replica may run on
+any host (torch_xla numbers the chips by topology, not by host), so a local --metrics-out file
+lands on that host. Every host gets the same run id (XLA_TRAIN_RUN_ID), made here, so the run
+record (written by host 0) and the checkpoints (written by that replica) name the same run.
 """
 
 import argparse
@@ -25,6 +28,7 @@ import re
 import shlex
 import subprocess
 import sys
+import uuid
 
 EXTRA = "tpu"
 PACKAGE_HELP = ("what every host installs: a wheel file (make dist), a URL (git+https://github.com/YOU/xla_train, "
@@ -56,7 +60,7 @@ def requirement(package, wheel_path=None):
     return package[: m.end()] + extras + package[m.end():] if m else package
 
 
-def commands(tpu, zone, project, package, train_args, detach=False):
+def commands(tpu, zone, project, package, train_args, detach=False, run_id=None):
     where = [f"--zone={zone}", "--worker=all"] + ([f"--project={project}"] if project else [])
     ssh = ["gcloud", "compute", "tpus", "tpu-vm", "ssh", tpu, *where]
     steps = []
@@ -75,7 +79,9 @@ def commands(tpu, zone, project, package, train_args, detach=False):
     else:
         install = f"python3 -m pip install --upgrade {shlex.quote(req)}"
     # `python3 -m` rather than the xla-train script: a user install's ~/.local/bin is not on ssh's PATH
-    train = "PJRT_DEVICE=TPU python3 -m xla_train train " + " ".join(shlex.quote(a) for a in train_args)
+    run_id = run_id or uuid.uuid4().hex[:12]  # one id for every host (xla_train/run_folder.py)
+    train = (f"PJRT_DEVICE=TPU XLA_TRAIN_RUN_ID={run_id} python3 -m xla_train train "
+             + " ".join(shlex.quote(a) for a in train_args))
     if detach:  # the job outlives the ssh session (a dropped connection would hang up on it)
         train = f"nohup sh -c {shlex.quote(train)} > xla_train.log 2>&1 < /dev/null & echo started: ~/xla_train.log"
     return steps + [ssh + ["--command", install], ssh + ["--command", train]]
@@ -90,6 +96,8 @@ def main(argv=None):
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     p.add_argument("--detach", action="store_true", help="start the job under nohup with its output in "
                    "~/xla_train.log on every host, so it survives a dropped ssh connection")
+    p.add_argument("--run-id", default=None, help="the run's id on every host (default: a new one; give the "
+                   "interrupted run's to --resume it)")
     p.add_argument("train_args", nargs="*", help="arguments for `xla-train train` (after --)")
     args = p.parse_args(argv)
     base, _ = split_extras(args.package)
@@ -99,7 +107,8 @@ def main(argv=None):
         if not base.endswith(".whl") and os.path.exists(base):
             p.error(f"--package {args.package}: a folder or file other than a wheel; build a wheel with "
                     "`make dist`, or give git+URL of the repository")
-    for cmd in commands(args.tpu, args.zone, args.project, args.package, args.train_args, args.detach):
+    for cmd in commands(args.tpu, args.zone, args.project, args.package, args.train_args, args.detach,
+                        args.run_id):
         print(shlex.join(cmd), flush=True)
         if not args.dry_run:
             code = subprocess.call(cmd)

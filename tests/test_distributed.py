@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from conftest import ROOT, TINY, assert_same_weights, run_cli, write_slice
+from xla_train.errors import UserError
 
 
 def test_spmd_over_four_devices_matches_one_device(mrpc_slice, tiny_model, tiny_bucketed_run, tmp_path):
@@ -120,6 +121,38 @@ def test_only_the_first_host_writes_the_run_record(tmp_path):
     assert not (tmp_path / "run").exists()
     run_id = RunFolder(open_store(cfg.output_dir), cfg).claim()
     assert json.loads((tmp_path / "run" / RECORD).read_text())["run_id"] == run_id
+
+
+def test_a_slower_pod_host_accepts_the_record_host_0_just_wrote(tmp_path, monkeypatch):
+    """Host 0 claims the folder first; host 1, reading it a moment later, takes the record of the
+    same run (same config, not finished; or the run id the launcher gave every host) instead of
+    refusing a folder that "already holds a run" (the others would wait in the TPU's start-up)."""
+    from xla_train.run_folder import RUN_ID_VARIABLE, RunFolder
+    from xla_train.storage import open_store
+    from xla_train.train import TrainConfig
+
+    cfg = TrainConfig(output_dir=str(tmp_path / "run"))
+    monkeypatch.delenv(RUN_ID_VARIABLE, raising=False)
+    run_id = RunFolder(open_store(cfg.output_dir), cfg).claim()  # host 0
+    host1 = RunFolder(open_store(cfg.output_dir), cfg, writer=False)
+    host1.check()
+    assert host1.claim() == run_id
+    other = TrainConfig(output_dir=str(tmp_path / "run"), seed=7)  # not this run: refused as before
+    with pytest.raises(UserError, match="already holds a run"):
+        RunFolder(open_store(cfg.output_dir), other, writer=False).check()
+    with pytest.raises(UserError, match="already holds a run"):  # host 0 itself never takes it
+        RunFolder(open_store(cfg.output_dir), cfg).check()
+
+    # scripts/tpu_pod.py gives every host the same id: it decides, and a host that reads before
+    # host 0 wrote the record has the id too (the main replica may live on any host)
+    monkeypatch.setenv(RUN_ID_VARIABLE, "pod-run-1")
+    fresh = TrainConfig(output_dir=str(tmp_path / "pod"))
+    assert RunFolder(open_store(fresh.output_dir), fresh, writer=False).claim() == "pod-run-1"
+    assert RunFolder(open_store(fresh.output_dir), fresh).claim() == "pod-run-1"
+    RunFolder(open_store(fresh.output_dir), fresh, writer=False).check()
+    monkeypatch.setenv(RUN_ID_VARIABLE, "another-run")
+    with pytest.raises(UserError, match="already holds a run"):
+        RunFolder(open_store(fresh.output_dir), fresh, writer=False).check()
 
 
 def test_forked_replicas_get_the_job_without_pickling_it(tiny_model):

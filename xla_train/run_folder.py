@@ -10,6 +10,7 @@ nothing and says so.
 
 import fnmatch
 import json
+import os
 import uuid
 from dataclasses import asdict
 
@@ -24,6 +25,10 @@ RUN_FILES = (RECORD, "checkpoints", "tensorboard", "report", "metrics.json", "co
              "model.safetensors.index.json", "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*",
              "merges.txt", "*.model", "chat_template.jinja")
 # Settings that make a run what it is: a resumed run must have the same (the data order depends on them).
+# A run id every host of a pod is given (scripts/tpu_pod.py sets it): the replica that writes the
+# checkpoints (global ordinal 0) need not be on host 0, whose parent writes the record
+# (pytorch/xla PR #4043), so the id cannot travel from one to the other inside the run.
+RUN_ID_VARIABLE = "XLA_TRAIN_RUN_ID"
 MUST_MATCH = ("model", "task", "train_file", "text_columns", "label_column", "problem", "batch_size", "grad_accum",
               "seed", "padding", "max_length")
 
@@ -93,9 +98,19 @@ class RunFolder:
             error = mismatch(self.record["config"], cfg, f"the run in {self.store.url}")
             if error:
                 raise UserError(f"{error}, or start over with --overwrite")
-        if self.found and not (cfg.resume or cfg.resume_from or cfg.overwrite):
+        if self.found and not (cfg.resume or cfg.resume_from or cfg.overwrite or self._started_by_host_0()):
             raise UserError(f"{self.store.url} already holds a run ({self.describe()}): continue it with --resume, "
                             "or replace it with --overwrite")
+
+    def _started_by_host_0(self):
+        """On another host of a pod: the record is this very run's, which host 0 claimed moments
+        earlier (same id from the launcher, or the same config, not finished); refusing it would
+        leave the hosts that went on waiting in the TPU's start-up."""
+        record = self.record or {}
+        if self.writer or not record or record.get("finished"):
+            return False
+        given = os.environ.get(RUN_ID_VARIABLE)
+        return record.get("run_id") == given if given else record.get("config") == asdict(self.cfg)
 
     def check_checkpoint(self, resume):
         """A checkpoint this run resumes from belongs to the folder's run (if it records one)."""
@@ -109,14 +124,15 @@ class RunFolder:
         """Just before the workers start: the folder is made; --overwrite removes the old
         run's files; the record names this run (a resumed run keeps its id). Returns the run id."""
         old = (resume.state.get("run_id") if resume else None) or (self.record or {}).get("run_id")
-        if not self.writer:  # another host of the pod: host 0's parent writes (only its replica 0 saves)
-            return old
+        given = os.environ.get(RUN_ID_VARIABLE)
+        if not self.writer:  # another host of the pod: host 0's parent writes the record
+            return old or given
         self.store.make()
         if self.cfg.overwrite and self.found:
             self.store.remove(self.found)
             print(f"--overwrite: removed the run in {self.store.url} ({', '.join(self.found)})")
             self.record, old = None, None
-        self.run_id = old or uuid.uuid4().hex[:12]
+        self.run_id = old or given or uuid.uuid4().hex[:12]
         self.store.write_text(RECORD, json.dumps({"run_id": self.run_id, "config": asdict(self.cfg),
                                                   "finished": None}, indent=1) + "\n")
         return self.run_id
