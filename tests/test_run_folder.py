@@ -100,6 +100,35 @@ def test_the_record_is_written_before_the_first_checkpoint(previous_run):
     assert state["run_id"] == record(str(previous_run))["run_id"]
 
 
+def test_a_finished_run_leaves_its_small_files_whole(previous_run):
+    """The run record, metrics.json and the task file are written whole (temporary file, then a
+    rename): each parses, and no temporary file is left behind."""
+    names = [p.relative_to(previous_run).as_posix() for p in previous_run.rglob("*") if p.is_file()]
+    assert not [n for n in names if n.endswith((".tmp", ".partial"))], names
+    assert record(str(previous_run))["finished"]["step"] == 4
+    for name in ("metrics.json", "compilations.json", "xla_train_task.json"):
+        assert json.loads((previous_run / name).read_text(encoding="utf-8"))
+
+
+def test_atomic_write_is_whole_or_nothing(tmp_path):
+    from xla_train.files import atomic_write
+
+    path = tmp_path / "made" / "on the way" / "metrics.json"
+    assert atomic_write(path, "first\n") == path  # its missing folders are made
+    assert path.read_text(encoding="utf-8") == "first\n"
+
+    def killed(f):
+        f.write("half of the new file")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        atomic_write(path, killed)
+    assert path.read_text(encoding="utf-8") == "first\n"  # the old file, whole
+    atomic_write(path, lambda f: f.write("é\r\n"), fsync=False)
+    assert path.read_bytes() == "é\r\n".encode()  # UTF-8, newlines as given
+    assert [p.name for p in path.parent.iterdir()] == ["metrics.json"]  # no temporary file left
+
+
 def test_a_fresh_run_prints_what_matters(tmp_path):
     """The bundled MiniLM (a new classifier head) on the CPU with PJRT_DEVICE unset: our lines,
     the progress bar, no load report, no XLA warning, no shard-writing bar."""

@@ -7,6 +7,8 @@ never a traceback. They carry everything in `args`, so they pickle across worker
 import os
 from pathlib import Path
 
+from .files import atomic_write
+
 
 class ExitError(Exception):
     """Ends the run with one line on stderr and `exit_code` (an empty message prints nothing)."""
@@ -52,15 +54,14 @@ def describe(e):
 def tell(folder, rank, error):
     """A worker's last word, left in its launcher's `folder`: the launcher prints it, because a
     worker may be stopped by the launcher (when another one failed) before it could print."""
-    final = Path(folder, f"rank-{rank:05d}")
-    tmp = final.with_name(f".{final.name}.tmp")
-    tmp.write_text(f"{error.exit_code} {error}")
-    os.replace(tmp, final)  # whole or not at all: the worker may be killed while it writes
+    # whole or not at all: the worker may be killed while it writes; the launcher reads it at
+    # once from the page cache, so no fsync
+    atomic_write(Path(folder, f"rank-{rank:05d}"), f"{error.exit_code} {error}", fsync=False)
 
 
 def told(folder):
     """The failure the lowest-ranked worker told in `folder`, as a UserError; None if none did."""
     for name in sorted(n for n in os.listdir(folder) if n.startswith("rank-")):
-        code, _, line = Path(folder, name).read_text().partition(" ")
+        code, _, line = Path(folder, name).read_text(encoding="utf-8").partition(" ")
         return UserError(line, int(code))
     return None

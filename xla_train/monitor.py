@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from .clock import RunClock
+from .files import atomic_write
 from .report import tag, write_report
 
 ANALYSIS = re.compile(r"Compilation Cause\n\s*(.*?)\n.*?Python Frame Triggered Execution: *\n(.*?)\n-{10}", re.S)
@@ -114,10 +115,10 @@ class Monitor:
         if not self.out:
             return
         self._writer.close()
-        (self.out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+        atomic_write(self.out / "metrics.json", json.dumps(metrics, indent=2) + "\n")
         log = {"compilations": self.compilations, "warning": self.warning, "threshold": self.threshold,
                "wall_seconds": round(time.perf_counter() - self._t_start, 3)}
-        (self.out / "compilations.json").write_text(json.dumps(log, indent=2) + "\n")
+        atomic_write(self.out / "compilations.json", json.dumps(log, indent=2) + "\n")
         path = write_report(self.out)
         self.engine.print(f"report: {path}")
 

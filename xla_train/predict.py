@@ -15,7 +15,6 @@ format by extension (.csv .tsv .json .jsonl).
 
 import csv
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from tqdm.auto import tqdm
 from .api import Engine, quiet_transformers
 from .data import CostModel, check_fit, choose_buckets, make_loader, model_inputs_only, parse_buckets, tokenize
 from .errors import UserError, first_line
+from .files import atomic_write
 from .selection import select_backend
 from .tasks import FILE_FORMATS, GLUE, glue_rows, read_table, text_columns_of
 
@@ -78,7 +78,7 @@ class ModelInfo:
                    saved.get("text_columns"), saved.get("max_length", 128))
 
     def write(self, folder):
-        (Path(folder) / TASK_FILE).write_text(json.dumps(
+        atomic_write(Path(folder) / TASK_FILE, json.dumps(
             {"task": self.task, "problem": self.problem, "labels": self.labels, "text_columns": self.text_columns,
              "max_length": self.max_length}, indent=1) + "\n")
 
@@ -163,9 +163,9 @@ def write_output(path, table, info, scores):
         header = [*table.columns, "prediction", "score"]
         rows = [{**{c: table.columns[c][i] for c in table.columns}, "prediction": preds[i], "score": round(values[i], 6)}
                 for i in range(len(table))]
-    tmp = path.with_name(f".{path.name}.partial")
     suffix = path.suffix.lower()
-    with open(tmp, "w", newline="", encoding="utf-8") as f:
+
+    def write(f):
         if suffix in (".csv", ".tsv"):
             quoting = csv.QUOTE_NONE if table.glue else csv.QUOTE_MINIMAL
             writer = csv.DictWriter(f, header, delimiter="\t" if suffix == ".tsv" else ",", quoting=quoting,
@@ -176,8 +176,8 @@ def write_output(path, table, info, scores):
             f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
         else:
             json.dump(rows, f, ensure_ascii=False, indent=1)
-    os.replace(tmp, path)
-    return path
+
+    return atomic_write(path, write)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 from .errors import UserError
+from .files import atomic_write
 
 # TensorBoard tags the monitor writes and this module reads (the reader owns the names).
 TAGS = {
@@ -155,8 +156,7 @@ def write_report(run_dir):
     fig.savefig(out / "overview.png", dpi=100)
     plt.close(fig)
     path = out / "report.md"
-    path.write_text(markdown(metrics, log))
-    return path
+    return atomic_write(path, markdown(metrics, log))
 
 
 def markdown(metrics, log):

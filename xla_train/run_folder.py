@@ -15,6 +15,7 @@ import uuid
 from dataclasses import asdict
 
 from .errors import UserError
+from .files import atomic_write
 from .tasks import scores
 
 RECORD = "xla_train_run.json"
@@ -142,4 +143,4 @@ def write_finished(folder, run_id, cfg, step, results, best, stopped_early):
     """The record of a finished run, into the run's local folder (published with the model)."""
     record = {"run_id": run_id, "config": asdict(cfg),
               "finished": {"step": step, "eval": results, "best": best, "stopped_early": stopped_early}}
-    (folder / RECORD).write_text(json.dumps(record, indent=1) + "\n")
+    atomic_write(folder / RECORD, json.dumps(record, indent=1) + "\n")

@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 
 from .errors import UserError
+from .files import atomic_write
 
 MARKER = "COMPLETE"
 _STEP = re.compile(r"step-(\d+)$")
@@ -103,9 +104,7 @@ class LocalStore:
         return path.read_text(encoding="utf-8") if path.is_file() else None
 
     def write_text(self, name, text):
-        tmp = self.root / f".{name}.tmp"
-        tmp.write_text(text, encoding="utf-8")
-        tmp.rename(self.root / name)  # whole or not at all
+        atomic_write(self.root / name, text)
 
     def remove(self, names):
         for name in names:
@@ -216,6 +215,7 @@ class GCSStore:
         return self._call(f"reading {self.url}/{name}", blob.download_as_bytes).decode("utf-8")
 
     def write_text(self, name, text):
+        # no temporary object needed: an upload is whole or nothing
         blob = self.bucket.blob(self._key(name))
         self._call(f"writing {self.url}/{name}", blob.upload_from_string, text.encode("utf-8"))
 

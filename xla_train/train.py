@@ -19,6 +19,7 @@ from . import checkpoint
 from .api import Engine
 from .data import CostModel, auto_buckets, check_fit, make_loader, model_inputs_only, parse_buckets, tokenize
 from .errors import UserError
+from .files import atomic_write
 from .monitor import Monitor
 from .predict import ModelInfo, load_pretrained, predict_loader, predict_rows, read_input, tokenize_rows, write_output
 from .run_folder import RunFolder, write_finished
@@ -418,8 +419,7 @@ def finish(engine, cfg, task, state, model, tokenizer, loaded, monitor, steps_pe
     if engine.is_main_process:
         engine.print(f"dev {scores(results)}  (training {metrics['train_samples_per_s']:.1f} samples/s)")
         if cfg.metrics_out:
-            Path(cfg.metrics_out).parent.mkdir(parents=True, exist_ok=True)
-            Path(cfg.metrics_out).write_text(json.dumps(metrics, indent=2) + "\n")
+            atomic_write(cfg.metrics_out, json.dumps(metrics, indent=2) + "\n")  # makes missing folders
     monitor.close(metrics)
     return metrics
 
