@@ -9,7 +9,8 @@ import pytest
 from conftest import run_cli
 from xla_train.cli import main
 from xla_train.errors import UserError
-from xla_train.tasks import BUNDLED_MRPC, load_metric, load_task, read_glue_tsv
+from xla_train.tasks import (BUNDLED_MRPC, check_choices, glue_columns, load_glue_hub, load_metric, load_mrpc,
+                             load_task, read_glue_tsv)
 
 STSB_HEADER = ["index", "genre", "filename", "year", "old_index", "source1", "source2", "sentence1", "sentence2",
                "score"]
@@ -208,6 +209,21 @@ BAD = {  # name: (load_task arguments given a scratch folder, expected message)
     "glue task without data": (lambda t: dict(task="rte"), "the bundled data is MRPC only"),
     "glue file with a foreign label": (lambda t: dict(task="rte", data_dir=_rte(t)),
                                        "label must be entailment or not_entailment, found 'maybe'"),
+    "csv row with more fields": (lambda t: dict(train_file=bad(t, "a.csv", "text,label\nx,1\ny,0,3,4\nz,0\n"),
+                                                validation_file=bad(t, "b.csv", "text,label\nx,1\n")),
+                                 "a.csv: cannot read it as CSV: Error tokenizing data. C error: Expected 2 fields in "
+                                 "line 3, saw 4"),
+    "csv of blank lines": (lambda t: dict(train_file=bad(t, "a.csv", "\n\n\n"),
+                                          validation_file=bad(t, "b.csv", "text,label\nx,1\n")),
+                           "a.csv: cannot read it as CSV: No columns to parse from file"),
+    "jsonl that is not JSON": (lambda t: dict(train_file=bad(t, "a.jsonl", '{"text": "x", "label": 1}\n{"text": oops}\n'),
+                                              validation_file=bad(t, "b.jsonl", '{"text": "x", "label": 1}\n')),
+                               "a.jsonl: cannot read it as JSONL: "),
+    "json that is a number": (lambda t: dict(train_file=bad(t, "a.json", "42"),
+                                             validation_file=bad(t, "b.json", '[{"text": "x", "label": 1}]')),
+                              "a.json: cannot read it as JSON: "),
+    "unknown problem": (lambda t: dict(train_file=t / "a.csv", validation_file=t / "b.csv", problem="ranking"),
+                        "--problem must be one of classification, regression, not 'ranking'"),
 }
 
 
@@ -232,3 +248,70 @@ def test_bad_own_file_fails_before_the_model_loads(tmp_path, capsys):
                  "--validation-file", str(train)])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "every row has label 'pos'" in err
+
+
+def test_task_and_problem_names_have_one_check():
+    """The rule the command line's validation and `load_task` both use."""
+    check_choices()
+    check_choices("stsb", None)
+    check_choices(None, "regression")
+    with pytest.raises(UserError, match=r"^--task must be one of cola, sst2, mrpc, qqp, stsb, mnli, qnli, rte, wnli, "
+                                        r"not 'squad'$"):
+        check_choices(task="squad")
+    with pytest.raises(UserError, match=r"^--problem must be one of classification, regression, not 'ranking'$"):
+        check_choices(problem="ranking")
+
+
+def _lines(name, n):
+    return (BUNDLED_MRPC / name).read_text(encoding="utf-8").splitlines(keepends=True)[:n]
+
+
+def test_glue_tsv_ending_in_blank_lines_reads_the_same(tmp_path):
+    """An editor's last newline (one or several, Windows' too) ends a GLUE file without an error,
+    in training's reader, predict's reader and a file without a header (CoLA's layout)."""
+    lines = _lines("dev.tsv", 7)
+    (tmp_path / "plain.tsv").write_text("".join(lines), encoding="utf-8")
+    (tmp_path / "blank.tsv").write_text("".join(lines) + "\n", encoding="utf-8")
+    (tmp_path / "blanks.tsv").write_bytes(("".join(lines) + "\n\r\n").encode())
+    expected = read_glue_tsv(tmp_path / "plain.tsv")
+    assert len(expected["label"]) == 6
+    for name in ("blank.tsv", "blanks.tsv"):
+        assert read_glue_tsv(tmp_path / name) == expected
+        assert glue_columns(tmp_path / name) == glue_columns(tmp_path / "plain.tsv")
+    cola = "".join(f"gj04\t{i % 2}\t\tSentence number {i}.\n" for i in range(4))
+    (tmp_path / "cola.tsv").write_text(cola, encoding="utf-8")
+    (tmp_path / "cola_blank.tsv").write_text(cola + "\n", encoding="utf-8")
+    assert read_glue_tsv(tmp_path / "cola_blank.tsv", "cola") == read_glue_tsv(tmp_path / "cola.tsv", "cola")
+    assert read_glue_tsv(tmp_path / "cola.tsv", "cola")["label"] == [0, 1, 0, 1]
+    (tmp_path / "only_blank.tsv").write_text("\n\n", encoding="utf-8")
+    with pytest.raises(UserError, match="^empty data file: "):
+        read_glue_tsv(tmp_path / "only_blank.tsv")
+
+
+def test_glue_tsv_blank_line_among_the_rows_names_its_line(tmp_path):
+    lines = _lines("dev.tsv", 7)
+    path = tmp_path / "gap.tsv"
+    path.write_text("".join(lines[:3]) + "\n" + "".join(lines[3:]) + "\n", encoding="utf-8")
+    for read in (read_glue_tsv, glue_columns):
+        with pytest.raises(UserError) as e:
+            read(path)
+        assert str(e.value) == f"{path}:4: expected 5 tab-separated fields, found 0"
+    cola = tmp_path / "cola_gap.tsv"
+    cola.write_text("gj04\t1\t\tOne.\n\ngj04\t0\t\tTwo.\n", encoding="utf-8")
+    with pytest.raises(UserError) as e:
+        read_glue_tsv(cola, "cola")
+    assert str(e.value) == f"{cola}:2: expected 4 tab-separated fields, found 0"
+
+
+def test_glue_from_the_hub_offline_is_one_line(monkeypatch):
+    """No hub (offline, as on this machine): one line naming the task, for both hub readers."""
+    import datasets.config
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    for load, name in ((lambda: load_glue_hub("rte"), "rte"), (lambda: load_mrpc("hub"), "mrpc")):
+        with pytest.raises(UserError) as e:
+            load()
+        assert str(e.value).startswith(f"cannot load glue/{name} from the hub: ConnectionError: ")
+        assert e.value.exit_code == 2 and "\n" not in str(e.value)

@@ -26,7 +26,7 @@ from .data import CostModel, check_fit, choose_buckets, make_loader, model_input
 from .errors import UserError, first_line
 from .files import atomic_write
 from .selection import select_backend
-from .tasks import FILE_FORMATS, GLUE, glue_rows, read_table, text_columns_of
+from .tasks import FILE_FORMATS, GLUE, glue_columns, read_table, text_columns_of
 
 TASK_FILE = "xla_train_task.json"  # what training saved beside the model: task, text columns, labels
 GLUE_TEST_TEXTS = {"cola": ("sentence",)}  # test files whose text columns differ from train/dev's
@@ -105,7 +105,7 @@ def read_input(path, info, text_columns=None, task=None):
     path = Path(path)
     task = task or (info.task if info.task in GLUE else None)
     if path.suffix.lower() == ".tsv" and task:
-        columns = _read_glue_tsv(path)
+        columns = glue_columns(path)
         spec = GLUE[task]
         options = [list(spec.file_texts), list(GLUE_TEST_TEXTS.get(task, ())), list(spec.texts)]
         names = [c for c in ([text_columns.split(",")] if text_columns else options) if c and set(c) <= set(columns)]
@@ -123,15 +123,6 @@ def read_input(path, info, text_columns=None, task=None):
         raise UserError(f"{path}: no rows to predict")
     texts = {f"text{i + 1}": ["" if v is None else str(v) for v in columns[c]] for i, c in enumerate(names[0])}
     return Table(columns, texts, glue, path)
-
-
-def _read_glue_tsv(path):
-    rows = glue_rows(path)
-    header = rows[0]
-    for lineno, row in enumerate(rows[1:], start=2):
-        if len(row) != len(header):
-            raise UserError(f"{path}:{lineno}: expected {len(header)} tab-separated fields, found {len(row)}")
-    return {name: [row[i] for row in rows[1:]] for i, name in enumerate(header)}
 
 
 def check_output(path):

@@ -136,8 +136,7 @@ def task_loss(logits, labels, problem):
 def load_task(task=None, data_dir=None, train_file=None, validation_file=None, text_columns=None,
               label_column="label", problem=None):
     """The `Task` for the command line's data options (see the module docstring)."""
-    if problem not in (None, *PROBLEMS):
-        raise UserError(f"--problem must be one of {', '.join(PROBLEMS)}, not {problem!r}")
+    check_choices(task, problem)
     if train_file or validation_file:
         if not (train_file and validation_file):
             raise UserError("own data needs both --train-file and --validation-file")
@@ -145,8 +144,6 @@ def load_task(task=None, data_dir=None, train_file=None, validation_file=None, t
             raise UserError("give either --task/--data-dir or --train-file/--validation-file, not both")
         return load_files(train_file, validation_file, text_columns, label_column, problem)
     task = task or "mrpc"
-    if task not in GLUE:
-        raise UserError(f"--task must be one of {', '.join(TASKS)}, not {task!r}")
     if text_columns or problem:
         raise UserError("--text-columns and --problem apply to own files; a GLUE task has its own")
     if data_dir == "hub":
@@ -155,6 +152,14 @@ def load_task(task=None, data_dir=None, train_file=None, validation_file=None, t
         raise UserError(f"the bundled data is MRPC only: give --data-dir, a folder of {task}'s GLUE files "
                         "(or 'hub' to download them)")
     return load_glue_folder(task, Path(data_dir) if data_dir else BUNDLED_MRPC)
+
+
+def check_choices(task=None, problem=None):
+    """--task names a GLUE task and --problem a problem type (None: not given)."""
+    if task is not None and task not in GLUE:
+        raise UserError(f"--task must be one of {', '.join(TASKS)}, not {task!r}")
+    if problem is not None and problem not in PROBLEMS:
+        raise UserError(f"--problem must be one of {', '.join(PROBLEMS)}, not {problem!r}")
 
 
 def _glue(name, splits, text_columns):
@@ -182,7 +187,9 @@ def check_text(path):
 
 
 def glue_rows(path):
-    """The rows of a TSV file in GLUE's own layout (the header, if any, first)."""
+    """The rows of a TSV file in GLUE's own layout (the header, if any, first). Blank lines at
+    the end (an editor's last newline) are dropped; one in the middle is a row without fields,
+    which `check_fields` names."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"missing data file: {path}")
@@ -190,9 +197,27 @@ def glue_rows(path):
     # GLUE's sentences contain bare quote characters, so quoting is off (as in GLUE's own reader).
     with open(path, newline="", encoding="utf-8-sig") as f:
         rows = list(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
+    while rows and not rows[-1]:
+        rows.pop()
     if not rows:
         raise UserError(f"empty data file: {path}")
     return rows
+
+
+def check_fields(path, rows, first, width, exact=True):
+    """Every row (the first on line `first`) has `width` tab-separated fields (with `exact` off:
+    at least `width`), else one error naming the file and line."""
+    for lineno, row in enumerate(rows, start=first):
+        if len(row) != width if exact else len(row) < width:
+            raise UserError(f"{path}:{lineno}: expected {width} tab-separated fields, found {len(row)}")
+
+
+def glue_columns(path):
+    """A TSV file in GLUE's layout with a header (a test file) as {column: values}."""
+    rows = glue_rows(path)
+    header, body = rows[0], rows[1:]
+    check_fields(path, body, 2, len(header))
+    return {name: [row[i] for row in body] for i, name in enumerate(header)}
 
 
 def read_glue_tsv(path, task="mrpc"):
@@ -212,11 +237,10 @@ def read_glue_tsv(path, task="mrpc"):
     else:
         cols, label_col = list(spec.file_texts), spec.file_label
     width = len(header) if header is not None else max(cols + [label_col]) + 1
+    check_fields(path, rows[first - 1:], first, width, exact=header is not None)
     out = {f"text{i + 1}": [] for i in range(len(cols))}
     out["label"] = []
     for lineno, row in enumerate(rows[first - 1:], start=first):
-        if header is not None and len(row) != len(header) or header is None and len(row) < width:
-            raise UserError(f"{path}:{lineno}: expected {width} tab-separated fields, found {len(row)}")
         value = row[label_col].strip()
         if spec.labels:
             if value not in spec.file_labels:
