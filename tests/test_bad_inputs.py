@@ -35,6 +35,12 @@ def corrupt(out):
     return ["--resume-from", checkpoint(out)]
 
 
+def damaged(out, name):
+    f = checkpoint(out) / name
+    f.write_bytes(f.read_bytes()[:200])  # cut short: torch.load finds no zip archive
+    return ["--resume-from", checkpoint(out)]
+
+
 def unmarked(out):
     (checkpoint(out) / "COMPLETE").unlink()  # as an interrupted upload leaves it
     return ["--resume-from", checkpoint(out)]
@@ -78,6 +84,10 @@ CASES = {
     "metrics file that is a folder": (lambda out, tmp: ["--metrics-out", tmp], "is a folder; name a file"),
     "model folder without a model": (lambda out, tmp: no_model(tmp), "not a model folder (no config.json in it)"),
     "corrupt checkpoint": (lambda out, tmp: corrupt(out), "is corrupt: model.safetensors"),
+    "damaged optimizer state": (lambda out, tmp: damaged(out, "optimizer.pt"),
+                                "is corrupt: PytorchStreamReader failed reading zip archive"),
+    "a blank line among the rows": (lambda out, tmp: bad_data(tmp, HEADER + "1\t1\t2\ta\tb\n\n1\t1\t2\tc\td\n"),
+                                    "train.tsv:3: expected 5 tab-separated fields, found 0"),
     "partial checkpoint": (lambda out, tmp: unmarked(out), "is incomplete (no COMPLETE marker"),
     "resume with another batch size": (lambda out, tmp: ["--resume", "--batch-size", 16],
                                        "was made with --batch-size 8; this run has --batch-size 16"),
@@ -182,3 +192,107 @@ def test_tokenizer_without_a_padding_token(mrpc_slice, tmp_path, capsys):
     saved = json.loads((tmp_path / "out" / "config.json").read_text())
     assert saved["pad_token_id"] == tok.eos_token_id
     assert AutoTokenizer.from_pretrained(tmp_path / "out").pad_token == "[SEP]"
+
+
+# Each handler catches what a user's input makes the library raise (seen by damaging the files);
+# anything else is a bug, which ends in a traceback and exit 1 rather than in a "user" error.
+
+
+def _checkpoint_folder(folder):
+    """The files of a checkpoint, real but small."""
+    import torch
+    from safetensors.torch import save_file
+
+    folder.mkdir()
+    save_file({"w": torch.ones(64, 64)}, str(folder / "model.safetensors"))
+    for name in ("optimizer.pt", "scheduler.pt", "rng.pt"):
+        torch.save({"state": torch.arange(100)}, folder / name)
+    (folder / "state.json").write_text(json.dumps({"run_id": "r"}))
+    return folder
+
+
+DAMAGE = {  # file: (new content given the old bytes, expected message)
+    "state.json": (lambda b: b[:5], "is corrupt: Unterminated string"),
+    "optimizer.pt": (lambda b: b[: len(b) // 2], "is corrupt: PytorchStreamReader failed"),
+    "scheduler.pt": (lambda b: b"", "is corrupt: "),
+    "rng.pt": (lambda b: b"not a tensor file\n" * 10, "is corrupt: "),
+}
+
+
+@pytest.mark.parametrize("name", DAMAGE)
+def test_damaged_checkpoint_file_is_one_line(name, tmp_path):
+    from xla_train.checkpoint import Resume
+    from xla_train.errors import UserError
+
+    folder = _checkpoint_folder(tmp_path / "step-00000002")
+    damage, message = DAMAGE[name]
+    (folder / name).write_bytes(damage((folder / name).read_bytes()))
+    with pytest.raises(UserError) as e:
+        Resume(folder, "URL")
+    assert str(e.value).startswith("checkpoint URL is corrupt: ") and message in str(e.value)
+    assert e.value.exit_code == 2 and "\n" not in str(e.value)
+
+
+def test_damaged_weights_are_one_line(tmp_path):
+    from xla_train.checkpoint import Resume
+    from xla_train.errors import UserError
+
+    folder = _checkpoint_folder(tmp_path / "step-00000002")
+    resume = Resume(folder, "URL")
+    assert resume.model_weights()["w"].shape == (64, 64)
+    (folder / "model.safetensors").write_bytes((folder / "model.safetensors").read_bytes()[:100])
+    with pytest.raises(UserError, match="^checkpoint URL is corrupt: model.safetensors: Error while deserializing"):
+        resume.model_weights()
+
+
+class _Loader:
+    """Stands for a transformers Auto class: from_pretrained raises what it is given."""
+
+    def __init__(self, error):
+        self.error = error
+
+    def from_pretrained(self, name, **kwargs):
+        raise self.error
+
+
+def test_model_loading_tells_a_bad_model_from_a_bug(tmp_path):
+    from xla_train.errors import UserError
+    from xla_train.predict import ModelInfo, load_pretrained
+
+    for error in (OSError("no file named model.safetensors"), ValueError("Unrecognized model")):
+        with pytest.raises(UserError, match=f"^cannot load model 'm': {error}$"):
+            load_pretrained(_Loader(error), "m")
+    with pytest.raises(TypeError, match="unexpected keyword"):  # a bug: not a user's error
+        load_pretrained(_Loader(TypeError("unexpected keyword argument 'num_label'")), "m")
+    (tmp_path / "config.json").write_text("{}")  # no model_type: transformers raises ValueError
+    with pytest.raises(UserError, match="not a transformers model folder .Unrecognized model"):
+        ModelInfo.read(tmp_path)
+    (tmp_path / "config.json").write_text("{oops")  # not JSON: transformers raises OSError
+    with pytest.raises(UserError, match="not a transformers model folder .It looks like the config file"):
+        ModelInfo.read(tmp_path)
+
+
+def test_main_replica_write_failing_by_a_bug_prints_its_traceback(capsys):
+    """A full disk is one line and exit 2; a bug in the write prints its traceback on the main
+    replica (before the line goes to every replica) and exits 1."""
+    from xla_train import Engine
+    from xla_train.errors import UserError
+
+    engine = Engine(backend="cpu")
+
+    def full_disk():
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(UserError) as e:
+        engine.on_main(full_disk, "cannot write F")
+    assert (str(e.value), e.value.exit_code) == ("cannot write F: No space left on device", 2)
+    assert capsys.readouterr().err == ""
+
+    def bug():
+        return {}["missing key"]
+
+    with pytest.raises(UserError) as e:
+        engine.on_main(bug, "cannot write F")
+    assert (str(e.value), e.value.exit_code) == ("cannot write F: KeyError: 'missing key'", 1)
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback") and "in bug" in err and "KeyError: 'missing key'" in err

@@ -16,6 +16,7 @@ inside `fn` (it then uses the backend that launched the worker). The package's o
 """
 
 import contextlib
+import traceback
 
 import torch
 from tqdm.auto import tqdm
@@ -277,20 +278,25 @@ class Engine:
         """Runs `write()` on the main replica only; every replica learns whether it worked, and
         all raise a UserError if not (this keeps them together until the files are whole). Any
         error counts, not only OSError (a SafetensorError, a Cloud Storage transport error): a
-        replica that failed alone would leave the others waiting in the next collective."""
-        error = None
+        replica that failed alone would leave the others waiting in the next collective. A bug
+        (a TypeError, say) is shared too, but its traceback is printed here first and every
+        replica exits 1."""
+        error, code = None, 2
         if self.is_main_process:
             try:
                 write()
             except UserError as e:
-                error = str(e)
+                error, code = str(e), e.exit_code
             except OSError as e:  # a full disk, a folder removed under the run
                 error = f"{what}: {e.strerror or e}"
-            except Exception as e:
+            except Exception as e:  # broad on purpose (see above): the failure must reach every replica
                 error = f"{what}: {describe(e)}"
+                if isinstance(e, _BUGS):
+                    traceback.print_exc()  # on the main replica, the only one that has it
+                    code = 1
         if self.peers == 1:
             if error is not None:
-                raise UserError(error)
+                raise UserError(error, code)
             return
         # the flag and the message's first bytes, so every replica (under SPMD, every host's
         # process) can tell what went wrong; only the main one's row has any, so the largest per
@@ -298,13 +304,15 @@ class Engine:
         payload = torch.zeros(1 + _MESSAGE_BYTES, dtype=torch.int32)
         if error is not None:
             data = error.encode()[:_MESSAGE_BYTES]
-            payload[0], payload[1:1 + len(data)] = 1, torch.tensor(list(data), dtype=torch.int32)
+            payload[0], payload[1:1 + len(data)] = code, torch.tensor(list(data), dtype=torch.int32)
         (shared,) = self.to_host([self.gather_rows(payload).amax(0)])
         if shared[0]:
-            raise UserError(bytes(shared[1:].tolist()).rstrip(b"\0").decode(errors="replace"))
+            raise UserError(bytes(shared[1:].tolist()).rstrip(b"\0").decode(errors="replace"), int(shared[0]))
 
 
-_MESSAGE_BYTES = 512  # of a main-replica failure, shared with the other replicas
+_MESSAGE_BYTES = 512  # of a main-replica failure, shared with the other replicas (after its exit code)
+# What only a bug in the package raises from a write: on_main prints its traceback
+_BUGS = (TypeError, AttributeError, NameError, LookupError, AssertionError, ZeroDivisionError)
 
 
 @contextlib.contextmanager

@@ -7,6 +7,7 @@ the rest, JSON for the run state.
 """
 
 import json
+import pickle
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -17,6 +18,11 @@ from .storage import MARKER, checkpoint_name, open_store
 
 BEST = "best"  # checkpoints/best: the best evaluation's weights (--save-best)
 FILES = ("model.safetensors", "optimizer.pt", "scheduler.pt", "rng.pt", "state.json")
+# What json.loads and torch.load(weights_only=True) raise on a damaged file, as seen by truncating
+# these files and flipping their bytes: mostly RuntimeError (no zip archive) and UnpicklingError;
+# also EOFError, ValueError (UnicodeDecodeError, JSONDecodeError), KeyError and IndexError from
+# torch's reader of the legacy format. Caught only around the loads themselves.
+DAMAGED = (OSError, RuntimeError, EOFError, ValueError, KeyError, IndexError, pickle.UnpicklingError)
 
 
 def _host_tree(engine, tree, writer_only=False):
@@ -122,7 +128,7 @@ class Resume:
             self.state = json.loads((folder / "state.json").read_text())
             for f in ("optimizer.pt", "scheduler.pt", "rng.pt"):  # checked here, loaded again by workers
                 torch.load(folder / f, weights_only=True, map_location="cpu")
-        except Exception as e:
+        except DAMAGED as e:
             raise UserError(f"checkpoint {url} is corrupt: {first_line(e)}")
 
     def check(self, cfg, n_train):
@@ -134,11 +140,12 @@ class Resume:
             raise error
 
     def model_weights(self):
+        from safetensors import SafetensorError
         from safetensors.torch import load_file
 
         try:
             return load_file(str(self.folder / "model.safetensors"))
-        except Exception as e:
+        except (SafetensorError, OSError) as e:  # a truncated or damaged file; one that cannot be read
             raise UserError(f"checkpoint {self.url} is corrupt: model.safetensors: {first_line(e)}")
 
     def load_model(self, model, weights):

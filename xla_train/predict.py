@@ -66,7 +66,7 @@ class ModelInfo:
             raise UserError(f"--model {folder}: no such folder")
         try:
             config = AutoConfig.from_pretrained(folder)
-        except Exception as e:
+        except (OSError, ValueError) as e:  # no or unreadable config.json (OSError), no or unknown model_type
             raise UserError(f"--model {folder}: not a transformers model folder ({first_line(e)})")
         if not any(a.endswith("ForSequenceClassification") for a in config.architectures or ()):
             raise UserError(f"--model {folder}: not a fine-tuned sequence classifier (architectures: "
@@ -263,8 +263,13 @@ def run(cfg):
 def load_pretrained(cls, name, **kwargs):
     """`cls.from_pretrained(name)` without transformers' progress bars and load report; a model
     that cannot be loaded (missing, unknown hub name offline, corrupt weights) is one line."""
+    from safetensors import SafetensorError
+
+    # OSError: missing files, an unknown or invalid hub name (huggingface_hub's errors, wrapped);
+    # ValueError: no or unknown model_type, a broken tokenizer file (JSONDecodeError);
+    # SafetensorError: damaged weights; RuntimeError: weights that do not fit their config.json
     try:
         with quiet_transformers():
             return cls.from_pretrained(name, **kwargs)
-    except Exception as e:
+    except (OSError, ValueError, SafetensorError, RuntimeError) as e:
         raise UserError(f"cannot load model {name!r}: {first_line(e)}")

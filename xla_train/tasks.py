@@ -279,10 +279,7 @@ def load_mrpc(data_dir=None):
     import datasets
 
     if data_dir == "hub":
-        try:
-            ds = datasets.load_dataset("glue", "mrpc")
-        except Exception as e:  # offline, hub down
-            raise UserError(f"cannot load glue/mrpc from the hub: {describe(e)}")
+        ds = _hub("mrpc")
         return datasets.DatasetDict(train=ds["train"], validation=ds["validation"])
     splits = load_glue_folder("mrpc", Path(data_dir) if data_dir else BUNDLED_MRPC).splits
     return datasets.DatasetDict({
@@ -294,10 +291,7 @@ def load_glue_hub(task):
     """`load_dataset("glue", task)`, where the Hugging Face hub is reachable."""
     import datasets
 
-    try:
-        ds = datasets.load_dataset("glue", task)
-    except Exception as e:  # offline, hub down, no such dataset
-        raise UserError(f"cannot load glue/{task} from the hub: {describe(e)}")
+    ds = _hub(task)
     spec = GLUE[task]
     names = ["train", "validation"] if task != "mnli" else ["train", "validation_matched", "validation_mismatched"]
     splits = {}
@@ -306,6 +300,19 @@ def load_glue_hub(task):
         keep = [c for c in split.column_names if c.startswith("text") or c == "label"]
         splits["validation" if name == "validation_matched" else name] = split.select_columns(keep)
     return _glue(task, datasets.DatasetDict(splits), spec.texts)
+
+
+def _hub(task):
+    """`load_dataset("glue", task)`; a hub that cannot be reached is one line."""
+    import datasets
+    from datasets.exceptions import DatasetsError
+
+    try:
+        return datasets.load_dataset("glue", task)
+    except (OSError, DatasetsError) as e:
+        # offline or hub down: ConnectionError, huggingface_hub's errors (OSError's kin), datasets'
+        # DatasetNotFoundError; a broken download: datasets' checksum and split errors
+        raise UserError(f"cannot load glue/{task} from the hub: {describe(e)}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -317,6 +324,7 @@ def read_table(path):
     loaders (CSV quoting as pandas and Python's csv module write it; JSON: one object per line,
     or a list of objects)."""
     import datasets
+    from datasets.exceptions import DatasetGenerationError
 
     path = Path(path)
     kind = FILE_FORMATS.get(path.suffix.lower())
@@ -334,7 +342,10 @@ def read_table(path):
     datasets.disable_progress_bars()
     try:
         ds = datasets.load_dataset(kind, data_files=str(path), split="train", **options)
-    except Exception as e:  # malformed CSV/JSON: pandas and pyarrow name the line
+    except (DatasetGenerationError, ValueError, OSError) as e:
+        # malformed CSV/JSON: datasets' DatasetGenerationError around pandas' ParserError or
+        # EmptyDataError, or pyarrow's ArrowInvalid, which name the line; a ValueError when the
+        # file has no rows; an OSError when the file or datasets' cache cannot be read
         if "corresponds to no data" in str(e):  # a header and no rows, or an empty JSON list
             raise UserError(f"{path}: no rows (empty split)")
         raise UserError(f"{path}: cannot read it as {path.suffix[1:].upper()}: {first_line(_root(e))}")
