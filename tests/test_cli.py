@@ -70,3 +70,33 @@ def test_env_command(capsys):
     assert main(["env"]) == 0
     out = capsys.readouterr().out
     assert "torch_xla     2.9.0" in out and "--backend auto -> cpu: no TPU or CUDA device found" in out
+
+
+def test_help_starts_no_library():
+    """`--help` of the tool and of both commands imports neither torch, transformers, datasets
+    nor torch_xla (it printed in 4-12 s when the parser imported the training module)."""
+    code = ("import sys\nfrom xla_train.cli import main\n"
+            "for args in (['--help'], ['train', '--help'], ['predict', '--help']):\n"
+            "    try:\n        main(args)\n    except SystemExit:\n        pass\n"
+            "print('loaded:', [m for m in ('torch', 'transformers', 'datasets', 'torch_xla') if m in sys.modules])")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "loaded: []"
+    assert "--early-stopping-patience" in proc.stdout and "--buckets BUCKETS" in proc.stdout
+
+
+@pytest.mark.parametrize("command", ["train", "predict"])
+def test_every_option_is_declared_once(command):
+    """The parser is built from the options' dataclass: the same names, defaults and help."""
+    from dataclasses import MISSING, fields
+
+    from xla_train.cli import build_parser
+    from xla_train.options import PredictOptions, TrainOptions
+
+    parser = build_parser()._subparsers._group_actions[0].choices[command]
+    actions = {a.dest: a for a in parser._actions if a.dest != "help"}
+    declared = fields(TrainOptions if command == "train" else PredictOptions)
+    assert list(actions) == [f.name for f in declared]
+    for f in declared:
+        assert actions[f.name].default == (None if f.default is MISSING else f.default), f.name
+        assert actions[f.name].help == f.metadata["help"]

@@ -190,8 +190,6 @@ BAD = {  # name: (arguments, given the classifier folder and a scratch folder; e
     "input without the trained text columns": (lambda model, tmp: ["--model", model, "--input", _write(tmp, "x,y\n1,2\n"),
                                                                    "--output", tmp / "o.csv"],
                                                "no column 'sentence1', 'sentence2', which the model was trained on"),
-    "output folder missing": (lambda model, tmp: ["--model", model, "--input", _write(tmp), "--output",
-                                                  tmp / "nope" / "o.csv"], "does not exist"),
     "output is a folder": (lambda model, tmp: ["--model", model, "--input", _write(tmp), "--output", tmp],
                            "unknown file type"),
     "output is a folder named like a file": (lambda model, tmp: ["--model", model, "--input", _write(tmp), "--output",
@@ -229,3 +227,13 @@ def test_bad_predict_input(case, classifier, tmp_path, capsys):
     assert code == 2 and err.count("\n") == 1 and err.startswith("xla-train: error: "), err
     assert message in err
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written
+
+
+def test_predict_makes_the_output_files_missing_folders(classifier, tmp_path):
+    """One policy for files a command writes (--output, --metrics-out): missing folders are made."""
+    _, model = classifier
+    out = tmp_path / "new" / "folder" / "o.csv"
+    assert main(["predict", "--backend", "cpu", "--model", str(model), "--input", str(_write(tmp_path)),
+                 "--output", str(out)]) == 0
+    assert out.read_text().splitlines()[0] == "sentence1,sentence2,prediction,score"
+

@@ -68,21 +68,6 @@ def model_inputs_only(data, model):
 # Bucket choice
 
 
-def parse_buckets(spec, max_length):
-    """`auto` or a comma-separated list of increasing lengths no longer than `max_length`."""
-    if spec == "auto":
-        return "auto"
-    try:
-        buckets = sorted({int(x) for x in spec.split(",") if x.strip()})
-    except ValueError:
-        raise UserError(f"--buckets must be 'auto' or lengths like 32,64,96,128, not {spec!r}")
-    if not buckets or buckets[0] < 1:
-        raise UserError(f"--buckets must list positive lengths, not {spec!r}")
-    if buckets[-1] > max_length:
-        raise UserError(f"bucket {buckets[-1]} is longer than --max-length {max_length}")
-    return buckets
-
-
 def check_fit(lengths, buckets):
     """Every (truncated) row must fit the longest bucket."""
     longest = int(np.max(lengths))

@@ -22,9 +22,10 @@ import torch
 from tqdm.auto import tqdm
 
 from .api import Engine, quiet_transformers
-from .data import CostModel, check_fit, choose_buckets, make_loader, model_inputs_only, parse_buckets, tokenize
+from .data import CostModel, check_fit, choose_buckets, make_loader, model_inputs_only, tokenize
 from .errors import UserError, first_line
 from .files import atomic_write
+from .options import PredictOptions, check_model_path, parse_buckets
 from .selection import select_backend
 from .tasks import FILE_FORMATS, GLUE, glue_columns, read_table, text_columns_of
 
@@ -32,19 +33,7 @@ TASK_FILE = "xla_train_task.json"  # what training saved beside the model: task,
 GLUE_TEST_TEXTS = {"cola": ("sentence",)}  # test files whose text columns differ from train/dev's
 
 
-@dataclass
-class PredictConfig:
-    model: str  # a folder written by `xla-train train`, or any sequence-classification folder
-    input: str  # .csv .tsv .json .jsonl, or a GLUE .tsv file
-    output: str  # file to write (format by extension)
-    backend: str = "auto"  # auto | xla | cuda | cpu
-    strategy: str = "ddp"  # ddp | spmd (XLA)
-    num_processes: int = None  # workers on this host
-    batch_size: int = 8  # rows per replica and batch
-    text_columns: str = None  # "A" or "A,B" (default: what training saved)
-    task: str = None  # GLUE task whose file layout the input has (default: what training saved)
-    max_length: int = None  # truncate rows to this many tokens (default: training's, else 128)
-    buckets: str = "auto"  # "auto" or lengths like "32,64,96,128"
+PredictConfig = PredictOptions  # the name before options.py
 
 
 @dataclass
@@ -62,8 +51,7 @@ class ModelInfo:
         from transformers import AutoConfig
 
         folder = Path(folder)
-        if not folder.is_dir():
-            raise UserError(f"--model {folder}: no such folder")
+        check_model_path(folder, need=True)
         try:
             config = AutoConfig.from_pretrained(folder)
         except (OSError, ValueError) as e:  # no or unreadable config.json (OSError), no or unknown model_type
@@ -123,17 +111,6 @@ def read_input(path, info, text_columns=None, task=None):
         raise UserError(f"{path}: no rows to predict")
     texts = {f"text{i + 1}": ["" if v is None else str(v) for v in columns[c]] for i, c in enumerate(names[0])}
     return Table(columns, texts, glue, path)
-
-
-def check_output(path):
-    """Before any work: the output's folder exists, the path is no folder, the format is known."""
-    path = Path(path)
-    if path.suffix.lower() not in FILE_FORMATS:
-        raise UserError(f"--output {path}: unknown file type {path.suffix or '(none)'!r}; use {', '.join(FILE_FORMATS)}")
-    if path.is_dir():
-        raise UserError(f"--output {path} is a folder; name a file in it")
-    if not path.parent.is_dir():
-        raise UserError(f"--output {path}: folder {path.parent} does not exist")
 
 
 def write_output(path, table, info, scores):
@@ -243,9 +220,7 @@ def run(cfg):
     """`xla-train predict`: every check first, then the model, then the replicas."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    if cfg.batch_size < 1:
-        raise UserError("--batch-size must be at least 1")
-    check_output(cfg.output)
+    cfg.validate()
     info = ModelInfo.read(cfg.model)
     cfg.max_length = cfg.max_length or info.max_length
     table = read_input(cfg.input, info, cfg.text_columns, cfg.task)

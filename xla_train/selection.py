@@ -7,9 +7,8 @@ import importlib.util
 import torch
 
 from .errors import UserError
+from .options import BACKENDS, STRATEGIES
 
-BACKENDS = ("auto", "xla", "cuda", "cpu")
-STRATEGIES = ("ddp", "spmd")  # ddp: one replica per device; spmd: one process shards the batch (XLA)
 
 
 def xla_available():

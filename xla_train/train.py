@@ -8,7 +8,7 @@
 import copy
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -17,127 +17,20 @@ from transformers import AutoConfig, get_scheduler
 
 from . import checkpoint
 from .api import Engine
-from .data import CostModel, auto_buckets, check_fit, make_loader, model_inputs_only, parse_buckets, tokenize
+from .data import CostModel, auto_buckets, check_fit, make_loader, model_inputs_only, tokenize
 from .errors import UserError
 from .files import atomic_write
 from .monitor import Monitor
+from .options import TrainOptions, parse_buckets
 from .predict import ModelInfo, load_pretrained, predict_loader, predict_rows, read_input, tokenize_rows, write_output
 from .run_folder import RunFolder, write_finished
 from .run_state import RunState
 from .selection import select_backend
 from .signals import StopRequest
-from .storage import nearest_existing, open_store
-from .tasks import PROBLEMS, TASKS, bundled_model_path, load_metric, load_task, scores, task_loss
+from .storage import open_store
+from .tasks import bundled_model_path, load_metric, load_task, scores, task_loss
 
-PADDING_MODES = ("buckets", "max_length", "dynamic")
-PRECISIONS = ("fp32", "bf16")
-
-
-@dataclass
-class TrainConfig:
-    # what to train on
-    model: str = field(default_factory=bundled_model_path)  # path or hub name
-    task: str = None  # a GLUE task (None: mrpc, or "custom" with own files)
-    data_dir: str = None  # the task's GLUE-format folder; None = bundled MRPC copy; "hub" = load_dataset("glue", task)
-    train_file: str = None  # own data: .csv .tsv .json .jsonl (with validation_file)
-    validation_file: str = None
-    text_columns: str = None  # own data: "A" or "A,B" (None: sentence1/sentence2, else the first text columns)
-    label_column: str = "label"  # own data: the label's column
-    problem: str = None  # own data: classification | regression (None: float labels make a regression)
-    test_file: str = None  # rows to predict with the final (or best) model into OUTPUT_DIR/predictions.EXT
-    # hyperparameters (the course's: AdamW, linear schedule, 3 epochs, batch 8)
-    epochs: int = 3
-    batch_size: int = 8  # per replica
-    lr: float = 5e-5
-    weight_decay: float = 0.0
-    warmup_ratio: float = 0.0  # fraction of steps with linearly rising learning rate
-    grad_accum: int = 1  # micro-batches per optimizer step
-    max_grad_norm: float = None  # clip gradients to this norm; None = no clipping
-    seed: int = 42
-    max_steps: int = None  # stop after this many optimizer steps (None = all epochs)
-    # shapes
-    padding: str = "buckets"  # buckets | max_length | dynamic (one graph per batch length on XLA)
-    buckets: str = "auto"  # "auto" or lengths like "32,64,96,128"
-    max_length: int = 128  # rows are truncated to this many tokens
-    compile_seconds: float = None  # cost of one compilation for --buckets auto (None = backend's estimate)
-    # system
-    backend: str = "auto"  # auto | xla | cuda | cpu
-    strategy: str = "ddp"  # ddp (a replica per device) | spmd (XLA: one process, batch sharded on a mesh)
-    num_processes: int = None  # workers on this host (None = every TPU core / GPU, 1 on CPU)
-    precision: str = "fp32"  # fp32 | bf16 (torch.autocast on the device)
-    log_every: int = 10  # steps between reads of the loss from the device
-    output_dir: str = None  # local folder or gs://bucket/prefix: checkpoints and the final model
-    save_every: int = None  # steps between checkpoints (None: at the end of every epoch)
-    keep_last: int = 2  # complete checkpoints kept (older ones are deleted after a new one is whole)
-    resume: bool = False  # continue from the latest complete checkpoint in output_dir, if any
-    overwrite: bool = False  # replace the run output_dir holds (its checkpoints and model)
-    resume_from: str = None  # continue from this checkpoint folder
-    compile_cache: str = None  # persistent XLA compilation cache folder
-    metrics_out: str = None  # JSON file with the run's numbers
-    # model selection
-    eval_every: int = None  # evaluate every N optimizer steps (None: at the end of each epoch)
-    metric_for_best: str = None  # the evaluation key that ranks models (None: the task's main metric)
-    save_best: bool = False  # the final model is the best evaluation's, not the last one's
-    early_stopping_patience: int = None  # stop after this many evaluations without improvement
-
-    def check(self):
-        choices = {"padding": PADDING_MODES, "precision": PRECISIONS}
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise UserError(f"--{name} must be one of {', '.join(allowed)}, not {getattr(self, name)!r}")
-        for name in ("epochs", "batch_size", "grad_accum", "log_every", "max_length"):
-            if getattr(self, name) < 1:
-                raise UserError(f"--{name.replace('_', '-')} must be at least 1")
-        numbers = {  # name: (allowed, what the message says)
-            "lr": (lambda x: x > 0, "a positive number"),
-            "weight_decay": (lambda x: x >= 0, "a number >= 0"),
-            "warmup_ratio": (lambda x: 0 <= x < 1, "in [0, 1)"),
-            "max_grad_norm": (lambda x: x > 0, "a positive number"),
-            "compile_seconds": (lambda x: x >= 0, "a number of seconds >= 0"),
-        }
-        for name, (ok, what) in numbers.items():
-            value = getattr(self, name)
-            if value is not None and not (math.isfinite(value) and ok(value)):
-                raise UserError(f"--{name.replace('_', '-')} must be {what}, not {value}")
-        if not 0 <= self.seed < 2**32:
-            raise UserError(f"--seed must be in [0, 2**32), not {self.seed}")
-        for name in ("max_steps", "save_every", "keep_last", "eval_every", "early_stopping_patience"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise UserError(f"--{name.replace('_', '-')} must be at least 1")
-        if self.task is not None and self.task not in TASKS:
-            raise UserError(f"--task must be one of {', '.join(TASKS)}, not {self.task!r}")
-        if self.problem is not None and self.problem not in PROBLEMS:
-            raise UserError(f"--problem must be one of {', '.join(PROBLEMS)}, not {self.problem!r}")
-        if self.test_file and not self.output_dir:
-            raise UserError("--test-file needs --output-dir, where predictions.EXT is written")
-        if self.resume and not self.output_dir:
-            raise UserError("--resume needs --output-dir, the folder that holds the checkpoints")
-        parse_buckets(self.buckets, self.max_length)
-        check_model_name(self.model)
-        if self.metrics_out:
-            check_file_target(self.metrics_out, "--metrics-out")
-
-
-def check_model_name(name):
-    """A --model that names a local path must be a model folder (anything else is a hub name)."""
-    path = Path(name).expanduser()
-    if not (path.exists() or str(name).startswith(("/", ".", "~"))):
-        return
-    if not path.exists():
-        raise UserError(f"--model {name}: no such folder")
-    if not (path / "config.json").is_file():
-        raise UserError(f"--model {name}: not a model folder (no config.json in it)")
-
-
-def check_file_target(name, option):
-    """A file the run writes at its end can be written: not a folder, under a folder (or a path
-    to one that can be made)."""
-    path = Path(name)
-    if path.is_dir():
-        raise UserError(f"{option} {name} is a folder; name a file")
-    parent = nearest_existing(path.parent)
-    if not parent.is_dir():
-        raise UserError(f"{option} {name}: {parent} is a file, not a folder")
+TrainConfig = TrainOptions  # the name the package's API, notebook and scripts use
 
 
 def position_limit(config, tokenizer):
@@ -220,7 +113,7 @@ def prepare_data(cfg, backend, resume=None):
 
 def run(cfg):
     """Runs the whole job: data in this process, then training on every local worker."""
-    cfg.check()
+    cfg.validate()
     backend = select_backend(cfg.backend, cfg.num_processes, cfg.strategy)
     store = open_store(cfg.output_dir) if cfg.output_dir else None
     folder = None

@@ -1,0 +1,216 @@
+"""Every option of `xla-train train` and `xla-train predict`, declared once: default, help, choices.
+
+The CLI's parsers are built from these dataclasses (`cli.py`), and `validate()` is the one check
+of a whole set of options. This module imports no torch, transformers, datasets or torch_xla, so
+`--help` starts at once.
+"""
+
+import math
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from .errors import UserError
+from .tasks import FILE_FORMATS, PROBLEMS, TASKS, bundled_model_path, check_choices
+
+PADDING_MODES = ("buckets", "max_length", "dynamic")
+PRECISIONS = ("fp32", "bf16")
+BACKENDS = ("auto", "xla", "cuda", "cpu")
+STRATEGIES = ("ddp", "spmd")  # ddp: one replica per device; spmd: one process shards the batch (XLA)
+BUNDLED_MODEL = "the bundled MiniLM-L6-H384"
+
+
+def option(default, help, choices=None, required=False):
+    """A dataclass field that is also a command-line option (`--name-with-dashes`)."""
+    return field(default=default, metadata={"help": help, "choices": choices, "required": required})
+
+
+def flag_name(name):
+    return "--" + name.replace("_", "-")
+
+
+@dataclass
+class TrainOptions:
+    """`xla-train train`: what to train on, the course's hyperparameters, shapes and the system."""
+
+    # what to train on
+    model: str = option(None, f"model folder or hub name (default: {BUNDLED_MODEL})")
+    task: str = option(None, f"GLUE task: {', '.join(TASKS)} (default: mrpc; with own files: custom)")
+    data_dir: str = option(None, "the task's folder in GLUE's layout (train.tsv, dev.tsv; MNLI: dev_matched.tsv, "
+                           "dev_mismatched.tsv); 'hub' for load_dataset('glue', TASK); default: the MRPC copy "
+                           "bundled with the package")
+    train_file: str = option(None, "own training data: .csv, .tsv, .json or .jsonl")
+    validation_file: str = option(None, "own validation data, same columns")
+    text_columns: str = option(None, "own data: A or A,B (default: sentence1,sentence2 if present, else the first "
+                               "two text columns, else the first)")
+    label_column: str = option("label", "own data: the label's column (default: label)")
+    problem: str = option(None, f"own data: {' | '.join(PROBLEMS)} (default: float labels make a regression, "
+                          "others a classification)")
+    test_file: str = option(None, "rows to predict with the final (or best) model, written to "
+                            "OUTPUT_DIR/predictions.EXT (a GLUE test.tsv: GLUE's submission format)")
+    # system
+    backend: str = option("auto", "auto | xla | cuda | cpu (auto: TPU, then CUDA, then CPU)")
+    num_processes: int = option(None, "workers on this host (default: one per TPU core or GPU; 1 on the CPU and "
+                                "on XLA:CPU)")
+    strategy: str = option("ddp", "ddp (a replica per device) or spmd (XLA: one process shards each batch over "
+                           "all devices)")
+    # hyperparameters (the course's: AdamW, linear schedule, 3 epochs, batch 8)
+    epochs: int = option(3, "passes over the training data")
+    batch_size: int = option(8, "per replica")
+    lr: float = option(5e-5, "AdamW's peak learning rate (linear decay to 0)")
+    weight_decay: float = option(0.0, "AdamW's weight decay")
+    warmup_ratio: float = option(0.0, "fraction of the steps with a rising learning rate, in [0, 1)")
+    seed: int = option(42, "the new head's weights, dropout and the data order")
+    max_steps: int = option(None, "stop after this many optimizer steps (default: all epochs)")
+    # shapes
+    padding: str = option("buckets", " | ".join(PADDING_MODES) + " (dynamic: a new graph per batch length on XLA)",
+                          PADDING_MODES)
+    buckets: str = option("auto", "auto, or lengths like 32,64,96,128")
+    max_length: int = option(128, "truncate rows to this length")
+    compile_seconds: float = option(None, "cost of one compilation for --buckets auto (default: the backend's "
+                                    "estimate)")
+    precision: str = option("fp32", " | ".join(PRECISIONS), PRECISIONS)
+    grad_accum: int = option(1, "micro-batches per optimizer step")
+    max_grad_norm: float = option(None, "clip gradients to this norm (default: no clipping)")
+    log_every: int = option(10, "steps between reads of the loss from the device")
+    # the output folder
+    output_dir: str = option(None, "local folder or gs://bucket/prefix for checkpoints and the fine-tuned model and "
+                             "tokenizer; locally also TensorBoard events (tensorboard/), metrics.json, "
+                             "compilations.json and report/")
+    save_every: int = option(None, "steps between checkpoints (default: every epoch)")
+    keep_last: int = option(2, "complete checkpoints to keep")
+    resume: bool = option(False, "continue from the latest complete checkpoint in --output-dir (starts from the "
+                          "beginning when there is none)")
+    overwrite: bool = option(False, "replace the run --output-dir holds: its checkpoints, model and logs are removed "
+                             "once this run's checks pass (without it, a folder holding a run stops a new one)")
+    resume_from: str = option(None, "continue from this checkpoint (OUTPUT_DIR/checkpoints/step-N)")
+    compile_cache: str = option(None, "persistent XLA compilation cache folder (default: none)")
+    metrics_out: str = option(None, "write the run's metrics JSON here; missing folders are made (default: none; "
+                              "OUTPUT_DIR/metrics.json is written in any case)")
+    # model selection
+    eval_every: int = option(None, "evaluate every N optimizer steps (default: at the end of each epoch)")
+    metric_for_best: str = option(None, "the evaluation metric that ranks models (default: the task's main metric; "
+                                  "mse is minimised, the others maximised)")
+    save_best: bool = option(False, "keep the best evaluation's weights: the final model (and --test-file's "
+                             "predictions) are the best one's")
+    early_stopping_patience: int = option(None, "stop after this many evaluations without improvement")
+
+    def __post_init__(self):
+        self.model = self.model or bundled_model_path()
+
+    def validate(self):
+        """Every check of the options alone (files and data are checked when they are read)."""
+        _check_choices(self, {"padding": PADDING_MODES, "precision": PRECISIONS})
+        _at_least_one(self, ("epochs", "batch_size", "grad_accum", "log_every", "max_length"),
+                      ("max_steps", "save_every", "keep_last", "eval_every", "early_stopping_patience"))
+        _check_numbers(self, {  # name: (allowed, what the message says)
+            "lr": (lambda x: x > 0, "a positive number"),
+            "weight_decay": (lambda x: x >= 0, "a number >= 0"),
+            "warmup_ratio": (lambda x: 0 <= x < 1, "in [0, 1)"),
+            "max_grad_norm": (lambda x: x > 0, "a positive number"),
+            "compile_seconds": (lambda x: x >= 0, "a number of seconds >= 0"),
+        })
+        if not 0 <= self.seed < 2**32:
+            raise UserError(f"--seed must be in [0, 2**32), not {self.seed}")
+        check_choices(self.task, self.problem)
+        if self.test_file and not self.output_dir:
+            raise UserError("--test-file needs --output-dir, where predictions.EXT is written")
+        if self.resume and not self.output_dir:
+            raise UserError("--resume needs --output-dir, the folder that holds the checkpoints")
+        parse_buckets(self.buckets, self.max_length)
+        check_model_path(self.model)
+        if self.metrics_out:
+            check_output_file(self.metrics_out, "--metrics-out")
+
+
+@dataclass
+class PredictOptions:
+    """`xla-train predict`: a fine-tuned classifier's predictions for a file."""
+
+    model: str = option(None, "a folder written by xla-train train (or any fine-tuned sequence-classification "
+                        "folder)", required=True)
+    input: str = option(None, ".csv, .tsv, .json, .jsonl, or a GLUE .tsv file (test.tsv)", required=True)
+    output: str = option(None, "file to write (missing folders are made): GLUE's index<TAB>prediction for a GLUE "
+                         "file, else the input's columns plus prediction and score, in the format of its "
+                         "extension", required=True)
+    backend: str = option("auto", "auto | xla | cuda | cpu")
+    strategy: str = option("ddp", "ddp or spmd (XLA)")
+    num_processes: int = option(None, "workers on this host (default: one per TPU core or GPU; 1 on the CPU)")
+    batch_size: int = option(8, "rows per replica and batch")
+    text_columns: str = option(None, "A or A,B (default: the columns the model was trained on)")
+    task: str = option(None, "the GLUE task whose file layout --input has (default: the model's own task)")
+    max_length: int = option(None, "truncate rows (default: training's, else 128)")
+    buckets: str = option("auto", "auto, or lengths like 32,64,96,128")
+
+    def validate(self):
+        _at_least_one(self, ("batch_size",), ("max_length",))
+        check_choices(self.task)
+        check_output_file(self.output, "--output", formats=FILE_FORMATS)
+        check_model_path(self.model, need=True)
+        if self.max_length:
+            parse_buckets(self.buckets, self.max_length)
+
+
+def _check_choices(opts, choices):
+    for name, allowed in choices.items():
+        if getattr(opts, name) not in allowed:
+            raise UserError(f"{flag_name(name)} must be one of {', '.join(allowed)}, not {getattr(opts, name)!r}")
+
+
+def _at_least_one(opts, always, when_given):
+    for name in (*always, *(n for n in when_given if getattr(opts, n) is not None)):
+        if getattr(opts, name) < 1:
+            raise UserError(f"{flag_name(name)} must be at least 1")
+
+
+def _check_numbers(opts, rules):
+    for name, (ok, what) in rules.items():
+        value = getattr(opts, name)
+        if value is not None and not (math.isfinite(value) and ok(value)):
+            raise UserError(f"{flag_name(name)} must be {what}, not {value}")
+
+
+def parse_buckets(spec, max_length):
+    """`auto` or a comma-separated list of increasing lengths no longer than `max_length`."""
+    if spec == "auto":
+        return "auto"
+    try:
+        buckets = sorted({int(x) for x in spec.split(",") if x.strip()})
+    except ValueError:
+        raise UserError(f"--buckets must be 'auto' or lengths like 32,64,96,128, not {spec!r}") from None
+    if not buckets or buckets[0] < 1:
+        raise UserError(f"--buckets must list positive lengths, not {spec!r}")
+    if buckets[-1] > max_length:
+        raise UserError(f"bucket {buckets[-1]} is longer than --max-length {max_length}")
+    return buckets
+
+
+def check_model_path(name, need=False):
+    """A --model that names a local path (or, with `need`, any --model) must be a model folder;
+    anything else is a hub name."""
+    path = Path(name).expanduser()
+    if not (need or path.exists() or str(name).startswith(("/", ".", "~"))):
+        return
+    if not path.exists():
+        raise UserError(f"--model {name}: no such folder")
+    if not (path / "config.json").is_file():
+        raise UserError(f"--model {name}: not a model folder (no config.json in it)")
+
+
+def check_output_file(name, option, formats=None):
+    """A file the run writes at its end can be written: no folder, of a known format (`formats`),
+    under a folder or a path where one can be made (missing folders are made when it is written)."""
+    from .storage import nearest_existing
+
+    path = Path(name)
+    if formats and path.suffix.lower() not in formats:
+        raise UserError(f"{option} {path}: unknown file type {path.suffix or '(none)'!r}; use {', '.join(formats)}")
+    if path.is_dir():
+        raise UserError(f"{option} {name} is a folder; name a file")
+    parent = nearest_existing(path.parent)
+    if not parent.is_dir():
+        raise UserError(f"{option} {name}: {parent} is a file, not a folder")
+
+
+def option_fields(cls):
+    """(flag, field) of every option of `cls`, in declaration order."""
+    return [(flag_name(f.name), f) for f in fields(cls)]
