@@ -13,10 +13,8 @@ Launch commands this backend serves:
 import gc
 import logging
 import os
-import shutil
 import socket
 import sys
-import tempfile
 from contextlib import nullcontext
 
 import torch
@@ -25,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from xla_train.backend import Backend
 from xla_train.errors import ExitError, Stopped, UserError, tell, told
+from xla_train.launchers import failure_channel, worker_folder
 
 
 def _launched_by_torchrun():
@@ -67,26 +66,25 @@ class TorchBackend(Backend):
         # spawn by default: a forked child of a process whose OpenMP pool already ran can hang.
         # Notebooks need fork (spawn cannot import a function defined in a cell), so
         # notebook_launcher forks before the notebook has run torch ops in parallel, as Accelerate's does.
-        # A worker that fails leaves its one-line message in `errors` and this process prints it:
-        # torch stops the other workers as soon as one exits, maybe before they could print.
-        errors = tempfile.mkdtemp(prefix="xla_train_errors_")
-        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(nprocs),
-               "XLA_TRAIN_ERRORS": errors}
+        # A worker that fails leaves its one-line message in the launch's folder and this process
+        # prints it: torch stops the other workers as soon as one exits, maybe before they could print.
+        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(nprocs)}
         # When one worker exits with an error, torch stops the others and logs each one it
         # terminates; the worker's own message says what happened.
         spawn_log = logging.getLogger("torch.multiprocessing.spawn")
         level = spawn_log.level
         spawn_log.setLevel(logging.ERROR)
         try:
-            torch.multiprocessing.start_processes(_worker, args=(self, env, fn, args), nprocs=nprocs,
-                                                  start_method=start_method)
-        except torch.multiprocessing.ProcessExitedException as e:
-            if e.exit_code is None or e.exit_code < 0:  # killed by a signal it did not handle
-                raise
-            raise told(errors) or UserError("", e.exit_code)
+            with failure_channel() as errors:
+                try:
+                    torch.multiprocessing.start_processes(_worker, args=(self, env, fn, args), nprocs=nprocs,
+                                                          start_method=start_method)
+                except torch.multiprocessing.ProcessExitedException as e:
+                    if e.exit_code is None or e.exit_code < 0:  # killed by a signal it did not handle
+                        raise
+                    raise told(errors) or UserError("", e.exit_code) from None
         finally:
             spawn_log.setLevel(level)
-            shutil.rmtree(errors, ignore_errors=True)
 
     def run_worker(self, fn, args=(), report_stop=False):
         stopped = None
@@ -230,6 +228,6 @@ def _worker(local_rank, backend, env, fn, args):
     except ExitError as e:
         # One line, not the traceback torch.multiprocessing would pass up, told by the launcher
         # (a stop was reported before the workers parted).
-        if str(e) and not isinstance(e, Stopped):
-            tell(env["XLA_TRAIN_ERRORS"], local_rank, e)
+        if str(e) and not isinstance(e, Stopped) and worker_folder():
+            tell(worker_folder(), local_rank, e)
         sys.exit(e.exit_code)

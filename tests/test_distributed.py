@@ -168,7 +168,7 @@ def test_forked_replicas_get_the_job_without_pickling_it(tiny_model):
     import torch.multiprocessing  # noqa: F401  registers them
     from transformers import AutoModelForSequenceClassification
 
-    from xla_train import xla_backend
+    from xla_train import launchers, xla_backend
 
     def pickled(entry, args):
         buf = io.BytesIO()
@@ -177,10 +177,10 @@ def test_forked_replicas_get_the_job_without_pickling_it(tiny_model):
 
     model = AutoModelForSequenceClassification.from_pretrained(tiny_model)
     job = (object.__new__(xla_backend.XLABackend), len, (model,))
-    size = pickled(*xla_backend.spawn_arguments(*job, start_method="fork"))
-    xla_backend._HANDED_OFF.clear()
+    size = pickled(*launchers.spawn_arguments(*job, start_method="fork"))
+    launchers._HANDED_OFF.clear()
     assert size < 1000 and not any(p.is_shared() for p in model.parameters())
-    pickled(*xla_backend.spawn_arguments(*job, start_method="spawn"))  # spawn cannot inherit: pickled
+    pickled(*launchers.spawn_arguments(*job, start_method="spawn"))  # spawn cannot inherit: pickled
     assert all(p.is_shared() for p in model.parameters())
 
 
@@ -205,9 +205,9 @@ def _replica_part(part, folder):
 
 def _pool_entry(index, parts):
     from gpu_fallback.backend import CPUBackend
-    from xla_train import xla_backend
+    from xla_train import launchers
 
-    xla_backend._run_replica(index, CPUBackend(), _replica_part, (parts[index], xla_backend.replica_folder()))
+    launchers._run_replica(index, CPUBackend(), _replica_part, (parts[index], launchers.worker_folder()))
 
 
 FAILING_POOL = """
@@ -215,16 +215,16 @@ import concurrent.futures, functools, json, multiprocessing, os, sys
 import torch
 sys.path.insert(0, {tests!r})
 from test_distributed import _pool_entry
-from xla_train import xla_backend
+from xla_train import launchers
 from xla_train.errors import UserError
 from xla_train.signals import StopRequest
 try:
-    with StopRequest(), xla_backend.replica_failures():
+    with StopRequest(), launchers.replica_failures():
         context = torch.multiprocessing.get_context("fork")
         with concurrent.futures.ProcessPoolExecutor(2, mp_context=context) as pool:
             list(pool.map(functools.partial(_pool_entry, parts=("stuck", {part!r})), range(2)))
 except UserError as e:
-    print(json.dumps({{"line": str(e), "code": e.exit_code, "variable_left": xla_backend._REPLICAS in os.environ,
+    print(json.dumps({{"line": str(e), "code": e.exit_code, "variable_left": launchers._CHANNEL in os.environ,
                       "children": len(multiprocessing.active_children())}}))
 """
 
@@ -263,13 +263,13 @@ def test_only_the_launchers_children_are_its_replicas():
     """A process that a replica starts inherits the launch's variable, but is no replica: it must
     neither register nor kill the replicas when it fails. Here a child of the launcher stands for a
     replica, and the child it starts for a process a replica starts."""
-    from xla_train import xla_backend
+    from xla_train import launchers
 
-    ask = "from xla_train import xla_backend; print(xla_backend.replica_folder())"
+    ask = "from xla_train import launchers; print(launchers.worker_folder())"
     replica = f"import subprocess, sys; {ask}; subprocess.run([sys.executable, '-c', {ask!r}])"
-    with xla_backend.replica_failures():
-        assert xla_backend.replica_folder() is None  # the launcher itself
-        folder = os.environ[xla_backend._REPLICAS].partition(":")[2]
+    with launchers.replica_failures():
+        assert launchers.worker_folder() is None  # the launcher itself
+        folder = os.environ[launchers._CHANNEL].partition(":")[2]
         proc = subprocess.run([sys.executable, "-c", replica], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.stdout.split() == [folder, "None"], proc.stderr[-3000:]
 
@@ -282,8 +282,8 @@ def test_spmd_processes_agree_through_a_reduction_over_every_device(tmp_path):
     devices with an all-reduce, the collective that spans the hosts on a pod."""
     script = """
 import torch, torch_xla
-from xla_train.xla_backend import XLABackend
-backend = XLABackend(strategy="spmd")
+from xla_train.xla_backend import XLASpmdBackend
+backend = XLASpmdBackend()
 backend.setup()
 rows = backend.gather_rows(torch.tensor([3, 0], dtype=torch.int32))
 print(backend.peers, tuple(rows.shape), torch_xla._XLAC._get_xla_sharding_spec(rows))

@@ -84,8 +84,27 @@ def test_no_import_circle():
 def test_the_interface_imports_no_implementation():
     graph = import_graph()
     assert graph["xla_train.backend"] <= {"xla_train.errors"}
-    assert not any(m.startswith("xla_train") and m not in ("xla_train.backend", "xla_train.errors")
+    # the launchers (xmp.spawn's and torch.multiprocessing's, one failure channel) are shared too
+    assert graph["xla_train.launchers"] <= {"xla_train.errors"}
+    assert not any(m.startswith("xla_train") and m not in ("xla_train.backend", "xla_train.errors",
+                                                           "xla_train.launchers")
                    for m in graph["gpu_fallback.backend"])
+
+
+def test_strategies_are_chosen_in_one_place():
+    """No comparison with a strategy's name outside backend selection: a strategy is a class."""
+    found = []
+    for name, path in modules().items():
+        if name == "xla_train.selection":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Compare) and "strategy" in ast.unparse(node):
+                found.append(f"{name}:{node.lineno}: {ast.unparse(node)}")
+    assert not found, found
+
+
+def test_no_long_functions():
+    assert [f for n, f in longest_functions(1000) if n > 60] == []
 
 
 def longest_functions(n=8):

@@ -30,7 +30,8 @@ def auto_choice():
 
 
 def select_backend(name="auto", num_processes=None, strategy="ddp"):
-    """The backend for `--backend NAME`, not yet started (no runtime, no process group)."""
+    """The backend for `--backend NAME` and `--strategy`, not yet started (no runtime, no
+    process group). The one place that maps the two names to an implementation."""
     if name not in BACKENDS:
         raise UserError(f"--backend must be one of {', '.join(BACKENDS)}, not {name!r}")
     if strategy not in STRATEGIES:
@@ -39,14 +40,14 @@ def select_backend(name="auto", num_processes=None, strategy="ddp"):
         raise UserError(f"--num-processes must be at least 1, not {num_processes}")
     if name == "auto":
         name, _ = auto_choice()
-    if strategy == "spmd" and name != "xla":
-        raise UserError(f"--strategy spmd needs the xla backend, not {name}")
     if name == "xla":
         if not xla_available():
             raise UserError("--backend xla needs torch_xla: pip install 'xla-train[tpu]' (or torch_xla for CPU)")
-        from .xla_backend import XLABackend
+        from . import xla_backend
 
-        return XLABackend(num_processes, strategy)
+        return {"ddp": xla_backend.XLABackend, "spmd": xla_backend.XLASpmdBackend}[strategy](num_processes)
+    if strategy != "ddp":
+        raise UserError(f"--strategy {strategy} needs the xla backend, not {name}")
     if name == "cuda":
         if not torch.cuda.is_available():
             raise UserError("--backend cuda: no CUDA device is visible")

@@ -7,23 +7,16 @@ Launch commands this backend serves:
     PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 xla-train train --backend xla --strategy spmd   # 4 CPU devices
 """
 
-import contextlib
 import glob
 import importlib.util
 import os
-import shutil
-import signal
-import sys
-import tempfile
 import threading
-import traceback
-from concurrent.futures.process import BrokenProcessPool
-from pathlib import Path
 
 import torch
 
 from .backend import Backend
-from .errors import ExitError, Stopped, UserError, describe, tell, told
+from .errors import UserError
+from .launchers import spawn_replicas
 
 # Attention implementation registered below: transformers' own SDPA attention with a mask
 # function that never asks whether the padding mask is all ones. Stock "sdpa" evaluates
@@ -73,12 +66,15 @@ def _read(path):
 
 
 class XLABackend(Backend):
+    """Data parallel: one replica per device under xmp.spawn, gradients all-reduced in
+    `xm.optimizer_step`. Other strategies subclass it and override what differs."""
+
     name = "xla"
     static_shapes = True
     compile_seconds = 12.0  # one training graph of the bundled model on XLA:CPU, measured here
     token_seconds = 2e-3  # XLA:CPU, training step, per padded token
 
-    def __init__(self, num_processes=None, strategy="ddp"):
+    def __init__(self, num_processes=None):
         if num_processes not in (None, 1):
             # xmp.spawn under PJRT takes nprocs 1 or None (every local device) and raises
             # ValueError for anything else (torch_xla/_internal/pjrt.py, spawn, lines 204-209)
@@ -94,7 +90,7 @@ class XLABackend(Backend):
             # post does not say which of its runs (bert-large MLM on a v3-8) printed it; not
             # measured here. The per-token cost is a rough figure for a v4 chip, not measured here.
             self.compile_seconds, self.token_seconds = 6.0, 2e-6
-        self.num_processes, self.strategy = num_processes, strategy
+        self.num_processes = num_processes
         _register_attention()
 
     def planned_devices(self):
@@ -104,16 +100,12 @@ class XLABackend(Backend):
         if device == "TPU":
             from torch_xla._internal import tpu
 
-            if self.strategy != "spmd" and self.num_processes == 1:
+            if self.num_processes == 1:
                 return tpu.num_tpu_workers()  # one replica per host
             # PCI chips x cores per chip x hosts; "safe to call before xmp.spawn"
             # (torch_xla/_internal/tpu.py, num_available_devices and num_expected_global_devices)
             return tpu.num_expected_global_devices()
-        if self.strategy != "spmd":
-            return 1 if device == "CPU" else int(os.environ.get("GPU_NUM_DEVICES", 1))  # see launch()
-        # SPMD shards each batch over every device of the process: CPU_NUM_DEVICES / GPU_NUM_DEVICES
-        # (torch_xla/core/xla_env_vars.py), one device when unset
-        return int(os.environ.get(f"{device}_NUM_DEVICES", 1))
+        return 1 if device == "CPU" else int(os.environ.get("GPU_NUM_DEVICES", 1))  # see launch()
 
     def host_position(self):
         if os.environ["PJRT_DEVICE"].upper() != "TPU":
@@ -123,27 +115,6 @@ class XLABackend(Backend):
         # the tpu-env metadata (or TPU_WORKER_ID / TPU_WORKER_HOSTNAMES), read without starting the
         # runtime (torch_xla/_internal/tpu.py, worker_id and num_tpu_workers)
         return tpu.worker_id(), tpu.num_tpu_workers()
-
-    def setup(self):
-        if self.strategy == "spmd":
-            import torch_xla.runtime as xr
-
-            xr.use_spmd()  # before any tensor reaches the device
-
-    @property
-    def devices_per_process(self):
-        if self.strategy != "spmd":
-            return 1
-        import torch_xla.runtime as xr
-
-        return xr.global_runtime_device_count()
-
-    def _mesh(self):
-        import numpy as np
-        import torch_xla.distributed.spmd as xs
-
-        n = self.devices_per_process
-        return xs.Mesh(np.arange(n), (n,), ("data",))
 
     def use_compile_cache(self, path):
         import torch_xla.runtime as xr
@@ -161,22 +132,12 @@ class XLABackend(Backend):
                 _cache_set = True
 
     def launch(self, fn, args=(), nprocs=None, start_method="fork"):
-        import torch_xla.distributed.xla_multiprocessing as xmp
-
-        if self.strategy == "spmd":
-            self.run_worker(fn, args)  # one process for every device; xmp.spawn would start the runtime before use_spmd()
-            return
         nprocs = nprocs or self.num_processes
         if os.environ["PJRT_DEVICE"].upper() == "CPU":
             nprocs = 1  # XLA:CPU runs one replica; xmp.spawn then calls fn in this process.
         # fork: replicas share the parent's tokenised data and model pages instead of each
         # loading a copy. The parent must not have started the XLA runtime.
-        entry, entry_args = spawn_arguments(self, fn, args, start_method)
-        try:
-            with replica_failures() if nprocs != 1 else contextlib.nullcontext():
-                xmp.spawn(entry, args=entry_args, nprocs=nprocs, start_method=start_method)
-        finally:
-            _HANDED_OFF.clear()
+        spawn_replicas(self, fn, args, nprocs, start_method)
 
     @property
     def device(self):
@@ -194,15 +155,11 @@ class XLABackend(Backend):
     def rank(self):
         import torch_xla.runtime as xr
 
-        if self.strategy == "spmd":
-            # one process per host drives all its devices: the main one is process 0. The default
-            # device's global ordinal would be 0 on every host (torch_xla/runtime.py, process_index)
-            return xr.process_index()
         return xr.global_ordinal()
 
     @property
     def replicas_per_process(self):
-        if self.strategy == "spmd" or self.world_size == 1:
+        if self.world_size == 1:
             return 1
         import torch_xla.runtime as xr
 
@@ -228,15 +185,12 @@ class XLABackend(Backend):
     def wrap_loader(self, loader):
         import torch_xla.distributed.parallel_loader as pl
 
-        # Uploads batches in a background thread and ends every step with a graph cut. Under
-        # SPMD the batch's first dimension is split over the mesh's data axis (2-D inputs;
-        # 1-D labels are small and stay replicated); the partitioner inserts the collectives.
-        sharding = None
-        if self.strategy == "spmd":
-            import torch_xla.distributed.spmd as xs
+        # Uploads batches in a background thread and ends every step with a graph cut.
+        return pl.MpDeviceLoader(loader, self.device, input_sharding=self.input_sharding())
 
-            sharding = xs.ShardingSpec(self._mesh(), ("data", None))
-        return pl.MpDeviceLoader(loader, self.device, input_sharding=sharding)
+    def input_sharding(self):
+        """How a batch is laid over the devices (None: each replica's batch on its device)."""
+        return None
 
     def inference_mode(self):
         return torch.no_grad()  # inference tensors are a plain-torch optimisation; no_grad is what torch_xla's examples use
@@ -257,31 +211,6 @@ class XLABackend(Backend):
         import torch_xla.core.xla_model as xm
 
         return xm.all_gather(tensor, dim=0) if self.world_size > 1 else tensor
-
-    @property
-    def peers(self):
-        if self.strategy == "spmd":  # one replica (world_size 1), but a process on every host
-            import torch_xla.runtime as xr
-
-            return xr.process_count()
-        return self.world_size
-
-    def gather_rows(self, row):
-        if self.strategy != "spmd":
-            return super().gather_rows(row)
-        import torch_xla.core.xla_model as xm
-        import torch_xla.distributed.spmd as xs
-        import torch_xla.runtime as xr
-
-        # Each process gives its own rows (one per local device) of a tensor sharded over every
-        # device: `minibatch` takes a process's data as its part of the global tensor
-        # (torch_xla/core/xla_model.py, send_cpu_data_to_device, lines 1279-1292, "per-host").
-        # A reduction over the rows then runs across the hosts; each process alone would give
-        # one host's view of a stop.
-        local = row[None].expand(xr.addressable_runtime_device_count(), -1).contiguous()
-        sharding = xs.ShardingSpec(self._mesh(), ("data", None), minibatch=True)
-        (rows,) = xm.send_cpu_data_to_device([local], self.device, sharding)
-        return rows
 
     def barrier(self):
         import torch_xla.core.xla_model as xm
@@ -372,120 +301,78 @@ class XLABackend(Backend):
 
 _CACHE_LOCK = threading.Lock()
 _cache_set = False
-_HANDED_OFF = {}  # the job forked replicas inherit (set before xmp.spawn, never pickled)
 
 
-def spawn_arguments(backend, fn, args, start_method):
-    """The function and arguments for xmp.spawn. It pickles them into every replica
-    (torch_xla/_internal/pjrt.py, run_multiprocess: executor.map over a partial of fn and args),
-    and torch's pickler moves every tensor through shared memory (/dev/shm: 64 MB in a default
-    container). Forked replicas take the job from this module instead: only a key is pickled."""
-    if start_method != "fork":
-        return _run_replica, (backend, fn, args)
-    key = f"job-{len(_HANDED_OFF)}"
-    _HANDED_OFF[key] = (backend, fn, args)
-    return _run_handed_off, (key,)
+class XLASpmdBackend(XLABackend):
+    """SPMD: one process per host drives every device; each batch is split over a mesh's data
+    axis (2-D inputs; 1-D labels are small and stay replicated) and the partitioner inserts the
+    collectives. The world size is 1, but every host has a process (`peers`)."""
 
+    def launch(self, fn, args=(), nprocs=None, start_method="fork"):
+        self.run_worker(fn, args)  # one process for every device; xmp.spawn would start the runtime before use_spmd()
 
-def _run_handed_off(index, key):
-    _run_replica(index, *_HANDED_OFF[key])
+    def planned_devices(self):
+        if os.environ["PJRT_DEVICE"].upper() == "TPU":
+            from torch_xla._internal import tpu
 
+            return tpu.num_expected_global_devices()  # every chip of every host (see XLABackend)
+        # every device of the process: CPU_NUM_DEVICES / GPU_NUM_DEVICES (torch_xla/core/xla_env_vars.py),
+        # one device when unset
+        return int(os.environ.get(f"{os.environ['PJRT_DEVICE'].upper()}_NUM_DEVICES", 1))
 
-def _run_replica(index, backend, fn, args):
-    """One replica of xmp.spawn (`index`: its global ordinal). Under PJRT, xmp.spawn runs the
-    replicas in a ProcessPoolExecutor, collects their results in order, and leaving its `with`
-    block waits for every worker (torch_xla/_internal/pjrt.py, run_multiprocess, lines 159-168).
-    So a replica that fails alone would leave the others waiting in their next collective, and
-    the launcher waiting for them, for ever. Within `replica_failures()` a failing replica instead
-    tells the launcher its line, kills its sibling replicas (they are stuck in, or bound for, a
-    collective; a checkpoint is written whole or not at all) and leaves the pool at once: the
-    executor then fails the pending results with BrokenProcessPool (concurrent/futures/process.py,
-    terminate_broken), which `replica_failures()` turns into the line. A replica that dies without
-    a word (the kernel's out-of-memory killer) is noticed by the others' watchdog, which does the same."""
-    folder = replica_folder()
-    if folder is None:  # nprocs=1: xmp.spawn calls this in the launcher's process, errors go up as they are
-        backend.run_worker(fn, args)
-        return
-    done = threading.Event()
-    try:
-        Path(folder, f"pid-{os.getpid()}").touch()  # threads of one process (Colab) share a pid
-        threading.Thread(target=_watch_siblings, args=(folder, done), daemon=True).start()
-        backend.run_worker(fn, args)
-    except Stopped:
-        raise  # every replica stopped at the same step: they leave together
-    except BaseException as e:  # noqa: B036 - any failure must end every replica
-        code = e.exit_code if isinstance(e, ExitError) else 1
-        try:
-            if not isinstance(e, ExitError):
-                traceback.print_exc()  # a bug: its traceback, then the job's one line
-                e = UserError(f"replica {index} failed: {describe(e)}", code)
-            tell(folder, index, e)
-        finally:  # even if the line cannot be told (a full disk), the job must end
-            _leave(folder, code)
-    finally:
-        done.set()
+    def setup(self):
+        import torch_xla.runtime as xr
 
+        xr.use_spmd()  # before any tensor reaches the device
 
-_REPLICAS = "XLA_TRAIN_REPLICAS"  # "LAUNCHER-PID:FOLDER": where replicas register and tell failures
-NO_WORD = ("a replica process ended without a word (killed by a signal or by the system for want of "
-           "memory, or it could not start); every replica was stopped")
+    @property
+    def devices_per_process(self):
+        import torch_xla.runtime as xr
 
+        return xr.global_runtime_device_count()
 
-@contextlib.contextmanager
-def replica_failures():
-    """Around xmp.spawn with several replicas: one replica's failure ends the job with its line."""
-    folder = tempfile.mkdtemp(prefix="xla_train_replicas_")
-    previous = os.environ.get(_REPLICAS)
-    os.environ[_REPLICAS] = f"{os.getpid()}:{folder}"  # the replicas, forked or spawned, inherit it
-    try:
-        yield
-    except BrokenProcessPool:
-        raise told(folder) or UserError(NO_WORD, 1) from None
-    finally:
-        if previous is None:
-            del os.environ[_REPLICAS]
-        else:
-            os.environ[_REPLICAS] = previous
-        shutil.rmtree(folder, ignore_errors=True)
+    @property
+    def rank(self):
+        import torch_xla.runtime as xr
 
+        # one process per host drives all its devices: the main one is process 0. The default
+        # device's global ordinal would be 0 on every host (torch_xla/runtime.py, process_index)
+        return xr.process_index()
 
-def replica_folder():
-    """In a replica started inside `replica_failures()`, the launch's folder; else None. Only the
-    launcher's own children are its replicas: a process a replica starts inherits the variable."""
-    launcher, _, folder = os.environ.get(_REPLICAS, "").partition(":")
-    return folder if folder and launcher == str(os.getppid()) else None
+    @property
+    def replicas_per_process(self):
+        return 1
 
+    def mesh(self):
+        import numpy as np
+        import torch_xla.distributed.spmd as xs
 
-def _siblings(folder):
-    pids = {int(name[4:]) for name in os.listdir(folder) if name.startswith("pid-")}
-    return pids - {os.getpid()}
+        n = self.devices_per_process
+        return xs.Mesh(np.arange(n), (n,), ("data",))
 
+    def input_sharding(self):
+        import torch_xla.distributed.spmd as xs
 
-def _gone(pid):
-    """Ended, or a zombie its launcher has not reaped yet (Linux's /proc; elsewhere never)."""
-    if not os.path.isdir("/proc"):
-        return False
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
+        return xs.ShardingSpec(self.mesh(), ("data", None))
 
+    @property
+    def peers(self):  # one replica (world_size 1), but a process on every host
+        import torch_xla.runtime as xr
 
-def _watch_siblings(folder, done):
-    # A sibling's process ends only when the launcher's pool shuts down, after every replica
-    # returned: one that ends while this replica still runs was killed.
-    while not done.wait(1.0):
-        if any(_gone(pid) for pid in _siblings(folder)):
-            _leave(folder, 1)
+        return xr.process_count()
 
+    def gather_rows(self, row):
+        import torch_xla.core.xla_model as xm
+        import torch_xla.distributed.spmd as xs
+        import torch_xla.runtime as xr
 
-def _leave(folder, code):
-    try:
-        for pid in _siblings(folder):
-            if not _gone(pid):  # a pid already gone may be another process's by now
-                with contextlib.suppress(OSError):
-                    os.kill(pid, signal.SIGKILL)
-        sys.stdout.flush()
-        sys.stderr.flush()
-    finally:
-        os._exit(code)
+        # Each process gives its own rows (one per local device) of a tensor sharded over every
+        # device: `minibatch` takes a process's data as its part of the global tensor
+        # (torch_xla/core/xla_model.py, send_cpu_data_to_device, lines 1279-1292, "per-host").
+        # A reduction over the rows then runs across the hosts; each process alone would give
+        # one host's view of a stop.
+        local = row[None].expand(xr.addressable_runtime_device_count(), -1).contiguous()
+        sharding = xs.ShardingSpec(self.mesh(), ("data", None), minibatch=True)
+        (rows,) = xm.send_cpu_data_to_device([local], self.device, sharding)
+        return rows
+

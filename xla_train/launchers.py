@@ -1,0 +1,164 @@
+"""Starting the workers of a job and ending them all when one fails: the one place for both.
+
+Two launchers start workers on this host: `xmp.spawn` (XLA replicas, `XLABackend.launch`) and
+torch.multiprocessing (gloo / NCCL workers, `gpu_fallback`). Both use one failure channel: the
+launcher makes a folder and names it, with its own pid, in one environment variable its workers
+inherit (`failure_channel`); a failing worker leaves its one line there (`errors.tell`), and the
+launcher raises the line of the lowest-ranked worker that told one (`errors.told`).
+XLA replicas also stop their siblings themselves (`replica_failures`, below), because xmp.spawn
+would wait for them for ever; torch.multiprocessing stops the others itself.
+"""
+
+import contextlib
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import traceback
+from concurrent.futures.process import BrokenProcessPool
+from pathlib import Path
+
+from .errors import ExitError, Stopped, UserError, describe, tell, told
+
+_CHANNEL = "XLA_TRAIN_LAUNCH"  # "LAUNCHER-PID:FOLDER": where workers register and tell failures
+
+
+@contextlib.contextmanager
+def failure_channel():
+    """Around a launch: yields the folder its workers tell their failures in (see `worker_folder`)."""
+    folder = tempfile.mkdtemp(prefix="xla_train_launch_")
+    previous = os.environ.get(_CHANNEL)
+    os.environ[_CHANNEL] = f"{os.getpid()}:{folder}"  # the workers, forked or spawned, inherit it
+    try:
+        yield folder
+    finally:
+        if previous is None:
+            del os.environ[_CHANNEL]
+        else:
+            os.environ[_CHANNEL] = previous
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def worker_folder():
+    """In a worker started inside `failure_channel()`, the launch's folder; else None. Only the
+    launcher's own children are its workers: a process a worker starts inherits the variable."""
+    launcher, _, folder = os.environ.get(_CHANNEL, "").partition(":")
+    return folder if folder and launcher == str(os.getppid()) else None
+
+
+_HANDED_OFF = {}  # the job forked replicas inherit (set before xmp.spawn, never pickled)
+
+
+def spawn_replicas(backend, fn, args, nprocs, start_method="fork"):
+    """`fn(*args)` in `nprocs` XLA replicas through xmp.spawn (None: one per local device; 1: in
+    this process), each through `backend.run_worker`; one replica's failure ends them all."""
+    import torch_xla.distributed.xla_multiprocessing as xmp
+
+    entry, entry_args = spawn_arguments(backend, fn, args, start_method)
+    try:
+        with replica_failures() if nprocs != 1 else contextlib.nullcontext():
+            xmp.spawn(entry, args=entry_args, nprocs=nprocs, start_method=start_method)
+    finally:
+        _HANDED_OFF.clear()
+
+
+def spawn_arguments(backend, fn, args, start_method):
+    """The function and arguments for xmp.spawn. It pickles them into every replica
+    (torch_xla/_internal/pjrt.py, run_multiprocess: executor.map over a partial of fn and args),
+    and torch's pickler moves every tensor through shared memory (/dev/shm: 64 MB in a default
+    container). Forked replicas take the job from this module instead: only a key is pickled."""
+    if start_method != "fork":
+        return _run_replica, (backend, fn, args)
+    key = f"job-{len(_HANDED_OFF)}"
+    _HANDED_OFF[key] = (backend, fn, args)
+    return _run_handed_off, (key,)
+
+
+def _run_handed_off(index, key):
+    _run_replica(index, *_HANDED_OFF[key])
+
+
+def _run_replica(index, backend, fn, args):
+    """One replica of xmp.spawn (`index`: its global ordinal). Under PJRT, xmp.spawn runs the
+    replicas in a ProcessPoolExecutor, collects their results in order, and leaving its `with`
+    block waits for every worker (torch_xla/_internal/pjrt.py, run_multiprocess, lines 159-168).
+    So a replica that fails alone would leave the others waiting in their next collective, and
+    the launcher waiting for them, for ever. Within `replica_failures()` a failing replica instead
+    tells the launcher its line, kills its sibling replicas (they are stuck in, or bound for, a
+    collective; a checkpoint is written whole or not at all) and leaves the pool at once: the
+    executor then fails the pending results with BrokenProcessPool (concurrent/futures/process.py,
+    terminate_broken), which `replica_failures()` turns into the line. A replica that dies without
+    a word (the kernel's out-of-memory killer) is noticed by the others' watchdog, which does the same."""
+    folder = worker_folder()
+    if folder is None:  # nprocs=1: xmp.spawn calls this in the launcher's process, errors go up as they are
+        backend.run_worker(fn, args)
+        return
+    done = threading.Event()
+    try:
+        Path(folder, f"pid-{os.getpid()}").touch()  # threads of one process (Colab) share a pid
+        threading.Thread(target=_watch_siblings, args=(folder, done), daemon=True).start()
+        backend.run_worker(fn, args)
+    except Stopped:
+        raise  # every replica stopped at the same step: they leave together
+    except BaseException as e:  # noqa: B036 - any failure must end every replica
+        code = e.exit_code if isinstance(e, ExitError) else 1
+        try:
+            if not isinstance(e, ExitError):
+                traceback.print_exc()  # a bug: its traceback, then the job's one line
+                e = UserError(f"replica {index} failed: {describe(e)}", code)
+            tell(folder, index, e)
+        finally:  # even if the line cannot be told (a full disk), the job must end
+            _leave(folder, code)
+    finally:
+        done.set()
+
+
+NO_WORD = ("a replica process ended without a word (killed by a signal or by the system for want of "
+           "memory, or it could not start); every replica was stopped")
+
+
+@contextlib.contextmanager
+def replica_failures():
+    """Around xmp.spawn with several replicas: one replica's failure ends the job with its line."""
+    with failure_channel() as folder:
+        try:
+            yield
+        except BrokenProcessPool:
+            raise told(folder) or UserError(NO_WORD, 1) from None
+
+
+def _siblings(folder):
+    pids = {int(name[4:]) for name in os.listdir(folder) if name.startswith("pid-")}
+    return pids - {os.getpid()}
+
+
+def _gone(pid):
+    """Ended, or a zombie its launcher has not reaped yet (Linux's /proc; elsewhere never)."""
+    if not os.path.isdir("/proc"):
+        return False
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+def _watch_siblings(folder, done):
+    # A sibling's process ends only when the launcher's pool shuts down, after every replica
+    # returned: one that ends while this replica still runs was killed.
+    while not done.wait(1.0):
+        if any(_gone(pid) for pid in _siblings(folder)):
+            _leave(folder, 1)
+
+
+def _leave(folder, code):
+    try:
+        for pid in _siblings(folder):
+            if not _gone(pid):  # a pid already gone may be another process's by now
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)
