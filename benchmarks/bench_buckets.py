@@ -23,7 +23,8 @@ from pathlib import Path
 import numpy as np
 from transformers import AutoTokenizer
 
-from xla_train.data import CostModel, auto_buckets, job_rows, tokenize
+from xla_train.data import tokenize
+from xla_train.shapes import CostModel, auto_buckets, job_rows
 from xla_train.tasks import bundled_model_path, load_task
 from xla_train.xla_backend import XLABackend
 

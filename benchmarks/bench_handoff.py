@@ -1,5 +1,5 @@
 """Memory of forked replicas: the job handed to them through a module-level reference (what
-`xla_backend.spawn_arguments` does with fork) against the job pickled into each of them (what
+`launchers.spawn_arguments` does with fork) against the job pickled into each of them (what
 xmp.spawn does with its arguments: torch_xla/_internal/pjrt.py, run_multiprocess, an
 executor.map over a partial of the function and its arguments; torch's pickler moves every
 tensor into shared memory).
@@ -55,18 +55,20 @@ def wait_for(folder, prefix, n):
         time.sleep(0.05)
 
 
-def replica(cfg, task, tokenizer, model, data, buckets, started, folder, n):
+def replica(job, started, folder, n):
     """Stands for train_worker up to the first step: what a replica does with the handed job."""
     import torch
 
-    from xla_train.train import _private_copy, make_loaders
+    from xla_train.data import make_loader
+    from xla_train.train import _private_copy
 
     arrived = time.time() - started
-    model = _private_copy(model)
+    model = _private_copy(job.model)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.0)  # an update writes every page of the weights
-    train_dl, *_ = make_loaders(cfg, tokenizer, data, buckets, task.eval_splits)
+    train_dl = make_loader(job.data["train"], job.tokenizer, job.cfg.batch_size, job.shapes.padding, shuffle=True,
+                           seed=job.cfg.seed, fill="repeat")
     rows = sum(len(batch["input_ids"]) for batch, _ in zip(train_dl, range(BATCHES)))
     Path(folder, f"ready-{os.getpid()}").touch()
     wait_for(folder, "ready-", n)  # every replica alive and done: shares divide among all of them
@@ -93,16 +95,16 @@ def run_case(job, n, handoff, shm_before):
     import torch.multiprocessing
 
     from gpu_fallback.backend import CPUBackend
-    from xla_train import xla_backend
+    from xla_train import launchers
 
     folder = tempfile.mkdtemp()
-    args = (*job, time.time(), folder, n)
-    entry, entry_args = xla_backend.spawn_arguments(CPUBackend(), replica, args, "fork" if handoff else "spawn")
+    args = (job, time.time(), folder, n)
+    entry, entry_args = launchers.spawn_arguments(CPUBackend(), replica, args, "fork" if handoff else "spawn")
     start = time.time()
-    with xla_backend.replica_failures():
+    with launchers.replica_failures():
         with concurrent.futures.ProcessPoolExecutor(n, mp_context=torch.multiprocessing.get_context("fork")) as pool:
             list(pool.map(functools.partial(call, entry=entry, entry_args=entry_args), range(n)))
-    xla_backend._HANDED_OFF.clear()
+    launchers._HANDED_OFF.clear()
     results = [json.loads(p.read_text()) for p in sorted(Path(folder).glob("result-*.json"))]
     first = next(r for r in results if "parent" in r)
     shutil.rmtree(folder)
@@ -131,12 +133,11 @@ def main():
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
     from gpu_fallback.backend import CPUBackend
-    from xla_train.train import TrainConfig, load_model, model_inputs_only, prepare_data
+    from xla_train.train import TrainConfig, prepare
 
     cfg = TrainConfig(backend="cpu", buckets="32,64,96,128")
-    task, tokenizer, data, _, buckets, _ = prepare_data(cfg, CPUBackend())
-    model = load_model(cfg.model, cfg.seed, task, tokenizer.pad_token_id)
-    data = model_inputs_only(data, model)
+    job = prepare(cfg, CPUBackend())
+    data, model = job.data, job.model
     if a.train_copies > 1:
         import datasets
 
@@ -144,7 +145,6 @@ def main():
     weights = sum(t.numel() * t.element_size() for t in model.state_dict().values()) / MIB
     print(f"job: {len(data['train'])} training rows tokenised, model weights {weights:.1f} MiB, "
           f"parent {memory()['pss']:.0f} MiB PSS; /dev/shm {shutil.disk_usage('/dev/shm').total / MIB:.0f} MiB")
-    job = (cfg, task, tokenizer, model, data, buckets)
     shm_before = shm_used()  # the job's use of /dev/shm is measured from here
     rows = []
     for handoff in (True, False):  # the pickled cases last: they move the parent's model into /dev/shm

@@ -3,7 +3,9 @@
 import numpy as np
 import pytest
 
-from xla_train.data import BatchPlan, CostModel, choose_buckets, parse_buckets, tokenize
+from xla_train.data import BatchPlan, tokenize
+from xla_train.options import parse_buckets
+from xla_train.shapes import CostModel, choose_buckets
 from xla_train.tasks import load_mrpc, load_task, read_glue_tsv
 from xla_train.errors import UserError
 

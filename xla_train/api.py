@@ -26,6 +26,7 @@ from .backend import Backend, active_backend
 from .data import BatchPlan, make_loader
 from .errors import UserError, describe
 from .selection import select_backend
+from .shapes import Padding
 
 
 class Engine:
@@ -187,17 +188,27 @@ class Engine:
         that `valid` marks 0: the filler of the last short batch, so every evaluation row is
         counted exactly once. `valid` defaults to that of the last batch a prepared loader gave.
 
-        One device-to-host transfer per call. Returns CPU tensors in the order given.
+        One device-to-host transfer per call. Returns CPU tensors in the order given. Over a
+        whole split, `gather_on_device` per batch and one `rows_to_host` at the end transfer once.
         """
         single = torch.is_tensor(tensors)
-        tensors = [tensors] if single else list(tensors)
+        cols = self.rows_to_host([self.gather_on_device(tensors, valid)])
+        return cols[0] if single else cols
+
+    def gather_on_device(self, tensors, valid=None):
+        """`gather_for_metrics` without the transfer: every replica's rows of these 1-D tensors
+        (and their `valid` mask) as one device tensor, for `rows_to_host`."""
+        tensors = [tensors] if torch.is_tensor(tensors) else list(tensors)
         if valid is None:
             valid = self._valid if self._valid is not None else torch.ones_like(tensors[0])
-        stacked = torch.stack([*tensors, valid.to(tensors[0].dtype)], dim=1)
-        (host,) = self.backend.to_host([self.backend.gather(stacked)])
+        return self.backend.gather(torch.stack([*tensors, valid.to(tensors[0].dtype)], dim=1))
+
+    def rows_to_host(self, parts):
+        """The columns of `gather_on_device`'s results, in one transfer, filler rows dropped."""
+        self.backend.cut_graph()  # the last batch's graph, if its loader has not cut it
+        host = torch.cat(self.backend.read(parts))  # one device-to-host transfer on XLA
         host = host[host[:, -1] != 0]
-        cols = [host[:, i] for i in range(len(tensors))]
-        return cols[0] if single else tuple(cols)
+        return tuple(host[:, i] for i in range(host.shape[1] - 1))
 
     def gather(self, tensor):
         """Concatenates `tensor` (same shape on every replica) along dim 0, on the device."""
@@ -366,7 +377,7 @@ def _static_shape_loader(loader):
     lengths = [len(ids) for ids in ds.with_format(None)["input_ids"]]
     top = -(-max(lengths) // 32) * 32
     shuffle = not isinstance(loader.sampler, torch.utils.data.SequentialSampler)
-    return make_loader(ds, tokenizer, loader.batch_size, "buckets", list(range(32, top + 1, 32)), top,
+    return make_loader(ds, tokenizer, loader.batch_size, Padding("buckets", list(range(32, top + 1, 32)), top),
                        shuffle=shuffle, seed=torch.initial_seed(), fill="repeat" if shuffle else "mask",
                        lengths=lengths)
 

@@ -25,7 +25,7 @@ class Backend(ABC):
     """What the training loop needs from a device runtime. One instance per worker process."""
 
     name: str  # "xla" | "cuda" | "cpu"
-    # Rough costs for `--buckets auto` (see data.CostModel); backends override them.
+    # Rough costs for `--buckets auto` (see shapes.CostModel); backends override them.
     compile_seconds = 0.0
     token_seconds = 1e-5
     # torch.optim's fused kernels (`fused=True`) exist for the CPU and CUDA, not for XLA, which

@@ -8,12 +8,11 @@ batch (`dynamic`, the course's `DataCollatorWithPadding` behaviour) or one fixed
 """
 
 import math
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from .errors import UserError
+from .shapes import Padding
 
 MODEL_INPUTS = ("input_ids", "token_type_ids", "attention_mask")
 
@@ -65,87 +64,6 @@ def model_inputs_only(data, model):
 
 
 # ---------------------------------------------------------------------------------------------
-# Bucket choice
-
-
-def check_fit(lengths, buckets):
-    """Every (truncated) row must fit the longest bucket."""
-    longest = int(np.max(lengths))
-    if longest > buckets[-1]:
-        raise UserError(f"rows of up to {longest} tokens do not fit the longest bucket {buckets[-1]}; "
-                        "add a longer bucket or lower --max-length")
-
-
-@dataclass
-class CostModel:
-    """What `--buckets auto` minimises: graphs x compile cost + padded tokens x per-token cost.
-
-    compile_seconds: cost of one XLA compilation (XLA:CPU here ~10-15 s for this model's training
-        graph; about 6 s a graph in Hugging Face's TPU blog post, see XLABackend; 0 on the eager
-        CUDA/CPU fallback).
-    token_seconds: cost of one padded token in one training step (forward + backward).
-    graphs_per_bucket: graphs each bucket length costs (training step and evaluation step).
-    """
-
-    compile_seconds: float
-    token_seconds: float
-    graphs_per_bucket: int = 2
-
-    def total(self, n_buckets, padded_tokens):
-        return n_buckets * self.graphs_per_bucket * self.compile_seconds + padded_tokens * self.token_seconds
-
-
-def choose_buckets(lengths, weights, max_length, cost, multiple=8):
-    """Bucket lengths that minimise `cost` for rows of these `lengths`.
-
-    `weights[i]` is how many training-step equivalents row i costs over the run (training rows:
-    the number of times it is fed; evaluation rows: about a third of that per pass, forward
-    only). Rows are batched with rows of similar length, so a row costs about the smallest
-    bucket that holds it. Candidates are multiples of `multiple` up to `max_length`; an exact
-    dynamic program over them picks the best set of any size. Returns (buckets, estimate dict).
-    """
-    lengths = np.minimum(np.asarray(lengths), max_length)
-    weights = np.broadcast_to(np.asarray(weights, dtype=float), lengths.shape)
-    top = int(math.ceil(lengths.max() / multiple) * multiple)
-    cands = sorted({min(c, max_length) for c in range(multiple, top + multiple, multiple)})
-    # load[k] = weighted rows whose length falls in (cands[k-1], cands[k]]
-    slot = np.searchsorted(cands, lengths)
-    load = np.bincount(slot, weights=weights, minlength=len(cands))
-    # best[j] = (cost, buckets) of covering every row up to cands[j], the last bucket being cands[j]
-    best = []
-    for j, length in enumerate(cands):
-        options = []
-        for i in range(-1, j):  # the previous bucket ends at cands[i] (none when i = -1)
-            prev_cost, prev = (0.0, []) if i < 0 else best[i]
-            options.append((prev_cost + cost.total(1, load[i + 1 : j + 1].sum() * length), prev + [length]))
-        best.append(min(options, key=lambda o: o[0]))
-    total, buckets = best[-1]
-    padded = np.asarray(buckets)[np.searchsorted(buckets, lengths)]
-    estimate = {
-        "buckets": buckets,
-        "estimated_seconds": round(float(total), 1),
-        "estimated_compile_seconds": round(len(buckets) * cost.graphs_per_bucket * cost.compile_seconds, 1),
-        "padding_efficiency": round(float((lengths * weights).sum() / (padded * weights).sum()), 3),
-    }
-    return buckets, estimate
-
-
-def job_rows(train_lengths, eval_lengths, steps, rows_per_step, epochs):
-    """(lengths, weights) of every row a job of `steps` optimizer steps of `rows_per_step` training
-    rows (batch x replicas x accumulation) feeds, evaluating after each of up to `epochs` epochs;
-    a row's weight is its cost in training-row passes."""
-    passes = steps * rows_per_step / len(train_lengths)  # times each training row is fed
-    evals = min(epochs, math.ceil(passes))  # an evaluation after every epoch, forward only (~1/3)
-    return (np.concatenate([train_lengths, eval_lengths]),
-            np.concatenate([np.full(len(train_lengths), passes), np.full(len(eval_lengths), evals / 3)]))
-
-
-def auto_buckets(train_lengths, eval_lengths, steps, rows_per_step, epochs, max_length, cost):
-    """`--buckets auto` for such a job (see `job_rows`)."""
-    return choose_buckets(*job_rows(train_lengths, eval_lengths, steps, rows_per_step, epochs), max_length, cost)
-
-
-# ---------------------------------------------------------------------------------------------
 # Batching
 
 
@@ -158,17 +76,17 @@ class BatchPlan(torch.utils.data.Sampler):
     `DistributedSampler`), for evaluation with masked rows (`valid=0`) that metrics drop, so
     every evaluation row is scored exactly once.
 
-    padding: "buckets" (smallest bucket >= the batch's longest row), "max_length" (always
-    `max_length`) or "dynamic" (the batch's longest row, one shape per distinct length).
+    padding: a `shapes.Padding`, or its mode ("buckets", "max_length", "dynamic") with `buckets`
+    and `max_length`: the length each batch is padded to.
     """
 
     def __init__(self, lengths, batch_size, padding="buckets", buckets=None, max_length=128,
                  shuffle=False, seed=0, fill="repeat", num_replicas=1, rank=0):
         self.lengths = np.asarray(lengths)
-        self.batch_size, self.padding, self.max_length = batch_size, padding, max_length
-        self.buckets = sorted(buckets) if buckets else [max_length]
-        if padding == "buckets":
-            check_fit(self.lengths, self.buckets)
+        self.batch_size = batch_size
+        self.pad = padding if isinstance(padding, Padding) else Padding(padding, buckets, max_length)
+        self.buckets = self.pad.buckets
+        self.pad.check_fit(self.lengths)
         self.shuffle, self.seed, self.fill = shuffle, seed, fill
         self.num_replicas, self.rank = num_replicas, rank
         self.epoch, self.start = 0, 0
@@ -181,24 +99,19 @@ class BatchPlan(torch.utils.data.Sampler):
         self.epoch, self.start = epoch, start
 
     def _pad_to(self, rows):
-        longest = int(self.lengths[rows].max())
-        if self.padding == "dynamic":
-            return longest
-        if self.padding == "max_length":
-            return self.max_length
-        return next(b for b in self.buckets if b >= longest)
+        return self.pad.pad_to(int(self.lengths[rows].max()))
 
     def global_batches(self):
         """The whole epoch's plan: a list of (rows, pad_to, n_real) with len(rows) = global batch."""
         gb = self.batch_size * self.num_replicas
         rng = np.random.default_rng([self.seed, self.epoch])
         order = rng.permutation(len(self.lengths)) if self.shuffle else np.arange(len(self.lengths))
-        if self.padding == "buckets":
+        if self.pad.groups_by_length:
             # Stable sort by bucket: rows stay shuffled within a bucket, batches then hold one bucket.
             bucket_of = np.searchsorted(self.buckets, self.lengths[order])
             order = order[np.argsort(bucket_of, kind="stable")]
         batches = [order[i : i + gb] for i in range(0, len(order), gb)]
-        if self.padding == "buckets" and self.shuffle:
+        if self.pad.groups_by_length and self.shuffle:
             batches = [batches[i] for i in rng.permutation(len(batches))]
         plan = []
         for rows in batches:
@@ -268,10 +181,11 @@ class PadCollator:
         return dict(batch)
 
 
-def make_loader(ds, tokenizer, batch_size, padding, buckets, max_length, shuffle, seed, fill, lengths=None):
-    """A DataLoader over a tokenised split whose batches follow a `BatchPlan`."""
-    plan = BatchPlan(ds["length"] if lengths is None else lengths, batch_size, padding=padding, buckets=buckets, max_length=max_length,
-                     shuffle=shuffle, seed=seed, fill=fill)
+def make_loader(ds, tokenizer, batch_size, padding, shuffle, seed, fill, lengths=None):
+    """A DataLoader over a tokenised split whose batches follow a `BatchPlan` padded by `padding`
+    (a `shapes.Padding`)."""
+    plan = BatchPlan(ds["length"] if lengths is None else lengths, batch_size, padding=padding, shuffle=shuffle,
+                     seed=seed, fill=fill)
     # Its own generator: a DataLoader draws a seed for every iterator it starts, and drawing it
     # from the global generator would shift dropout masks (a resumed run starts one mid-epoch).
     return torch.utils.data.DataLoader(PlannedRows(ds), batch_sampler=plan, collate_fn=PadCollator(tokenizer),

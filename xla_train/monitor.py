@@ -33,12 +33,12 @@ LIBRARY_FRAME = re.compile(r"[/\\](torch|torch_xla)[/\\]|xla_train[/\\](api|back
 class Monitor:
     """One per worker; a no-op on replicas other than the main one."""
 
-    def __init__(self, engine, cfg, buckets=None):
+    def __init__(self, engine, cfg, shapes):
         self.engine = engine
         self.on = engine.is_main_process
         local = bool(cfg.output_dir) and not str(cfg.output_dir).startswith("gs://")
         self.out = Path(cfg.output_dir) if self.on and local else None
-        self.buckets = sorted(buckets) if buckets else None
+        self.buckets = shapes.padding.lengths  # None: dynamic padding, lengths unbounded
         # training graphs a healthy run compiles: one per bucket plus the first step's (no
         # optimizer state yet), and one spare; dynamic padding counts as one unbounded bucket
         self.threshold = (len(self.buckets) if self.buckets else 1) + 2
@@ -47,8 +47,8 @@ class Monitor:
         # steps, so a compilation cannot be pinned on a shape that already ran
         self.shared = engine.replicas_per_process
         self.threshold *= self.shared
-        self.samples_per_step = cfg.batch_size * cfg.grad_accum * engine.num_devices
-        self.padding = cfg.padding
+        self.samples_per_step = shapes.rows_per_step
+        self.recompiles_per_length = shapes.padding.recompiles_per_length
         self.compilations, self.warning = [], None
         self._seen, self._warm, self._eval_steps = set(), set(), []
         self._writer, self._debug, self._debug_offset, self._tmp = None, None, 0, None
@@ -189,7 +189,7 @@ class Monitor:
         train_graphs = sum(e["graphs"] for e in self.compilations if e["phase"] == "train")
         if train_graphs > self.threshold:
             hint = ("--padding dynamic compiles a graph for every batch length; --padding buckets bounds them"
-                    if self.padding == "dynamic" else "every new input shape or graph change compiles")
+                    if self.recompiles_per_length else "every new input shape or graph change compiles")
             return (f"{train_graphs} training graphs compiled by step {step} (more than {self.threshold}), "
                     f"the latest for new input shape {shape}{where}: {hint}")
         return None

@@ -21,13 +21,15 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .api import Engine, quiet_transformers
-from .data import CostModel, check_fit, choose_buckets, make_loader, model_inputs_only, tokenize
+from .api import Engine
+from .data import make_loader, model_inputs_only, tokenize
 from .errors import UserError, first_line
 from .files import atomic_write
+from .models import load_pretrained
 from .options import PredictOptions, check_model_path, parse_buckets
 from .selection import select_backend
-from .tasks import FILE_FORMATS, GLUE, glue_columns, read_table, text_columns_of
+from .shapes import CostModel, Padding, choose_buckets
+from .tasks import GLUE, glue_columns, read_table, text_columns_of
 
 TASK_FILE = "xla_train_task.json"  # what training saved beside the model: task, text columns, labels
 GLUE_TEST_TEXTS = {"cola": ("sentence",)}  # test files whose text columns differ from train/dev's
@@ -153,45 +155,57 @@ def write_output(path, table, info, scores):
 
 
 def plan(lengths, backend, buckets, max_length):
-    """Bucket lengths for one forward pass over these rows (`--buckets auto`), or the given ones."""
+    """The padding of one forward pass over these rows: the given bucket lengths, or `--buckets
+    auto`'s for a forward pass (about a third of a training step's cost; one graph per bucket)."""
     buckets = parse_buckets(buckets, max_length)
     if buckets == "auto":
-        # a forward pass costs about a third of a training step; one graph per bucket
         cost = CostModel(compile_seconds=backend.compile_seconds, token_seconds=backend.token_seconds,
                          graphs_per_bucket=1)
         buckets, _ = choose_buckets(lengths, 1 / 3, max_length, cost)
-    check_fit(lengths, buckets)
-    return buckets
+    padding = Padding("buckets", buckets, max_length)
+    padding.check_fit(lengths)
+    return padding
+
+
+def infer(engine, model, loader, columns, desc=None):
+    """The one inference loop (evaluation and prediction): every row of `loader` exactly once
+    across replicas. `columns(batch, logits)` gives a batch's 1-D tensors of one dtype; they are
+    gathered on the device per batch and copied to the host once, at the end (a per-batch copy
+    would make the host wait for every batch). Returns the host columns, filler rows dropped."""
+    model.eval()
+    parts = []
+    bar = tqdm(total=len(loader), desc=desc, disable=not (desc and engine.is_main_process), dynamic_ncols=True,
+               leave=False)
+    with engine.inference_mode(), bar:
+        for batch in loader:
+            inputs = {k: v for k, v in batch.items() if k not in ("labels", "row")}
+            with engine.autocast():
+                logits = model(**inputs).logits
+            parts.append(engine.gather_on_device(columns(batch, logits)))
+            bar.update(1)
+    return engine.rows_to_host(parts)
 
 
 def predict_rows(engine, model, loader, problem, desc="Predicting"):
     """Scores of every row the loader holds, across replicas, in input order: a (rows, classes)
     tensor of probabilities, or (rows, 1) values for a regression. The loader's dataset has a
     `row` column (the input position); filler rows are dropped."""
-    model.eval()
-    parts = []
-    bar = tqdm(total=len(loader), desc=desc, disable=not engine.is_main_process, dynamic_ncols=True, leave=False)
-    with engine.inference_mode(), bar:
-        for batch in loader:
-            rows = batch.pop("row")
-            batch.pop("labels", None)
-            with engine.autocast():
-                logits = model(**batch).logits.float()
-            out = logits[:, :1] if problem == "regression" else logits.softmax(-1)
-            # floats only: the row numbers are exact in float32 below 2**24, and 64-bit integer
-            # collectives may not lower on every device
-            gathered = engine.gather_for_metrics((rows.float(), *out.T))
-            parts.append(torch.stack(gathered, 1))
-            bar.update(1)
-    table = torch.cat(parts)
+
+    def columns(batch, logits):
+        logits = logits.float()
+        out = logits[:, :1] if problem == "regression" else logits.softmax(-1)
+        # floats only: the row numbers are exact in float32 below 2**24, and 64-bit integer
+        # collectives may not lower on every device
+        return (batch["row"].float(), *out.T)
+
+    table = torch.stack(infer(engine, model, loader, columns, desc), 1)
     order = table[:, 0].round().long().argsort()
     return table[order, 1:]
 
 
-def predict_loader(engine, tokenizer, data, batch_size, buckets, max_length):
-    """A prepared loader over tokenised rows (with their `row` numbers), bucketed, in order."""
-    loader = make_loader(data, tokenizer, batch_size, "buckets", buckets, max_length, shuffle=False, seed=0,
-                         fill="mask")
+def predict_loader(engine, tokenizer, data, batch_size, padding):
+    """A prepared loader over tokenised rows (with their `row` numbers) padded by `padding`, in order."""
+    loader = make_loader(data, tokenizer, batch_size, padding, shuffle=False, seed=0, fill="mask")
     return engine.prepare(loader)
 
 
@@ -203,16 +217,16 @@ def tokenize_rows(table, tokenizer, max_length):
     return data["predict"], truncated["predict"]
 
 
-def predict_worker(cfg, info, table, model, tokenizer, data, buckets):
+def predict_worker(cfg, info, table, model, tokenizer, data, padding):
     engine = Engine(cfg.backend, num_processes=cfg.num_processes, strategy=cfg.strategy)
-    loader = predict_loader(engine, tokenizer, data, cfg.batch_size, buckets, cfg.max_length)
+    loader = predict_loader(engine, tokenizer, data, cfg.batch_size, padding)
     model = engine.prepare(model)
     scores = predict_rows(engine, model, loader, info.problem)
     if engine.is_main_process:
         assert len(scores) == len(table), (len(scores), len(table))  # each row exactly once
         write_output(cfg.output, table, info, scores)
         stats = engine.compile_stats()
-        compiled = f"; {stats['compiles']} graphs compiled for buckets {buckets}" if stats else ""
+        compiled = f"; {stats['compiles']} graphs compiled for buckets {padding.buckets}" if stats else ""
         engine.print(f"predicted {len(scores)} rows into {cfg.output}{compiled}")
 
 
@@ -229,22 +243,7 @@ def run(cfg):
     data, truncated = tokenize_rows(table, tokenizer, cfg.max_length)
     if truncated:
         print(f"truncated to --max-length {cfg.max_length} tokens: {truncated} rows")
-    buckets = plan(data["length"], backend, cfg.buckets, cfg.max_length)
+    padding = plan(data["length"], backend, cfg.buckets, cfg.max_length)
     model = load_pretrained(AutoModelForSequenceClassification, cfg.model)
     data = model_inputs_only(data, model)
-    backend.launch(predict_worker, (cfg, info, table, model, tokenizer, data, buckets))
-
-
-def load_pretrained(cls, name, **kwargs):
-    """`cls.from_pretrained(name)` without transformers' progress bars and load report; a model
-    that cannot be loaded (missing, unknown hub name offline, corrupt weights) is one line."""
-    from safetensors import SafetensorError
-
-    # OSError: missing files, an unknown or invalid hub name (huggingface_hub's errors, wrapped);
-    # ValueError: no or unknown model_type, a broken tokenizer file (JSONDecodeError);
-    # SafetensorError: damaged weights; RuntimeError: weights that do not fit their config.json
-    try:
-        with quiet_transformers():
-            return cls.from_pretrained(name, **kwargs)
-    except (OSError, ValueError, SafetensorError, RuntimeError) as e:
-        raise UserError(f"cannot load model {name!r}: {first_line(e)}")
+    backend.launch(predict_worker, (cfg, info, table, model, tokenizer, data, padding))

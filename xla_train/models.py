@@ -1,0 +1,77 @@
+"""Loading models and tokenizers, for training and prediction alike."""
+
+import torch
+
+from .api import quiet_transformers
+from .errors import UserError, first_line
+from .options import BUNDLED_MODEL
+from .tasks import bundled_model_path
+
+
+def shown_name(name):
+    """A model's name as the console and the report say it (the bundled one by its name)."""
+    return BUNDLED_MODEL if name == bundled_model_path() else name
+
+
+def load_pretrained(cls, name, **kwargs):
+    """`cls.from_pretrained(name)` without transformers' progress bars and load report; a model
+    that cannot be loaded (missing, unknown hub name offline, corrupt weights) is one line."""
+    from safetensors import SafetensorError
+
+    # OSError: missing files, an unknown or invalid hub name (huggingface_hub's errors, wrapped);
+    # ValueError: no or unknown model_type, a broken tokenizer file (JSONDecodeError);
+    # SafetensorError: damaged weights; RuntimeError: weights that do not fit their config.json
+    try:
+        with quiet_transformers():
+            return cls.from_pretrained(name, **kwargs)
+    except (OSError, ValueError, SafetensorError, RuntimeError) as e:
+        raise UserError(f"cannot load model {name!r}: {first_line(e)}")
+
+
+def position_limit(config, tokenizer):
+    """The longest input the model takes: its position embeddings (RoBERTa's two offset ones not
+    counted, as its tokenizer's model_max_length says), unbounded for relative positions only."""
+    limits = [tokenizer.model_max_length] if tokenizer.model_max_length < 10**6 else []
+    relative_only = config.model_type.startswith("deberta") and not getattr(config, "position_biased_input", True)
+    if getattr(config, "max_position_embeddings", None) and not relative_only:
+        limits.append(config.max_position_embeddings)
+    return min(limits, default=10**9)
+
+
+def load_tokenizer(name):
+    from transformers import AutoTokenizer
+
+    tokenizer = load_pretrained(AutoTokenizer, name)
+    if tokenizer.pad_token is None:  # GPT-2, Llama and kin: pad with the end-of-sequence token, as users do
+        if tokenizer.eos_token is None:
+            raise UserError(f"the tokenizer of {name} has neither a padding nor an end-of-sequence token; save one "
+                            "with a pad_token set")
+        tokenizer.pad_token = tokenizer.eos_token
+        print(f"tokenizer of {name}: no padding token; padding with its end-of-sequence token {tokenizer.eos_token!r}")
+    return tokenizer
+
+
+def load_model(name, seed, task, pad_token_id=None):
+    """The pretrained encoder with a new head for the task (its label names in the config, so
+    pipelines print them), initialised from `seed`."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    torch.manual_seed(seed)
+    options = {"num_labels": task.num_labels, "problem_type": "regression" if task.problem == "regression" else None}
+    if task.labels:
+        options.update(id2label=dict(enumerate(task.labels)), label2id={n: i for i, n in enumerate(task.labels)})
+    config = load_pretrained(AutoConfig, name)
+    if config.pad_token_id is None and pad_token_id is not None:
+        options["pad_token_id"] = pad_token_id  # decoder classifiers find each row's last token by it
+    classifier = any(a.endswith("ForSequenceClassification") for a in config.architectures or ())
+    if classifier and config.num_labels != task.num_labels:
+        # a classifier fine-tuned for another label set: its head is replaced, as run_glue's
+        # --ignore_mismatched_sizes does
+        options["ignore_mismatched_sizes"] = True
+    # transformers' load report would list the new head as a problem: say it here
+    model, info = load_pretrained(AutoModelForSequenceClassification, name, output_loading_info=True, **options)
+    new = sorted({*info["missing_keys"], *(k[0] if isinstance(k, tuple) else k for k in info["mismatched_keys"])})
+    if new:
+        print(f"model {shown_name(name)}: new classification head for {task.num_labels} output(s) ({', '.join(new)}), "
+              f"initialised with --seed {seed}")
+    return model

@@ -1,0 +1,209 @@
+"""The shape plan: what lengths a batch may have, how many rows a step takes, how many steps an
+epoch runs. Computed once; batching, the cost model, the monitor, the report and the test file's
+predictions ask it. The only reader of `--padding`.
+"""
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import UserError
+from .options import parse_buckets
+
+
+class Padding:
+    """How a batch's length is chosen: "buckets" (the smallest bucket that holds its longest row),
+    "max_length" (always `max_length`) or "dynamic" (its longest row: the course's per-batch
+    padding, one shape per distinct length)."""
+
+    def __init__(self, mode="buckets", buckets=None, max_length=128):
+        self.mode, self.max_length = mode, max_length
+        self.buckets = sorted(buckets) if mode == "buckets" and buckets else [max_length]
+
+    def pad_to(self, longest):
+        """The length a batch whose longest row has `longest` tokens is padded to."""
+        if self.mode == "dynamic":
+            return longest
+        if self.mode == "max_length":
+            return self.max_length
+        return next(b for b in self.buckets if b >= longest)
+
+    @property
+    def groups_by_length(self):
+        """Rows are batched with rows of the same bucket (little compute goes to padding)."""
+        return self.mode == "buckets"
+
+    @property
+    def lengths(self):
+        """Every length a batch may have, or None where they are not bounded (dynamic)."""
+        return None if self.mode == "dynamic" else list(self.buckets)
+
+    @property
+    def bucket_list(self):
+        """The bucket lengths of bucketed padding (recorded in metrics and checkpoints), else None."""
+        return list(self.buckets) if self.mode == "buckets" else None
+
+    @property
+    def recompiles_per_length(self):
+        """Whether new batch lengths keep coming (and compiling) during a run."""
+        return self.mode == "dynamic"
+
+    def check_fit(self, lengths):
+        """Every (truncated) row fits the longest length a batch may have."""
+        longest = int(max(lengths)) if len(lengths) else 0
+        if self.mode == "buckets" and longest > self.buckets[-1]:
+            raise UserError(f"rows of up to {longest} tokens do not fit the longest bucket {self.buckets[-1]}; "
+                            "add a longer bucket or lower --max-length")
+
+
+@dataclass
+class ShapePlan:
+    """A job's shapes: its padding, and the rows one micro-batch and one optimizer step take."""
+
+    batch_size: int  # rows per device and micro-batch
+    devices: int  # devices training in data parallel (replicas on every host, SPMD's devices)
+    grad_accum: int = 1  # micro-batches per optimizer step
+    padding: Padding = None  # set once the rows' lengths are known (`settle_padding`)
+    estimate: dict = None  # what --buckets auto expected of its choice (None: buckets given)
+
+    @property
+    def global_batch(self):
+        """Rows of one micro-batch over every device."""
+        return self.batch_size * self.devices
+
+    @property
+    def rows_per_step(self):
+        return self.global_batch * self.grad_accum
+
+    def batches_per_epoch(self, rows):
+        return math.ceil(rows / self.global_batch)  # the last one filled with repeats
+
+    def steps_per_epoch(self, rows):
+        """Optimizer steps an epoch of `rows` runs: an epoch's last micro-batches that cannot fill
+        a step are skipped."""
+        return self.batches_per_epoch(rows) // self.grad_accum
+
+    def total_steps(self, rows, epochs, max_steps=None):
+        return min(max_steps or 10**9, self.steps_per_epoch(rows) * epochs)
+
+    def describe(self, rows, epochs):
+        """The plan in a few words (the `--buckets auto` line)."""
+        per_epoch = self.steps_per_epoch(rows)
+        return (f"global batch {self.rows_per_step} = {self.batch_size} x {self.devices} device(s) x "
+                f"{self.grad_accum} accumulated: {per_epoch} steps per epoch, {per_epoch * epochs} for {epochs} "
+                f"epochs")
+
+
+def check_steps(shapes, rows):
+    """An epoch of `rows` holds at least one optimizer step."""
+    batches = shapes.batches_per_epoch(rows)
+    if batches < shapes.grad_accum:
+        raise UserError(f"{rows} training rows make {batches} batch(es) of {shapes.batch_size} x {shapes.devices} "
+                        f"device(s), fewer than one optimizer step takes (--grad-accum {shapes.grad_accum}): give "
+                        "more rows, or a smaller --batch-size or --grad-accum")
+
+
+def settle_padding(cfg, shapes, data, eval_splits, backend, resume=None):
+    """Sets `shapes.padding`: the bucket lengths given, a resumed run's (the data order depends on
+    them), or `--buckets auto`'s choice for this job. Every row must fit them."""
+    buckets = parse_buckets(cfg.buckets, cfg.max_length)
+    if resume:
+        buckets = resume.state["buckets"] or buckets
+    if cfg.padding == "buckets" and buckets == "auto":
+        buckets = _auto_buckets(cfg, shapes, data, eval_splits, backend)
+    shapes.padding = Padding(cfg.padding, buckets, cfg.max_length)
+    for split in data.values():
+        shapes.padding.check_fit(split["length"])
+
+
+def _auto_buckets(cfg, shapes, data, eval_splits, backend):
+    """`--buckets auto` for the job the run will really be: every device training in data
+    parallel (replicas on every host, SPMD's devices), counted before launch."""
+    rows = len(data["train"])
+    steps = shapes.total_steps(rows, cfg.epochs, cfg.max_steps)
+    compile_s = backend.compile_seconds if cfg.compile_seconds is None else cfg.compile_seconds
+    cost = CostModel(compile_seconds=compile_s, token_seconds=backend.token_seconds)
+    eval_lengths = [n for split in [*eval_splits, "test"] if split in data for n in data[split]["length"]]
+    buckets, estimate = auto_buckets(data["train"]["length"], eval_lengths, steps, shapes.rows_per_step, cfg.epochs,
+                                     cfg.max_length, cost)
+    estimate.update(steps=steps, devices=shapes.devices, rows_per_step=shapes.rows_per_step,
+                    steps_per_epoch=shapes.steps_per_epoch(rows))
+    shapes.estimate = estimate
+    print(f"buckets auto: {buckets} for {steps} steps ({shapes.describe(rows, cfg.epochs)}; compile {compile_s:g} "
+          f"s/graph, {cost.token_seconds:g} s/token): estimated {estimate['estimated_seconds']} s, padding "
+          f"efficiency {estimate['padding_efficiency']}")
+    return buckets
+
+
+# ---------------------------------------------------------------------------------------------
+# Bucket choice
+
+
+@dataclass
+class CostModel:
+    """What `--buckets auto` minimises: graphs x compile cost + padded tokens x per-token cost.
+
+    compile_seconds: cost of one XLA compilation (XLA:CPU here ~10-15 s for this model's training
+        graph; about 6 s a graph in Hugging Face's TPU blog post, see XLABackend; 0 on the eager
+        CUDA/CPU fallback).
+    token_seconds: cost of one padded token in one training step (forward + backward).
+    graphs_per_bucket: graphs each bucket length costs (training step and evaluation step).
+    """
+
+    compile_seconds: float
+    token_seconds: float
+    graphs_per_bucket: int = 2
+
+    def total(self, n_buckets, padded_tokens):
+        return n_buckets * self.graphs_per_bucket * self.compile_seconds + padded_tokens * self.token_seconds
+
+
+def choose_buckets(lengths, weights, max_length, cost, multiple=8):
+    """Bucket lengths that minimise `cost` for rows of these `lengths`.
+
+    `weights[i]` is how many training-step equivalents row i costs over the run (training rows:
+    the number of times it is fed; evaluation rows: about a third of that per pass, forward
+    only). Rows are batched with rows of similar length, so a row costs about the smallest
+    bucket that holds it. Candidates are multiples of `multiple` up to `max_length`; an exact
+    dynamic program over them picks the best set of any size. Returns (buckets, estimate dict).
+    """
+    lengths = np.minimum(np.asarray(lengths), max_length)
+    weights = np.broadcast_to(np.asarray(weights, dtype=float), lengths.shape)
+    top = int(math.ceil(lengths.max() / multiple) * multiple)
+    cands = sorted({min(c, max_length) for c in range(multiple, top + multiple, multiple)})
+    # load[k] = weighted rows whose length falls in (cands[k-1], cands[k]]
+    slot = np.searchsorted(cands, lengths)
+    load = np.bincount(slot, weights=weights, minlength=len(cands))
+    # best[j] = (cost, buckets) of covering every row up to cands[j], the last bucket being cands[j]
+    best = []
+    for j, length in enumerate(cands):
+        options = []
+        for i in range(-1, j):  # the previous bucket ends at cands[i] (none when i = -1)
+            prev_cost, prev = (0.0, []) if i < 0 else best[i]
+            options.append((prev_cost + cost.total(1, load[i + 1 : j + 1].sum() * length), prev + [length]))
+        best.append(min(options, key=lambda o: o[0]))
+    total, buckets = best[-1]
+    padded = np.asarray(buckets)[np.searchsorted(buckets, lengths)]
+    estimate = {
+        "buckets": buckets,
+        "estimated_seconds": round(float(total), 1),
+        "estimated_compile_seconds": round(len(buckets) * cost.graphs_per_bucket * cost.compile_seconds, 1),
+        "padding_efficiency": round(float((lengths * weights).sum() / (padded * weights).sum()), 3),
+    }
+    return buckets, estimate
+
+
+def job_rows(train_lengths, eval_lengths, steps, rows_per_step, epochs):
+    """(lengths, weights) of every row a job of `steps` optimizer steps of `rows_per_step` training
+    rows (batch x replicas x accumulation) feeds, evaluating after each of up to `epochs` epochs;
+    a row's weight is its cost in training-row passes."""
+    passes = steps * rows_per_step / len(train_lengths)  # times each training row is fed
+    evals = min(epochs, math.ceil(passes))  # an evaluation after every epoch, forward only (~1/3)
+    return (np.concatenate([train_lengths, eval_lengths]),
+            np.concatenate([np.full(len(train_lengths), passes), np.full(len(eval_lengths), evals / 3)]))
+
+
+def auto_buckets(train_lengths, eval_lengths, steps, rows_per_step, epochs, max_length, cost):
+    """`--buckets auto` for such a job (see `job_rows`)."""
+    return choose_buckets(*job_rows(train_lengths, eval_lengths, steps, rows_per_step, epochs), max_length, cost)
