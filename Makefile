@@ -1,10 +1,11 @@
-# make demo: build .venv and fine-tune MRPC with the defaults.  make test: build .venv and run the tests.
+# make demo: build .venv and fine-tune MRPC with the defaults.  make test: build .venv and run every test.
+# make test-fast: the tests that run in pytest's own process (no CLI runs, workers or emulator).
 # make dist: build dist/xla_train-VERSION.tar.gz and dist/xla_train-VERSION-py3-none-any.whl and list the wheel's files.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test dist bench clean
+.PHONY: demo test test-fast dist bench clean
 
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -16,6 +17,9 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q --durations=15 tests
+
+test-fast: $(VENV)/.installed
+	$(PY) -m pytest -q --durations=10 -m "not slow" tests
 
 # setup.py is the build script; --no-isolation builds with .venv's setuptools and wheel (the dev
 # extra), as tests/test_install.py does. The wheel is built from the sdist, so nothing stale in the

@@ -160,3 +160,47 @@ def assert_same_weights(a, b, atol=1e-6):
     assert wa.keys() == wb.keys()
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], atol=atol, rtol=0, msg=k)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiers: `make test` runs everything; `make test-fast` (-m "not slow") only the tests that run in
+# this process. A test is slow when it, one of its fixtures, or a helper of its module starts a
+# process (a CLI run, gloo workers, an XLA:CPU run with fresh counters, the storage emulator).
+
+STARTS_PROCESSES = ("run_cli(", "start_cli(", "subprocess.", "Popen(", "ProcessPoolExecutor", "gcs_emulator",
+                    "NotebookClient(", "launch(")
+
+
+def _source(obj):
+    import inspect
+
+    try:
+        return inspect.getsource(obj)
+    except (OSError, TypeError):
+        return ""
+
+
+def _slow_names(module):
+    """Names of the module's functions that start a process, directly or through one another."""
+    import inspect
+
+    funcs = {n: _source(f) for n, f in vars(module).items() if inspect.isfunction(f)}
+    slow = {n for n, src in funcs.items() if any(m in src for m in STARTS_PROCESSES)}
+    while True:
+        more = {n for n, src in funcs.items() if n not in slow and any(f"{s}(" in src for s in slow)}
+        if not more:
+            return slow
+        slow |= more
+
+
+def pytest_collection_modifyitems(config, items):
+    cache = {}
+    for item in items:
+        module = item.module
+        if module not in cache:
+            cache[module] = _slow_names(module) | _slow_names(sys.modules[__name__])
+        sources = [_source(item.function)] + [_source(d.func) for defs in item._fixtureinfo.name2fixturedefs.values()
+                                              for d in defs]
+        if any(m in src for src in sources for m in STARTS_PROCESSES) or \
+                any(f"{n}(" in src for src in sources for n in cache[module]):
+            item.add_marker(pytest.mark.slow)

@@ -115,7 +115,9 @@ def other_run(out):
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_bad_input(case, previous_run, mrpc_slice, tiny_model, gcs_emulator, tmp_path, capsys):
+def test_bad_input(case, previous_run, mrpc_slice, tiny_model, tmp_path, capsys, request):
+    if case == "missing bucket":
+        request.getfixturevalue("gcs_emulator")  # the one case that talks to Cloud Storage
     out = tmp_path / "run"
     shutil.copytree(previous_run, out)
     shutil.copytree(tiny_model, out.parent / "other")  # the same weights under another name

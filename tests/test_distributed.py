@@ -296,3 +296,36 @@ print(rows.amax(0).cpu().tolist())
     assert proc.stdout.splitlines() == ["1 (4, 2) {devices=[4,1]0,1,2,3}", "[3, 0]"]
     compiled = [p.read_text() for p in tmp_path.glob("*cpu_after_optimizations.txt")]
     assert len(compiled) == 1 and "all-reduce(" in compiled[0]
+
+
+POD_HOST_1 = {"PJRT_DEVICE": "TPU", "TPU_SKIP_MDS_QUERY": "1", "TPU_WORKER_ID": "1", "TPU_WORKER_HOSTNAMES": "h0,h1",
+              "TPU_ACCELERATOR_TYPE": "v4-16"}
+
+
+def test_one_process_per_host_of_a_pod_is_refused(monkeypatch, capsys):
+    """torch_xla's single-process path makes every host a world of one (TPU_PROCESS_BOUNDS=1,1,1):
+    `--num-processes 1` on host 1 of 2 (described with torch_xla's variables) stops in one line;
+    the refusal of other counts names TPU_PROCESS_BOUNDS, not TPU_VISIBLE_CHIPS."""
+    from xla_train.cli import main
+
+    for name, value in POD_HOST_1.items():
+        monkeypatch.setenv(name, value)
+    assert main(["train", "--backend", "xla", "--num-processes", "1"]) == 2
+    assert capsys.readouterr().err == ("xla-train: error: --num-processes 1 on a TPU slice of 2 hosts would train 2 "
+                                       "separate models; leave it out (one replica per chip), or use --strategy spmd\n")
+    assert main(["train", "--backend", "xla", "--num-processes", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "set TPU_PROCESS_BOUNDS" in err and "TPU_VISIBLE_CHIPS" not in err
+
+
+def test_a_vfio_device_alone_is_no_tpu(monkeypatch):
+    """/dev/vfio/0 is on any host that passes a PCI device through; without a Google TPU PCI device
+    (torch_xla's check) or /dev/accel0 the host has no TPU."""
+    from xla_train import xla_backend
+
+    monkeypatch.delenv("PJRT_DEVICE", raising=False)
+    real = os.path.exists
+    monkeypatch.setattr(os.path, "exists", lambda p: p == "/dev/vfio/0" or (p != "/dev/accel0" and real(p)))
+    assert os.path.exists("/dev/vfio/0") and not xla_backend.tpu_present()
+    monkeypatch.setattr(os.path, "exists", lambda p: p == "/dev/accel0" or real(p))
+    assert xla_backend.tpu_present()

@@ -92,6 +92,7 @@ def test_compile_cache_counters_are_reported(mrpc_slice, tiny_model, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert first["xla"]["cache_misses"] >= first["xla"]["compiles"] > 0
     assert any((tmp_path / "cache").iterdir())
+    assert any((tmp_path / "cache" / "p0").iterdir())  # a folder per process (process index 0 here)
     proc, second = run_cli(args, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert second["xla"]["cache_hits"] + second["xla"]["cache_load_failures"] > 0

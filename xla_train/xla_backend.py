@@ -11,6 +11,7 @@ import glob
 import importlib.util
 import os
 import threading
+from pathlib import Path
 
 import torch
 
@@ -41,13 +42,14 @@ def _register_attention():
 
 def tpu_present():
     """Whether this host has a TPU, checked without starting any runtime."""
-    # PJRT_DEVICE=TPU set by the user counts; a TPU VM exposes its chips as /dev/accel* (v4 and
-    # later) or /dev/vfio (v5e/v6e). Else torch_xla's own PCI check (Google's vendor id and the
-    # TPU device ids: torch_xla/_internal/tpu.py, num_available_chips), asked only on a host with
+    # PJRT_DEVICE=TPU set by the user counts; a TPU VM exposes its v4 chips as /dev/accel*. Its
+    # v5e/v6e chips sit behind /dev/vfio, which any host passing a PCI device through has too, so
+    # those are told by torch_xla's own PCI check (Google's vendor id and the TPU device ids:
+    # torch_xla/_internal/tpu.py, num_available_chips, lines 103-116), asked only on a host with
     # a Google PCI device, as importing torch_xla costs seconds.
     if os.environ.get("PJRT_DEVICE", "").upper() == "TPU":
         return True
-    if any(os.path.exists(p) for p in ("/dev/accel0", "/dev/vfio/0")):
+    if os.path.exists("/dev/accel0"):
         return True
     google = any(_read(p) == "0x1ae0" for p in glob.glob("/sys/bus/pci/devices/*/vendor"))
     if not google or importlib.util.find_spec("torch_xla") is None:
@@ -55,6 +57,19 @@ def tpu_present():
     from torch_xla._internal import tpu
 
     return tpu.num_available_chips() > 0
+
+
+def _refuse_one_process_per_pod(num_processes):
+    """`--num-processes 1` on several TPU hosts would make each host a world of one: torch_xla's
+    single-process path sets TPU_PROCESS_BOUNDS=1,1,1 (torch_xla/_internal/pjrt.py,
+    initialize_singleprocess, line 106; tpu.py, configure_one_chip_topology), so the hosts would train
+    apart, each as rank 0, writing the same checkpoints."""
+    from torch_xla._internal import tpu
+
+    hosts = tpu.num_tpu_workers()
+    if num_processes == 1 and hosts > 1:
+        raise UserError(f"--num-processes 1 on a TPU slice of {hosts} hosts would train {hosts} separate models; "
+                        "leave it out (one replica per chip), or use --strategy spmd")
 
 
 def _read(path):
@@ -78,12 +93,15 @@ class XLABackend(Backend):
         if num_processes not in (None, 1):
             # xmp.spawn under PJRT takes nprocs 1 or None (every local device) and raises
             # ValueError for anything else (torch_xla/_internal/pjrt.py, spawn, lines 204-209)
+            # TPU_VISIBLE_CHIPS set for the whole job would override what torch_xla sets for each
+            # replica (configure_topology: one chip each, torch_xla/_internal/tpu.py, line 298),
+            # so every replica would claim the same chips: name only the process bounds
             raise UserError(f"--num-processes {num_processes}: on XLA give 1 (one replica) or leave it out (one "
-                            "replica per local device); limit TPU chips with TPU_VISIBLE_CHIPS and "
-                            "TPU_PROCESS_BOUNDS")
+                            "replica per local device); to use fewer chips, set TPU_PROCESS_BOUNDS")
         # Pick the PJRT device before torch_xla starts its runtime; without a TPU, the CPU.
         os.environ.setdefault("PJRT_DEVICE", "TPU" if tpu_present() else "CPU")
         if os.environ["PJRT_DEVICE"].upper() == "TPU":
+            self.check_processes(num_processes)
             # Compile cost: Hugging Face's "Hugging Face on PyTorch / XLA TPUs" (huggingface.co/blog/
             # pytorch-xla, 2021) prints torch_xla's CompileTime for a run of its TPU example: 5
             # graphs in 28.9 s (0.43 to 11.1 s each, median 3.65 s), i.e. about 6 s a graph. The
@@ -93,6 +111,10 @@ class XLABackend(Backend):
         self.num_processes = num_processes
         _register_attention()
 
+    def check_processes(self, num_processes):
+        """On a TPU, before any work: the replicas asked for make one job."""
+        _refuse_one_process_per_pod(num_processes)
+
     def planned_devices(self):
         # Read from the environment and the host, never from the runtime: the parent must not
         # start it before xmp.spawn forks the replicas.
@@ -101,10 +123,11 @@ class XLABackend(Backend):
             from torch_xla._internal import tpu
 
             if self.num_processes == 1:
-                return tpu.num_tpu_workers()  # one replica per host
-            # PCI chips x cores per chip x hosts; "safe to call before xmp.spawn"
-            # (torch_xla/_internal/tpu.py, num_available_devices and num_expected_global_devices)
-            return tpu.num_expected_global_devices()
+                return 1  # one replica (refused on several hosts: see __init__)
+            # the processes xmp.spawn starts on a host (its chips, fewer where TPU_PROCESS_BOUNDS
+            # says so) x devices per process (two cores a chip on v2/v3) x hosts; "safe to call
+            # before xmp.spawn" (torch_xla/_internal/tpu.py, num_local_processes, lines 142-148)
+            return tpu.num_local_processes() * tpu.num_logical_cores_per_chip() * tpu.num_tpu_workers()
         return 1 if device == "CPU" else int(os.environ.get("GPU_NUM_DEVICES", 1))  # see launch()
 
     def host_position(self):
@@ -124,11 +147,13 @@ class XLABackend(Backend):
         # The cache is the process's (environment variables), and a second call asserts that it
         # is not initialised yet (torch_xla/runtime.py, initialize_cache, lines 258-264); on
         # Colab's TPU v2-8/v3-8 two replicas share a process as threads. So the first replica
-        # of each process sets it, writable in the process of global ordinal 0.
+        # of each process sets it. Each process gets a folder of its own, writable: shared, only
+        # one process could write it, and graphs with collectives differ per ordinal, so the
+        # others would find nothing of theirs (torch_xla's docs: a path per process).
         global _cache_set
         with _CACHE_LOCK:
             if not _cache_set:
-                xr.initialize_cache(str(path), readonly=xr.process_index() != 0)
+                xr.initialize_cache(str(Path(path) / f"p{xr.process_index()}"), readonly=False)
                 _cache_set = True
 
     def launch(self, fn, args=(), nprocs=None, start_method="fork"):
@@ -307,6 +332,9 @@ class XLASpmdBackend(XLABackend):
     """SPMD: one process per host drives every device; each batch is split over a mesh's data
     axis (2-D inputs; 1-D labels are small and stay replicated) and the partitioner inserts the
     collectives. The world size is 1, but every host has a process (`peers`)."""
+
+    def check_processes(self, num_processes):
+        pass  # one process per host whatever --num-processes says: no xmp.spawn
 
     def launch(self, fn, args=(), nprocs=None, start_method="fork"):
         self.run_worker(fn, args)  # one process for every device; xmp.spawn would start the runtime before use_spmd()
