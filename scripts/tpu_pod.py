@@ -60,7 +60,7 @@ def requirement(package, wheel_path=None):
     return package[: m.end()] + extras + package[m.end():] if m else package
 
 
-def commands(tpu, zone, project, package, train_args, detach=False, run_id=None):
+def commands(tpu, zone, project, package, train_args, detach=False, run_id=None, launch_id=None):
     where = [f"--zone={zone}", "--worker=all"] + ([f"--project={project}"] if project else [])
     ssh = ["gcloud", "compute", "tpus", "tpu-vm", "ssh", tpu, *where]
     steps = []
@@ -80,8 +80,11 @@ def commands(tpu, zone, project, package, train_args, detach=False, run_id=None)
         install = f"python3 -m pip install --upgrade {shlex.quote(req)}"
     # `python3 -m` rather than the xla-train script: a user install's ~/.local/bin is not on ssh's PATH
     run_id = run_id or uuid.uuid4().hex[:12]  # one id for every host (xla_train/run_folder.py)
-    train = (f"PJRT_DEVICE=TPU XLA_TRAIN_RUN_ID={run_id} python3 -m xla_train train "
-             + " ".join(shlex.quote(a) for a in train_args))
+    # and one for this start of the job: a failing host leaves its line under it in the gs://
+    # output, where the others read it (xla_train/launchers.py); a new start ignores an old one's
+    launch_id = launch_id or uuid.uuid4().hex[:8]
+    train = (f"PJRT_DEVICE=TPU XLA_TRAIN_RUN_ID={run_id} XLA_TRAIN_LAUNCH_ID={launch_id} python3 -m xla_train "
+             "train " + " ".join(shlex.quote(a) for a in train_args))
     if detach:  # the job outlives the ssh session (a dropped connection would hang up on it)
         train = f"nohup sh -c {shlex.quote(train)} > xla_train.log 2>&1 < /dev/null & echo started: ~/xla_train.log"
     return steps + [ssh + ["--command", install], ssh + ["--command", train]]
@@ -98,6 +101,7 @@ def main(argv=None):
                    "~/xla_train.log on every host, so it survives a dropped ssh connection")
     p.add_argument("--run-id", default=None, help="the run's id on every host (default: a new one; give the "
                    "interrupted run's to --resume it)")
+    p.add_argument("--launch-id", default=None, help="this start's id on every host (default: a new one)")
     p.add_argument("train_args", nargs="*", help="arguments for `xla-train train` (after --)")
     args = p.parse_args(argv)
     base, _ = split_extras(args.package)
@@ -108,7 +112,7 @@ def main(argv=None):
             p.error(f"--package {args.package}: a folder or file other than a wheel; build a wheel with "
                     "`make dist`, or give git+URL of the repository")
     for cmd in commands(args.tpu, args.zone, args.project, args.package, args.train_args, args.detach,
-                        args.run_id):
+                        args.run_id, args.launch_id):
         print(shlex.join(cmd), flush=True)
         if not args.dry_run:
             code = subprocess.call(cmd)

@@ -57,14 +57,14 @@ def test_course_loop_ported_to_the_engine(backend, mrpc_slice, tiny_model, tmp_p
 def test_tpu_pod_dry_run_prints_the_gcloud_commands():
     """With a PyPI name; tests/test_install.py covers a local wheel (scp first) and git+URL."""
     proc = subprocess.run([sys.executable, "scripts/tpu_pod.py", "--tpu", "pod-1", "--zone", "us-central2-b",
-                           "--package", "xla-train", "--dry-run", "--run-id", "r1", "--", "--model",
+                           "--package", "xla-train", "--dry-run", "--run-id", "r1", "--launch-id", "l1", "--", "--model",
                            "bert-base-uncased", "--data-dir", "hub"], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     install, train = proc.stdout.strip().splitlines()
     prefix = "gcloud compute tpus tpu-vm ssh pod-1 --zone=us-central2-b --worker=all --command "
     assert install == prefix + "'python3 -m pip install --upgrade '\"'\"'xla-train[tpu]'\"'\"''"
-    assert train == prefix + ("'PJRT_DEVICE=TPU XLA_TRAIN_RUN_ID=r1 python3 -m xla_train train --model "
-                              "bert-base-uncased --data-dir hub'")
+    assert train == prefix + ("'PJRT_DEVICE=TPU XLA_TRAIN_RUN_ID=r1 XLA_TRAIN_LAUNCH_ID=l1 python3 -m xla_train "
+                              "train --model bert-base-uncased --data-dir hub'")
 
 
 def test_tpu_pod_detach_keeps_the_job_alive_after_ssh(tmp_path):
@@ -75,9 +75,11 @@ def test_tpu_pod_detach_keeps_the_job_alive_after_ssh(tmp_path):
     command = shlex.split(proc.stdout.strip().splitlines()[-1])[-1]
     # every host gets the one run id made here (the replica that writes checkpoints may be on any host)
     run_id = command.split("XLA_TRAIN_RUN_ID=")[1].split()[0]
-    assert len(run_id) == 12 and int(run_id, 16) >= 0
-    assert command == (f"nohup sh -c 'PJRT_DEVICE=TPU XLA_TRAIN_RUN_ID={run_id} python3 -m xla_train train "
-                       "--data-dir hub' > xla_train.log 2>&1 < /dev/null & echo started: ~/xla_train.log")
+    launch_id = command.split("XLA_TRAIN_LAUNCH_ID=")[1].split()[0]
+    assert len(run_id) == 12 and int(run_id, 16) >= 0 and len(launch_id) == 8
+    assert command == (f"nohup sh -c 'PJRT_DEVICE=TPU XLA_TRAIN_RUN_ID={run_id} XLA_TRAIN_LAUNCH_ID={launch_id} "
+                       "python3 -m xla_train train --data-dir hub' > xla_train.log 2>&1 < /dev/null & echo started: "
+                       "~/xla_train.log")
     # what the host's shell runs, with `python3 -m xla_train` standing for itself: detached, output in the log
     fake = command.replace("python3 -m xla_train train", "echo trained")
     run = subprocess.run(["sh", "-c", fake + "; wait"], cwd=tmp_path, capture_output=True, text=True, timeout=30,

@@ -329,3 +329,56 @@ def test_a_vfio_device_alone_is_no_tpu(monkeypatch):
     assert os.path.exists("/dev/vfio/0") and not xla_backend.tpu_present()
     monkeypatch.setattr(os.path, "exists", lambda p: p == "/dev/accel0" or real(p))
     assert xla_backend.tpu_present()
+
+
+def test_a_failure_on_another_pod_host_ends_this_hosts_replicas(gcs_emulator, tmp_path, monkeypatch):
+    """Several hosts cannot run here. This host's two replicas are stuck (as in a collective
+    whose peer on another host has failed); that host leaves its line in the job's gs:// output
+    (`launchers.tell_pod`), and this host's watchdog reads it and ends the replicas with that line,
+    instead of waiting for ever. The marker is per launch (`watch_pod`)."""
+    import signal
+    import time
+
+    from xla_train import launchers
+
+    url = f"gs://xla-train-test/{tmp_path.name}"
+    monkeypatch.delenv(launchers.POD_FAILURES, raising=False)
+    launchers.watch_pod(url, "launch-1")  # what train.run does on every host of a pod started by tpu_pod.py
+    env = {**os.environ, **gcs_emulator}
+    assert launchers.pod_failure() is None
+    proc = subprocess.Popen([sys.executable, "-c", FAILING_POOL.format(tests=str(ROOT / "tests"), part="stuck")],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    time.sleep(3)
+    launchers.tell_pod(UserError("replica 5 failed: RuntimeError: out of memory", 1))  # host 1's replica
+    try:
+        out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail("this host's replicas still wait after 60 s")
+    assert proc.returncode == 0, err[-3000:]
+    told = json.loads(out)
+    assert told["line"] == "replica 5 failed: RuntimeError: out of memory" and told["code"] == 1
+    assert told["children"] == 0
+    launchers.watch_pod(url, "launch-2")  # the next start of the same run does not see launch 1's failure
+    assert launchers.pod_failure() is None
+
+
+def test_spmd_hosts_tell_each_other_their_failures(gcs_emulator, tmp_path, monkeypatch):
+    """Under SPMD each host runs one process and no launcher watches it: `pod_watch` tells the
+    other hosts of its failure, and ends it (with their line) when another host failed."""
+    from xla_train import launchers
+
+    monkeypatch.delenv(launchers.POD_FAILURES, raising=False)
+    launchers.watch_pod(f"gs://xla-train-test/{tmp_path.name}", "l1")
+    with pytest.raises(UserError), launchers.pod_watch():
+        raise UserError("cannot write checkpoint gs://b/run/checkpoints/step-00000004: full", 2)
+    failed = launchers.pod_failure()
+    assert (str(failed), failed.exit_code) == ("cannot write checkpoint gs://b/run/checkpoints/step-00000004: full", 2)
+    waiting = "import time\nfrom xla_train import launchers\nwith launchers.pod_watch():\n    time.sleep(120)\n"
+    proc = subprocess.run([sys.executable, "-c", waiting], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, **gcs_emulator})
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == ("xla-train: error: cannot write checkpoint "
+                                                    "gs://b/run/checkpoints/step-00000004: full")

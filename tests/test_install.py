@@ -227,7 +227,8 @@ def test_notebook_install_cell_installs_a_wheel_or_a_repository_url(form, built,
 
 def pod_commands(package, tmp_path):
     proc = subprocess.run([sys.executable, ROOT / "scripts" / "tpu_pod.py", "--tpu", "pod-1", "--zone", "us-central2-b",
-                           "--package", str(package), "--dry-run", "--run-id", "r1", "--", "--data-dir", "hub"],
+                           "--package", str(package), "--dry-run", "--run-id", "r1", "--launch-id", "l1", "--",
+                           "--data-dir", "hub"],
                           cwd=tmp_path, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.strip().splitlines()
@@ -240,7 +241,8 @@ def test_tpu_pod_copies_a_local_wheel_to_every_worker_then_installs_the_copy(bui
     assert scp == f"gcloud compute tpus tpu-vm scp {wheel} pod-1:{wheel.name} {where_}"
     ssh = f"gcloud compute tpus tpu-vm ssh pod-1 {where_} --command "
     assert install.startswith(ssh) and train.startswith(ssh)
-    assert shlex.split(train)[-1] == "PJRT_DEVICE=TPU XLA_TRAIN_RUN_ID=r1 python3 -m xla_train train --data-dir hub"
+    assert shlex.split(train)[-1] == ("PJRT_DEVICE=TPU XLA_TRAIN_RUN_ID=r1 XLA_TRAIN_LAUNCH_ID=l1 python3 -m xla_train "
+                                      "train --data-dir hub")
     # play a worker: scp puts the wheel in the home folder, where ssh's command starts; run the
     # install twice, the second replacing the copy the first installed
     home, venv = tmp_path / "worker", tmp_path / "venv"

@@ -98,7 +98,7 @@ def _run_replica(index, backend, fn, args):
     done = threading.Event()
     try:
         Path(folder, f"pid-{os.getpid()}").touch()  # threads of one process (Colab) share a pid
-        threading.Thread(target=_watch_siblings, args=(folder, done), daemon=True).start()
+        threading.Thread(target=_watch_siblings, args=(folder, done, index), daemon=True).start()
         backend.run_worker(fn, args)
     except Stopped:
         raise  # every replica stopped at the same step: they leave together
@@ -109,6 +109,7 @@ def _run_replica(index, backend, fn, args):
                 traceback.print_exc()  # a bug: its traceback, then the job's one line
                 e = UserError(f"replica {index} failed: {describe(e)}", code)
             tell(folder, index, e)
+            tell_pod(e)
         finally:  # even if the line cannot be told (a full disk), the job must end
             _leave(folder, code)
     finally:
@@ -144,12 +145,99 @@ def _gone(pid):
         return True
 
 
-def _watch_siblings(folder, done):
+def _watch_siblings(folder, done, index):
     # A sibling's process ends only when the launcher's pool shuts down, after every replica
-    # returned: one that ends while this replica still runs was killed.
+    # returned: one that ends while this replica still runs was killed. Another host's failure
+    # is read from the pod's marker (every few seconds: it is a Cloud Storage request).
+    ticks = 0
     while not done.wait(1.0):
         if any(_gone(pid) for pid in _siblings(folder)):
             _leave(folder, 1)
+        ticks += 1
+        failed = pod_failure() if ticks % POD_POLL_SECONDS == 0 else None
+        if failed:
+            with contextlib.suppress(OSError):
+                tell(folder, index, failed)
+            _leave(folder, failed.exit_code)
+
+
+# ---------------------------------------------------------------------------------------------
+# Several hosts: the launchers above see this host only. A job on several hosts writes to gs://
+# (train.py refuses a local folder there), so a failing process leaves a marker object there too,
+# and every host's watchdog (replicas: `_watch_siblings`; SPMD's one process: `pod_watch`) reads it
+# and ends its processes with that line, instead of waiting in the next collective for ever.
+
+POD_FAILURES = "XLA_TRAIN_POD_FAILURES"  # the marker's URL: OUTPUT/xla_train_failed-LAUNCH
+POD_POLL_SECONDS = 5
+
+
+def watch_pod(output_url, launch_id):
+    """Before launching on several hosts: this launch's marker (one per launch, so a failure of
+    an earlier launch of the same run does not end a resumed one). Workers inherit it."""
+    os.environ[POD_FAILURES] = f"{output_url.rstrip('/')}/xla_train_failed-{launch_id}"
+
+
+def _pod_marker():
+    url = os.environ.get(POD_FAILURES)
+    if not url:
+        return None
+    from .storage import open_store
+
+    prefix, _, name = url.rpartition("/")
+    return open_store(prefix), name
+
+
+def tell_pod(error):
+    """Leaves `error`'s line where every host of the job reads it (nothing on one host)."""
+    marker = _pod_marker()
+    if marker:
+        store, name = marker
+        with contextlib.suppress(Exception):  # noqa: B110 - the host's own line is told in any case
+            store.write_text(name, f"{error.exit_code} {error}")
+
+
+def pod_failure():
+    """The failure another host told, as a UserError; None if none did (or on one host)."""
+    marker = _pod_marker()
+    if not marker:
+        return None
+    store, name = marker
+    try:
+        text = store.read_text(name)
+    except UserError:  # the bucket did not answer this time: ask again at the next poll
+        return None
+    if not text:
+        return None
+    code, _, line = text.partition(" ")
+    return UserError(line, int(code))
+
+
+@contextlib.contextmanager
+def pod_watch():
+    """Around SPMD's one process per host: its failure is told to the other hosts, and theirs
+    ends this one with their line."""
+    if not os.environ.get(POD_FAILURES):
+        yield
+        return
+    done = threading.Event()
+
+    def watch():
+        while not done.wait(POD_POLL_SECONDS):
+            failed = pod_failure()
+            if failed:
+                print(failed.line(), file=sys.stderr, flush=True)
+                os._exit(failed.exit_code)
+
+    threading.Thread(target=watch, daemon=True).start()
+    try:
+        yield
+    except Stopped:
+        raise
+    except BaseException as e:  # noqa: B036 - the other hosts must hear of any failure
+        tell_pod(e if isinstance(e, ExitError) else UserError(f"process failed: {describe(e)}", 1))
+        raise
+    finally:
+        done.set()
 
 
 def _leave(folder, code):

@@ -11,6 +11,7 @@
 import copy
 import dataclasses
 import json
+import os
 from dataclasses import asdict
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from .data import make_loader, model_inputs_only, tokenize
 from .errors import UserError
 from .files import atomic_write
 from .job import Job
+from .launchers import watch_pod
 from .models import load_model, load_pretrained, load_tokenizer, position_limit
 from .monitor import Monitor
 from .options import TrainOptions
@@ -37,6 +39,7 @@ from .storage import open_store
 from .tasks import load_metric, load_task, scores, task_loss
 
 TrainConfig = TrainOptions  # the name the package's API, notebook and scripts use
+LAUNCH_ID = "XLA_TRAIN_LAUNCH_ID"  # one start of the job on every host of a pod (scripts/tpu_pod.py)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -70,6 +73,8 @@ def open_output(cfg, backend):
         # only global ordinal 0 writes; every host decides on its own whether to resume
         raise UserError(f"--output-dir {cfg.output_dir}: a run on {hosts} hosts needs a gs:// output, which every "
                         "host reads alike (a local folder holds host 0's checkpoints only)")
+    if hosts > 1 and os.environ.get(LAUNCH_ID):  # scripts/tpu_pod.py gives every host one launch id
+        watch_pod(store.url, os.environ[LAUNCH_ID])  # a failing host tells the others there
     store.check_writable()
     folder = RunFolder(store, cfg, writer=host == 0)  # one run per folder
     folder.check()

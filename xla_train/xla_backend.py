@@ -17,7 +17,7 @@ import torch
 
 from .backend import Backend
 from .errors import UserError
-from .launchers import spawn_replicas
+from .launchers import pod_watch, spawn_replicas
 
 # Attention implementation registered below: transformers' own SDPA attention with a mask
 # function that never asks whether the padding mask is all ones. Stock "sdpa" evaluates
@@ -337,7 +337,8 @@ class XLASpmdBackend(XLABackend):
         pass  # one process per host whatever --num-processes says: no xmp.spawn
 
     def launch(self, fn, args=(), nprocs=None, start_method="fork"):
-        self.run_worker(fn, args)  # one process for every device; xmp.spawn would start the runtime before use_spmd()
+        with pod_watch():  # no launcher watches this process: on several hosts, the pod's marker
+            self.run_worker(fn, args)  # one process for every device; xmp.spawn would start the runtime before use_spmd()
 
     def planned_devices(self):
         if os.environ["PJRT_DEVICE"].upper() == "TPU":
