@@ -206,6 +206,12 @@ class CudaBackend(TorchBackend):
     def synchronize(self):
         torch.cuda.synchronize(self.device)
 
+    def device_memory(self):
+        return torch.cuda.mem_get_info(self.device)[1]
+
+    def peak_memory(self):
+        return torch.cuda.max_memory_allocated(self.device)
+
 
 class _DeviceLoader:
     """Moves each batch of a DataLoader to the device."""

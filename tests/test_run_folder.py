@@ -139,9 +139,11 @@ def test_a_fresh_run_prints_what_matters(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
-    assert [ln.split(":")[0].split(" ")[0] for ln in lines] == ["task", "buckets", "model", "epoch", "dev", "report"]
+    assert [ln.split(":")[0].split(" ")[0] for ln in lines] == ["task", "buckets", "model", "memory", "epoch", "dev",
+                                                                 "report"]
     assert "new classification head for 2 output(s) (classifier.bias, classifier.weight)" in lines[2]
-    assert lines[4].startswith("dev accuracy ") and "(training " in lines[4]
+    assert lines[3].startswith("memory plan per device: parameters 86.") and "device unknown" in lines[3]
+    assert lines[5].startswith("dev accuracy ") and "(training " in lines[5]
     for noise in ("LOAD REPORT", "Defaulting to PJRT_DEVICE", "Writing model shards", "Loading weights", "WARNING"):
         assert noise not in proc.stdout + proc.stderr
     assert {ln.split(":")[0] for ln in proc.stderr.replace("\r", "\n").splitlines() if ln.strip()} == {"Training"}

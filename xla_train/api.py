@@ -268,6 +268,14 @@ class Engine:
         """A snapshot of the process's compilation counters, or None where nothing compiles."""
         return self.backend.compile_stats()
 
+    def device_memory(self):
+        """Bytes of the device's memory, or None where the backend cannot tell."""
+        return self.backend.device_memory()
+
+    def peak_memory(self):
+        """The most bytes the device held so far, or None where the backend cannot measure it."""
+        return self.backend.peak_memory()
+
     def trace_compilations(self, path):
         """Sends the cause and Python frames of every compilation to `path` (see Backend)."""
         return self.backend.trace_compilations(path)

@@ -199,6 +199,14 @@ class Backend(ABC):
         torch.set_rng_state(state[: len(torch.get_rng_state())].clone())
 
     # --- observability ----------------------------------------------------------------------
+    def device_memory(self):
+        """Bytes of memory of this process's device, or None where the backend cannot tell."""
+        return None
+
+    def peak_memory(self):
+        """The most bytes the device held so far, or None where the backend cannot measure it."""
+        return None
+
     def compile_stats(self):
         """A snapshot of compilation counters, or None where nothing is compiled."""
         return None

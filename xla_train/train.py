@@ -25,6 +25,9 @@ from .data import make_loader, model_inputs_only, tokenize
 from .errors import UserError
 from .files import atomic_write
 from .job import Job
+from .memory import check_fits, device_bytes
+from .memory import describe as describe_memory
+from .memory import plan as plan_of
 from .launchers import watch_pod
 from .models import load_model, load_pretrained, load_tokenizer, position_limit
 from .monitor import Monitor
@@ -150,6 +153,8 @@ class Training:
     total_steps: int
     steps_per_epoch: int
     problem: str  # classification | regression: the loss
+    memory: dict  # the memory plan (memory.plan), and the parameter counts
+    counts: dict
 
 
 def train_worker(job):
@@ -178,6 +183,7 @@ def set_up(engine, job, shapes, monitor):
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
                                   fused=engine.fused_optimizer or None)
     train_dl, *eval_dls, model, optimizer = engine.prepare(*loaders, model, optimizer)
+    memory, counts = plan_memory(engine, cfg, shapes, model)  # before anything compiles
     steps_per_epoch = shapes.steps_per_epoch(len(job.data["train"]))
     total_steps = shapes.total_steps(len(job.data["train"]), cfg.epochs, cfg.max_steps)
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=int(cfg.warmup_ratio * total_steps),
@@ -187,7 +193,17 @@ def set_up(engine, job, shapes, monitor):
                 {"buckets": shapes.padding.bucket_list, "n_train": len(job.data["train"]), "run_id": job.run_id})
     evaluate = Evaluator(engine, task, dict(zip(task.eval_splits, eval_dls)), state, monitor)
     return Training(model, optimizer, scheduler, train_dl, evaluate, state, shapes, total_steps, steps_per_epoch,
-                    task.problem)
+                    task.problem, memory, counts)
+
+
+def plan_memory(engine, cfg, shapes, model):
+    """The memory plan, printed; a run that cannot fit the device stops here, before compiling."""
+    length = max(shapes.padding.lengths or [cfg.max_length])
+    memory, counts = plan_of(engine.unwrap_model(model), cfg.batch_size, length, cfg.precision,
+                             device_bytes=device_bytes(engine.backend))
+    engine.print(describe_memory(memory, counts))
+    check_fits(memory, cfg.batch_size, length)
+    return memory, counts
 
 
 def train_loop(engine, cfg, t, monitor):
@@ -313,6 +329,7 @@ def run_metrics(engine, job, t, timing, results):
         "padding": cfg.padding, "precision": cfg.precision,
         "resumed_from": job.resume.url if job.resume else None,
         "first_step": state.first_step, "checkpoint": state.saved, "config": asdict(cfg), **job.report(),
+        "memory": {**t.memory, "peak_bytes": engine.peak_memory()}, **t.counts,
     }
 
 

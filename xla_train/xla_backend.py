@@ -310,6 +310,22 @@ class XLABackend(Backend):
             "cache_load_failures": met.counter_value("PersistentCacheDeserializeFailure") or 0,
         }
 
+    def device_memory(self):
+        return self._memory_info("bytes_limit")
+
+    def peak_memory(self):
+        return self._memory_info("peak_bytes_used")
+
+    def _memory_info(self, key):
+        import torch_xla.core.xla_model as xm
+
+        # a TPU or GPU device says (torch_xla/core/xla_model.py, get_memory_info); XLA:CPU raises
+        # "GetAllocatorStats is not supported" (seen here)
+        try:
+            return xm.get_memory_info(self.device)[key]
+        except RuntimeError:
+            return None
+
     def trace_compilations(self, path):
         import torch_xla.debug.metrics as met
 
@@ -371,6 +387,9 @@ class XLASpmdBackend(XLABackend):
     @property
     def replicas_per_process(self):
         return 1
+
+    def _memory_info(self, key):
+        return None  # SPMD's one virtual device has no memory of its own to ask about
 
     def mesh(self):
         import numpy as np

@@ -1,0 +1,85 @@
+"""The memory plan: what each device holds for the model, its gradients and AdamW's state (exact,
+from the parameters' shapes, dtypes and how the strategy lays them out), an estimate of the
+activations, and the device's memory where the backend can tell. Printed at the start of every
+run, written to the metrics JSON as `memory`, and checked before the first step compiles.
+"""
+
+import os
+
+from .errors import UserError
+
+DEVICE_BYTES = "XLA_TRAIN_DEVICE_BYTES"  # the device's memory, where the backend cannot tell (or to plan for another)
+MIB, GIB = 2**20, 2**30
+
+
+def tensor_bytes(tensors):
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def activation_estimate(config, rows, length, precision):
+    """Bytes of activations one device keeps for the backward pass of a transformer encoder or
+    decoder: Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
+    Models", eq. 1), s*b*h*(34 + 5*a*s/h) bytes per layer with 16-bit activations (twice that in
+    fp32), for `rows` rows of `length` tokens. An estimate: attention implementations that do not
+    keep the score matrix (flash, XLA's fusions) keep less."""
+    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None) or getattr(config, "dim", 0)
+    layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None) or 0
+    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None) or 1
+    if not hidden or not layers:
+        return None
+    per_layer = length * rows * hidden * (34 + 5 * heads * length / hidden)
+    return int(layers * per_layer * (1 if precision == "bf16" else 2))
+
+
+def plan(model, rows, length, precision="fp32", shards=1, device_bytes=None):
+    """The memory plan of `model` trained with AdamW on `rows` rows of `length` tokens per device,
+    its parameters split over `shards` devices (1: every device holds them all)."""
+    params = list(model.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    out = {
+        "param_bytes_total": tensor_bytes(params),
+        "param_bytes_per_device": -(-tensor_bytes(params) // shards),
+        "grad_bytes_per_device": -(-tensor_bytes(trainable) // shards),
+        "optimizer_bytes_per_device": -(-2 * tensor_bytes(trainable) // shards),  # AdamW: exp_avg, exp_avg_sq
+        "activation_bytes_estimate": activation_estimate(model.config, rows, length, precision),
+        "device_bytes": device_bytes,
+        "peak_bytes": None,
+    }
+    return out, {"trainable_params": sum(p.numel() for p in trainable), "total_params": sum(p.numel() for p in params)}
+
+
+def needed(memory):
+    """Bytes per device the plan adds up to."""
+    keys = ("param_bytes_per_device", "grad_bytes_per_device", "optimizer_bytes_per_device",
+            "activation_bytes_estimate")
+    return sum(memory[k] or 0 for k in keys)
+
+
+def device_bytes(backend):
+    """The device's memory: XLA_TRAIN_DEVICE_BYTES if set, else what the backend can tell, else None."""
+    given = os.environ.get(DEVICE_BYTES)
+    if given:
+        try:
+            return int(float(given))
+        except ValueError:
+            raise UserError(f"{DEVICE_BYTES} must be a number of bytes, not {given!r}") from None
+    return backend.device_memory()
+
+
+def describe(memory, counts):
+    def mib(key):
+        return f"{memory[key] / MIB:.1f} MiB" if memory[key] is not None else "unknown"
+
+    device = f"{memory['device_bytes'] / GIB:.1f} GiB" if memory["device_bytes"] else "unknown"
+    return (f"memory plan per device: parameters {mib('param_bytes_per_device')} (of {mib('param_bytes_total')}), "
+            f"gradients {mib('grad_bytes_per_device')}, optimizer {mib('optimizer_bytes_per_device')}, "
+            f"activations ~{mib('activation_bytes_estimate')}; device {device}; "
+            f"{counts['trainable_params']:,} of {counts['total_params']:,} parameters trained")
+
+
+def check_fits(memory, batch_size, length):
+    """Stops the run before anything compiles when the plan exceeds the device's memory."""
+    if memory["device_bytes"] and needed(memory) > memory["device_bytes"]:
+        raise UserError(f"the memory plan needs {needed(memory) / GIB:.2f} GiB per device, more than the device's "
+                        f"{memory['device_bytes'] / GIB:.2f} GiB: try a smaller --batch-size (now {batch_size}) or "
+                        f"--max-length (batches of up to {length} tokens)")
