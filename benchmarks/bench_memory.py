@@ -1,0 +1,80 @@
+"""The memory plan (xla_train/memory.py) for model sizes TPU users bring: which fit one 16 GiB v5e
+chip when every device holds the whole model (ddp, spmd: the strategies there are today).
+
+    python benchmarks/bench_memory.py                   # batch 8 per device, 128 tokens, 8 devices
+    python benchmarks/bench_memory.py --batch-size 1 --length 512
+
+Models are built on torch's meta device from their configs (no weights, no hub): the bundled
+MiniLM-L6-H384, bert-base-uncased, bert-large-uncased, a 1B Llama (Llama 3.2 1B's shape) and a 7B
+Llama (Llama 2 7B's shape), each with a 2-label classification head. Prints a table and writes
+OUT/memory.json and OUT/memory.md (OUT defaults to benchmarks/out/memory).
+"""
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+V5E = 16 * 2**30
+
+
+def configs():
+    from transformers import AutoConfig, BertConfig, LlamaConfig
+
+    from xla_train.tasks import bundled_model_path
+
+    bert = dict(vocab_size=30522, max_position_embeddings=512, num_labels=2)
+    return {
+        "MiniLM-L6-H384 (bundled)": AutoConfig.from_pretrained(bundled_model_path(), num_labels=2),
+        "bert-base": BertConfig(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                                intermediate_size=3072, **bert),
+        "bert-large": BertConfig(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
+                                 intermediate_size=4096, **bert),
+        "Llama 1B": LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                                num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True,
+                                num_labels=2, pad_token_id=0),
+        "Llama 7B": LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                                num_attention_heads=32, num_key_value_heads=32, num_labels=2, pad_token_id=0),
+    }
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch-size", type=int, default=8, help="rows per device")
+    p.add_argument("--length", type=int, default=128, help="tokens per row")
+    p.add_argument("--devices", type=int, default=8)
+    p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "out" / "memory"))
+    args = p.parse_args()
+    os.environ.setdefault("USE_TORCH_XLA", "0")  # transformers would import torch_xla otherwise
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    from xla_train.memory import GIB, needed, plan
+
+    rows = []
+    for name, config in configs().items():
+        with torch.device("meta"):
+            model = AutoModelForSequenceClassification.from_config(config)
+        for precision in ("fp32", "bf16"):  # bf16 autocast: 16-bit activations, fp32 weights and state
+            memory, counts = plan(model, args.batch_size, args.length, precision, shards=1)
+            rows.append({"model": name, "strategy": "ddp / spmd", "precision": precision,
+                         "devices": args.devices, **counts, **memory, "needed_bytes": needed(memory),
+                         "fits_v5e_16GiB": needed(memory) <= V5E})
+    header = ("| model | strategy | precision | parameters | params GiB/device | grads | AdamW | activations (est.) "
+              "| total GiB/device | fits a 16 GiB v5e |\n| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    lines = [header] + [
+        f"| {r['model']} | {r['strategy']} | {r['precision']} | {r['total_params'] / 1e6:,.0f} M | "
+        f"{r['param_bytes_per_device'] / GIB:.2f} | {r['grad_bytes_per_device'] / GIB:.2f} | "
+        f"{r['optimizer_bytes_per_device'] / GIB:.2f} | {r['activation_bytes_estimate'] / GIB:.2f} | "
+        f"{r['needed_bytes'] / GIB:.2f} | {'yes' if r['fits_v5e_16GiB'] else 'no'} |" for r in rows]
+    table = "\n".join(lines)
+    print(f"batch {args.batch_size} x {args.length} tokens per device, {args.devices} devices\n{table}")
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "memory.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1) + "\n")
+    (out / "memory.md").write_text(table + "\n")
+
+
+if __name__ == "__main__":
+    main()
