@@ -222,3 +222,21 @@ XLABackend.gather = lambda self, tensor: xm.all_gather(tensor, dim=0)  # a real 
     new = [(h, outputs) for h, outputs, frames in agreeing if "_agree_across" in frames and h not in step_graphs]
     # the flags' gathers alone (the stop check's two flags, the finite check's one): one output each
     assert len(new) == 2 and all(outputs == 1 for _, outputs in new), agreeing
+
+
+def test_goodput_splits_the_wall_time_into_phases_that_add_up(xla_run, previous_run):
+    """XLA:CPU (compilations) and the CPU: start-up, compilation, training steps, data, evaluation,
+    checkpoints and the rest add up to the wall time (within 5%: nothing is counted twice); the
+    ratio is the training steps' share; the report shows it."""
+    _, xla, out = xla_run
+    cpu = json.loads((previous_run / "metrics.json").read_text())
+    for m in (xla, cpu):
+        goodput, seconds = m["goodput"], m["goodput"]["seconds"]
+        assert set(seconds) == {"startup", "compile", "train_steps", "data", "eval", "checkpoint", "other", "wall"}
+        assert abs(sum(v for k, v in seconds.items() if k != "wall") - seconds["wall"]) <= 0.05 * seconds["wall"]
+        assert seconds["train_steps"] > 0 and seconds["startup"] > 0 and seconds["eval"] > 0
+        assert goodput["ratio"] == round(seconds["train_steps"] / seconds["wall"], 4)
+    assert xla["goodput"]["seconds"]["compile"] > 0 and cpu["goodput"]["seconds"]["compile"] == 0
+    assert cpu["goodput"]["seconds"]["checkpoint"] > 0  # checkpoints at steps 2 and 4
+    assert "| goodput (training steps / wall) |" in (out / "report" / "report.md").read_text()
+    assert "| time: training steps |" in (out / "report" / "report.md").read_text()

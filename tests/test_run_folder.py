@@ -140,7 +140,8 @@ def test_a_fresh_run_prints_what_matters(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
     assert [ln.split(":")[0].split(" ")[0] for ln in lines] == ["task", "buckets", "model", "memory", "epoch", "dev",
-                                                                 "report"]
+                                                                 "report", "goodput"]
+    assert lines[-1].startswith("goodput 0.") and "training steps " in lines[-1] and "startup " in lines[-1]
     assert "new classification head for 2 output(s) (classifier.bias, classifier.weight)" in lines[2]
     assert lines[3].startswith("memory plan per device: parameters 86.") and "device unknown" in lines[3]
     assert lines[5].startswith("dev accuracy ") and "(training " in lines[5]

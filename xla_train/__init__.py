@@ -1,6 +1,10 @@
 """xla_train: fine-tune Hugging Face transformers on TPU/XLA first, with a CUDA/CPU fallback."""
 
+import time
+
 from .errors import UserError
+
+STARTED = time.time()  # the process's start, near enough: where a run's wall time (goodput) begins
 
 __version__ = "0.1.0"
 __all__ = ["Engine", "launch", "notebook_launcher", "UserError", "__version__"]

@@ -13,9 +13,13 @@ class RunClock:
     queued step; `steady` rates start at the first log point after the last compilation.
     """
 
-    def __init__(self, engine):
+    def __init__(self, engine, started=None):
         self.engine, self.seconds, self.marks = engine, 0.0, []
+        self.started = started or time.time()  # the run's start (the launching process's), for goodput
+        self.first_start = None  # when the first training phase began: start-up ends there
         self.checkpoint_seconds = 0.0
+        self.data_seconds = 0.0  # waiting in the training loader for the next batch
+        self.eval_seconds = self.eval_compile_seconds = self.train_compile_seconds = 0.0
         self.transfers = 0  # device-to-host transfers during training phases only
         self.first_epoch_compiles = None
         self.counting = engine.compile_stats() is not None  # False where nothing compiles
@@ -35,6 +39,7 @@ class RunClock:
         return _diff(now, mark or self._base), now
 
     def start(self):
+        self.first_start = self.first_start or time.time()
         self._t0, s = time.perf_counter(), self._stats()
         self.outside += s.get("compiles", 0) - self._last.get("compiles", 0)
         self._last = s
@@ -45,9 +50,11 @@ class RunClock:
     @contextmanager
     def excluding(self):
         """A checkpoint inside a training phase: its time and transfers are counted apart."""
-        t0, before = time.perf_counter(), self._stats().get("transfers", 0)
+        t0, stats = time.perf_counter(), self._stats()
         yield
-        self._last["transfers"] = self._last.get("transfers", 0) + self._stats().get("transfers", 0) - before
+        now = self._stats()
+        for key in ("transfers", "compile_seconds"):  # a checkpoint's compilations are its own time
+            self._last[key] = self._last.get(key, 0) + now.get(key, 0) - stats.get(key, 0)
         elapsed = time.perf_counter() - t0
         self._t0 += elapsed
         self.checkpoint_seconds += elapsed
@@ -60,8 +67,48 @@ class RunClock:
         self.seconds = self.now()
         s = self._stats()
         self.transfers += s.get("transfers", 0) - self._last.get("transfers", 0)
+        self.train_compile_seconds += s.get("compile_seconds", 0) - self._last.get("compile_seconds", 0)
         self.marks.append((step, self.seconds, s.get("compiles", 0) - self.outside))
         self._last = s
+
+    def timed(self, batches):
+        """`batches`, with the time spent waiting for each counted as the data's (host time only:
+        no device sync)."""
+        batches = iter(batches)
+        while True:
+            t0 = time.perf_counter()
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            self.data_seconds += time.perf_counter() - t0
+            yield batch
+
+    @contextmanager
+    def evaluating(self):
+        """An evaluation: its time, and its compilations' apart."""
+        t0, before = time.perf_counter(), self._stats().get("compile_seconds", 0)
+        yield
+        self.engine.synchronize()
+        self.eval_seconds += time.perf_counter() - t0
+        self.eval_compile_seconds += self._stats().get("compile_seconds", 0) - before
+
+    def goodput(self):
+        """The run's wall time so far split into phases that add up to it, and the share that
+        trained: {"seconds": {phase: s, ..., "wall": s}, "ratio": training steps / wall}."""
+        wall = time.time() - self.started
+        compiling = self.train_compile_seconds + self.eval_compile_seconds
+        parts = {
+            "startup": (self.first_start or time.time()) - self.started,  # imports, data, model, set-up
+            "compile": compiling,
+            "train_steps": max(self.seconds - self.train_compile_seconds - self.data_seconds, 0.0),
+            "data": self.data_seconds,
+            "eval": max(self.eval_seconds - self.eval_compile_seconds, 0.0),
+            "checkpoint": self.checkpoint_seconds,
+        }
+        parts["other"] = max(wall - sum(parts.values()), 0.0)  # the finish, between phases
+        seconds = {k: round(v, 3) for k, v in parts.items()}
+        return {"seconds": {**seconds, "wall": round(wall, 3)}, "ratio": round(parts["train_steps"] / wall, 4)}
 
     def end_of_epoch(self):
         if self.first_epoch_compiles is None:

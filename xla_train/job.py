@@ -15,6 +15,7 @@ class Job:
     run_id: str = None  # the output folder's run
     truncated: dict = None  # rows cut to --max-length, per split
     resume: object = None  # checkpoint.Resume, or None
+    started: float = None  # time.time() when the launching process started (goodput's wall time)
 
     def report(self):
         """What the metrics JSON says of the job's preparation."""

@@ -33,7 +33,7 @@ LIBRARY_FRAME = re.compile(r"[/\\](torch|torch_xla)[/\\]|xla_train[/\\](api|back
 class Monitor:
     """One per worker; a no-op on replicas other than the main one."""
 
-    def __init__(self, engine, cfg, shapes):
+    def __init__(self, engine, cfg, shapes, started=None):
         self.engine = engine
         self.on = engine.is_main_process
         local = bool(cfg.output_dir) and not str(cfg.output_dir).startswith("gs://")
@@ -56,7 +56,7 @@ class Monitor:
         self._last, self._last_log = None, (0, self._t_start)
         if self.on:
             self._open_files()
-        self.clock = RunClock(engine)  # counters start here, once compilations are traced
+        self.clock = RunClock(engine, started)  # counters start here, once compilations are traced
         self._last = self.clock.delta()[1] if self.on and self.clock.counting else None
 
     def _open_files(self):

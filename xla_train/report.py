@@ -54,8 +54,11 @@ def load_run(run_dir):
 
 
 def time_split(metrics, log):
-    """Seconds by where they went. Training steps: the training phase's time less the training
-    graphs' compilations (the last step's graph may compile after the phase, so this is a floor)."""
+    """Seconds by where they went: the run's goodput phases (they add up to its wall time); for
+    a run recorded before goodput, the training phase's time less the training graphs'
+    compilations (the last step's graph may compile after the phase, so this is a floor)."""
+    if metrics.get("goodput"):
+        return {GOODPUT_NAMES[k]: v for k, v in metrics["goodput"]["seconds"].items() if k != "wall"}
     compiling = {phase: sum(e["seconds"] for e in log["compilations"] if e["phase"] == phase)
                  for phase in ("train", "eval")}
     parts = {"compiling training graphs": compiling["train"],
@@ -64,6 +67,10 @@ def time_split(metrics, log):
     if log.get("wall_seconds"):
         parts["evaluation, loading, saving"] = max(log["wall_seconds"] - sum(parts.values()), 0.0)
     return parts
+
+
+GOODPUT_NAMES = {"startup": "start-up (imports, data, model)", "compile": "compiling", "train_steps": "training steps",
+                 "data": "waiting for data", "eval": "evaluation", "checkpoint": "checkpoints", "other": "other"}
 
 
 # --- panels: each draws on one matplotlib axis ---------------------------------------------------
@@ -103,14 +110,18 @@ def plot_throughput(ax, scalars, log):
 def plot_time(ax, metrics, log):
     parts = time_split(metrics, log)
     left = 0.0
-    for (name, seconds), color in zip(parts.items(), ("tab:red", "tab:green", "tab:pink", "tab:gray")):
+    colors = ("tab:olive", "tab:red", "tab:green", "tab:cyan", "tab:pink", "tab:brown", "tab:gray") if len(parts) > 4 \
+        else ("tab:red", "tab:green", "tab:pink", "tab:gray")
+    for (name, seconds), color in zip(parts.items(), colors):
         ax.barh(0, seconds, left=left, height=0.6, color=color, label=f"{name}: {seconds:.1f} s")
         left += seconds
     ax.set_ylim(-1.6, 0.5)
     ax.set_yticks([])
     ax.set_xlabel("seconds")
     ax.legend(loc="lower center", fontsize=9)
-    ax.set_title("Where the time went")
+    goodput = metrics.get("goodput")
+    ax.set_title("Where the time went" + (f" (goodput {goodput['ratio']:.2f} of {goodput['seconds']['wall']:.0f} s)"
+                                          if goodput else ""))
 
 
 def plot_padding(ax, metrics):
@@ -180,6 +191,9 @@ def markdown(metrics, log):
                  ("host syncs per training step", xla["host_syncs_per_step"]),
                  ("CPU fallbacks (aten ops)", xla["aten_fallbacks"])]
     rows += [(f"time: {k}", f"{v:.1f} s") for k, v in time_split(metrics, log).items()]
+    if metrics.get("goodput"):
+        rows += [("goodput (training steps / wall)", f"{metrics['goodput']['ratio']} of "
+                                                    f"{metrics['goodput']['seconds']['wall']:.1f} s")]
     lines = ["# Run report", "", "| | |", "| --- | --- |", *(f"| {k} | {v} |" for k, v in rows), ""]
     lines += ["## Recompilation warning", "", log.get("warning") or "none: every graph was expected", ""]
     lines += ["## Pictures", "", "![overview](overview.png)", "", "![loss and learning rate](loss_lr.png)",

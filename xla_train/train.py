@@ -19,7 +19,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoConfig, get_scheduler
 
-from . import checkpoint
+from . import STARTED, checkpoint
 from .api import Engine
 from .data import make_loader, model_inputs_only, tokenize
 from .errors import UserError
@@ -59,6 +59,7 @@ def run(cfg):
         return None
     job = prepare(cfg, backend, resume)
     job.run_id = folder.claim(resume) if folder else None  # every check passed: the folder is this run's
+    job.started = STARTED
     # Workers get the tokenised data and the model from here: forked replicas (XLA) share these
     # pages instead of each loading a copy; spawned ones (gloo, NCCL) receive them pickled.
     with StopRequest():  # a launcher passes SIGTERM on to its workers, which save and stop
@@ -166,7 +167,7 @@ def train_worker(job):
     engine.seed(cfg.seed)  # dropout
     shapes = dataclasses.replace(job.shapes, devices=engine.num_devices)
     # TensorBoard, compilation log, explainer and the run's clock; before anything is compiled
-    monitor = Monitor(engine, cfg, shapes)
+    monitor = Monitor(engine, cfg, shapes, job.started)
     t = set_up(engine, job, shapes, monitor)
     train_loop(engine, cfg, t, monitor)
     t.state.check_finite()  # the last log interval's loss, which no closure has read yet on XLA
@@ -217,7 +218,7 @@ def train_loop(engine, cfg, t, monitor):
             t.train_dl.set_epoch(state.epoch, start=state.batch)
             model.train()
             monitor.clock.start()
-            for batch in t.train_dl:
+            for batch in monitor.clock.timed(t.train_dl):  # its waits are the data's, not the steps
                 if state.step >= total or state.batch == t.steps_per_epoch * cfg.grad_accum:
                     break  # done, or the epoch's last micro-batches would not fill an optimizer step
                 state.batch += 1
@@ -275,12 +276,16 @@ def finish(engine, job, t, monitor):
     timing = monitor.clock.summary(state.step, t.shapes.rows_per_step, state.first_step)  # before the graphs below
     results = state.restore_best(t.model)  # --save-best: the best evaluation's weights
     predictions = save_outputs(engine, job, t, results) if state.store else None
-    metrics = {**run_metrics(engine, job, t, timing, results), "predictions": predictions}
+    metrics = {**run_metrics(engine, job, t, monitor, timing, results), "predictions": predictions}
     if engine.is_main_process:
         engine.print(f"dev {scores(results)}  (training {metrics['train_samples_per_s']:.1f} samples/s)")
         if cfg.metrics_out:
             atomic_write(cfg.metrics_out, json.dumps(metrics, indent=2) + "\n")  # makes missing folders
     monitor.close(metrics)
+    seconds = metrics["goodput"]["seconds"]
+    engine.print(f"goodput {metrics['goodput']['ratio']:.2f}: training steps {seconds['train_steps']:.1f} s of "
+                 f"{seconds['wall']:.1f} s (" + ", ".join(f"{k} {v:.1f}" for k, v in seconds.items()
+                                                     if k not in ("train_steps", "wall")) + ")")
     return metrics
 
 
@@ -307,7 +312,7 @@ def save_outputs(engine, job, t, results):
     return predictions
 
 
-def run_metrics(engine, job, t, timing, results):
+def run_metrics(engine, job, t, monitor, timing, results):
     """The metrics JSON of the run (DESIGN.md's contract and more)."""
     cfg, task, state = job.cfg, job.task, t.state
     sums = replica_checksums(engine, t.model)
@@ -330,6 +335,7 @@ def run_metrics(engine, job, t, timing, results):
         "resumed_from": job.resume.url if job.resume else None,
         "first_step": state.first_step, "checkpoint": state.saved, "config": asdict(cfg), **job.report(),
         "memory": {**t.memory, "peak_bytes": engine.peak_memory()}, **t.counts,
+        "goodput": monitor.clock.goodput(),  # last: the wall time up to the metrics
     }
 
 
@@ -372,7 +378,8 @@ class Evaluator:
     def __call__(self, model, where, mid_epoch=False):
         if mid_epoch:
             self.monitor.clock.stop(self.state.step)
-        results = evaluate_all(self.engine, model, self.task, self.loaders, self.metric)
+        with self.monitor.clock.evaluating():
+            results = evaluate_all(self.engine, model, self.task, self.loaders, self.metric)
         self.engine.print(f"{where}: {scores(results)}")
         self.monitor.evaluated(self.state.step, results)
         self.state.evaluated(results, model, self.task.main)
