@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -e ".[xla,gcs,dev]"
+	$(PY) -m pip install -e ".[xla,gcs,dev,trackers,profile]"
 	touch $@
 
 demo: $(VENV)/.installed

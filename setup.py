@@ -26,6 +26,9 @@ setup(
         "xla": ["torch_xla==2.9.0"],  # XLA on PJRT's CPU (or GPU) device
         "tpu": ["torch_xla[tpu]==2.9.0"],  # adds libtpu, for Cloud TPU VMs and Colab TPU
         "gcs": ["google-cloud-storage"],
+        # --report-to mlflow (the full package: its sqlite store needs it) and wandb
+        "trackers": ["mlflow==3.17.2", "wandb"],
+        "profile": ["tensorboard-plugin-profile"],  # TensorBoard's Profile tab for --profile-steps
         "dev": ["pytest", "accelerate", "gcp-storage-emulator", "google-cloud-storage", "torch_xla==2.9.0",
                 "nbclient", "nbformat", "ipykernel",
                 "build", "setuptools", "wheel"],  # make dist and tests/test_install.py build the wheel

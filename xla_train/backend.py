@@ -199,6 +199,24 @@ class Backend(ABC):
         torch.set_rng_state(state[: len(torch.get_rng_state())].clone())
 
     # --- observability ----------------------------------------------------------------------
+    def start_profile(self, folder):
+        """Starts capturing a profile into `folder`; returns the session for `stop_profile`."""
+        import torch.profiler as tp
+
+        activities = [tp.ProfilerActivity.CPU] + ([tp.ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        session = tp.profile(activities=activities, on_trace_ready=tp.tensorboard_trace_handler(str(folder)),
+                             record_shapes=True)
+        session.start()
+        return session
+
+    def stop_profile(self, session):
+        self.synchronize()  # the window's queued device work belongs in it
+        session.stop()
+
+    def step_annotation(self, step):
+        """A context that marks optimizer step `step` in the profile."""
+        return torch.profiler.record_function(f"train_step_{step}")
+
     def device_memory(self):
         """Bytes of memory of this process's device, or None where the backend cannot tell."""
         return None

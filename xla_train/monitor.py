@@ -25,6 +25,7 @@ from pathlib import Path
 from .clock import RunClock
 from .files import atomic_write
 from .report import tag, write_report
+from .trackers import Trackers
 
 ANALYSIS = re.compile(r"Compilation Cause\n\s*(.*?)\n.*?Python Frame Triggered Execution: *\n(.*?)\n-{10}", re.S)
 LIBRARY_FRAME = re.compile(r"[/\\](torch|torch_xla)[/\\]|xla_train[/\\](api|backend|xla_backend|monitor|clock|run_state)\.py")  # plumbing
@@ -33,7 +34,7 @@ LIBRARY_FRAME = re.compile(r"[/\\](torch|torch_xla)[/\\]|xla_train[/\\](api|back
 class Monitor:
     """One per worker; a no-op on replicas other than the main one."""
 
-    def __init__(self, engine, cfg, shapes, started=None):
+    def __init__(self, engine, cfg, shapes, started=None, run_id=None):
         self.engine = engine
         self.on = engine.is_main_process
         local = bool(cfg.output_dir) and not str(cfg.output_dir).startswith("gs://")
@@ -56,6 +57,7 @@ class Monitor:
         self._last, self._last_log = None, (0, self._t_start)
         if self.on:
             self._open_files()
+        self.trackers = Trackers(engine, cfg, self.out, run_id)  # --report-to: MLflow, W&B
         self.clock = RunClock(engine, started)  # counters start here, once compilations are traced
         self._last = self.clock.delta()[1] if self.on and self.clock.counting else None
 
@@ -109,7 +111,10 @@ class Monitor:
             self._note_compiles(step, "eval", None)
 
     def close(self, metrics):
-        """At the end of the run: metrics.json, compilations.json and the report."""
+        """At the end of the run: the trackers' final metrics, metrics.json, compilations.json and
+        the report."""
+        if self.on:
+            self.trackers.finish(metrics)
         if self._tmp:
             shutil.rmtree(self._tmp, ignore_errors=True)
         if not self.out:
@@ -124,6 +129,7 @@ class Monitor:
 
     # --- inside step closures ---------------------------------------------------------------
     def _scalars(self, step, values):
+        self.trackers.log(step, {tag(k): v for k, v in values.items()})  # TensorBoard's names
         if self._writer:
             for key, value in values.items():
                 if value is not None:

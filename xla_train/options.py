@@ -15,6 +15,7 @@ from .tasks import FILE_FORMATS, PROBLEMS, TASKS, bundled_model_path, check_choi
 PADDING_MODES = ("buckets", "max_length", "dynamic")
 PRECISIONS = ("fp32", "bf16")
 BACKENDS = ("auto", "xla", "cuda", "cpu")
+TRACKERS = ("tensorboard", "mlflow", "wandb")
 STRATEGIES = ("ddp", "spmd")  # ddp: one replica per device; spmd: one process shards the batch (XLA)
 BUNDLED_MODEL = "the bundled MiniLM-L6-H384"
 
@@ -86,6 +87,12 @@ class TrainOptions:
     compile_cache: str = option(None, "persistent XLA compilation cache folder (default: none)")
     metrics_out: str = option(None, "write the run's metrics JSON here; missing folders are made (default: none; "
                               "OUTPUT_DIR/metrics.json is written in any case)")
+    # where the time goes
+    profile_steps: str = option(None, "capture a profile of optimizer steps A to B (A:B, e.g. 12:16) into "
+                                "OUTPUT_DIR/profile/ for TensorBoard's profile plugin")
+    report_to: str = option("tensorboard", f"where the run's scalars go: {', '.join(TRACKERS)} or none, "
+                            "comma-separated (TensorBoard events are written to a local output folder in any "
+                            "case: the report reads them)")
     # model selection
     eval_every: int = option(None, "evaluate every N optimizer steps (default: at the end of each epoch)")
     metric_for_best: str = option(None, "the evaluation metric that ranks models (default: the task's main metric; "
@@ -117,9 +124,28 @@ class TrainOptions:
         if self.resume and not self.output_dir:
             raise UserError("--resume needs --output-dir, the folder that holds the checkpoints")
         parse_buckets(self.buckets, self.max_length)
+        self._check_observers()
         check_model_path(self.model)
         if self.metrics_out:
             check_output_file(self.metrics_out, "--metrics-out")
+
+
+    def _check_observers(self):
+        if self.profile_steps:
+            from .profile import parse_steps
+
+            parse_steps(self.profile_steps)
+            if not self.output_dir or str(self.output_dir).startswith("gs://"):
+                raise UserError("--profile-steps needs a local --output-dir, where profile/ is written")
+        unknown = [name for name in trackers(self.report_to) if name not in TRACKERS]
+        if unknown:
+            raise UserError(f"--report-to takes {', '.join(TRACKERS)} or none, comma-separated; not {unknown[0]!r}")
+
+
+def trackers(spec):
+    """The tracker names of a --report-to value ("none": none)."""
+    names = [n.strip() for n in (spec or "").split(",") if n.strip()]
+    return [] if names == ["none"] else names
 
 
 @dataclass

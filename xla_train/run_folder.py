@@ -24,7 +24,8 @@ RECORD = "xla_train_run.json"
 RUN_FILES = (RECORD, "checkpoints", "tensorboard", "report", "metrics.json", "compilations.json",
              "xla_train_task.json", "predictions.*", "config.json", "generation_config.json", "model*.safetensors",
              "model.safetensors.index.json", "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*",
-             "merges.txt", "*.model", "chat_template.jinja", "xla_train_failed-*")
+             "merges.txt", "*.model", "chat_template.jinja", "xla_train_failed-*",
+             "profile", "mlflow.db", "mlflow_artifacts", "wandb")
 # Settings that make a run what it is: a resumed run must have the same (the data order depends on them).
 # A run id every host of a pod is given (scripts/tpu_pod.py sets it): the replica that writes the
 # checkpoints (global ordinal 0) need not be on host 0, whose parent writes the record

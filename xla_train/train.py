@@ -31,6 +31,7 @@ from .memory import plan as plan_of
 from .launchers import watch_pod
 from .models import load_model, load_pretrained, load_tokenizer, position_limit
 from .monitor import Monitor
+from .profile import Profile
 from .options import TrainOptions
 from .predict import ModelInfo, infer, predict_loader, predict_rows, read_input, tokenize_rows, write_output
 from .run_folder import RunFolder, write_finished
@@ -156,6 +157,7 @@ class Training:
     problem: str  # classification | regression: the loss
     memory: dict  # the memory plan (memory.plan), and the parameter counts
     counts: dict
+    profile: Profile  # --profile-steps
 
 
 def train_worker(job):
@@ -167,9 +169,12 @@ def train_worker(job):
     engine.seed(cfg.seed)  # dropout
     shapes = dataclasses.replace(job.shapes, devices=engine.num_devices)
     # TensorBoard, compilation log, explainer and the run's clock; before anything is compiled
-    monitor = Monitor(engine, cfg, shapes, job.started)
+    monitor = Monitor(engine, cfg, shapes, job.started, job.run_id)
     t = set_up(engine, job, shapes, monitor)
-    train_loop(engine, cfg, t, monitor)
+    try:
+        train_loop(engine, cfg, t, monitor)
+    finally:
+        t.profile.close()  # a run stopped inside the window keeps what was captured
     t.state.check_finite()  # the last log interval's loss, which no closure has read yet on XLA
     return finish(engine, job, t, monitor)
 
@@ -194,7 +199,11 @@ def set_up(engine, job, shapes, monitor):
                 {"buckets": shapes.padding.bucket_list, "n_train": len(job.data["train"]), "run_id": job.run_id})
     evaluate = Evaluator(engine, task, dict(zip(task.eval_splits, eval_dls)), state, monitor)
     return Training(model, optimizer, scheduler, train_dl, evaluate, state, shapes, total_steps, steps_per_epoch,
-                    task.problem, memory, counts)
+                    task.problem, memory, counts, Profile(engine, cfg.profile_steps, _profile_folder(cfg)))
+
+
+def _profile_folder(cfg):
+    return Path(cfg.output_dir) / "profile" if cfg.output_dir else None
 
 
 def plan_memory(engine, cfg, shapes, model):
@@ -222,6 +231,7 @@ def train_loop(engine, cfg, t, monitor):
                 if state.step >= total or state.batch == t.steps_per_epoch * cfg.grad_accum:
                     break  # done, or the epoch's last micro-batches would not fill an optimizer step
                 state.batch += 1
+                t.profile.step_begins(state.step + 1)
                 labels = batch.pop("labels")  # the loss is the job's own: no model head can add a host sync
                 with engine.autocast():
                     loss = task_loss(model(**batch).logits, labels, t.problem)
@@ -233,6 +243,7 @@ def train_loop(engine, cfg, t, monitor):
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
                 state.step += 1
+                t.profile.step_ended(state.step)
                 bar.update(1)
                 monitor.step(state.step, batch)
                 if after_step(cfg, t, lr, bar, monitor, stop):

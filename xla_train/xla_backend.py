@@ -310,6 +310,26 @@ class XLABackend(Backend):
             "cache_load_failures": met.counter_value("PersistentCacheDeserializeFailure") or 0,
         }
 
+    def start_profile(self, folder):
+        import torch_xla.debug.profiler as xp
+
+        # no profiler server needed: the session runs in this process and writes
+        # FOLDER/plugins/profile/RUN/HOST.xplane.pb (torch_xla/debug/profiler.py, start_trace)
+        xp.start_trace(str(folder))
+        return folder
+
+    def stop_profile(self, session):
+        import torch_xla.debug.profiler as xp
+
+        self.synchronize()
+        xp.stop_trace()
+
+    def step_annotation(self, step):
+        import torch_xla.debug.profiler as xp
+
+        # ends with a graph cut (torch_xla.sync), where the loader would cut the step anyway
+        return xp.StepTrace("train_step", step_num=step)
+
     def device_memory(self):
         return self._memory_info("bytes_limit")
 
