@@ -237,3 +237,11 @@ def test_predict_makes_the_output_files_missing_folders(classifier, tmp_path):
                  "--output", str(out)]) == 0
     assert out.read_text().splitlines()[0] == "sentence1,sentence2,prediction,score"
 
+
+
+def test_the_report_plots_the_evaluations_of_eval_every(selected):
+    _, m, out = selected
+    assert len(m["evaluations"]) > 1
+    png = out / "report" / "eval.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    assert "![evaluations](eval.png)" in (out / "report" / "report.md").read_text()

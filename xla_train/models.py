@@ -4,13 +4,7 @@ import torch
 
 from .api import quiet_transformers
 from .errors import UserError, first_line
-from .options import BUNDLED_MODEL
-from .tasks import bundled_model_path
-
-
-def shown_name(name):
-    """A model's name as the console and the report say it (the bundled one by its name)."""
-    return BUNDLED_MODEL if name == bundled_model_path() else name
+from .options import shown_model_name as shown_name
 
 
 def load_pretrained(cls, name, **kwargs):

@@ -20,6 +20,12 @@ STRATEGIES = ("ddp", "spmd")  # ddp: one replica per device; spmd: one process s
 BUNDLED_MODEL = "the bundled MiniLM-L6-H384"
 
 
+def shown_model_name(name):
+    """A model's name as the console and the report say it: the bundled one by its name, not by
+    a path inside the environment."""
+    return BUNDLED_MODEL if name == bundled_model_path() else name
+
+
 def option(default, help, choices=None, required=False):
     """A dataclass field that is also a command-line option (`--name-with-dashes`)."""
     return field(default=default, metadata={"help": help, "choices": choices, "required": required})

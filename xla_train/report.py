@@ -14,6 +14,7 @@ from pathlib import Path
 
 from .errors import UserError
 from .files import atomic_write
+from .options import shown_model_name
 
 # TensorBoard tags the monitor writes and this module reads (the reader owns the names).
 TAGS = {
@@ -124,6 +125,19 @@ def plot_time(ax, metrics, log):
                                           if goodput else ""))
 
 
+def plot_evaluations(ax, metrics):
+    main = metrics.get("main_metric") or "accuracy"
+    steps = [s for s, r in metrics["evaluations"] if main in r]
+    ax.plot(steps, [r[main] for _, r in metrics["evaluations"] if main in r], "o-", color="tab:purple")
+    best = metrics.get("best")
+    if best and best.get("metric") == main:
+        ax.axvline(best["step"], color="tab:gray", ls="--", label=f"best: step {best['step']}")
+        ax.legend(loc="lower right", fontsize=8)
+    ax.set_xlabel("step")
+    ax.set_ylabel(main)
+    ax.set_title(f"Evaluation: {main} over steps")
+
+
 def plot_padding(ax, metrics):
     by_length = metrics.get("padding_by_bucket") or {}
     lengths = list(by_length)
@@ -154,7 +168,9 @@ def write_report(run_dir):
     panels = {"loss_lr": lambda ax: plot_loss_lr(ax, scalars),
               "throughput": lambda ax: plot_throughput(ax, scalars, log),
               "padding": lambda ax: plot_padding(ax, metrics)}
-    for name, draw in panels.items():
+    several = len(metrics.get("evaluations") or []) > 1  # --eval-every
+    extra = {"eval": lambda ax: plot_evaluations(ax, metrics)} if several else {}
+    for name, draw in {**panels, **extra}.items():
         fig, ax = plt.subplots(figsize=(8, 4.5), layout="constrained")
         draw(ax)
         fig.savefig(out / f"{name}.png", dpi=100)
@@ -163,7 +179,7 @@ def write_report(run_dir):
     for ax, draw in zip(axes.flat, panels.values()):
         draw(ax)
     plot_time(axes[1, 1], metrics, log)
-    fig.suptitle(f"{metrics['model']} on {metrics['backend']} ({metrics['device']}): {metrics['steps']} steps")
+    fig.suptitle(f"{shown_model_name(metrics['model'])} on {metrics['backend']} ({metrics['device']}): {metrics['steps']} steps")
     fig.savefig(out / "overview.png", dpi=100)
     plt.close(fig)
     path = out / "report.md"
@@ -173,7 +189,7 @@ def write_report(run_dir):
 def markdown(metrics, log):
     ev, xla = metrics.get("eval") or {}, metrics.get("xla")
     rows = [("backend / device", f"{metrics['backend']} / {metrics['device']} x {metrics['world_size']}"),
-            ("model", metrics["model"]), ("steps / epochs", f"{metrics['steps']} / {metrics['epochs']}"),
+            ("model", shown_model_name(metrics["model"])), ("steps / epochs", f"{metrics['steps']} / {metrics['epochs']}"),
             ("training seconds", metrics["train_seconds"]),
             ("samples/s (all / after the last compilation)",
              f"{metrics['train_samples_per_s']} / {metrics['steady_samples_per_s']}"),
@@ -197,7 +213,8 @@ def markdown(metrics, log):
     lines = ["# Run report", "", "| | |", "| --- | --- |", *(f"| {k} | {v} |" for k, v in rows), ""]
     lines += ["## Recompilation warning", "", log.get("warning") or "none: every graph was expected", ""]
     lines += ["## Pictures", "", "![overview](overview.png)", "", "![loss and learning rate](loss_lr.png)",
-              "![throughput](throughput.png)", "![padding per bucket](padding.png)", ""]
+              "![throughput](throughput.png)", "![padding per bucket](padding.png)",
+              *(["![evaluations](eval.png)"] if len(metrics.get("evaluations") or []) > 1 else []), ""]
     lines += ["## Compilations", "", "| step | phase | input shape | graphs | seconds | cause | Python frame |",
               "| --- | --- | --- | --- | --- | --- | --- |"]
     for e in log["compilations"]:
