@@ -96,3 +96,45 @@ def test_compile_cache_counters_are_reported(mrpc_slice, tiny_model, tmp_path):
     proc, second = run_cli(args, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert second["xla"]["cache_hits"] + second["xla"]["cache_load_failures"] > 0
+
+
+EVALUATE_ONCE = """
+import json, sys, torch
+import torch_xla.debug.metrics as met
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+from xla_train.api import Engine
+from xla_train.data import make_loader, tokenize
+from xla_train.shapes import Padding
+from xla_train.tasks import load_metric, load_task
+from xla_train.train import evaluate_model
+
+engine = Engine("xla")
+task = load_task(data_dir=sys.argv[2])
+tok = AutoTokenizer.from_pretrained(sys.argv[1])
+data, _ = tokenize(task.splits, tok, 128)
+loader = engine.prepare(make_loader(data["validation"].remove_columns("token_type_ids"), tok, 8,
+                                    Padding("buckets", [128], 128), shuffle=False, seed=0, fill="mask"))
+model = engine.prepare(AutoModelForSequenceClassification.from_pretrained(sys.argv[1]))
+for _ in range(2):  # the second pass runs compiled graphs only
+    before = met.metric_data("TransferFromDeviceTime")
+    results = evaluate_model(engine, model, loader, load_metric("mrpc"), "classification")
+    transfers = met.metric_data("TransferFromDeviceTime")[0] - (before[0] if before else 0)
+print(json.dumps({"batches": len(loader), "transfers": transfers, "n": results["n"]}))
+"""
+
+
+def test_evaluation_copies_to_the_host_once_per_split(mrpc_slice, tiny_model, tmp_path):
+    """The predictions of every batch are gathered on the device and copied to the host once, at
+    the end of the split: the host never waits for a batch (it did for each)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    proc = subprocess.run([sys.executable, "-c", EVALUATE_ONCE, str(tiny_model), str(mrpc_slice)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "PJRT_DEVICE": "CPU"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["batches"] == 6 and out["n"] == 48 and out["transfers"] == 1
