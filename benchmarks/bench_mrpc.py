@@ -7,6 +7,7 @@ tokenisation, compilation, training, evaluation) for the same number of steps de
     python benchmarks/bench_mrpc.py --cases cpu,cpu-ref    # only the CPU fallback pair
     python benchmarks/bench_mrpc.py --pin                  # cases at once, one core and one thread each
     python benchmarks/bench_mrpc.py --cases xla,xla-bf16   # bf16 autocast against fp32, same seed
+    python benchmarks/bench_mrpc.py --cases cuda,cuda-ref,cuda-bf16,cuda-ref-bf16   # on a GPU
 
 --pin runs the cases concurrently, each pinned to its own core with one thread (a case waits for
 a free core); the speed drift of a shared machine then hits every case alike, and the wall-time
@@ -37,6 +38,12 @@ CASES = {
     "xla-ref-dynamic": ("accelerate (xla, dynamic)", REF + ["--padding", "dynamic"], XLA_ENV),
     "cpu": ("xla_train (cpu, buckets auto)", OURS + ["--backend", "cpu"], CPU_ENV),
     "cpu-ref": ("accelerate (cpu, dynamic)", REF + ["--padding", "dynamic"], CPU_ENV),
+    # on a CUDA machine (Accelerate takes the GPU by itself there)
+    "cuda": ("xla_train (cuda, buckets auto)", OURS + ["--backend", "cuda"], CPU_ENV),
+    "cuda-bf16": ("xla_train (cuda, bf16)", OURS + ["--backend", "cuda", "--precision", "bf16"], CPU_ENV),
+    "cuda-ref": ("accelerate (cuda, dynamic)", REF + ["--padding", "dynamic"], CPU_ENV),
+    "cuda-ref-bf16": ("accelerate (cuda, dynamic, bf16)", REF + ["--padding", "dynamic", "--mixed-precision", "bf16"],
+                      CPU_ENV),
 }
 
 
@@ -118,7 +125,7 @@ def table(results):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--max-steps", type=int, default=None)
-    p.add_argument("--cases", default=",".join(k for k in CASES if k != "xla-bf16"),
+    p.add_argument("--cases", default=",".join(k for k in CASES if k != "xla-bf16" and not k.startswith("cuda")),
                    help="comma-separated, from: " + ", ".join(CASES))
     p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "out"))
     p.add_argument("--pin", action="store_true", help="run the cases at once, each on its own core")

@@ -1,0 +1,69 @@
+"""The CUDA fallback on a real GPU. CI has none, so CI skips these (and says so); they ran on a lent
+NVIDIA H100 (benchmarks/RESULTS.md, "The CUDA path on a GPU"). The same runs as the CPU tests,
+with the GPU's own checks: it computes what the CPU computes (fp32), bf16 autocast trains, and a
+run stopped by SIGTERM resumes exactly."""
+
+import signal
+
+import pytest
+import torch
+
+from conftest import TINY, assert_same_weights, run_cli
+from test_checkpoint import start_cli, wait_for
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CI has none)")
+
+
+@pytest.fixture(scope="module")
+def cuda_run(mrpc_slice, tiny_model, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("cuda")
+    proc, m = run_cli(["--backend", "cuda", "--model", tiny_model, "--data-dir", mrpc_slice, *TINY,
+                       "--output-dir", tmp / "out"], tmp)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return m, tmp / "out"
+
+
+def test_cuda_computes_what_the_cpu_computes(cuda_run, mrpc_slice, tiny_model, tmp_path):
+    """fp32 (PyTorch leaves TF32 off for matrix products): the same losses at every step and the
+    same weights as the eager CPU run."""
+    m, out = cuda_run
+    assert m["backend"] == "cuda" and "NVIDIA" in m["device"]  # the GPU by name
+    proc, cpu = run_cli(["--backend", "cpu", "--model", tiny_model, "--data-dir", mrpc_slice, *TINY,
+                         "--output-dir", tmp_path / "cpu"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [s for s, _, _ in m["train_loss"]] == [s for s, _, _ in cpu["train_loss"]]
+    torch.testing.assert_close([loss for _, loss, _ in m["train_loss"]],
+                               [loss for _, loss, _ in cpu["train_loss"]], atol=1e-4, rtol=0)
+    assert_same_weights(out, tmp_path / "cpu", atol=1e-4)
+    assert m["memory"]["peak_bytes"] > 0  # torch.cuda's own count
+
+
+def test_cuda_bf16_autocast_trains(cuda_run, mrpc_slice, tiny_model, tmp_path):
+    fp32, _ = cuda_run
+    proc, m = run_cli(["--backend", "cuda", "--precision", "bf16", "--model", tiny_model, "--data-dir", mrpc_slice,
+                       *TINY, "--output-dir", tmp_path / "bf16"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert m["precision"] == "bf16"
+    losses = [loss for _, loss, _ in m["train_loss"]]
+    assert all(abs(a - b) < 0.05 for a, b in zip(losses, [loss for _, loss, _ in fp32["train_loss"]]))
+    assert 0 <= m["eval"]["accuracy"] <= 1
+
+
+def test_cuda_sigterm_then_resume_equals_the_uninterrupted_run(mrpc_slice, tiny_dropout_model, tmp_path):
+    """The GPU's random state (dropout) is saved and restored with the checkpoint."""
+    args = ["--backend", "cuda", "--epochs", "10", "--log-every", "3", "--model", tiny_dropout_model,
+            "--data-dir", mrpc_slice, "--max-steps", 40, "--save-every", 4]
+    proc, whole = run_cli([*args, "--output-dir", tmp_path / "whole"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = tmp_path / "stopped"
+    run = start_cli([*args, "--output-dir", out])
+    wait_for(lambda: (out / "checkpoints" / "step-00000004" / "COMPLETE").exists(), run)
+    run.send_signal(signal.SIGTERM)
+    _, err = run.communicate(timeout=300)
+    assert run.returncode == 128 + signal.SIGTERM, err[-3000:]
+    proc, resumed = run_cli([*args, "--output-dir", out, "--resume"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert 4 <= resumed["first_step"] < 40 and resumed["steps"] == whole["steps"] == 40
+    for (_, a, _), (_, b, _) in zip(resumed["train_loss"], whole["train_loss"]):
+        assert abs(a - b) < 1e-5
+    assert_same_weights(out, tmp_path / "whole", atol=1e-5)
