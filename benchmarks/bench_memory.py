@@ -56,15 +56,18 @@ def main():
     for name, config in configs().items():
         with torch.device("meta"):
             model = AutoModelForSequenceClassification.from_config(config)
-        for precision in ("fp32", "bf16"):  # bf16 autocast: 16-bit activations, fp32 weights and state
-            memory, counts = plan(model, args.batch_size, args.length, precision, shards=1)
+        # bf16 autocast: 16-bit activations, fp32 weights and state; checkpointed: --gradient-checkpointing
+        for precision, checkpointed in (("fp32", False), ("bf16", False), ("bf16", True)):
+            memory, counts = plan(model, args.batch_size, args.length, precision, shards=1, checkpointed=checkpointed)
             rows.append({"model": name, "strategy": "ddp / spmd", "precision": precision,
                          "devices": args.devices, **counts, **memory, "needed_bytes": needed(memory),
                          "fits_v5e_16GiB": needed(memory) <= V5E})
-    header = ("| model | strategy | precision | parameters | params GiB/device | grads | AdamW | activations (est.) "
-              "| total GiB/device | fits a 16 GiB v5e |\n| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    header = ("| model | strategy | precision | checkpointed | parameters | params GiB/device | grads | AdamW "
+              "| activations (est.) | total GiB/device | fits a 16 GiB v5e |\n"
+              "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     lines = [header] + [
-        f"| {r['model']} | {r['strategy']} | {r['precision']} | {r['total_params'] / 1e6:,.0f} M | "
+        f"| {r['model']} | {r['strategy']} | {r['precision']} | {'yes' if r['gradient_checkpointing'] else 'no'} | "
+        f"{r['total_params'] / 1e6:,.0f} M | "
         f"{r['param_bytes_per_device'] / GIB:.2f} | {r['grad_bytes_per_device'] / GIB:.2f} | "
         f"{r['optimizer_bytes_per_device'] / GIB:.2f} | {r['activation_bytes_estimate'] / GIB:.2f} | "
         f"{r['needed_bytes'] / GIB:.2f} | {'yes' if r['fits_v5e_16GiB'] else 'no'} |" for r in rows]

@@ -145,6 +145,13 @@ class Engine:
         """bf16 autocast on the backend's device with precision="bf16"; a no-op for fp32."""
         return self.backend.autocast(self.precision)
 
+    def checkpoint_activations(self, model):
+        """Gradient checkpointing for a transformers model, before `prepare`: each block's
+        activations are recomputed in the backward pass instead of kept (on XLA with torch_xla's
+        checkpoint, which XLA does not undo)."""
+        checkpoint_activations(model, self.backend.activation_checkpoint())
+        return model
+
     def inference_mode(self):
         """`torch.inference_mode()` where the backend supports it, else `torch.no_grad()`."""
         return self.backend.inference_mode()
@@ -412,3 +419,16 @@ def notebook_launcher(fn, args=(), backend="auto", num_processes=None, strategy=
     """`launch` for a notebook cell: workers are forked, so `fn` may be defined in the notebook.
     Call it before the notebook itself has put anything on an accelerator."""
     select_backend(backend, num_processes, strategy).launch(fn, args, start_method="fork")
+
+
+def checkpoint_activations(model, checkpoint=None):
+    """--gradient-checkpointing: transformers' own switch (every block checkpointed, the
+    embeddings' output made to require grad so a frozen base still back-propagates), with
+    `checkpoint` in place of torch.utils.checkpoint where the backend needs its own (XLA)."""
+    if not model.supports_gradient_checkpointing:
+        raise UserError(f"--gradient-checkpointing: {type(model).__name__} does not support it")
+    # activation_checkpointing_enable from transformers 5.24; gradient_checkpointing_enable before
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable()
+    if checkpoint is not None:  # the one hook that takes another function (private, as the Trainer's TPU path uses)
+        model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=checkpoint)

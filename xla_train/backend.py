@@ -144,6 +144,11 @@ class Backend(ABC):
         """A context for forward passes whose results are never differentiated."""
         return torch.inference_mode()
 
+    def activation_checkpoint(self):
+        """The function that recomputes a checkpointed block in the backward pass, or None for
+        transformers' own (torch.utils.checkpoint)."""
+        return None
+
     def autocast(self, precision):
         """A context for the forward pass: bf16 autocast, or a no-op for fp32."""
         if precision == "fp32":

@@ -16,24 +16,28 @@ def tensor_bytes(tensors):
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def activation_estimate(config, rows, length, precision):
+def activation_estimate(config, rows, length, precision, checkpointed=False):
     """Bytes of activations one device keeps for the backward pass of a transformer encoder or
     decoder: Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
     Models", eq. 1), s*b*h*(34 + 5*a*s/h) bytes per layer with 16-bit activations (twice that in
-    fp32), for `rows` rows of `length` tokens. An estimate: attention implementations that do not
-    keep the score matrix (flash, XLA's fusions) keep less."""
+    fp32), for `rows` rows of `length` tokens. Checkpointed (full recomputation, their section 5):
+    each layer keeps only its input, 2*s*b*h bytes, and one layer's activations live again while
+    it is recomputed. An estimate: attention implementations that do not keep the score matrix
+    (flash, XLA's fusions) keep less."""
     hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None) or getattr(config, "dim", 0)
     layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None) or 0
     heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None) or 1
     if not hidden or not layers:
         return None
     per_layer = length * rows * hidden * (34 + 5 * heads * length / hidden)
-    return int(layers * per_layer * (1 if precision == "bf16" else 2))
+    kept = layers * 2 * length * rows * hidden + per_layer if checkpointed else layers * per_layer
+    return int(kept * (1 if precision == "bf16" else 2))
 
 
-def plan(model, rows, length, precision="fp32", shards=1, device_bytes=None):
+def plan(model, rows, length, precision="fp32", shards=1, device_bytes=None, checkpointed=False):
     """The memory plan of `model` trained with AdamW on `rows` rows of `length` tokens per device,
-    its parameters split over `shards` devices (1: every device holds them all)."""
+    its parameters split over `shards` devices (1: every device holds them all), its blocks'
+    activations `checkpointed` (recomputed in the backward pass) or kept."""
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
     out = {
@@ -41,7 +45,8 @@ def plan(model, rows, length, precision="fp32", shards=1, device_bytes=None):
         "param_bytes_per_device": -(-tensor_bytes(params) // shards),
         "grad_bytes_per_device": -(-tensor_bytes(trainable) // shards),
         "optimizer_bytes_per_device": -(-2 * tensor_bytes(trainable) // shards),  # AdamW: exp_avg, exp_avg_sq
-        "activation_bytes_estimate": activation_estimate(model.config, rows, length, precision),
+        "activation_bytes_estimate": activation_estimate(model.config, rows, length, precision, checkpointed),
+        "gradient_checkpointing": checkpointed,
         "device_bytes": device_bytes,
         "peak_bytes": None,
     }
@@ -73,13 +78,15 @@ def describe(memory, counts):
     device = f"{memory['device_bytes'] / GIB:.1f} GiB" if memory["device_bytes"] else "unknown"
     return (f"memory plan per device: parameters {mib('param_bytes_per_device')} (of {mib('param_bytes_total')}), "
             f"gradients {mib('grad_bytes_per_device')}, optimizer {mib('optimizer_bytes_per_device')}, "
-            f"activations ~{mib('activation_bytes_estimate')}; device {device}; "
+            f"activations ~{mib('activation_bytes_estimate')}"
+            f"{' (checkpointed)' if memory.get('gradient_checkpointing') else ''}; device {device}; "
             f"{counts['trainable_params']:,} of {counts['total_params']:,} parameters trained")
 
 
-def check_fits(memory, batch_size, length):
+def check_fits(memory, batch_size, length, checkpointed=False):
     """Stops the run before anything compiles when the plan exceeds the device's memory."""
     if memory["device_bytes"] and needed(memory) > memory["device_bytes"]:
         raise UserError(f"the memory plan needs {needed(memory) / GIB:.2f} GiB per device, more than the device's "
-                        f"{memory['device_bytes'] / GIB:.2f} GiB: try a smaller --batch-size (now {batch_size}) or "
-                        f"--max-length (batches of up to {length} tokens)")
+                        f"{memory['device_bytes'] / GIB:.2f} GiB: try a smaller --batch-size (now {batch_size}), "
+                        f"--max-length (batches of up to {length} tokens)"
+                        + ("" if checkpointed else " or --gradient-checkpointing"))

@@ -77,6 +77,9 @@ class TrainOptions:
                                     "estimate)")
     precision: str = option("fp32", " | ".join(PRECISIONS), PRECISIONS)
     grad_accum: int = option(1, "micro-batches per optimizer step")
+    gradient_checkpointing: bool = option(False, "recompute each transformer block's activations in the backward "
+                                          "pass instead of keeping them: less memory, about a third more compute "
+                                          "(XLA: torch_xla's checkpoint)")
     max_grad_norm: float = option(None, "clip gradients to this norm (default: no clipping)")
     log_every: int = option(10, "steps between reads of the loss from the device")
     # the output folder

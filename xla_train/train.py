@@ -183,6 +183,8 @@ def set_up(engine, job, shapes, monitor):
     """Loaders, model, optimizer and scheduler on the device; the run state (resumed if asked)."""
     cfg, task = job.cfg, job.task
     model = _private_copy(job.model)
+    if cfg.gradient_checkpointing:
+        engine.checkpoint_activations(model)
     loaders = [make_loader(job.data[split], job.tokenizer, cfg.batch_size, shapes.padding, shuffle=split == "train",
                            seed=cfg.seed, fill="repeat" if split == "train" else "mask")
                for split in ("train", *task.eval_splits)]  # filler: repeats to train on, masked rows to score
@@ -210,9 +212,9 @@ def plan_memory(engine, cfg, shapes, model):
     """The memory plan, printed; a run that cannot fit the device stops here, before compiling."""
     length = max(shapes.padding.lengths or [cfg.max_length])
     memory, counts = plan_of(engine.unwrap_model(model), cfg.batch_size, length, cfg.precision,
-                             device_bytes=device_bytes(engine.backend))
+                             device_bytes=device_bytes(engine.backend), checkpointed=cfg.gradient_checkpointing)
     engine.print(describe_memory(memory, counts))
-    check_fits(memory, cfg.batch_size, length)
+    check_fits(memory, cfg.batch_size, length, cfg.gradient_checkpointing)
     return memory, counts
 
 

@@ -217,6 +217,16 @@ class XLABackend(Backend):
         """How a batch is laid over the devices (None: each replica's batch on its device)."""
         return None
 
+    def activation_checkpoint(self):
+        # torch_xla's checkpoint puts an optimization barrier on the saved inputs; plain
+        # torch.utils.checkpoint is undone by XLA's common-subexpression pass and saves nothing
+        # (pytorch/xla #1571, #3455). It takes only use_reentrant=True
+        # (torch_xla/utils/checkpoint.py:303), and transformers passes it positional arguments only
+        # (transformers/modeling_layers.py:123).
+        from torch_xla.utils.checkpoint import checkpoint
+
+        return checkpoint
+
     def inference_mode(self):
         return torch.no_grad()  # inference tensors are a plain-torch optimisation; no_grad is what torch_xla's examples use
 
