@@ -21,8 +21,8 @@ def activation_estimate(config, rows, length, precision, checkpointed=False):
     decoder: Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
     Models", eq. 1), s*b*h*(34 + 5*a*s/h) bytes per layer with 16-bit activations (twice that in
     fp32), for `rows` rows of `length` tokens. Checkpointed (full recomputation, their section 5):
-    each layer keeps only its input, 2*s*b*h bytes, and one layer's activations live again while
-    it is recomputed. An estimate: attention implementations that do not keep the score matrix
+    each layer keeps only its input, 4*s*b*h bytes (fp32: autocast keeps the residual stream in
+    fp32), and one layer's activations live again while it is recomputed. An estimate: attention implementations that do not keep the score matrix
     (flash, XLA's fusions) keep less."""
     hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None) or getattr(config, "dim", 0)
     layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None) or 0
@@ -30,8 +30,10 @@ def activation_estimate(config, rows, length, precision, checkpointed=False):
     if not hidden or not layers:
         return None
     per_layer = length * rows * hidden * (34 + 5 * heads * length / hidden)
-    kept = layers * 2 * length * rows * hidden + per_layer if checkpointed else layers * per_layer
-    return int(kept * (1 if precision == "bf16" else 2))
+    scale = 1 if precision == "bf16" else 2  # the paper counts 16-bit values
+    if checkpointed:
+        return int(layers * 4 * length * rows * hidden + per_layer * scale)
+    return int(layers * per_layer * scale)
 
 
 def plan(model, rows, length, precision="fp32", shards=1, device_bytes=None, checkpointed=False):
