@@ -1,13 +1,15 @@
 """CUDA DDP (NCCL) and CPU (gloo / single process) implementations of xla_train's Backend.
 
 `TorchBackend` holds what both share (DDP, process groups, launching); `CudaBackend` and
-`CPUBackend` differ only in their device, process-group backend and a few costs.
+`CPUBackend` differ only in their device, process-group backend and a few costs. `--strategy
+fsdp` swaps DDP for torch's FSDP2 (`fully_shard`): `CudaFsdpBackend` and `CPUFsdpBackend`.
 
 Launch commands this backend serves:
     xla-train train --backend cpu                       # one CPU process
     xla-train train --backend cpu --num-processes 2     # two gloo processes on this host
     xla-train train --backend cuda                      # one process per visible GPU
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-endpoint HOST:29500 -m xla_train train --backend cuda
+    xla-train train --backend cuda --strategy fsdp      # the model sharded over the GPUs (FSDP2)
 """
 
 import gc
@@ -15,7 +17,7 @@ import logging
 import os
 import socket
 import sys
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
@@ -211,6 +213,92 @@ class CudaBackend(TorchBackend):
 
     def peak_memory(self):
         return torch.cuda.max_memory_allocated(self.device)
+
+
+class Fsdp2:
+    """torch's FSDP2 in place of DDP: every parameter, gradient and AdamW moment is a DTensor
+    sharded on dim 0 over the workers; each transformer block the model declares
+    (`_no_split_modules`) is gathered for its forward and backward only, then the rest. Put
+    before a TorchBackend in the bases."""
+
+    @property
+    def param_shards(self):
+        return self.world_size
+
+    def mesh(self):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        # given explicitly: the default mesh of a GPU host is CUDA's even when the group is gloo
+        # (pytorch#132471)
+        return init_device_mesh(self.device.type, (self.world_size,))
+
+    def prepare_model(self, model):
+        from torch.distributed.fsdp import fully_shard
+
+        model = model.to(self.device)
+        if not dist.is_initialized():
+            return model  # one process: nothing to shard over
+        mesh, blocks = self.mesh(), set(getattr(model, "_no_split_modules", None) or ())
+        for block in [m for m in model.modules() if type(m).__name__ in blocks]:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
+
+    def unwrap_model(self, model):
+        return model  # fully_shard changes the model in place; its state_dict keys stay the model's
+
+    @contextmanager
+    def _gradient_sync_off(self, model):
+        model.set_requires_gradient_sync(False)  # micro-steps keep unsharded gradients, unreduced
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+
+    def no_sync(self, model):
+        return self._gradient_sync_off(model) if hasattr(model, "set_requires_gradient_sync") else nullcontext()
+
+    def optimizer_step(self, optimizer, max_grad_norm=None):
+        norm = super().optimizer_step(optimizer, max_grad_norm)
+        return self.whole(norm) if norm is not None else None  # the norm over every shard
+
+    def whole(self, tensor):
+        from torch.distributed.tensor import DTensor
+
+        return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor  # a collective
+
+    def to_host(self, tensors):
+        return super().to_host([self.whole(t) for t in tensors])  # every worker takes part in the gathers
+
+    def to_writer(self, tensors):
+        whole = [self.whole(t) for t in tensors]
+        return super().to_host(whole) if self.is_main else None
+
+    def load_weights(self, model, weights):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        if not dist.is_initialized():
+            return super().load_weights(model, weights)
+        set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True))
+
+    def place_optimizer_state(self, optimizer):
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        # a checkpoint holds whole moments; each worker keeps its shard, laid out like the parameter
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                state = optimizer.state.get(p, {})
+                for key, value in state.items():
+                    if isinstance(p, DTensor) and not isinstance(value, DTensor) and value.shape == p.shape:
+                        state[key] = distribute_tensor(value.to(p.device), p.device_mesh, p.placements)
+
+
+class CPUFsdpBackend(Fsdp2, CPUBackend):
+    """FSDP2 over gloo processes on this host."""
+
+
+class CudaFsdpBackend(Fsdp2, CudaBackend):
+    """FSDP2 over NCCL, one process per GPU."""
 
 
 class _DeviceLoader:

@@ -63,13 +63,17 @@ def test_sigterm_then_resume_equals_the_uninterrupted_run(mrpc_slice, tiny_dropo
     assert resumed["eval"] == whole["eval"]
 
 
-def test_ctrl_c_stops_two_gloo_workers_at_one_step(mrpc_slice, tiny_dropout_model, tmp_path):
+def test_ctrl_c_stops_two_gloo_fsdp_workers_at_one_step_and_resumes_exactly(mrpc_slice, tiny_dropout_model, tmp_path):
     """SIGINT to the launcher only: it passes the stop on, the workers agree on the step at a log
-    point, save one checkpoint together and exit 130; --resume finishes the run."""
+    point, save one checkpoint together and exit 130; --resume finishes the run as if it had not
+    stopped. The workers shard the model with FSDP2 (--strategy fsdp): the checkpoint holds whole
+    tensors gathered from both, and each takes its shards back, AdamW's moments too."""
     out = tmp_path / "run"
-    args = [*COMMON, "--num-processes", 2, "--model", tiny_dropout_model, "--data-dir", mrpc_slice,
-            "--max-steps", 30, "--save-every", 4, "--output-dir", out]
-    run = start_cli(args)
+    args = [*COMMON, "--num-processes", 2, "--strategy", "fsdp", "--model", tiny_dropout_model,
+            "--data-dir", mrpc_slice, "--max-steps", 30, "--save-every", 4]
+    proc, whole = run_cli([*args, "--output-dir", tmp_path / "whole"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = start_cli([*args, "--output-dir", out])
     wait_for(lambda: (out / "checkpoints" / "step-00000004" / "COMPLETE").exists(), run)
     run.send_signal(signal.SIGINT)
     _, err = run.communicate(timeout=300)
@@ -80,9 +84,13 @@ def test_ctrl_c_stops_two_gloo_workers_at_one_step(mrpc_slice, tiny_dropout_mode
     assert stopped_at % 3 == 0 and stopped_at < 30  # a log point (--log-every 3)
     rng = torch.load(out / "checkpoints" / f"step-{stopped_at:08d}" / "rng.pt", weights_only=True)["rng"]
     assert rng.shape[0] == 2  # both workers' random states
-    proc, m = run_cli([*args, "--resume"], tmp_path)
+    proc, m = run_cli([*args, "--output-dir", out, "--resume"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert m["first_step"] == stopped_at and m["steps"] == 30 and m["replicas_identical"]
+    assert m["memory"]["param_bytes_per_device"] == -(-m["memory"]["param_bytes_total"] // 2)
+    torch.testing.assert_close(m["train_loss"], whole["train_loss"], atol=1e-6, rtol=0)
+    assert_same_weights(out, tmp_path / "whole", atol=1e-6)
+    assert m["eval"] == whole["eval"]
 
 
 def test_sighup_saves_a_checkpoint_and_exits_129(mrpc_slice, tiny_model, tmp_path):

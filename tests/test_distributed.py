@@ -31,7 +31,8 @@ def test_spmd_over_four_devices_matches_one_device(mrpc_slice, tiny_model, tiny_
 
 
 def test_two_gloo_processes_match_one_process(tiny_model, tmp_path):
-    """44 dev rows do not fill the last 2 x 8 batch: every row is still scored once."""
+    """44 dev rows do not fill the last 2 x 8 batch: every row is still scored once. DDP and
+    FSDP2 (--strategy fsdp: each process holds half of every weight) train the same model."""
     data = write_slice(tmp_path / "mrpc", 160, 44)
     common = ["--backend", "cpu", "--model", tiny_model, "--data-dir", data, "--max-steps", 6]
     proc, two = run_cli([*common, "--num-processes", 2, "--batch-size", 8, "--output-dir", tmp_path / "two"],
@@ -43,10 +44,17 @@ def test_two_gloo_processes_match_one_process(tiny_model, tmp_path):
     assert two["eval"]["n"] == one["eval"]["n"] == 44
     assert two["eval"] == one["eval"]
     assert_same_weights(tmp_path / "two", tmp_path / "one", atol=1e-6)
-    # the saved model loads in plain transformers
+    proc, fsdp = run_cli([*common, "--num-processes", 2, "--batch-size", 8, "--strategy", "fsdp",
+                          "--output-dir", tmp_path / "fsdp"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert fsdp["replicas_identical"] and fsdp["eval"] == one["eval"]
+    assert fsdp["memory"]["param_bytes_per_device"] == -(-fsdp["memory"]["param_bytes_total"] // 2)
+    assert_same_weights(tmp_path / "fsdp", tmp_path / "one", atol=1e-6)
+    # the saved models load in plain transformers
     from transformers import AutoModelForSequenceClassification
 
-    assert AutoModelForSequenceClassification.from_pretrained(tmp_path / "two").config.num_labels == 2
+    for folder in ("two", "fsdp"):
+        assert AutoModelForSequenceClassification.from_pretrained(tmp_path / folder).config.num_labels == 2
 
 
 def test_torchrun_starts_the_same_entry_point(mrpc_slice, tiny_model, tmp_path):

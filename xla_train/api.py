@@ -238,10 +238,7 @@ class Engine:
     def to_writer(self, tensors):
         """`to_host` on the main replica, which writes files; the others cut their graph at the
         same point, so every replica keeps running the same graphs, and get None."""
-        if self.is_main_process:
-            return self.to_host(tensors)
-        self.cut_graph()
-        return None
+        return self.backend.to_writer(tensors)
 
     def read(self, tensors):
         """Copies tensors the step has already computed to the CPU (in a step closure)."""

@@ -121,6 +121,23 @@ class Backend(ABC):
     def unwrap_model(self, model):
         return model
 
+    @property
+    def param_shards(self):
+        """Devices each parameter, gradient and optimizer state is split over (FSDP: every one)."""
+        return 1
+
+    def whole(self, tensor):
+        """A tensor computed from sharded parameters as the whole result (FSDP2: a collective that
+        every replica calls); others as they are."""
+        return tensor
+
+    def place_optimizer_state(self, optimizer):
+        """Lays an optimizer state just loaded from a checkpoint out like its parameters (FSDP)."""
+
+    def load_weights(self, model, weights):
+        """Puts whole weights (a state dict on the CPU) into a prepared model."""
+        self.unwrap_model(model).load_state_dict(weights)
+
     @abstractmethod
     def wrap_loader(self, loader):
         """An iterable over `loader`'s batches, already on the device."""
@@ -176,6 +193,15 @@ class Backend(ABC):
     def to_host(self, tensors):
         """Copies a list of device tensors to the CPU (one device-to-host transfer on XLA)."""
         return [t.detach().cpu() for t in tensors]
+
+    def to_writer(self, tensors):
+        """`to_host` on the main replica, which writes files; the others cut their graph at the
+        same point, so every replica keeps running the same graphs, and get None. (FSDP: every
+        replica takes part in gathering the shards.)"""
+        if self.is_main:
+            return self.to_host(tensors)
+        self.cut_graph()
+        return None
 
     def read(self, tensors):
         """Copies tensors that are already computed (e.g. in a step closure) to the CPU, in one

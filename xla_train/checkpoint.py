@@ -165,6 +165,7 @@ class Resume:
             return torch.load(self.folder / f, weights_only=True, map_location="cpu")
 
         optimizer.load_state_dict(load("optimizer.pt"))  # param groups carry the current learning rate
+        engine.backend.place_optimizer_state(optimizer)
         scheduler.load_state_dict(load("scheduler.pt"))
         engine.set_rng_state(replica_row(load("rng.pt")["rng"], engine))
 

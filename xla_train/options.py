@@ -16,7 +16,8 @@ PADDING_MODES = ("buckets", "max_length", "dynamic")
 PRECISIONS = ("fp32", "bf16")
 BACKENDS = ("auto", "xla", "cuda", "cpu")
 TRACKERS = ("tensorboard", "mlflow", "wandb")
-STRATEGIES = ("ddp", "spmd")  # ddp: one replica per device; spmd: one process shards the batch (XLA)
+# ddp: one replica per device; spmd: one process shards the batch (XLA); fsdp: and the model (FSDPv2)
+STRATEGIES = ("ddp", "spmd", "fsdp")
 BUNDLED_MODEL = "the bundled MiniLM-L6-H384"
 
 
@@ -58,8 +59,9 @@ class TrainOptions:
     backend: str = option("auto", "auto | xla | cuda | cpu (auto: TPU, then CUDA, then CPU)")
     num_processes: int = option(None, "workers on this host (default: one per TPU core or GPU; 1 on the CPU and "
                                 "on XLA:CPU)")
-    strategy: str = option("ddp", "ddp (a replica per device) or spmd (XLA: one process shards each batch over "
-                           "all devices)")
+    strategy: str = option("ddp", "ddp (a replica per device), spmd (XLA: one process shards each batch over "
+                           "all devices) or fsdp (the model's weights, gradients and AdamW state sharded over all "
+                           "devices too: FSDPv2 on XLA, FSDP2 on CUDA and the CPU)")
     # hyperparameters (the course's: AdamW, linear schedule, 3 epochs, batch 8)
     epochs: int = option(3, "passes over the training data")
     batch_size: int = option(8, "per replica")
@@ -168,7 +170,8 @@ class PredictOptions:
                          "file, else the input's columns plus prediction and score, in the format of its "
                          "extension", required=True)
     backend: str = option("auto", "auto | xla | cuda | cpu")
-    strategy: str = option("ddp", "ddp or spmd (XLA)")
+    strategy: str = option("ddp", "ddp, spmd (XLA) or fsdp (the model sharded: FSDPv2 on XLA, FSDP2 on CUDA and "
+                           "the CPU)")
     num_processes: int = option(None, "workers on this host (default: one per TPU core or GPU; 1 on the CPU)")
     batch_size: int = option(8, "rows per replica and batch")
     text_columns: str = option(None, "A or A,B (default: the columns the model was trained on)")

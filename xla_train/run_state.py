@@ -179,7 +179,7 @@ class RunState:
         if not (self.cfg.save_best and self.best) or self.best["step"] == self.evaluations[-1][0]:
             return self.results
         weights = self.best_weights if self.best_weights is not None else checkpoint.load_best(self.store)
-        self.engine.unwrap_model(model).load_state_dict(weights)
+        self.engine.backend.load_weights(model, weights)
         return next(r for s, r in self.evaluations if s == self.best["step"])
 
     # --- checkpoints --------------------------------------------------------------------------

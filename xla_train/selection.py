@@ -45,15 +45,14 @@ def select_backend(name="auto", num_processes=None, strategy="ddp"):
             raise UserError("--backend xla needs torch_xla: pip install 'xla-train[tpu]' (or torch_xla for CPU)")
         from . import xla_backend
 
-        return {"ddp": xla_backend.XLABackend, "spmd": xla_backend.XLASpmdBackend}[strategy](num_processes)
-    if strategy != "ddp":
-        raise UserError(f"--strategy {strategy} needs the xla backend, not {name}")
+        classes = {"ddp": xla_backend.XLABackend, "spmd": xla_backend.XLASpmdBackend, "fsdp": xla_backend.XLAFsdpBackend}
+        return classes[strategy](num_processes)
+    if strategy == "spmd":
+        raise UserError(f"--strategy spmd needs the xla backend, not {name}")
+    from gpu_fallback import backend as torch_backend
+
     if name == "cuda":
         if not torch.cuda.is_available():
             raise UserError("--backend cuda: no CUDA device is visible")
-        from gpu_fallback.backend import CudaBackend
-
-        return CudaBackend(num_processes)
-    from gpu_fallback.backend import CPUBackend
-
-    return CPUBackend(num_processes)
+        return (torch_backend.CudaFsdpBackend if strategy == "fsdp" else torch_backend.CudaBackend)(num_processes)
+    return (torch_backend.CPUFsdpBackend if strategy == "fsdp" else torch_backend.CPUBackend)(num_processes)

@@ -212,9 +212,10 @@ def plan_memory(engine, cfg, shapes, model):
     """The memory plan, printed; a run that cannot fit the device stops here, before compiling."""
     length = max(shapes.padding.lengths or [cfg.max_length])
     memory, counts = plan_of(engine.unwrap_model(model), cfg.batch_size, length, cfg.precision,
-                             device_bytes=device_bytes(engine.backend), checkpointed=cfg.gradient_checkpointing)
+                             shards=engine.backend.param_shards, device_bytes=device_bytes(engine.backend),
+                             checkpointed=cfg.gradient_checkpointing)
     engine.print(describe_memory(memory, counts))
-    check_fits(memory, cfg.batch_size, length, cfg.gradient_checkpointing)
+    check_fits(memory, cfg.batch_size, length, cfg.gradient_checkpointing, engine.backend.param_shards > 1)
     return memory, counts
 
 
@@ -355,7 +356,7 @@ def run_metrics(engine, job, t, monitor, timing, results):
 def replica_checksums(engine, model):
     """Per-parameter sums from every replica (rows), to show that replicas hold the same model."""
     params = list(engine.unwrap_model(model).parameters())
-    sums = torch.stack([p.detach().float().sum() for p in params])
+    sums = torch.stack([engine.backend.whole(p.detach().float().sum()) for p in params])  # FSDP: of every shard
     (host,) = engine.to_host([engine.gather(sums[None])])
     return host
 

@@ -1,0 +1,94 @@
+"""`--strategy fsdp`: FSDPv2 on 4 XLA:CPU devices and FSDP2 over two gloo processes train the same
+model as one device on the same global batch, save it whole (plain transformers loads it), and
+resume exactly after a stop. The XLA run is shared by the tests of this module."""
+
+import json
+import signal
+
+import pytest
+import torch
+
+from conftest import TINY, assert_same_weights, run_cli
+from test_checkpoint import start_cli, wait_for
+
+FSDP = ["--backend", "xla", "--strategy", "fsdp", "--gradient-checkpointing", "--batch-size", 2, *TINY,
+        "--save-every", 4]
+FOUR = {"CPU_NUM_DEVICES": "4"}
+
+
+@pytest.fixture(scope="module")
+def xla_fsdp_run(mrpc_slice, tiny_model, tmp_path_factory):
+    """16 steps of the tiny BERT sharded over 4 XLA:CPU devices, 2 rows each: conftest's one-device
+    run's global batch of 8. With --gradient-checkpointing, as a model bigger than a chip would be
+    trained (in fp32 recomputation changes no number)."""
+    out = tmp_path_factory.mktemp("fsdp")
+    proc, m = run_cli([*FSDP, "--model", tiny_model, "--data-dir", mrpc_slice, "--output-dir", out / "run"], out,
+                      env=FOUR)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc, m, out / "run"
+
+
+def test_fsdp_over_four_devices_matches_one_device(xla_fsdp_run, tiny_bucketed_run, tiny_model):
+    proc, fsdp, out = xla_fsdp_run
+    single, single_dir = tiny_bucketed_run
+    assert fsdp["world_size"] == 4 and fsdp["train_samples"] == single["train_samples"] == 16 * 8
+    torch.testing.assert_close([l for _, l, _ in fsdp["train_loss"]], [l for _, l, _ in single["train_loss"]],
+                               atol=1e-5, rtol=0)
+    assert_same_weights(out, single_dir, atol=1e-6)
+    assert fsdp["eval"] == single["eval"]
+    # each device holds a quarter of the weights, gradients and AdamW moments
+    memory = fsdp["memory"]
+    assert memory["param_bytes_per_device"] == -(-memory["param_bytes_total"] // 4)
+    assert memory["optimizer_bytes_per_device"] == -(-2 * memory["param_bytes_total"] // 4)
+    assert "memory plan per device: parameters 1.0 MiB (of 3.9 MiB)" in proc.stdout
+    # clean graphs: shards come to the host without a graph of their own (a `.cpu()` of each
+    # sharded tensor would compile one per tensor at every checkpoint: 380 in this run)
+    xla = fsdp["xla"]
+    assert xla["aten_fallbacks"] == 0 and xla["compiles_after_first_epoch"] == 0 and xla["compiles"] <= 12
+    assert "For backward hooks" not in proc.stderr
+
+
+def test_the_fsdp_model_is_saved_whole_and_trained(xla_fsdp_run, tiny_model):
+    """The final folder and every checkpoint hold the model's own keys (no `_orig_module.`), whole
+    tensors, and the trained weights, not the starting ones (transformers #36004)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForSequenceClassification
+
+    _, _, out = xla_fsdp_run
+    start = AutoModelForSequenceClassification.from_pretrained(tiny_model).state_dict()
+    final = load_file(str(out / "model.safetensors"))
+    assert final.keys() == {k for k in start if k in final} and len(final) >= len(start) - 1
+    assert all(final[k].shape == start[k].shape for k in final)
+    assert not torch.equal(final["classifier.weight"], start["classifier.weight"])
+    assert AutoModelForSequenceClassification.from_pretrained(out).config.num_labels == 2
+    checkpoint = load_file(str(out / "checkpoints" / "step-00000016" / "model.safetensors"))
+    assert checkpoint.keys() == final.keys()
+    for k in final:
+        torch.testing.assert_close(checkpoint[k], final[k], atol=0, rtol=0)
+
+
+def _stop_and_resume(args, out, tmp_path, env=None):
+    """Starts `args`, stops it with SIGTERM once checkpoint 4 is written, resumes it; returns the
+    step it stopped at and the resumed run's metrics."""
+    run = start_cli([*args, "--output-dir", out], env=env)
+    wait_for(lambda: (out / "checkpoints" / "step-00000004" / "COMPLETE").exists(), run)
+    run.send_signal(signal.SIGTERM)
+    _, err = run.communicate(timeout=300)
+    assert run.returncode == 128 + signal.SIGTERM, err[-3000:]
+    stopped_at = int(err.strip().splitlines()[-1].split("after step ")[1].split(":")[0])
+    proc, resumed = run_cli([*args, "--output-dir", out, "--resume"], tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return stopped_at, resumed
+
+
+def test_xla_fsdp_resumes_exactly_after_sigterm(xla_fsdp_run, mrpc_slice, tiny_model, tmp_path):
+    _, whole, whole_dir = xla_fsdp_run
+    stopped_at, resumed = _stop_and_resume([*FSDP, "--model", tiny_model, "--data-dir", mrpc_slice],
+                                           tmp_path / "run", tmp_path, env=FOUR)
+    assert 4 <= stopped_at < 16 and resumed["first_step"] == stopped_at
+    assert [h[0] for h in resumed["train_loss"]] == [h[0] for h in whole["train_loss"]]
+    torch.testing.assert_close(resumed["train_loss"], whole["train_loss"], atol=1e-6, rtol=0)
+    assert_same_weights(tmp_path / "run", whole_dir, atol=1e-6)
+    assert resumed["eval"] == whole["eval"]
+    # the loaded AdamW moments are sharded like their parameters: no graph more than the whole run's
+    assert resumed["xla"]["compiles"] <= whole["xla"]["compiles"]
