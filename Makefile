@@ -15,8 +15,10 @@ $(VENV)/.installed: setup.py
 demo: $(VENV)/.installed
 	$(VENV)/bin/xla-train train --metrics-out runs/demo/metrics.json
 
+# Two test processes (pytest-xdist): most tests wait on one single-threaded XLA compilation or
+# Python start-up at a time. Tests sharing an expensive run stay in one process (conftest.py).
 test: $(VENV)/.installed
-	$(PY) -m pytest -q --durations=15 tests
+	$(PY) -m pytest -q --durations=15 -n 2 --dist loadgroup tests
 
 test-fast: $(VENV)/.installed
 	$(PY) -m pytest -q --durations=10 -m "not slow" tests

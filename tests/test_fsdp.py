@@ -1,8 +1,8 @@
-"""`--strategy fsdp`: FSDPv2 on 4 XLA:CPU devices and FSDP2 over two gloo processes train the same
-model as one device on the same global batch, save it whole (plain transformers loads it), and
-resume exactly after a stop. The XLA run is shared by the tests of this module."""
+"""`--strategy fsdp` on XLA: FSDPv2 on 4 XLA:CPU devices trains the same model as one device on the
+same global batch, saves it whole (plain transformers loads it) and resumes exactly after a stop.
+The XLA run is shared by the tests of this module. FSDP2 over two gloo processes is tested in
+test_distributed.py (equal to one process) and test_checkpoint.py (Ctrl-C and an exact resume)."""
 
-import json
 import signal
 
 import pytest
@@ -92,3 +92,20 @@ def test_xla_fsdp_resumes_exactly_after_sigterm(xla_fsdp_run, mrpc_slice, tiny_m
     assert resumed["eval"] == whole["eval"]
     # the loaded AdamW moments are sharded like their parameters: no graph more than the whole run's
     assert resumed["xla"]["compiles"] <= whole["xla"]["compiles"]
+
+
+def test_shards_are_put_together_without_their_padding():
+    """10 rows over 4 devices: shards of 3, 3, 3 and 1 rows, the last padded to 3 (how XLA splits
+    unevenly); the host tensor is the whole, without the padding."""
+    from xla_train.xla_backend import _from_shards
+
+    whole = torch.arange(30.0).view(10, 3)
+    pieces, indices = [], []
+    for d in range(4):
+        rows = slice(3 * d, min(3 * d + 3, 10))
+        piece = torch.full((3, 3), -1.0)
+        piece[: rows.stop - rows.start] = whole[rows]
+        pieces.append(piece)
+        indices.append([rows, slice(0, 3)])
+    assert torch.equal(_from_shards(whole.shape, pieces, indices), whole)
+    assert _from_shards(whole.shape, [whole, whole], [Ellipsis, Ellipsis]) is whole  # replicated

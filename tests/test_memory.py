@@ -84,7 +84,8 @@ def test_a_run_that_cannot_fit_stops_before_compiling(mrpc_slice, tiny_model, tm
     assert code == 2, err
     assert err.startswith("xla-train: error: the memory plan needs ") and err.count("\n") == 1
     assert ("more than the device's 0.00 GiB: try a smaller --batch-size (now 8), --max-length (batches of up to "
-            "128 tokens), --gradient-checkpointing or --strategy fsdp (XLA: the model sharded over the devices)\n") in err
+            "128 tokens), --gradient-checkpointing, --strategy fsdp (the model sharded over the devices) or --lora "
+            "(gradients and AdamW state for adapters only)\n") in err
     assert "memory plan per device:" in out and "device 0.0 GiB" in out
     assert not (tmp_path / "out" / "checkpoints").exists()  # nothing trained, nothing saved
 

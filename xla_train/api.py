@@ -18,6 +18,8 @@ inside `fn` (it then uses the backend that launched the worker). The package's o
 import contextlib
 import traceback
 
+from pathlib import Path
+
 import torch
 from tqdm.auto import tqdm
 from transformers import DataCollatorWithPadding
@@ -285,15 +287,27 @@ class Engine:
         return self.backend.trace_compilations(path)
 
     def save_pretrained(self, model, tokenizer, path):
-        """`save_pretrained` of the unwrapped model (weights moved to the CPU) and tokenizer."""
+        """`save_pretrained` of the unwrapped model (weights moved to the CPU) and tokenizer. A
+        peft model saves its adapter (only the trained tensors are copied) and the classifier's
+        config beside it (its labels)."""
         model = self.unwrap_model(model)
         state = model.state_dict()
+        adapter = hasattr(model, "peft_config")
+        if adapter:
+            trained = {n for n, p in model.named_parameters() if p.requires_grad}
+            state = {k: v for k, v in state.items() if k in trained}
         weights = self.to_writer(list(state.values()))
 
         def write():
+            card = Path(path, "README.md")
+            had_card = card.exists()
             with quiet_transformers():
                 model.save_pretrained(path, state_dict=dict(zip(state, weights)))
+                if adapter:
+                    model.get_base_model().config.save_pretrained(path)
                 tokenizer.save_pretrained(path)
+            if adapter and not had_card:
+                card.unlink(missing_ok=True)  # peft's model card: the folder holds the run's files and the user's only
 
         self.on_main(write, f"cannot save the model to {path}")
 

@@ -34,6 +34,7 @@ class Backend(ABC):
     # Whether every new input shape costs a compilation: DataLoaders padded per batch
     # (DataCollatorWithPadding) are then rebuilt with a few fixed shapes by `Engine.prepare`.
     static_shapes = False
+    shards_model = False  # FSDP: each device holds a shard of every parameter (see param_shards)
     _started = False
 
     # --- launching ------------------------------------------------------------------------

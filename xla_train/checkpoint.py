@@ -38,11 +38,20 @@ def _host_tree(engine, tree, writer_only=False):
     return tree_unflatten(leaves, spec)
 
 
+def trained_state(model):
+    """What a checkpoint keeps of `model`: its whole state, or, when part of it is frozen (LoRA's
+    base), the trained parameters only; the frozen ones come again from the model's own files."""
+    state, params = model.state_dict(), dict(model.named_parameters())
+    if all(p.requires_grad for p in params.values()):
+        return state
+    return {k: v for k, v in state.items() if k in params and params[k].requires_grad}
+
+
 def save(engine, store, model, optimizer, scheduler, state, keep_last=None):
     """Writes checkpoint `step-<state["run"]["step"]>`; every replica must call this. Returns its URL."""
     from safetensors.torch import save_file
 
-    host = _host_tree(engine, (engine.unwrap_model(model).state_dict(), optimizer.state_dict()), writer_only=True)
+    host = _host_tree(engine, (trained_state(engine.unwrap_model(model)), optimizer.state_dict()), writer_only=True)
     rng = engine.gather(engine.rng_state()[None].int().to(engine.device))  # one row per replica
     (rng,) = engine.to_host([rng])
     name = checkpoint_name(state["run"]["step"])
@@ -149,8 +158,14 @@ class Resume:
             raise UserError(f"checkpoint {self.url} is corrupt: model.safetensors: {first_line(e)}")
 
     def load_model(self, model, weights):
+        """Loads a checkpoint's weights into the freshly loaded (and adapted) model; a checkpoint
+        of trained parameters only leaves the frozen ones and the buffers as they are."""
+        kept = set(trained_state(model))
         try:
-            model.load_state_dict(weights)
+            result = model.load_state_dict(weights, strict=False)
+            absent = sorted(kept & set(result.missing_keys))
+            if result.unexpected_keys or absent:
+                raise RuntimeError(f"missing {absent[:3]}, unexpected {result.unexpected_keys[:3]}")
         except RuntimeError as e:
             raise UserError(f"checkpoint {self.url} does not fit model {self.state['config']['model']!r}: "
                             f"{first_line(e)}")

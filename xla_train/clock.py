@@ -110,8 +110,9 @@ class RunClock:
             "checkpoint": self.checkpoint_seconds,
         }
         parts["other"] = max(wall - sum(parts.values()), 0.0)  # the finish, between phases
-        seconds = {k: round(v, 3) for k, v in parts.items()}
-        return {"seconds": {**seconds, "wall": round(wall, 3)}, "ratio": round(parts["train_steps"] / wall, 4)}
+        seconds = {**{k: round(v, 3) for k, v in parts.items()}, "wall": round(wall, 3)}
+        # from the rounded seconds, so that the ratio is the one the written numbers give
+        return {"seconds": seconds, "ratio": round(seconds["train_steps"] / max(seconds["wall"], 1e-3), 4)}
 
     def end_of_epoch(self):
         if self.first_epoch_compiles is None:

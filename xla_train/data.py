@@ -53,6 +53,7 @@ def model_inputs_only(data, model):
     `token_type_ids`), nor `token_type_ids` for a model with one token type (RoBERTa-style)."""
     import inspect
 
+    model = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft's forward takes **kwargs
     takes = inspect.signature(model.forward).parameters
     drop = [c for c in MODEL_INPUTS if c not in takes]
     if getattr(model.config, "type_vocab_size", 2) < 2:

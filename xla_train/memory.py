@@ -85,12 +85,13 @@ def describe(memory, counts):
             f"{counts['trainable_params']:,} of {counts['total_params']:,} parameters trained")
 
 
-def check_fits(memory, batch_size, length, checkpointed=False, sharded=False):
+def check_fits(memory, batch_size, length, checkpointed=False, sharded=False, adapters=False):
     """Stops the run before anything compiles when the plan exceeds the device's memory, naming
     what would make it fit and is not on yet."""
     if memory["device_bytes"] and needed(memory) > memory["device_bytes"]:
         remedies = [f"a smaller --batch-size (now {batch_size})", f"--max-length (batches of up to {length} tokens)"]
         remedies += [] if checkpointed else ["--gradient-checkpointing"]
-        remedies += [] if sharded else ["--strategy fsdp (XLA: the model sharded over the devices)"]
+        remedies += [] if sharded else ["--strategy fsdp (the model sharded over the devices)"]
+        remedies += [] if adapters else ["--lora (gradients and AdamW state for adapters only)"]
         raise UserError(f"the memory plan needs {needed(memory) / GIB:.2f} GiB per device, more than the device's "
                         f"{memory['device_bytes'] / GIB:.2f} GiB: try {', '.join(remedies[:-1])} or {remedies[-1]}")

@@ -1,5 +1,7 @@
 """Loading models and tokenizers, for training and prediction alike."""
 
+import warnings
+
 import torch
 
 from .api import quiet_transformers
@@ -69,3 +71,57 @@ def load_model(name, seed, task, pad_token_id=None):
         print(f"model {shown_name(name)}: new classification head for {task.num_labels} output(s) ({', '.join(new)}), "
               f"initialised with --seed {seed}")
     return model
+
+
+ADAPTER_FILE = "adapter_config.json"  # what peft's save_pretrained writes beside the adapter's weights
+
+
+def add_adapters(model, cfg):
+    """`model` with LoRA adapters (peft) on `--lora-targets` (default: the attention projections
+    peft knows for the architecture); only the adapters and the classification head train."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = [t.strip() for t in cfg.lora_targets.split(",") if t.strip()] if cfg.lora_targets else None
+    # SEQ_CLS: peft keeps the head ("classifier", "score") trainable in full (modules_to_save)
+    config = LoraConfig(task_type="SEQ_CLS", r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                        target_modules=targets)
+    try:
+        return get_peft_model(model, config)
+    except ValueError as e:  # no default targets for the architecture, or targets it does not have
+        raise UserError(f"--lora: {first_line(e)} (name them with --lora-targets)")
+
+
+def save_merged(engine, model, cpu_model, tokenizer, folder):
+    """--merge-lora: the trained adapters merged into the base weights (peft's merge, on the CPU,
+    in `cpu_model`, a CPU copy of the same adapted model), saved as a whole model."""
+    state = engine.unwrap_model(model).state_dict()
+    weights = engine.to_writer(list(state.values()))
+
+    def write():
+        cpu_model.load_state_dict(dict(zip(state, weights)))
+        with quiet_transformers():
+            cpu_model.merge_and_unload().save_pretrained(folder)
+            tokenizer.save_pretrained(folder)
+
+    engine.on_main(write, f"cannot save the merged model to {folder}")
+
+
+def load_classifier(folder):
+    """A fine-tuned classifier for prediction: a whole model, or an adapter folder written by
+    `--lora` (its base model from adapter_config.json, its head's config from config.json)."""
+    from pathlib import Path
+
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    if not (Path(folder) / ADAPTER_FILE).is_file():
+        return load_pretrained(AutoModelForSequenceClassification, folder)
+    from peft import PeftConfig, PeftModel
+
+    base = PeftConfig.from_pretrained(folder).base_model_name_or_path
+    model = load_pretrained(AutoModelForSequenceClassification, base, config=load_pretrained(AutoConfig, folder))
+    try:
+        with quiet_transformers(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+            return PeftModel.from_pretrained(model, folder)
+    except (OSError, ValueError, RuntimeError) as e:
+        raise UserError(f"cannot load the adapter in {folder}: {first_line(e)}")

@@ -83,6 +83,16 @@ class TrainOptions:
                                           "pass instead of keeping them: less memory, about a third more compute "
                                           "(XLA: torch_xla's checkpoint)")
     max_grad_norm: float = option(None, "clip gradients to this norm (default: no clipping)")
+    # adapters
+    lora: bool = option(False, "train LoRA adapters (peft) and the classification head instead of every weight; "
+                        "OUTPUT_DIR holds the adapter")
+    lora_r: int = option(8, "--lora: the adapters' rank")
+    lora_alpha: float = option(16.0, "--lora: the adapters' scale numerator (scale alpha / r)")
+    lora_dropout: float = option(0.05, "--lora: dropout on the adapters' input")
+    lora_targets: str = option(None, "--lora: module names to adapt, comma-separated (default: the attention "
+                               "projections peft knows for the architecture)")
+    merge_lora: bool = option(False, "--lora: write the merged whole model to OUTPUT_DIR instead of the adapter "
+                              "(plain transformers loads it)")
     log_every: int = option(10, "steps between reads of the loss from the device")
     # the output folder
     output_dir: str = option(None, "local folder or gs://bucket/prefix for checkpoints and the fine-tuned model and "
@@ -126,7 +136,10 @@ class TrainOptions:
             "warmup_ratio": (lambda x: 0 <= x < 1, "in [0, 1)"),
             "max_grad_norm": (lambda x: x > 0, "a positive number"),
             "compile_seconds": (lambda x: x >= 0, "a number of seconds >= 0"),
+            "lora_alpha": (lambda x: x > 0, "a positive number"),
+            "lora_dropout": (lambda x: 0 <= x < 1, "in [0, 1)"),
         })
+        self._check_lora()
         if not 0 <= self.seed < 2**32:
             raise UserError(f"--seed must be in [0, 2**32), not {self.seed}")
         check_choices(self.task, self.problem)
@@ -140,6 +153,13 @@ class TrainOptions:
         if self.metrics_out:
             check_output_file(self.metrics_out, "--metrics-out")
 
+
+    def _check_lora(self):
+        given = [name for name in ("lora_targets", "merge_lora") if getattr(self, name)]
+        if given and not self.lora:
+            raise UserError(f"{flag_name(given[0])} needs --lora")
+        if self.lora_r < 1:
+            raise UserError(f"--lora-r must be at least 1, not {self.lora_r}")
 
     def _check_observers(self):
         if self.profile_steps:

@@ -25,7 +25,7 @@ from .api import Engine
 from .data import make_loader, model_inputs_only, tokenize
 from .errors import UserError, first_line
 from .files import atomic_write
-from .models import load_pretrained
+from .models import load_classifier, load_pretrained
 from .options import PredictOptions, check_model_path, parse_buckets
 from .selection import select_backend
 from .shapes import CostModel, Padding, choose_buckets
@@ -232,7 +232,7 @@ def predict_worker(cfg, info, table, model, tokenizer, data, padding):
 
 def run(cfg):
     """`xla-train predict`: every check first, then the model, then the replicas."""
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoTokenizer
 
     cfg.validate()
     info = ModelInfo.read(cfg.model)
@@ -244,6 +244,6 @@ def run(cfg):
     if truncated:
         print(f"truncated to --max-length {cfg.max_length} tokens: {truncated} rows")
     padding = plan(data["length"], backend, cfg.buckets, cfg.max_length)
-    model = load_pretrained(AutoModelForSequenceClassification, cfg.model)
+    model = load_classifier(cfg.model)  # a whole model, or an adapter (--lora) on its base
     data = model_inputs_only(data, model)
     backend.launch(predict_worker, (cfg, info, table, model, tokenizer, data, padding))

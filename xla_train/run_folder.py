@@ -25,14 +25,14 @@ RUN_FILES = (RECORD, "checkpoints", "tensorboard", "report", "metrics.json", "co
              "xla_train_task.json", "predictions.*", "config.json", "generation_config.json", "model*.safetensors",
              "model.safetensors.index.json", "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*",
              "merges.txt", "*.model", "chat_template.jinja", "xla_train_failed-*",
-             "profile", "mlflow.db", "mlflow_artifacts", "wandb")
+             "profile", "mlflow.db", "mlflow_artifacts", "wandb", "adapter_config.json", "adapter_model.safetensors")
 # Settings that make a run what it is: a resumed run must have the same (the data order depends on them).
 # A run id every host of a pod is given (scripts/tpu_pod.py sets it): the replica that writes the
 # checkpoints (global ordinal 0) need not be on host 0, whose parent writes the record
 # (pytorch/xla PR #4043), so the id cannot travel from one to the other inside the run.
 RUN_ID_VARIABLE = "XLA_TRAIN_RUN_ID"
 MUST_MATCH = ("model", "task", "train_file", "text_columns", "label_column", "problem", "batch_size", "grad_accum",
-              "seed", "padding", "max_length")
+              "seed", "padding", "max_length", "lora", "lora_r", "lora_targets")
 
 
 def mismatch(saved, cfg, where):

@@ -29,7 +29,7 @@ from .memory import check_fits, device_bytes
 from .memory import describe as describe_memory
 from .memory import plan as plan_of
 from .launchers import watch_pod
-from .models import load_model, load_pretrained, load_tokenizer, position_limit
+from .models import add_adapters, load_model, load_pretrained, load_tokenizer, position_limit, save_merged
 from .monitor import Monitor
 from .profile import Profile
 from .options import TrainOptions
@@ -54,6 +54,8 @@ def run(cfg):
     """Runs the whole job: data in this process, then training on every local worker."""
     cfg.validate()
     backend = select_backend(cfg.backend, cfg.num_processes, cfg.strategy)
+    if cfg.lora and backend.shards_model:
+        raise UserError("--lora with --strategy fsdp is not supported yet: use --strategy ddp (or spmd on XLA)")
     folder, resume, done = open_output(cfg, backend)
     if done:
         print(done)
@@ -118,6 +120,8 @@ def prepare(cfg, backend, resume=None):
     settle_padding(cfg, shapes, data, task.eval_splits, backend, resume)
     weights = resume.model_weights() if resume else None  # a corrupt file fails before any loading
     model = load_model(cfg.model, cfg.seed, task, tokenizer.pad_token_id)
+    if cfg.lora:
+        model = add_adapters(model, cfg)
     if resume:
         resume.load_model(model, weights)
         del weights
@@ -215,7 +219,7 @@ def plan_memory(engine, cfg, shapes, model):
                              shards=engine.backend.param_shards, device_bytes=device_bytes(engine.backend),
                              checkpointed=cfg.gradient_checkpointing)
     engine.print(describe_memory(memory, counts))
-    check_fits(memory, cfg.batch_size, length, cfg.gradient_checkpointing, engine.backend.param_shards > 1)
+    check_fits(memory, cfg.batch_size, length, cfg.gradient_checkpointing, engine.backend.param_shards > 1, cfg.lora)
     return memory, counts
 
 
@@ -308,7 +312,10 @@ def save_outputs(engine, job, t, results):
     record, into the output folder (published to gs:// from there). Returns the predictions' URL."""
     cfg, task, state = job.cfg, job.task, t.state
     folder = state.store.local_folder()
-    engine.save_pretrained(t.model, job.tokenizer, folder)
+    if cfg.merge_lora:  # merged on the CPU, in the job's own copy of the model
+        save_merged(engine, t.model, job.model, job.tokenizer, folder)
+    else:
+        engine.save_pretrained(t.model, job.tokenizer, folder)
     predictions = scored = None
     if task.test is not None:  # padded like the training batches (buckets, max_length or dynamic)
         loader = predict_loader(engine, job.tokenizer, job.data["test"], cfg.batch_size, t.shapes.padding)

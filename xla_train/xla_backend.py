@@ -466,6 +466,7 @@ class XLAFsdpBackend(XLASpmdBackend):
     rest; the partitioner gathers a block's weights for its forward and backward only."""
 
     axis = "fsdp"  # the name FSDPv2 requires (spmd_fully_sharded_data_parallel.py, __init__)
+    shards_model = True
 
     def check_processes(self, num_processes):
         # Several hosts hold shards that no one host can read (a `.cpu()` of a tensor needs every
@@ -520,17 +521,14 @@ class XLAFsdpBackend(XLASpmdBackend):
         # _cpu_shards_from_tensors).
         torch_xla.sync()
         tensors = [t.detach() for t in tensors]
-        sharded = [i for i, t in enumerate(tensors)
-                   if t.device.type == "xla" and torch_xla._XLAC._get_xla_sharding_spec(t)]
-        out = [None if i in set(sharded) else t.cpu() for i, t in enumerate(tensors)]
-        picked = [tensors[i] for i in sharded]
+        sharded = [t.device.type == "xla" and bool(torch_xla._XLAC._get_xla_sharding_spec(t)) for t in tensors]
+        picked = [t for t, s in zip(tensors, sharded) if s]
         if picked:
             self.synchronize()  # shards are read from the device data, which the queued graph may still be computing
-        shards = torch_xla._XLAC._get_local_shards(picked)
-        places = torch_xla._XLAC._get_local_shard_replica_and_indices(picked)
-        for i, tensor, pieces, where in zip(sharded, picked, shards, places):
-            out[i] = _whole(tensor.shape, [data for data, _ in pieces], [index for _, index in where])
-        return out
+        wholes = iter([_from_shards(t.shape, [data for data, _ in pieces], [index for _, index in places])
+                       for t, pieces, places in zip(picked, torch_xla._XLAC._get_local_shards(picked),
+                                                    torch_xla._XLAC._get_local_shard_replica_and_indices(picked))])
+        return [next(wholes) if s else t.cpu() for t, s in zip(tensors, sharded)]
 
     def place_optimizer_state(self, optimizer):
         import torch_xla
@@ -561,7 +559,7 @@ def _add_wrapper_keys(module, state_dict, prefix, *args):
         state_dict[prefix + _WRAPPED + key[len(prefix):]] = state_dict.pop(key)
 
 
-def _whole(shape, pieces, indices):
+def _from_shards(shape, pieces, indices):
     """A tensor of `shape` on the host from its shards and their places in it (Ellipsis: a
     replica of the whole); a shard of an uneven split carries padding past its place."""
     if indices[0] is Ellipsis:

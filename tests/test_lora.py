@@ -1,0 +1,120 @@
+"""`--lora`: peft's LoRA adapters on the tiny BERT (CPU) and on decoder classifiers whose tokenizer
+has no padding token (tiny random Llama and GPT-2, XLA:CPU). Only the adapters and the head train;
+the output folder holds the adapter, which `xla-train predict` reads; `--merge-lora` writes a whole
+model that plain transformers loads and that scores what the run reported."""
+
+import csv
+import json
+
+import pytest
+import torch
+
+from conftest import run_cli
+from xla_train.cli import main
+
+
+def _decoder(path, family):
+    """A 2-layer, 32-wide random decoder classifier with the bundled tokenizer stripped of its
+    padding token ([SEP] as end of sequence), as a Llama or GPT-2 checkpoint comes."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer, GPT2Config, LlamaConfig
+
+    from xla_train.tasks import bundled_model_path
+
+    tok = AutoTokenizer.from_pretrained(bundled_model_path())
+    tok.eos_token, tok.pad_token = "[SEP]", None
+    eos = tok.convert_tokens_to_ids("[SEP]")
+    config = {
+        "llama": LlamaConfig(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=2, num_key_value_heads=1, eos_token_id=eos, bos_token_id=101,
+                             max_position_embeddings=512),
+        "gpt2": GPT2Config(vocab_size=tok.vocab_size, n_embd=32, n_layer=2, n_head=2, n_positions=512,
+                           eos_token_id=eos, bos_token_id=101),
+    }[family]
+    config.num_labels = 2
+    torch.manual_seed(0)
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def _dev_accuracy(model, data, tmp_path):
+    """`xla-train predict` (CPU, in this process) on the dev rows; the share of their labels it
+    predicts, and the number of rows written."""
+    out = tmp_path / f"{model.name}-dev.tsv"
+    assert main(["predict", "--backend", "cpu", "--model", str(model), "--input", str(data / "dev.tsv"),
+                 "--output", str(out)]) == 0
+    with open(data / "dev.tsv", encoding="utf-8") as f:
+        labels = [row[0] for row in csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)][1:]
+    with open(out, encoding="utf-8") as f:
+        predicted = [row[1] for row in csv.reader(f, delimiter="\t")][1:]
+    return sum(p == label for p, label in zip(predicted, labels)) / len(labels), len(predicted)
+
+
+@pytest.fixture(scope="module")
+def lora_runs(mrpc_slice, tiny_model, tmp_path_factory):
+    """Six CPU steps of the tiny BERT with LoRA (lr 1e-2, so the head and adapters move), once
+    saving the adapter and once merged."""
+    out = tmp_path_factory.mktemp("lora")
+    runs = {}
+    for name, extra in (("adapter", []), ("merged", ["--merge-lora"])):
+        proc, m = run_cli(["--backend", "cpu", "--lora", *extra, "--model", tiny_model, "--data-dir", mrpc_slice,
+                           "--max-steps", 6, "--lr", 1e-2, "--output-dir", out / name], out)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[name] = (m, out / name)
+    return runs
+
+
+def test_lora_trains_only_the_adapters_and_the_head(lora_runs, mrpc_slice, tmp_path):
+    m, folder = lora_runs["adapter"]
+    assert 0 < m["trainable_params"] <= 0.05 * m["total_params"]
+    memory = m["memory"]
+    assert memory["grad_bytes_per_device"] == 4 * m["trainable_params"]  # fp32 gradients of what trains, only
+    assert memory["optimizer_bytes_per_device"] == 8 * m["trainable_params"]
+    files = {p.name for p in folder.iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors", "config.json", "tokenizer.json"} <= files
+    assert "model.safetensors" not in files and "README.md" not in files  # no whole model, no peft model card
+    accuracy, rows = _dev_accuracy(folder, mrpc_slice, tmp_path)
+    assert rows == 48 and accuracy == pytest.approx(m["eval"]["accuracy"])
+
+
+def test_merged_lora_is_a_plain_model_that_scores_what_the_run_reported(lora_runs, mrpc_slice, tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForSequenceClassification
+
+    m, folder = lora_runs["merged"]
+    files = {p.name for p in folder.iterdir()}
+    assert "adapter_config.json" not in files and "model.safetensors" in files
+    weights = load_file(str(folder / "model.safetensors"))
+    assert not any("lora_" in k or "base_model" in k for k in weights)  # the model's own names
+    assert AutoModelForSequenceClassification.from_pretrained(folder).num_labels == 2
+    accuracy, rows = _dev_accuracy(folder, mrpc_slice, tmp_path)
+    assert rows == 48 and accuracy == pytest.approx(m["eval"]["accuracy"])
+    assert m["eval"] == lora_runs["adapter"][0]["eval"]  # the same training, saved two ways
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_decoder_lora_on_xla_keeps_one_graph_per_step(family, mrpc_slice, tmp_path):
+    """Padding with the end-of-sequence token, last-token pooling, LoRA dropout: no host sync,
+    no fallback, one graph execution per step and per evaluation batch."""
+    model = _decoder(tmp_path / family, family)
+    proc, m = run_cli(["--backend", "xla", "--lora", "--model", model, "--data-dir", mrpc_slice, "--max-steps", 20,
+                       "--log-every", 10, "--buckets", "128", "--output-dir", tmp_path / "out"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "padding with its end-of-sequence token '[SEP]'" in proc.stdout
+    xla = m["xla"]
+    assert xla["aten_fallbacks"] == 0 and xla["host_syncs_per_step"] <= 0.1, xla
+    assert xla["executions"] <= 20 + 48 // 8 + 2, xla
+    assert 0 < m["trainable_params"] <= 0.05 * m["total_params"]
+    assert json.loads((tmp_path / "out" / "adapter_config.json").read_text())["r"] == 8
+    _, rows = _dev_accuracy(tmp_path / "out", mrpc_slice, tmp_path)
+    assert rows == 48
+
+
+def test_lora_options_need_lora(capsys):
+    assert main(["train", "--merge-lora", "--max-steps", "1"]) == 2
+    assert capsys.readouterr().err == "xla-train: error: --merge-lora needs --lora\n"
+    assert main(["train", "--lora", "--lora-dropout", "1", "--max-steps", "1"]) == 2
+    assert "--lora-dropout must be in [0, 1), not 1.0" in capsys.readouterr().err
+    assert main(["train", "--lora", "--backend", "cpu", "--strategy", "fsdp", "--max-steps", "1"]) == 2
+    assert capsys.readouterr().err.endswith("--lora with --strategy fsdp is not supported yet: use --strategy ddp "
+                                            "(or spmd on XLA)\n")
