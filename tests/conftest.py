@@ -6,6 +6,7 @@ and caches start empty), gloo processes on loopback, the bundled MiniLM checkpoi
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,12 @@ import pytest
 from xla_train.tasks import BUNDLED_MRPC
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# A shell without job control starts background commands with SIGINT ignored, and processes keep
+# an ignored signal across exec: the CLI runs that tests interrupt with SIGINT would never see it.
+# A handler here (not inherited) gives them the default back.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def write_slice(folder, train_rows, dev_rows):

@@ -14,7 +14,7 @@ from test_checkpoint import start_cli, wait_for
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CI has none)")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def cuda_run(mrpc_slice, tiny_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cuda")
     proc, m = run_cli(["--backend", "cuda", "--model", tiny_model, "--data-dir", mrpc_slice, *TINY,

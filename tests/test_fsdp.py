@@ -16,7 +16,7 @@ FSDP = ["--backend", "xla", "--strategy", "fsdp", "--gradient-checkpointing", "-
 FOUR = {"CPU_NUM_DEVICES": "4"}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def xla_fsdp_run(mrpc_slice, tiny_model, tmp_path_factory):
     """16 steps of the tiny BERT sharded over 4 XLA:CPU devices, 2 rows each: conftest's one-device
     run's global batch of 8. With --gradient-checkpointing, as a model bigger than a chip would be
@@ -41,10 +41,13 @@ def test_fsdp_over_four_devices_matches_one_device(xla_fsdp_run, tiny_bucketed_r
     assert memory["param_bytes_per_device"] == -(-memory["param_bytes_total"] // 4)
     assert memory["optimizer_bytes_per_device"] == -(-2 * memory["param_bytes_total"] // 4)
     assert "memory plan per device: parameters 1.0 MiB (of 3.9 MiB)" in proc.stdout
-    # clean graphs: shards come to the host without a graph of their own (a `.cpu()` of each
-    # sharded tensor would compile one per tensor at every checkpoint: 380 in this run)
+    # clean graphs: shards come to the host without a graph of their own (a `.cpu()` of each split
+    # tensor compiles one: 380 in this run with every checkpoint's tensors, then one per evaluation
+    # batch); the one graph more than one device's: the second step, whose AdamW state is sharded
     xla = fsdp["xla"]
-    assert xla["aten_fallbacks"] == 0 and xla["compiles_after_first_epoch"] == 0 and xla["compiles"] <= 12
+    assert xla["aten_fallbacks"] == 0 and xla["compiles_after_first_epoch"] == 0
+    assert xla["compiles"] <= single["xla"]["compiles"] + 1, (xla, single["xla"])
+    assert xla["host_syncs_per_step"] == single["xla"]["host_syncs_per_step"]
     assert "For backward hooks" not in proc.stderr
 
 

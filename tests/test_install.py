@@ -109,7 +109,7 @@ def assert_installed_in(info, venv):
     assert not any("editable" in f.lower() for f in info["meta_path"]), info["meta_path"]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def built(tmp_path_factory):
     """sdist and wheel built from a clean copy of the tree the way `make dist` builds them."""
     tmp = tmp_path_factory.mktemp("dist")
@@ -121,7 +121,7 @@ def built(tmp_path_factory):
     return src, wheel, sdist
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def installed(built, tmp_path_factory):
     """The wheel pip-installed into a fresh venv (with `pip install WHEEL[xla]`, as the README
     says, less the dependencies), and a working folder outside the checkout."""

@@ -50,7 +50,7 @@ def _dev_accuracy(model, data, tmp_path):
     return sum(p == label for p, label in zip(predicted, labels)) / len(labels), len(predicted)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def lora_runs(mrpc_slice, tiny_model, tmp_path_factory):
     """Six CPU steps of the tiny BERT with LoRA (lr 1e-2, so the head and adapters move), once
     saving the adapter and once merged."""

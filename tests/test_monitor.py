@@ -24,13 +24,13 @@ def warnings_in(stderr):
     return [line for line in stderr.splitlines() if WARNING in line]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def short_data(tmp_path_factory):
     """160 training rows (20 steps of 8) and one evaluation batch."""
     return write_slice(tmp_path_factory.mktemp("data") / "mrpc", 160, 8)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def xla_run(short_data, tiny_model, tmp_path_factory):
     """One epoch of 20 steps with one bucket, logging every 10 steps, into an output folder."""
     tmp = tmp_path_factory.mktemp("run")

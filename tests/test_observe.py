@@ -12,7 +12,7 @@ from conftest import run_cli
 TRACKED = ["--report-to", "tensorboard,mlflow,wandb"]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def observed(mrpc_slice, tiny_model, tmp_path_factory):
     """20 XLA:CPU steps of the tiny BERT (the loss read every 10) profiled from 12 to 16,
     reporting to all three trackers (MLflow at an sqlite URI the test names, W&B offline)."""

@@ -25,7 +25,7 @@ def run_predict(args, env=None):
                           text=True, timeout=900, env={**os.environ, "PJRT_DEVICE": "CPU", **(env or {})})
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("files")
     rows = read_glue_tsv(BUNDLED_MRPC / "train.tsv")
@@ -43,7 +43,7 @@ def files(tmp_path_factory):
     return root
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def selected(files, tiny_model, tmp_path_factory):
     """--save-best and early stopping in one run: evaluations every step, patience 2."""
     tmp = tmp_path_factory.mktemp("selected")
@@ -54,7 +54,7 @@ def selected(files, tiny_model, tmp_path_factory):
     return proc, m, tmp / "out"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def classifier(mrpc_slice, tiny_model, files, tmp_path_factory):
     """A classifier fine-tuned on MRPC rows, with predictions for 30 rows of MRPC's test.tsv."""
     tmp = tmp_path_factory.mktemp("classifier")
@@ -145,7 +145,7 @@ def read_predictions(path):
         return list(csv.DictReader(f))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def single_process(classifier, files, tmp_path_factory):
     _, model = classifier
     out = tmp_path_factory.mktemp("pred") / "pred.csv"

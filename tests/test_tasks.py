@@ -38,7 +38,7 @@ def write_glue_tsv(path, header, rows):
     path.write_text("".join("\t".join(map(str, r)) + "\n" for r in [header, *rows]), encoding="utf-8")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def sources(tmp_path_factory):
     """name: (data arguments, dev rows, expected task fields); 64 training rows, 20 dev rows each."""
     root = tmp_path_factory.mktemp("sources")
@@ -94,7 +94,7 @@ RUNS = [("csv 3 classes", "cpu"), ("csv 3 classes", "xla"), ("jsonl regression",
         ("tsv single sentence", "cpu"), ("glue sst2", "cpu"), ("glue stsb", "cpu"), ("glue mnli", "xla")]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def short_runs(sources, tiny_model, tmp_path_factory):
     """4 steps of the tiny BERT per (source, backend), with --buckets auto, run once and shared:
     (process, metrics, output folder)."""

@@ -8,7 +8,7 @@ from conftest import TINY, assert_same_weights, run_cli
 EVAL_ROWS, BATCH = 48, 8
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def bucketed_run(mrpc_slice, tmp_path_factory):
     """Two epochs over 160 training rows (20 steps each) with the bundled MiniLM, two buckets."""
     proc, m = run_cli(["--backend", "xla", "--data-dir", mrpc_slice, "--epochs", 2, "--lr", "1e-4",

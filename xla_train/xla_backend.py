@@ -514,21 +514,34 @@ class XLAFsdpBackend(XLASpmdBackend):
     def to_host(self, tensors):
         import torch_xla
 
-        # A `.cpu()` of a sharded tensor compiles and runs a graph that replicates it (per tensor:
-        # 380 compilations in a 16-step run of the tiny BERT with two checkpoints); its shards
-        # come to the host as they are and are put together here, compiling nothing (how
-        # torch_xla's distributed checkpoint reads them: distributed_checkpoint/_helpers.py,
-        # _cpu_shards_from_tensors).
         torch_xla.sync()
+        return self._host_copies(tensors, lambda rest: [t.cpu() for t in rest])
+
+    def read(self, tensors):
+        return self._host_copies(tensors, super().read)
+
+    def _host_copies(self, tensors, copy):
+        """Host copies of `tensors`: those split over the devices (weights, AdamW's moments, a
+        batch's rows) shard by shard, put together here; the others by `copy`. A `.cpu()` of a
+        split tensor compiles and runs a graph that replicates it, one per tensor: 380
+        compilations in a 16-step run of the tiny BERT with two checkpoints, and one per
+        evaluation batch. Shards compile nothing (how torch_xla's distributed checkpoint reads
+        them: distributed_checkpoint/_helpers.py, _cpu_shards_from_tensors)."""
+        import torch_xla
+        from torch_xla.distributed.spmd import ShardingType
+
         tensors = [t.detach() for t in tensors]
-        sharded = [t.device.type == "xla" and bool(torch_xla._XLAC._get_xla_sharding_spec(t)) for t in tensors]
-        picked = [t for t, s in zip(tensors, sharded) if s]
+        split = [t.device.type == "xla" and torch_xla._XLAC._get_xla_sharding_type(t) in
+                 (ShardingType.TILED, ShardingType.PARTIAL) for t in tensors]
+        picked, rest = [t for t, s in zip(tensors, split) if s], [t for t, s in zip(tensors, split) if not s]
+        wholes = []
         if picked:
-            self.synchronize()  # shards are read from the device data, which the queued graph may still be computing
-        wholes = iter([_from_shards(t.shape, [data for data, _ in pieces], [index for _, index in places])
-                       for t, pieces, places in zip(picked, torch_xla._XLAC._get_local_shards(picked),
-                                                    torch_xla._XLAC._get_local_shard_replica_and_indices(picked))])
-        return [next(wholes) if s else t.cpu() for t, s in zip(tensors, sharded)]
+            self.synchronize()  # shards are read from the device data, which a queued graph may still be computing
+            wholes = [_from_shards(t.shape, [data for data, _ in pieces], [index for _, index in places])
+                      for t, pieces, places in zip(picked, torch_xla._XLAC._get_local_shards(picked),
+                                                   torch_xla._XLAC._get_local_shard_replica_and_indices(picked))]
+        wholes, rest = iter(wholes), iter(copy(rest) if rest else [])
+        return [next(wholes) if s else next(rest) for s in split]
 
     def place_optimizer_state(self, optimizer):
         import torch_xla
