@@ -63,6 +63,9 @@ class RunClock:
         self.marks.append((step, self.now(), self._stats().get("compiles", 0) - self.outside))
 
     def stop(self, step):
+        # The last step's graph is still pending when the loop breaks (the loader cuts each step's
+        # graph when it hands out the next batch): run it, and its log point's read, in this phase.
+        self.engine.cut_graph()
         self.engine.synchronize()
         self.seconds = self.now()
         s = self._stats()

@@ -205,6 +205,9 @@ class RunState:
         if self.saved_at == self.position:
             return self.saved
         model, optimizer, scheduler, clock, extra = self._checkpoint_args
+        # The pending step and its log point's read (a step closure) run at the cut: the
+        # training's time and sync, not the checkpoint's.
+        self.engine.cut_graph()
         with clock.excluding():  # a checkpoint's reads are not the training steps' syncs
             loss_sum = self.check_finite()
             run = {"step": self.step, "epoch": self.epoch, "batch": self.batch, "loss_sum": loss_sum,
