@@ -231,6 +231,7 @@ def _group_by_shared_runs(items):
             item.add_marker(pytest.mark.xdist_group("run-" + root(runs[item.nodeid][0])))
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the test ids
 def pytest_collection_modifyitems(config, items):
     if config.pluginmanager.hasplugin("xdist"):
         _group_by_shared_runs(items)
