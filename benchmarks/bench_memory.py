@@ -1,5 +1,6 @@
 """The memory plan (xla_train/memory.py) for model sizes TPU users bring: which fit one 16 GiB v5e
-chip when every device holds the whole model (ddp, spmd: the strategies there are today).
+chip when every device holds the whole model (ddp, spmd), and when `--strategy fsdp` shards the
+weights, gradients and AdamW state over the devices (`--devices`, 8 by default: a v5e-8 host).
 
     python benchmarks/bench_memory.py                   # batch 8 per device, 128 tokens, 8 devices
     python benchmarks/bench_memory.py --batch-size 1 --length 512
@@ -57,9 +58,12 @@ def main():
         with torch.device("meta"):
             model = AutoModelForSequenceClassification.from_config(config)
         # bf16 autocast: 16-bit activations, fp32 weights and state; checkpointed: --gradient-checkpointing
-        for precision, checkpointed in (("fp32", False), ("bf16", False), ("bf16", True)):
-            memory, counts = plan(model, args.batch_size, args.length, precision, shards=1, checkpointed=checkpointed)
-            rows.append({"model": name, "strategy": "ddp / spmd", "precision": precision,
+        cases = [("ddp / spmd", 1, "fp32", False), ("ddp / spmd", 1, "bf16", False), ("ddp / spmd", 1, "bf16", True),
+                 ("fsdp", args.devices, "bf16", False), ("fsdp", args.devices, "bf16", True)]
+        for strategy, shards, precision, checkpointed in cases:
+            memory, counts = plan(model, args.batch_size, args.length, precision, shards=shards,
+                                  checkpointed=checkpointed)
+            rows.append({"model": name, "strategy": strategy, "precision": precision,
                          "devices": args.devices, **counts, **memory, "needed_bytes": needed(memory),
                          "fits_v5e_16GiB": needed(memory) <= V5E})
     header = ("| model | strategy | precision | checkpointed | parameters | params GiB/device | grads | AdamW "

@@ -17,7 +17,6 @@ inside `fn` (it then uses the backend that launched the worker). The package's o
 
 import contextlib
 import traceback
-
 from pathlib import Path
 
 import torch

@@ -1,4 +1,5 @@
-"""Loading models and tokenizers, for training and prediction alike."""
+"""Loading models and tokenizers, for training and prediction alike; LoRA adapters (peft): adding
+them, merging them, loading an adapter folder."""
 
 import warnings
 
