@@ -68,14 +68,17 @@ def test_sigterm_then_resume_equals_the_uninterrupted_run(mrpc_slice, tiny_dropo
     assert resumed["eval"] == whole["eval"]
 
 
-def test_ctrl_c_stops_two_gloo_fsdp_workers_at_one_step_and_resumes_exactly(mrpc_slice, tiny_dropout_model, tmp_path):
+@pytest.mark.parametrize("lora", [False, True], ids=["whole", "lora"])
+def test_ctrl_c_stops_two_gloo_fsdp_workers_at_one_step_and_resumes_exactly(lora, mrpc_slice, tiny_dropout_model,
+                                                                           tmp_path):
     """SIGINT to the launcher only: it passes the stop on, the workers agree on the step at a log
     point, save one checkpoint together and exit 130; --resume finishes the run as if it had not
     stopped. The workers shard the model with FSDP2 (--strategy fsdp): the checkpoint holds whole
-    tensors gathered from both, and each takes its shards back, AdamW's moments too."""
+    tensors gathered from both, and each takes its shards back, AdamW's moments too. With --lora:
+    the frozen base sharded too, the adapters and the head trained, saved and resumed."""
     out = tmp_path / "run"
     args = [*COMMON, "--num-processes", 2, "--strategy", "fsdp", "--model", tiny_dropout_model,
-            "--data-dir", mrpc_slice, "--max-steps", 30, "--save-every", 4]
+            "--data-dir", mrpc_slice, "--max-steps", 30, "--save-every", 4, *(["--lora", "--lr", 1e-3] if lora else [])]
     proc, whole = run_cli([*args, "--output-dir", tmp_path / "whole"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = start_cli([*args, "--output-dir", out])
@@ -94,8 +97,10 @@ def test_ctrl_c_stops_two_gloo_fsdp_workers_at_one_step_and_resumes_exactly(mrpc
     assert m["first_step"] == stopped_at and m["steps"] == 30 and m["replicas_identical"]
     assert m["memory"]["param_bytes_per_device"] == -(-m["memory"]["param_bytes_total"] // 2)
     torch.testing.assert_close(m["train_loss"], whole["train_loss"], atol=1e-6, rtol=0)
-    assert_same_weights(out, tmp_path / "whole", atol=1e-6)
+    saved = "adapter_model.safetensors" if lora else "model.safetensors"
+    assert_same_weights(out, tmp_path / "whole", atol=1e-6, file=saved)
     assert m["eval"] == whole["eval"]
+    assert (m["trainable_params"] < 0.05 * m["total_params"]) == lora
 
 
 def test_sighup_saves_a_checkpoint_and_exits_129(mrpc_slice, tiny_model, tmp_path):

@@ -1,6 +1,6 @@
 """`--strategy fsdp` on XLA: FSDPv2 on 4 XLA:CPU devices trains the same model as one device on the
-same global batch, saves it whole (plain transformers loads it) and resumes exactly after a stop.
-The XLA run is shared by the tests of this module. FSDP2 over two gloo processes is tested in
+same global batch, saves it whole (plain transformers loads it) and resumes exactly after a stop;
+with --lora too. The XLA run is shared by the tests of this module. FSDP2 over two gloo processes is tested in
 test_distributed.py (equal to one process) and test_checkpoint.py (Ctrl-C and an exact resume)."""
 
 import signal
@@ -10,6 +10,7 @@ import torch
 
 from conftest import TINY, assert_same_weights, run_cli
 from test_checkpoint import start_cli, wait_for
+from test_lora import _dev_accuracy
 
 FSDP = ["--backend", "xla", "--strategy", "fsdp", "--gradient-checkpointing", "--batch-size", 2, *TINY,
         "--save-every", 4]
@@ -95,6 +96,37 @@ def test_xla_fsdp_resumes_exactly_after_sigterm(xla_fsdp_run, mrpc_slice, tiny_m
     assert resumed["eval"] == whole["eval"]
     # the loaded AdamW moments are sharded like their parameters: no graph more than the whole run's
     assert resumed["xla"]["compiles"] <= whole["xla"]["compiles"]
+
+
+def test_lora_under_fsdp_resumes_exactly_and_saves_its_adapter(mrpc_slice, tiny_dropout_model, tmp_path):
+    """--lora on FSDPv2: the peft model wrapped block by block, its frozen base sharded too; a
+    SIGTERM and --resume equal the run without them, with dropout in the model and the adapters
+    (XLA's generator moves on at every graph cut, and the cuts differ after a resume: it is seeded
+    from each micro-batch's position, Engine.seed_micro_batch); the output folder holds
+    the adapter's tensors under peft's names, which `xla-train predict` reads and scores as the run
+    did."""
+    from safetensors.torch import load_file
+
+    args = [*FSDP, "--lora", "--lr", 1e-3, "--model", tiny_dropout_model, "--data-dir", mrpc_slice]
+    proc, whole = run_cli([*args, "--output-dir", tmp_path / "whole"], tmp_path, env=FOUR)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert 0 < whole["trainable_params"] <= 0.05 * whole["total_params"]
+    memory = whole["memory"]
+    assert memory["param_bytes_per_device"] == -(-memory["param_bytes_total"] // 4)
+    assert memory["optimizer_bytes_per_device"] == -(-8 * whole["trainable_params"] // 4)
+    adapter = load_file(str(tmp_path / "whole" / "adapter_model.safetensors"))
+    assert sum("lora_A" in k for k in adapter) == sum("lora_B" in k for k in adapter) == 4  # query, value x 2 layers
+    assert not any("_orig_module" in k for k in adapter)
+    assert whole["xla"]["aten_fallbacks"] == 0 and whole["xla"]["compiles_after_first_epoch"] == 0
+
+    stopped_at, resumed = _stop_and_resume(args, tmp_path / "run", tmp_path, env=FOUR)
+    assert 4 <= stopped_at < 16 and resumed["first_step"] == stopped_at
+    torch.testing.assert_close(resumed["train_loss"], whole["train_loss"], atol=1e-6, rtol=0)
+    assert_same_weights(tmp_path / "run", tmp_path / "whole", atol=1e-6, file="adapter_model.safetensors")
+    assert resumed["eval"] == whole["eval"]
+
+    accuracy, rows = _dev_accuracy(tmp_path / "whole", mrpc_slice, tmp_path)
+    assert rows == 48 and accuracy == pytest.approx(whole["eval"]["accuracy"])
 
 
 def test_shards_are_put_together_without_their_padding():

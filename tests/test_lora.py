@@ -1,10 +1,11 @@
 """`--lora`: peft's LoRA adapters on the tiny BERT (CPU) and on decoder classifiers whose tokenizer
-has no padding token (tiny random Llama and GPT-2, XLA:CPU). Only the adapters and the head train;
+has no padding token (tiny random Llama, Qwen2, Gemma and GPT-2, XLA:CPU). Only the adapters and the head train;
 the output folder holds the adapter, which `xla-train predict` reads; `--merge-lora` writes a whole
 model that plain transformers loads and that scores what the run reported."""
 
 import csv
 import json
+import types
 
 import pytest
 import torch
@@ -16,20 +17,24 @@ from xla_train.cli import main
 def _decoder(path, family):
     """A 2-layer, 32-wide random decoder classifier with the bundled tokenizer stripped of its
     padding token ([SEP] as end of sequence), as a Llama or GPT-2 checkpoint comes."""
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer, GPT2Config, LlamaConfig
+    from transformers import (AutoModelForSequenceClassification, AutoTokenizer, GemmaConfig, GPT2Config, LlamaConfig,
+                              Qwen2Config)
 
     from xla_train.tasks import bundled_model_path
 
     tok = AutoTokenizer.from_pretrained(bundled_model_path())
     tok.eos_token, tok.pad_token = "[SEP]", None
     eos = tok.convert_tokens_to_ids("[SEP]")
+    decoder = dict(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                   num_attention_heads=2, num_key_value_heads=1, eos_token_id=eos, bos_token_id=101,
+                   max_position_embeddings=512)
     config = {
-        "llama": LlamaConfig(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                             num_attention_heads=2, num_key_value_heads=1, eos_token_id=eos, bos_token_id=101,
-                             max_position_embeddings=512),
-        "gpt2": GPT2Config(vocab_size=tok.vocab_size, n_embd=32, n_layer=2, n_head=2, n_positions=512,
-                           eos_token_id=eos, bos_token_id=101),
-    }[family]
+        "llama": lambda: LlamaConfig(**decoder),
+        "qwen2": lambda: Qwen2Config(**decoder),
+        "gemma": lambda: GemmaConfig(head_dim=16, **decoder),
+        "gpt2": lambda: GPT2Config(vocab_size=tok.vocab_size, n_embd=32, n_layer=2, n_head=2, n_positions=512,
+                                   eos_token_id=eos, bos_token_id=101),
+    }[family]()
     config.num_labels = 2
     torch.manual_seed(0)
     AutoModelForSequenceClassification.from_config(config).save_pretrained(path)
@@ -53,10 +58,11 @@ def _dev_accuracy(model, data, tmp_path):
 @pytest.fixture(scope="session")
 def lora_runs(mrpc_slice, tiny_model, tmp_path_factory):
     """Six CPU steps of the tiny BERT with LoRA (lr 1e-2, so the head and adapters move), once
-    saving the adapter and once merged."""
+    saving the adapter, once merged, once merged with the frozen base held in bf16."""
     out = tmp_path_factory.mktemp("lora")
     runs = {}
-    for name, extra in (("adapter", []), ("merged", ["--merge-lora"])):
+    cases = (("adapter", []), ("merged", ["--merge-lora"]), ("bf16", ["--merge-lora", "--precision", "bf16"]))
+    for name, extra in cases:
         proc, m = run_cli(["--backend", "cpu", "--lora", *extra, "--model", tiny_model, "--data-dir", mrpc_slice,
                            "--max-steps", 6, "--lr", 1e-2, "--output-dir", out / name], out)
         assert proc.returncode == 0, proc.stderr[-3000:]
@@ -92,19 +98,55 @@ def test_merged_lora_is_a_plain_model_that_scores_what_the_run_reported(lora_run
     assert m["eval"] == lora_runs["adapter"][0]["eval"]  # the same training, saved two ways
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
-def test_decoder_lora_on_xla_keeps_one_graph_per_step(family, mrpc_slice, tmp_path):
-    """Padding with the end-of-sequence token, last-token pooling, LoRA dropout: no host sync,
-    no fallback, one graph execution per step and per evaluation batch."""
+def test_bf16_holds_the_frozen_base_in_half_the_bytes(lora_runs, mrpc_slice, tmp_path):
+    """--lora --precision bf16: the frozen weights in bf16, what trains in fp32; the merged model
+    is whole, fp32 and scores on the dev rows what the run reported."""
+    from safetensors.torch import load_file
+
+    m, folder = lora_runs["bf16"]
+    fp32 = lora_runs["merged"][0]
+    assert m["trainable_params"] == fp32["trainable_params"] and m["total_params"] == fp32["total_params"]
+    frozen = m["total_params"] - m["trainable_params"]
+    assert m["memory"]["param_bytes_total"] == 2 * frozen + 4 * m["trainable_params"]
+    assert m["memory"]["param_bytes_total"] < 0.53 * fp32["memory"]["param_bytes_total"]
+    assert m["memory"]["optimizer_bytes_per_device"] == fp32["memory"]["optimizer_bytes_per_device"]
+    assert {w.dtype for w in load_file(str(folder / "model.safetensors")).values()} == {torch.float32}
+    accuracy, rows = _dev_accuracy(folder, mrpc_slice, tmp_path)
+    assert rows == 48 and accuracy == pytest.approx(m["eval"]["accuracy"])
+
+
+def test_a_bf16_checkpoint_trains_in_fp32(tiny_model, tmp_path):
+    """transformers loads a checkpoint in its own dtype; the job's weights (and AdamW's updates)
+    are fp32 whatever it holds."""
+    from transformers import AutoModelForSequenceClassification
+
+    from xla_train.models import load_model
+
+    AutoModelForSequenceClassification.from_pretrained(tiny_model, dtype=torch.bfloat16).save_pretrained(tmp_path)
+    task = types.SimpleNamespace(num_labels=2, problem="classification", labels=None)
+    model = load_model(str(tmp_path), 0, task)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+
+
+@pytest.mark.parametrize("family,extra", [("llama", []), ("qwen2", ["--precision", "bf16"]), ("gemma", []),
+                                          ("gpt2", [])], ids=["llama", "qwen2-bf16", "gemma", "gpt2"])
+def test_decoder_lora_on_xla_keeps_one_graph_per_step(family, extra, mrpc_slice, tmp_path):
+    """Padding with the end-of-sequence token, last-token pooling, LoRA dropout (and Qwen2's
+    frozen base held in bf16): no host sync, no fallback, one graph execution per step and per
+    evaluation batch."""
     model = _decoder(tmp_path / family, family)
-    proc, m = run_cli(["--backend", "xla", "--lora", "--model", model, "--data-dir", mrpc_slice, "--max-steps", 20,
-                       "--log-every", 10, "--buckets", "128", "--output-dir", tmp_path / "out"], tmp_path)
+    proc, m = run_cli(["--backend", "xla", "--lora", *extra, "--model", model, "--data-dir", mrpc_slice,
+                       "--max-steps", 20, "--log-every", 10, "--buckets", "128", "--output-dir", tmp_path / "out"],
+                      tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "padding with its end-of-sequence token '[SEP]'" in proc.stdout
     xla = m["xla"]
     assert xla["aten_fallbacks"] == 0 and xla["host_syncs_per_step"] <= 0.1, xla
     assert xla["executions"] <= 20 + 48 // 8 + 2, xla
     assert 0 < m["trainable_params"] <= 0.05 * m["total_params"]
+    bytes_per_frozen = 2 if extra else 4
+    frozen = m["total_params"] - m["trainable_params"]
+    assert m["memory"]["param_bytes_total"] == bytes_per_frozen * frozen + 4 * m["trainable_params"]
     assert json.loads((tmp_path / "out" / "adapter_config.json").read_text())["r"] == 8
     _, rows = _dev_accuracy(tmp_path / "out", mrpc_slice, tmp_path)
     assert rows == 48
@@ -115,6 +157,3 @@ def test_lora_options_need_lora(capsys):
     assert capsys.readouterr().err == "xla-train: error: --merge-lora needs --lora\n"
     assert main(["train", "--lora", "--lora-dropout", "1", "--max-steps", "1"]) == 2
     assert "--lora-dropout must be in [0, 1), not 1.0" in capsys.readouterr().err
-    assert main(["train", "--lora", "--backend", "cpu", "--strategy", "fsdp", "--max-steps", "1"]) == 2
-    assert capsys.readouterr().err.endswith("--lora with --strategy fsdp is not supported yet: use --strategy ddp "
-                                            "(or spmd on XLA)\n")

@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 from transformers import DataCollatorWithPadding
 
 from .backend import Backend, active_backend
+from .checkpoint import trained_state
 from .data import BatchPlan, make_loader
 from .errors import UserError, describe
 from .selection import select_backend
@@ -87,6 +88,13 @@ class Engine:
     def seed(self, seed):
         """Seeds the host generator and the device's (dropout masks)."""
         self.backend.seed(seed)
+
+    def seed_micro_batch(self, seed, epoch, batch):
+        """Seeds the device's generator for micro-batch `batch` of `epoch` (XLA; elsewhere the
+        generator's saved state resumes exactly). XLA's generator moves on at every graph cut,
+        needed or not, so after a resume, whose cuts differ from the uninterrupted run's, its
+        dropout masks would differ; seeded from the position they are the same."""
+        self.backend.seed_micro_batch(seed, epoch, batch)
 
     def print(self, *args, **kwargs):
         """print() on the main process only, without breaking progress bars."""
@@ -290,17 +298,14 @@ class Engine:
         peft model saves its adapter (only the trained tensors are copied) and the classifier's
         config beside it (its labels)."""
         model = self.unwrap_model(model)
-        state = model.state_dict()
         adapter = hasattr(model, "peft_config")
-        if adapter:
-            trained = {n for n, p in model.named_parameters() if p.requires_grad}
-            state = {k: v for k, v in state.items() if k in trained}
+        state = trained_state(model) if adapter else model.state_dict()
         weights = self.to_writer(list(state.values()))
 
         def write():
             card = Path(path, "README.md")
             had_card = card.exists()
-            with quiet_transformers():
+            with quiet_transformers(), self.backend.plain_modules(model):
                 model.save_pretrained(path, state_dict=dict(zip(state, weights)))
                 if adapter:
                     model.get_base_model().config.save_pretrained(path)

@@ -122,6 +122,11 @@ class Backend(ABC):
     def unwrap_model(self, model):
         return model
 
+    def plain_modules(self, model):
+        """A context in which the unwrapped `model`'s module names are the model's own, for a
+        library that reads them (peft's save of an adapter); only FSDPv2 renames them."""
+        return nullcontext(model)
+
     @property
     def param_shards(self):
         """Devices each parameter, gradient and optimizer state is split over (FSDP: every one)."""
@@ -222,6 +227,9 @@ class Backend(ABC):
 
     def seed(self, seed):
         torch.manual_seed(seed)
+
+    def seed_micro_batch(self, seed, epoch, batch):
+        """See Engine.seed_micro_batch: nothing to do where the generator's state is restored exactly."""
 
     def rng_state(self):
         """This process's random state (host generator, plus the device's) as a 1-D uint8 tensor."""

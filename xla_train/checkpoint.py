@@ -40,11 +40,13 @@ def _host_tree(engine, tree, writer_only=False):
 
 def trained_state(model):
     """What a checkpoint keeps of `model`: its whole state, or, when part of it is frozen (LoRA's
-    base), the trained parameters only; the frozen ones come again from the model's own files."""
-    state, params = model.state_dict(), dict(model.named_parameters())
-    if all(p.requires_grad for p in params.values()):
-        return state
-    return {k: v for k, v in state.items() if k in params and params[k].requires_grad}
+    base), the trained parameters only; the frozen ones come again from the model's own files.
+    Which are trained is read from the state's own values (`keep_vars`), so the keys may differ
+    from `named_parameters()`' (FSDPv2's wrappers drop theirs from the state only)."""
+    state = model.state_dict(keep_vars=True)
+    if all(v.requires_grad for v in state.values() if isinstance(v, torch.nn.Parameter)):
+        return {k: v.detach() for k, v in state.items()}
+    return {k: v.detach() for k, v in state.items() if isinstance(v, torch.nn.Parameter) and v.requires_grad}
 
 
 def save(engine, store, model, optimizer, scheduler, state, keep_last=None):

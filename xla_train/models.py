@@ -1,11 +1,14 @@
 """Loading models and tokenizers, for training and prediction alike; LoRA adapters (peft): adding
 them, merging them, loading an adapter folder."""
 
+import contextlib
+import io
 import warnings
 
 import torch
 
 from .api import quiet_transformers
+from .checkpoint import trained_state
 from .errors import UserError, first_line
 from .options import shown_model_name as shown_name
 
@@ -66,7 +69,10 @@ def load_model(name, seed, task, pad_token_id=None):
         # --ignore_mismatched_sizes does
         options["ignore_mismatched_sizes"] = True
     # transformers' load report would list the new head as a problem: say it here
-    model, info = load_pretrained(AutoModelForSequenceClassification, name, output_loading_info=True, **options)
+    # fp32 weights whatever the checkpoint holds (transformers' dtype "auto" would keep a bf16
+    # checkpoint's bf16, and AdamW would then update bf16 weights); --precision bf16 is autocast
+    model, info = load_pretrained(AutoModelForSequenceClassification, name, output_loading_info=True,
+                                  dtype=torch.float32, **options)
     new = sorted({*info["missing_keys"], *(k[0] if isinstance(k, tuple) else k for k in info["mismatched_keys"])})
     if new:
         print(f"model {shown_name(name)}: new classification head for {task.num_labels} output(s) ({', '.join(new)}), "
@@ -92,14 +98,27 @@ def add_adapters(model, cfg):
         raise UserError(f"--lora: {first_line(e)} (name them with --lora-targets)")
 
 
-def save_merged(engine, model, cpu_model, tokenizer, folder):
-    """--merge-lora: the trained adapters merged into the base weights (peft's merge, on the CPU,
-    in `cpu_model`, a CPU copy of the same adapted model), saved as a whole model."""
-    state = engine.unwrap_model(model).state_dict()
+def hold_frozen_in_bf16(model):
+    """--lora --precision bf16: the frozen base weights held in bf16, half their bytes (what lets
+    a large decoder fit beside its activations); the adapters, the head and AdamW's state stay
+    fp32. Autocast computes the base's matmuls in bf16 either way."""
+    for p in model.parameters():
+        if not p.requires_grad and p.is_floating_point():
+            p.data = p.data.to(torch.bfloat16)
+
+
+def save_merged(engine, model, load_base, tokenizer, folder):
+    """--merge-lora: the trained tensors (adapters, head) copied to the CPU and merged (peft's
+    merge, on the CPU) into a fresh copy of the adapted model from `load_base()`, whose base holds
+    the model's own fp32 weights whatever the device held; saved as a whole fp32 model."""
+    state = trained_state(engine.unwrap_model(model))
     weights = engine.to_writer(list(state.values()))
 
     def write():
-        cpu_model.load_state_dict(dict(zip(state, weights)))
+        with contextlib.redirect_stdout(io.StringIO()):  # the new head's line was printed at the start
+            cpu_model = load_base()
+        unexpected = cpu_model.load_state_dict(dict(zip(state, weights)), strict=False).unexpected_keys
+        assert not unexpected, unexpected  # the same architecture, adapted the same way
         with quiet_transformers():
             cpu_model.merge_and_unload().save_pretrained(folder)
             tokenizer.save_pretrained(folder)

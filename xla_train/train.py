@@ -29,7 +29,8 @@ from .memory import check_fits, device_bytes
 from .memory import describe as describe_memory
 from .memory import plan as plan_of
 from .launchers import watch_pod
-from .models import add_adapters, load_model, load_pretrained, load_tokenizer, position_limit, save_merged
+from .models import (add_adapters, hold_frozen_in_bf16, load_model, load_pretrained, load_tokenizer, position_limit,
+                     save_merged)
 from .monitor import Monitor
 from .profile import Profile
 from .options import TrainOptions
@@ -54,8 +55,6 @@ def run(cfg):
     """Runs the whole job: data in this process, then training on every local worker."""
     cfg.validate()
     backend = select_backend(cfg.backend, cfg.num_processes, cfg.strategy)
-    if cfg.lora and backend.shards_model:
-        raise UserError("--lora with --strategy fsdp is not supported yet: use --strategy ddp (or spmd on XLA)")
     folder, resume, done = open_output(cfg, backend)
     if done:
         print(done)
@@ -187,6 +186,8 @@ def set_up(engine, job, shapes, monitor):
     """Loaders, model, optimizer and scheduler on the device; the run state (resumed if asked)."""
     cfg, task = job.cfg, job.task
     model = _private_copy(job.model)
+    if cfg.lora and cfg.precision == "bf16":
+        hold_frozen_in_bf16(model)
     if cfg.gradient_checkpointing:
         engine.checkpoint_activations(model)
     loaders = [make_loader(job.data[split], job.tokenizer, cfg.batch_size, shapes.padding, shuffle=split == "train",
@@ -238,6 +239,7 @@ def train_loop(engine, cfg, t, monitor):
                 if state.step >= total or state.batch == t.steps_per_epoch * cfg.grad_accum:
                     break  # done, or the epoch's last micro-batches would not fill an optimizer step
                 state.batch += 1
+                engine.seed_micro_batch(cfg.seed, state.epoch, state.batch)  # dropout: from the position
                 t.profile.step_begins(state.step + 1)
                 labels = batch.pop("labels")  # the loss is the job's own: no model head can add a host sync
                 with engine.autocast():
@@ -312,8 +314,11 @@ def save_outputs(engine, job, t, results):
     record, into the output folder (published to gs:// from there). Returns the predictions' URL."""
     cfg, task, state = job.cfg, job.task, t.state
     folder = state.store.local_folder()
-    if cfg.merge_lora:  # merged on the CPU, in the job's own copy of the model
-        save_merged(engine, t.model, job.model, job.tokenizer, folder)
+    if cfg.merge_lora:  # merged on the CPU, into the base model loaded again
+        def load_base():
+            return add_adapters(load_model(cfg.model, cfg.seed, task, job.tokenizer.pad_token_id), cfg)
+
+        save_merged(engine, t.model, load_base, job.tokenizer, folder)
     else:
         engine.save_pretrained(t.model, job.tokenizer, folder)
     predictions = scored = None

@@ -8,6 +8,7 @@ Launch commands this backend serves:
     xla-train train --backend xla --strategy fsdp   # one process, the model sharded over every chip (FSDPv2)
 """
 
+import contextlib
 import glob
 import importlib.util
 import os
@@ -288,6 +289,15 @@ class XLABackend(Backend):
         torch.manual_seed(seed)
         xm.set_rng_state(seed)
 
+    def seed_micro_batch(self, seed, epoch, batch):
+        import torch_xla.core.xla_model as xm
+
+        # Every sync advances the device seed, even with no graph to run (torch_xla's MarkStep:
+        # seed = 1012031 + seed * 7012063; seen here: 5, then 36072346 after an empty sync). A
+        # host-side setting: the seed reaches the step's graph as the parameter it always is, so no
+        # graph and no transfer is added. One value for every process (SPMD needs it the same).
+        xm.set_rng_state(hash((seed, epoch, batch)) % 2**62)
+
     def rng_state(self):
         import numpy as np
         import torch_xla.core.xla_model as xm
@@ -510,6 +520,23 @@ class XLAFsdpBackend(XLASpmdBackend):
 
     def unwrap_model(self, model):
         return getattr(model, "module", model)  # the model itself; its blocks stay wrapped, keys read as plain
+
+    @contextlib.contextmanager
+    def plain_modules(self, model):
+        # Each block's wrapper is swapped for the module it wraps, then put back: the same
+        # parameters under the model's own names (peft finds an adapter's tensors by walking the
+        # module names, which hold `_orig_module.` under the wrappers, while the state's keys do not).
+        from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel
+
+        wrapped = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+                   if isinstance(child, SpmdFullyShardedDataParallel)]
+        for parent, name, child in wrapped:
+            parent._modules[name] = child._orig_module
+        try:
+            yield model
+        finally:
+            for parent, name, child in reversed(wrapped):
+                parent._modules[name] = child
 
     def to_host(self, tensors):
         import torch_xla
