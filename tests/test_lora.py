@@ -1,7 +1,8 @@
 """`--lora`: peft's LoRA adapters on the tiny BERT (CPU) and on decoder classifiers whose tokenizer
-has no padding token (tiny random Llama, Qwen2, Gemma and GPT-2, XLA:CPU). Only the adapters and the head train;
-the output folder holds the adapter, which `xla-train predict` reads; `--merge-lora` writes a whole
-model that plain transformers loads and that scores what the run reported."""
+has no padding token (tiny random Llama, Qwen2, Gemma, Mistral and GPT-2, XLA:CPU). Only the
+adapters and the head train; the output folder holds the adapter, which `xla-train predict` reads;
+`--merge-lora` writes a whole model that plain transformers loads and that scores what the run
+reported."""
 
 import csv
 import json
@@ -16,9 +17,10 @@ from xla_train.cli import main
 
 def _decoder(path, family):
     """A 2-layer, 32-wide random decoder classifier with the bundled tokenizer stripped of its
-    padding token ([SEP] as end of sequence), as a Llama or GPT-2 checkpoint comes."""
+    padding token ([SEP] as end of sequence), as a Llama, Qwen2, Gemma, Mistral or GPT-2 checkpoint
+    comes."""
     from transformers import (AutoModelForSequenceClassification, AutoTokenizer, GemmaConfig, GPT2Config, LlamaConfig,
-                              Qwen2Config)
+                              MistralConfig, Qwen2Config)
 
     from xla_train.tasks import bundled_model_path
 
@@ -32,6 +34,7 @@ def _decoder(path, family):
         "llama": lambda: LlamaConfig(**decoder),
         "qwen2": lambda: Qwen2Config(**decoder),
         "gemma": lambda: GemmaConfig(head_dim=16, **decoder),
+        "mistral": lambda: MistralConfig(**decoder),
         "gpt2": lambda: GPT2Config(vocab_size=tok.vocab_size, n_embd=32, n_layer=2, n_head=2, n_positions=512,
                                    eos_token_id=eos, bos_token_id=101),
     }[family]()
@@ -129,7 +132,8 @@ def test_a_bf16_checkpoint_trains_in_fp32(tiny_model, tmp_path):
 
 
 @pytest.mark.parametrize("family,extra", [("llama", []), ("qwen2", ["--precision", "bf16"]), ("gemma", []),
-                                          ("gpt2", [])], ids=["llama", "qwen2-bf16", "gemma", "gpt2"])
+                                          ("mistral", []), ("gpt2", [])],
+                         ids=["llama", "qwen2-bf16", "gemma", "mistral", "gpt2"])
 def test_decoder_lora_on_xla_keeps_one_graph_per_step(family, extra, mrpc_slice, tmp_path):
     """Padding with the end-of-sequence token, last-token pooling, LoRA dropout (and Qwen2's
     frozen base held in bf16): no host sync, no fallback, one graph execution per step and per

@@ -73,10 +73,19 @@ def load_model(name, seed, task, pad_token_id=None):
     # checkpoint's bf16, and AdamW would then update bf16 weights); --precision bf16 is autocast
     model, info = load_pretrained(AutoModelForSequenceClassification, name, output_loading_info=True,
                                   dtype=torch.float32, **options)
+    _no_cache(model)
     new = sorted({*info["missing_keys"], *(k[0] if isinstance(k, tuple) else k for k in info["mismatched_keys"])})
     if new:
         print(f"model {shown_name(name)}: new classification head for {task.num_labels} output(s) ({', '.join(new)}), "
               f"initialised with --seed {seed}")
+    return model
+
+
+def _no_cache(model):
+    """A classifier reads each row once: no key/value cache (a decoder builds one by default, and
+    Mistral's sliding-window cache fails under XLA: "Value out of range ... got -4095")."""
+    if getattr(model.config, "use_cache", False):
+        model.config.use_cache = False
     return model
 
 
@@ -134,11 +143,12 @@ def load_classifier(folder):
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
     if not (Path(folder) / ADAPTER_FILE).is_file():
-        return load_pretrained(AutoModelForSequenceClassification, folder)
+        return _no_cache(load_pretrained(AutoModelForSequenceClassification, folder))
     from peft import PeftConfig, PeftModel
 
     base = PeftConfig.from_pretrained(folder).base_model_name_or_path
-    model = load_pretrained(AutoModelForSequenceClassification, base, config=load_pretrained(AutoConfig, folder))
+    config = load_pretrained(AutoConfig, folder)
+    model = _no_cache(load_pretrained(AutoModelForSequenceClassification, base, config=config))
     try:
         with quiet_transformers(), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
