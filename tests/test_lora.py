@@ -115,7 +115,9 @@ def test_bf16_holds_the_frozen_base_in_half_the_bytes(lora_runs, mrpc_slice, tmp
     assert m["memory"]["optimizer_bytes_per_device"] == fp32["memory"]["optimizer_bytes_per_device"]
     assert {w.dtype for w in load_file(str(folder / "model.safetensors")).values()} == {torch.float32}
     accuracy, rows = _dev_accuracy(folder, mrpc_slice, tmp_path)
-    assert rows == 48 and accuracy == pytest.approx(m["eval"]["accuracy"])
+    # the run scored with its base in bf16, the merged model holds the base's own fp32 weights:
+    # a row whose two scores nearly tie may go the other way
+    assert rows == 48 and abs(accuracy - m["eval"]["accuracy"]) <= 1 / 48
 
 
 def test_a_bf16_checkpoint_trains_in_fp32(tiny_model, tmp_path):

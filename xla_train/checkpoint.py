@@ -42,7 +42,9 @@ def trained_state(model):
     """What a checkpoint keeps of `model`: its whole state, or, when part of it is frozen (LoRA's
     base), the trained parameters only; the frozen ones come again from the model's own files.
     Which are trained is read from the state's own values (`keep_vars`), so the keys may differ
-    from `named_parameters()`' (FSDPv2's wrappers drop theirs from the state only)."""
+    from `named_parameters()`' (under FSDPv2 the state's keys lose the wrappers' `_orig_module.`,
+    xla_backend._drop_wrapper_keys; the parameters' names keep it). A trained tied parameter
+    appears under each of its keys."""
     state = model.state_dict(keep_vars=True)
     if all(v.requires_grad for v in state.values() if isinstance(v, torch.nn.Parameter)):
         return {k: v.detach() for k, v in state.items()}

@@ -205,8 +205,9 @@ class RunState:
         if self.saved_at == self.position:
             return self.saved
         model, optimizer, scheduler, clock, extra = self._checkpoint_args
-        # The pending step and its log point's read (a step closure) run at the cut: the
-        # training's time and sync, not the checkpoint's.
+        # The pending step's graph is cut here, so its log point's read (a step closure) is
+        # counted as the training's sync, not the checkpoint's (the wait for the step's device
+        # time may still fall in the checkpoint's phase when no log point forced it).
         self.engine.cut_graph()
         with clock.excluding():  # a checkpoint's reads are not the training steps' syncs
             loss_sum = self.check_finite()

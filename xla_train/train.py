@@ -124,6 +124,8 @@ def prepare(cfg, backend, resume=None):
     if resume:
         resume.load_model(model, weights)
         del weights
+    if cfg.lora and cfg.precision == "bf16":
+        hold_frozen_in_bf16(model)  # here, once: forked replicas share these pages
     return Job(cfg, task, tokenizer, model_inputs_only(data, model), shapes, model, truncated=truncated,
                resume=resume)
 
@@ -186,8 +188,6 @@ def set_up(engine, job, shapes, monitor):
     """Loaders, model, optimizer and scheduler on the device; the run state (resumed if asked)."""
     cfg, task = job.cfg, job.task
     model = _private_copy(job.model)
-    if cfg.lora and cfg.precision == "bf16":
-        hold_frozen_in_bf16(model)
     if cfg.gradient_checkpointing:
         engine.checkpoint_activations(model)
     loaders = [make_loader(job.data[split], job.tokenizer, cfg.batch_size, shapes.padding, shuffle=split == "train",
