@@ -8,7 +8,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["xla_train", "xla_train.*", "gpu_fallback", "gpu_fallback.*"]),
-    package_data={"xla_train": ["data/mrpc/*.tsv", "task_metric/*.py"]},
+    package_data={"xla_train": ["data/mrpc/*.tsv", "tasks/task_metric/*.py"]},
     install_requires=[
         "torch==2.9.0",  # torch_xla 2.9.0 pins exactly this torch
         "transformers>=5.0,<6",

@@ -25,7 +25,8 @@ from transformers import AutoTokenizer
 
 from xla_train.data import tokenize
 from xla_train.shapes import CostModel, auto_buckets, job_rows
-from xla_train.tasks import bundled_model_path, load_task
+from xla_train.models import bundled_model_path
+from xla_train.tasks import load_task
 from xla_train.xla_backend import XLABackend
 
 STEPS = (20, 100, 459, 1377, 4590)  # 459 steps of batch 8 = one MRPC epoch

@@ -29,7 +29,7 @@ def main():
 
     from conftest import write_slice
     from test_families import SIZE, configs
-    from xla_train.tasks import bundled_model_path
+    from xla_train.models import bundled_model_path
 
     out = Path(args.out_dir)
     data = write_slice(out / "mrpc", 160, 80)

@@ -133,9 +133,10 @@ def main():
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
     from gpu_fallback.backend import CPUBackend
-    from xla_train.train import TrainConfig, prepare
+    from xla_train.options import TrainOptions
+    from xla_train.train import prepare
 
-    cfg = TrainConfig(backend="cpu", buckets="32,64,96,128")
+    cfg = TrainOptions(backend="cpu", buckets="32,64,96,128")
     job = prepare(cfg, CPUBackend())
     data, model = job.data, job.model
     if a.train_copies > 1:

@@ -23,7 +23,7 @@ V5E = 16 * 2**30
 def configs():
     from transformers import AutoConfig, BertConfig, LlamaConfig
 
-    from xla_train.tasks import bundled_model_path
+    from xla_train.models import bundled_model_path
 
     bert = dict(vocab_size=30522, max_position_embeddings=512, num_labels=2)
     return {

@@ -21,7 +21,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from transformers import AutoModelForSequenceClassification  # noqa: E402
 
-from xla_train.tasks import bundled_model_path  # noqa: E402
+from xla_train.models import bundled_model_path  # noqa: E402
 
 
 def main():

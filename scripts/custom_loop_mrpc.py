@@ -19,7 +19,8 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding, get_scheduler
 
 from xla_train import Engine, launch
-from xla_train.tasks import bundled_model_path, load_metric, load_mrpc
+from xla_train.models import bundled_model_path
+from xla_train.tasks import load_metric, load_mrpc
 
 
 def training_function(args):

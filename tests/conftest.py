@@ -49,7 +49,7 @@ def _tiny_bert(path, dropout):
     import torch
     from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
 
-    from xla_train.tasks import bundled_model_path
+    from xla_train.models import bundled_model_path
 
     torch.manual_seed(0)
     tok = AutoTokenizer.from_pretrained(bundled_model_path())

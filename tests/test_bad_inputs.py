@@ -178,7 +178,7 @@ def test_tokenizer_without_a_padding_token(mrpc_slice, tmp_path, capsys):
     token, said in one line, and the model finds each row's last token by it."""
     from transformers import AutoTokenizer, GPT2Config, GPT2ForSequenceClassification
 
-    from xla_train.tasks import bundled_model_path
+    from xla_train.models import bundled_model_path
 
     tok = AutoTokenizer.from_pretrained(bundled_model_path())
     tok.eos_token, tok.pad_token = "[SEP]", None
@@ -259,7 +259,8 @@ class _Loader:
 
 def test_model_loading_tells_a_bad_model_from_a_bug(tmp_path):
     from xla_train.errors import UserError
-    from xla_train.predict import ModelInfo, load_pretrained
+    from xla_train.models import load_pretrained
+    from xla_train.tasks import from_folder
 
     for error in (OSError("no file named model.safetensors"), ValueError("Unrecognized model")):
         with pytest.raises(UserError, match=f"^cannot load model 'm': {error}$"):
@@ -268,10 +269,10 @@ def test_model_loading_tells_a_bad_model_from_a_bug(tmp_path):
         load_pretrained(_Loader(TypeError("unexpected keyword argument 'num_label'")), "m")
     (tmp_path / "config.json").write_text("{}")  # no model_type: transformers raises ValueError
     with pytest.raises(UserError, match="not a transformers model folder .Unrecognized model"):
-        ModelInfo.read(tmp_path)
+        from_folder(tmp_path)
     (tmp_path / "config.json").write_text("{oops")  # not JSON: transformers raises OSError
     with pytest.raises(UserError, match="not a transformers model folder .It looks like the config file"):
-        ModelInfo.read(tmp_path)
+        from_folder(tmp_path)
 
 
 def test_main_replica_write_failing_by_a_bug_prints_its_traceback(capsys):

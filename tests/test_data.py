@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from xla_train.data import BatchPlan, tokenize
-from xla_train.options import parse_buckets
+from xla_train.shapes import parse_buckets
 from xla_train.shapes import CostModel, choose_buckets
 from xla_train.tasks import load_mrpc, load_task, read_glue_tsv
 from xla_train.errors import UserError
@@ -121,7 +121,7 @@ def test_auto_buckets_trade_compilations_for_padding():
 def test_rows_longer_than_max_length_are_truncated_and_counted(mrpc_slice):
     from transformers import AutoTokenizer
 
-    from xla_train.tasks import bundled_model_path
+    from xla_train.models import bundled_model_path
 
     splits = load_task(data_dir=mrpc_slice).splits
     data, truncated = tokenize(splits, AutoTokenizer.from_pretrained(bundled_model_path()), 40)

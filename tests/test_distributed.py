@@ -122,9 +122,9 @@ def test_a_pod_host_with_a_local_output_folder_stops(tmp_path):
 def test_only_the_first_host_writes_the_run_record(tmp_path):
     from xla_train.run_folder import RECORD, RunFolder
     from xla_train.storage import open_store
-    from xla_train.train import TrainConfig
+    from xla_train.options import TrainOptions
 
-    cfg = TrainConfig(output_dir=str(tmp_path / "run"))
+    cfg = TrainOptions(output_dir=str(tmp_path / "run"))
     assert RunFolder(open_store(cfg.output_dir), cfg, writer=False).claim() is None
     assert not (tmp_path / "run").exists()
     run_id = RunFolder(open_store(cfg.output_dir), cfg).claim()
@@ -137,15 +137,15 @@ def test_a_slower_pod_host_accepts_the_record_host_0_just_wrote(tmp_path, monkey
     refusing a folder that "already holds a run" (the others would wait in the TPU's start-up)."""
     from xla_train.run_folder import RUN_ID_VARIABLE, RunFolder
     from xla_train.storage import open_store
-    from xla_train.train import TrainConfig
+    from xla_train.options import TrainOptions
 
-    cfg = TrainConfig(output_dir=str(tmp_path / "run"))
+    cfg = TrainOptions(output_dir=str(tmp_path / "run"))
     monkeypatch.delenv(RUN_ID_VARIABLE, raising=False)
     run_id = RunFolder(open_store(cfg.output_dir), cfg).claim()  # host 0
     host1 = RunFolder(open_store(cfg.output_dir), cfg, writer=False)
     host1.check()
     assert host1.claim() == run_id
-    other = TrainConfig(output_dir=str(tmp_path / "run"), seed=7)  # not this run: refused as before
+    other = TrainOptions(output_dir=str(tmp_path / "run"), seed=7)  # not this run: refused as before
     with pytest.raises(UserError, match="already holds a run"):
         RunFolder(open_store(cfg.output_dir), other, writer=False).check()
     with pytest.raises(UserError, match="already holds a run"):  # host 0 itself never takes it
@@ -154,7 +154,7 @@ def test_a_slower_pod_host_accepts_the_record_host_0_just_wrote(tmp_path, monkey
     # scripts/tpu_pod.py gives every host the same id: it decides, and a host that reads before
     # host 0 wrote the record has the id too (the main replica may live on any host)
     monkeypatch.setenv(RUN_ID_VARIABLE, "pod-run-1")
-    fresh = TrainConfig(output_dir=str(tmp_path / "pod"))
+    fresh = TrainOptions(output_dir=str(tmp_path / "pod"))
     assert RunFolder(open_store(fresh.output_dir), fresh, writer=False).claim() == "pod-run-1"
     assert RunFolder(open_store(fresh.output_dir), fresh).claim() == "pod-run-1"
     RunFolder(open_store(fresh.output_dir), fresh, writer=False).check()

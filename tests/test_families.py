@@ -31,7 +31,7 @@ def family_models(tmp_path_factory):
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from xla_train.tasks import bundled_model_path
+    from xla_train.models import bundled_model_path
 
     tok = AutoTokenizer.from_pretrained(bundled_model_path())
     out = {}

@@ -6,7 +6,6 @@ reported."""
 
 import csv
 import json
-import types
 
 import pytest
 import torch
@@ -22,7 +21,7 @@ def _decoder(path, family):
     from transformers import (AutoModelForSequenceClassification, AutoTokenizer, GemmaConfig, GPT2Config, LlamaConfig,
                               MistralConfig, Qwen2Config)
 
-    from xla_train.tasks import bundled_model_path
+    from xla_train.models import bundled_model_path
 
     tok = AutoTokenizer.from_pretrained(bundled_model_path())
     tok.eos_token, tok.pad_token = "[SEP]", None
@@ -130,11 +129,10 @@ def test_a_bf16_checkpoint_trains_in_fp32(tiny_model, tmp_path):
     are fp32 whatever it holds."""
     from transformers import AutoModelForSequenceClassification
 
-    from xla_train.models import load_model
+    from xla_train.tasks import Classification
 
     AutoModelForSequenceClassification.from_pretrained(tiny_model, dtype=torch.bfloat16).save_pretrained(tmp_path)
-    task = types.SimpleNamespace(num_labels=2, problem="classification", labels=None)
-    model = load_model(str(tmp_path), 0, task)
+    model = Classification("custom", ["a", "b"]).load_model(str(tmp_path), 0)
     assert {p.dtype for p in model.parameters()} == {torch.float32}
 
 

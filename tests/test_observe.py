@@ -3,7 +3,6 @@ the trackers users already use (MLflow read back with its client, W&B offline), 
 without a host sync more per step. One XLA:CPU run and one CPU run serve every test."""
 
 import json
-import os
 
 import pytest
 

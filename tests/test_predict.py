@@ -225,7 +225,7 @@ BAD = {  # name: (arguments, given the classifier folder and a scratch folder; e
 
 
 def _bundled():
-    from xla_train.tasks import bundled_model_path
+    from xla_train.models import bundled_model_path
 
     return bundled_model_path()
 

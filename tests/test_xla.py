@@ -129,8 +129,8 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from xla_train.api import Engine
 from xla_train.data import make_loader, tokenize
 from xla_train.shapes import Padding
-from xla_train.tasks import load_metric, load_task
-from xla_train.train import evaluate_model
+from xla_train.evaluation import evaluate_model
+from xla_train.tasks import load_task
 
 engine = Engine("xla")
 task = load_task(data_dir=sys.argv[2])
@@ -141,7 +141,7 @@ loader = engine.prepare(make_loader(data["validation"].remove_columns("token_typ
 model = engine.prepare(AutoModelForSequenceClassification.from_pretrained(sys.argv[1]))
 for _ in range(2):  # the second pass runs compiled graphs only
     before = met.metric_data("TransferFromDeviceTime")
-    results = evaluate_model(engine, model, loader, load_metric("mrpc"), "classification")
+    results = evaluate_model(engine, model, loader, task, task.load_metric())
     transfers = met.metric_data("TransferFromDeviceTime")[0] - (before[0] if before else 0)
 print(json.dumps({"batches": len(loader), "transfers": transfers, "n": results["n"]}))
 """

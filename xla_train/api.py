@@ -15,7 +15,6 @@ inside `fn` (it then uses the backend that launched the worker). The package's o
 (`xla_train.train`) is written on this same API.
 """
 
-import contextlib
 import traceback
 from pathlib import Path
 
@@ -24,7 +23,8 @@ from tqdm.auto import tqdm
 from transformers import DataCollatorWithPadding
 
 from .backend import Backend, active_backend
-from .checkpoint import trained_state
+from .core.hf import quiet_transformers
+from .core.checkpoint_io import trained_state
 from .data import BatchPlan, make_loader
 from .errors import UserError, describe
 from .selection import select_backend
@@ -363,22 +363,6 @@ class Engine:
 _MESSAGE_BYTES = 512  # of a failure's line, shared with the other replicas (after its exit code)
 # What only a bug in the package raises from a write: on_main prints its traceback
 _BUGS = (TypeError, AttributeError, NameError, LookupError, AssertionError, ZeroDivisionError)
-
-
-@contextlib.contextmanager
-def quiet_transformers():
-    """transformers without its progress bars and warnings (the job says what matters itself)."""
-    from transformers.utils import logging as hf_logging
-
-    level, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(level)
-        if bars:
-            hf_logging.enable_progress_bar()
 
 
 class PreparedLoader:

@@ -17,6 +17,7 @@ import shutil
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .core.checkpoint_io import trained_state
 from .errors import UserError, first_line
 from .run_folder import mismatch
 from .storage import MARKER, SHARDS, checkpoint_name, open_store
@@ -42,21 +43,6 @@ def _host_tree(engine, tree, writer_only=False):
     for i, host in zip(where, hosts):
         leaves[i] = host
     return tree_unflatten(leaves, spec)
-
-
-def trained_state(model, live=False):
-    """What a checkpoint keeps of `model`: its whole state, or, when part of it is frozen (LoRA's
-    base), the trained parameters only; the frozen ones come again from the model's own files.
-    Which are trained is read from the state's own values (`keep_vars`), so the keys may differ
-    from `named_parameters()`' (under FSDPv2 the state's keys lose the wrappers' `_orig_module.`,
-    xla_backend._drop_wrapper_keys; the parameters' names keep it). A trained tied parameter
-    appears under each of its keys. `live`: the parameters and buffers themselves (to load into
-    in place), not detached views."""
-    state = model.state_dict(keep_vars=True)
-    keep = (lambda v: v) if live else (lambda v: v.detach())
-    if all(v.requires_grad for v in state.values() if isinstance(v, torch.nn.Parameter)):
-        return {k: keep(v) for k, v in state.items()}
-    return {k: keep(v) for k, v in state.items() if isinstance(v, torch.nn.Parameter) and v.requires_grad}
 
 
 def _numbered_params(optimizer):

@@ -40,6 +40,12 @@ class Stopped(ExitError):
         return f"xla-train: {self}"
 
 
+def check_choice(option, value, allowed):
+    """An option's value is one of `allowed`, else one line naming them (None: not given)."""
+    if value is not None and value not in allowed:
+        raise UserError(f"{option} must be one of {', '.join(allowed)}, not {value!r}")
+
+
 def first_line(e):
     """An exception's message in one line (its type's name if it has none)."""
     text = str(e).strip()

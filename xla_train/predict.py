@@ -18,59 +18,18 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-from tqdm.auto import tqdm
-
 from .api import Engine
-from .data import make_loader, model_inputs_only, tokenize
-from .errors import UserError, first_line
+from .data import model_inputs_only
+from .errors import UserError
 from .files import atomic_write
-from .models import load_classifier, load_pretrained
-from .options import PredictOptions, check_model_path, parse_buckets
+from .inference import predict_loader, predict_rows
+from .models import load_pretrained
+from .shapes import parse_buckets
 from .selection import select_backend
 from .shapes import CostModel, Padding, choose_buckets
-from .tasks import GLUE, glue_columns, read_table, text_columns_of
+from .tasks import GLUE, from_folder, glue_columns, read_table, text_columns_of
 
-TASK_FILE = "xla_train_task.json"  # what training saved beside the model: task, text columns, labels
 GLUE_TEST_TEXTS = {"cola": ("sentence",)}  # test files whose text columns differ from train/dev's
-
-
-PredictConfig = PredictOptions  # the name before options.py
-
-
-@dataclass
-class ModelInfo:
-    """What a fine-tuned classifier folder says about itself."""
-
-    problem: str  # classification | regression
-    labels: list  # names in id order (None for a regression)
-    task: str = None  # the GLUE task it was trained on, "custom", or None (not trained by xla-train)
-    text_columns: list = None  # the training data's own column names
-    max_length: int = 128
-
-    @classmethod
-    def read(cls, folder):
-        from transformers import AutoConfig
-
-        folder = Path(folder)
-        check_model_path(folder, need=True)
-        try:
-            config = AutoConfig.from_pretrained(folder)
-        except (OSError, ValueError) as e:  # no or unreadable config.json (OSError), no or unknown model_type
-            raise UserError(f"--model {folder}: not a transformers model folder ({first_line(e)})")
-        if not any(a.endswith("ForSequenceClassification") for a in config.architectures or ()):
-            raise UserError(f"--model {folder}: not a fine-tuned sequence classifier (architectures: "
-                            f"{', '.join(config.architectures or ['none'])})")
-        regression = config.problem_type == "regression" or config.num_labels == 1
-        labels = None if regression else [config.id2label[i] for i in range(config.num_labels)]
-        saved = json.loads((folder / TASK_FILE).read_text()) if (folder / TASK_FILE).is_file() else {}
-        return cls("regression" if regression else "classification", labels, saved.get("task"),
-                   saved.get("text_columns"), saved.get("max_length", 128))
-
-    def write(self, folder):
-        atomic_write(Path(folder) / TASK_FILE, json.dumps(
-            {"task": self.task, "problem": self.problem, "labels": self.labels, "text_columns": self.text_columns,
-             "max_length": self.max_length}, indent=1) + "\n")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -90,10 +49,11 @@ class Table:
         return len(self.texts["text1"])
 
 
-def read_input(path, info, text_columns=None, task=None):
-    """The rows of `path` to predict, with the text columns the model was trained on."""
+def read_input(path, trained, text_columns=None, task=None):
+    """The rows of `path` to predict, with the text columns the model was trained on (`trained`:
+    the model's task)."""
     path = Path(path)
-    task = task or (info.task if info.task in GLUE else None)
+    task = task or (trained.name if trained.name in GLUE else None)
     if path.suffix.lower() == ".tsv" and task:
         columns = glue_columns(path)
         spec = GLUE[task]
@@ -106,7 +66,7 @@ def read_input(path, info, text_columns=None, task=None):
     else:
         ds = read_table(path)
         columns = {c: ds[c] for c in ds.column_names}
-        wanted = text_columns or (",".join(info.text_columns) if info.text_columns else None)
+        wanted = text_columns or (",".join(trained.text_columns) if trained.text_columns else None)
         names = [text_columns_of(ds, "label", wanted, path, what=None if text_columns else "the model was trained on")]
         glue = None
     if not columns or not next(iter(columns.values())):
@@ -115,21 +75,16 @@ def read_input(path, info, text_columns=None, task=None):
     return Table(columns, texts, glue, path)
 
 
-def write_output(path, table, info, scores):
-    """Writes one row per input row, in input order (see the module docstring); atomically."""
+def write_output(path, table, task, scores):
+    """Writes one row per input row, in input order (see the module docstring); atomically.
+    `scores`: the task's predict columns, a row per input row."""
     path = Path(path)
-    if info.problem == "regression":
-        ids, values = None, scores[:, 0].tolist()
-    else:
-        best = scores.max(1)
-        ids, values = best.indices.tolist(), best.values.tolist()
     if table.glue:
-        spec = GLUE[table.glue]
         index = table.columns.get("index") or table.columns.get("id") or list(range(len(table)))
-        preds = [f"{v:.3f}" for v in values] if ids is None else [spec.file_labels[i] for i in ids]
+        preds = task.glue_predictions(scores, GLUE[table.glue].file_labels)
         rows, header = [dict(zip(("index", "prediction"), r)) for r in zip(index, preds)], ["index", "prediction"]
     else:
-        preds = [round(v, 6) for v in values] if ids is None else [info.labels[i] for i in ids]
+        preds, values = task.predictions(scores)
         header = [*table.columns, "prediction", "score"]
         rows = [{**{c: table.columns[c][i] for c in table.columns}, "prediction": preds[i], "score": round(values[i], 6)}
                 for i in range(len(table))]
@@ -167,64 +122,23 @@ def plan(lengths, backend, buckets, max_length):
     return padding
 
 
-def infer(engine, model, loader, columns, desc=None):
-    """The one inference loop (evaluation and prediction): every row of `loader` exactly once
-    across replicas. `columns(batch, logits)` gives a batch's 1-D tensors of one dtype; they are
-    gathered on the device per batch and copied to the host once, at the end (a per-batch copy
-    would make the host wait for every batch). Returns the host columns, filler rows dropped."""
-    model.eval()
-    parts = []
-    bar = tqdm(total=len(loader), desc=desc, disable=not (desc and engine.is_main_process), dynamic_ncols=True,
-               leave=False)
-    with engine.inference_mode(), bar:
-        for batch in loader:
-            inputs = {k: v for k, v in batch.items() if k not in ("labels", "row")}
-            with engine.autocast():
-                logits = model(**inputs).logits
-            parts.append(engine.gather_on_device(columns(batch, logits)))
-            bar.update(1)
-    return engine.rows_to_host(parts)
-
-
-def predict_rows(engine, model, loader, problem, desc="Predicting"):
-    """Scores of every row the loader holds, across replicas, in input order: a (rows, classes)
-    tensor of probabilities, or (rows, 1) values for a regression. The loader's dataset has a
-    `row` column (the input position); filler rows are dropped."""
-
-    def columns(batch, logits):
-        logits = logits.float()
-        out = logits[:, :1] if problem == "regression" else logits.softmax(-1)
-        # floats only: the row numbers are exact in float32 below 2**24, and 64-bit integer
-        # collectives may not lower on every device
-        return (batch["row"].float(), *out.T)
-
-    table = torch.stack(infer(engine, model, loader, columns, desc), 1)
-    order = table[:, 0].round().long().argsort()
-    return table[order, 1:]
-
-
-def predict_loader(engine, tokenizer, data, batch_size, padding):
-    """A prepared loader over tokenised rows (with their `row` numbers) padded by `padding`, in order."""
-    loader = make_loader(data, tokenizer, batch_size, padding, shuffle=False, seed=0, fill="mask")
-    return engine.prepare(loader)
-
-
-def tokenize_rows(table, tokenizer, max_length):
+def tokenize_rows(table, task, tokenizer, max_length):
+    """The input's rows tokenised as the task tokenises its splits, with their positions (`row`)."""
     import datasets
 
     ds = datasets.Dataset.from_dict({**table.texts, "label": [0] * len(table), "row": list(range(len(table)))})
-    data, truncated = tokenize(datasets.DatasetDict(predict=ds), tokenizer, max_length)
+    data, truncated = task.tokenize(datasets.DatasetDict(predict=ds), tokenizer, max_length)
     return data["predict"], truncated["predict"]
 
 
-def predict_worker(cfg, info, table, model, tokenizer, data, padding):
+def predict_worker(cfg, task, table, model, tokenizer, data, padding):
     engine = Engine(cfg.backend, num_processes=cfg.num_processes, strategy=cfg.strategy)
     loader = predict_loader(engine, tokenizer, data, cfg.batch_size, padding)
     model = engine.prepare(model)
-    scores = predict_rows(engine, model, loader, info.problem)
+    scores = predict_rows(engine, model, loader, task.predict_columns)
     if engine.is_main_process:
         assert len(scores) == len(table), (len(scores), len(table))  # each row exactly once
-        write_output(cfg.output, table, info, scores)
+        write_output(cfg.output, table, task, scores)
         stats = engine.compile_stats()
         compiled = f"; {stats['compiles']} graphs compiled for buckets {padding.buckets}" if stats else ""
         engine.print(f"predicted {len(scores)} rows into {cfg.output}{compiled}")
@@ -234,16 +148,16 @@ def run(cfg):
     """`xla-train predict`: every check first, then the model, then the replicas."""
     from transformers import AutoTokenizer
 
-    cfg.validate()
-    info = ModelInfo.read(cfg.model)
-    cfg.max_length = cfg.max_length or info.max_length
-    table = read_input(cfg.input, info, cfg.text_columns, cfg.task)
+    cfg.validate()  # --model is a model folder
+    task = from_folder(cfg.model)
+    cfg.max_length = cfg.max_length or task.max_length
+    table = read_input(cfg.input, task, cfg.text_columns, cfg.task)
     backend = select_backend(cfg.backend, cfg.num_processes, cfg.strategy)
     tokenizer = load_pretrained(AutoTokenizer, cfg.model)
-    data, truncated = tokenize_rows(table, tokenizer, cfg.max_length)
+    data, truncated = tokenize_rows(table, task, tokenizer, cfg.max_length)
     if truncated:
         print(f"truncated to --max-length {cfg.max_length} tokens: {truncated} rows")
     padding = plan(data["length"], backend, cfg.buckets, cfg.max_length)
-    model = load_classifier(cfg.model)  # a whole model, or an adapter (--lora) on its base
+    model = task.load_trained(cfg.model)  # a whole model, or an adapter (--lora) on its base
     data = model_inputs_only(data, model)
-    backend.launch(predict_worker, (cfg, info, table, model, tokenizer, data, padding))
+    backend.launch(predict_worker, (cfg, task, table, model, tokenizer, data, padding))

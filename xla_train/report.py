@@ -14,7 +14,7 @@ from pathlib import Path
 
 from .errors import UserError
 from .files import atomic_write
-from .options import shown_model_name
+from .models import shown_name
 
 # TensorBoard tags the monitor writes and this module reads (the reader owns the names).
 TAGS = {
@@ -179,7 +179,7 @@ def write_report(run_dir):
     for ax, draw in zip(axes.flat, panels.values()):
         draw(ax)
     plot_time(axes[1, 1], metrics, log)
-    fig.suptitle(f"{shown_model_name(metrics['model'])} on {metrics['backend']} ({metrics['device']}): {metrics['steps']} steps")
+    fig.suptitle(f"{shown_name(metrics['model'])} on {metrics['backend']} ({metrics['device']}): {metrics['steps']} steps")
     fig.savefig(out / "overview.png", dpi=100)
     plt.close(fig)
     path = out / "report.md"
@@ -189,7 +189,7 @@ def write_report(run_dir):
 def markdown(metrics, log):
     ev, xla = metrics.get("eval") or {}, metrics.get("xla")
     rows = [("backend / device", f"{metrics['backend']} / {metrics['device']} x {metrics['world_size']}"),
-            ("model", shown_model_name(metrics["model"])), ("steps / epochs", f"{metrics['steps']} / {metrics['epochs']}"),
+            ("model", shown_name(metrics["model"])), ("steps / epochs", f"{metrics['steps']} / {metrics['epochs']}"),
             ("training seconds", metrics["train_seconds"]),
             ("samples/s (all / after the last compilation)",
              f"{metrics['train_samples_per_s']} / {metrics['steady_samples_per_s']}"),

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import UserError
-from .options import parse_buckets
 
 
 class Padding:
@@ -207,3 +206,18 @@ def job_rows(train_lengths, eval_lengths, steps, rows_per_step, epochs):
 def auto_buckets(train_lengths, eval_lengths, steps, rows_per_step, epochs, max_length, cost):
     """`--buckets auto` for such a job (see `job_rows`)."""
     return choose_buckets(*job_rows(train_lengths, eval_lengths, steps, rows_per_step, epochs), max_length, cost)
+
+
+def parse_buckets(spec, max_length):
+    """`auto` or a comma-separated list of increasing lengths no longer than `max_length`."""
+    if spec == "auto":
+        return "auto"
+    try:
+        buckets = sorted({int(x) for x in spec.split(",") if x.strip()})
+    except ValueError:
+        raise UserError(f"--buckets must be 'auto' or lengths like 32,64,96,128, not {spec!r}") from None
+    if not buckets or buckets[0] < 1:
+        raise UserError(f"--buckets must list positive lengths, not {spec!r}")
+    if buckets[-1] > max_length:
+        raise UserError(f"bucket {buckets[-1]} is longer than --max-length {max_length}")
+    return buckets

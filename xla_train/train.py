@@ -21,7 +21,7 @@ from transformers import AutoConfig, get_scheduler
 
 from . import STARTED, checkpoint
 from .api import Engine
-from .data import make_loader, model_inputs_only, tokenize
+from .data import make_loader, model_inputs_only
 from .errors import UserError
 from .files import atomic_write
 from .job import Job
@@ -29,21 +29,20 @@ from .memory import check_fits, device_bytes
 from .memory import describe as describe_memory
 from .memory import plan as plan_of
 from .launchers import watch_pod
-from .models import (add_adapters, hold_frozen_in_bf16, load_model, load_pretrained, load_tokenizer, position_limit,
-                     save_merged)
+from .models import add_adapters, hold_frozen_in_bf16, load_pretrained, load_tokenizer, position_limit, save_merged
 from .monitor import Monitor
 from .profile import Profile
-from .options import TrainOptions
-from .predict import ModelInfo, infer, predict_loader, predict_rows, read_input, tokenize_rows, write_output
+from .evaluation import Evaluator
+from .inference import predict_loader, predict_rows
+from .predict import read_input, tokenize_rows, write_output
 from .run_folder import RunFolder, write_finished
 from .run_state import RunState
 from .selection import select_backend
 from .shapes import ShapePlan, check_steps, settle_padding
 from .signals import StopRequest
 from .storage import open_store
-from .tasks import load_metric, load_task, scores, task_loss
+from .tasks import load_task, scores
 
-TrainConfig = TrainOptions  # the name the package's API, notebook and scripts use
 LAUNCH_ID = "XLA_TRAIN_LAUNCH_ID"  # one start of the job on every host of a pod (scripts/tpu_pod.py)
 
 
@@ -104,8 +103,9 @@ def prepare(cfg, backend, resume=None):
     if cfg.metric_for_best and cfg.metric_for_best not in task.metric_keys:
         raise UserError(f"--metric-for-best must be one of {task.name}'s metrics: {', '.join(task.metric_keys)}; "
                         f"not {cfg.metric_for_best!r}")
+    task.max_length = cfg.max_length  # what the model folder records for predict
     if cfg.test_file:
-        task.test = read_input(cfg.test_file, task_info(task, cfg))
+        task.test = read_input(cfg.test_file, task)
     print(task.describe())
     tokenizer = load_tokenizer(cfg.model)
     limit = position_limit(load_pretrained(AutoConfig, cfg.model), tokenizer)
@@ -118,9 +118,9 @@ def prepare(cfg, backend, resume=None):
         resume.check(cfg, len(data["train"]), backend)
     settle_padding(cfg, shapes, data, task.eval_splits, backend, resume)
     weights = resume.model_weights() if resume else None  # a corrupt file fails before any loading
-    model = load_model(cfg.model, cfg.seed, task, tokenizer.pad_token_id)
+    model = task.load_model(cfg.model, cfg.seed, tokenizer.pad_token_id)
     if cfg.lora:
-        model = add_adapters(model, cfg)
+        model = add_adapters(model, cfg, task)
     if weights is not None:
         resume.load_model(model, weights)
         del weights
@@ -132,9 +132,9 @@ def prepare(cfg, backend, resume=None):
 
 def tokenize_task(cfg, task, tokenizer):
     """Every split (and the test rows) tokenised once; the workers get this copy."""
-    data, truncated = tokenize(task.splits, tokenizer, cfg.max_length)
+    data, truncated = task.tokenize(task.splits, tokenizer, cfg.max_length)
     if task.test is not None:
-        data["test"], truncated["test"] = tokenize_rows(task.test, tokenizer, cfg.max_length)
+        data["test"], truncated["test"] = tokenize_rows(task.test, task, tokenizer, cfg.max_length)
     task.splits = None
     if any(truncated.values()):
         print(f"truncated to --max-length {cfg.max_length} tokens: "
@@ -159,7 +159,7 @@ class Training:
     shapes: ShapePlan  # the job's, with this run's device count
     total_steps: int
     steps_per_epoch: int
-    problem: str  # classification | regression: the loss
+    task: object  # tasks.Task: the loss
     memory: dict  # the memory plan (memory.plan), and the parameter counts
     counts: dict
     profile: Profile  # --profile-steps
@@ -206,7 +206,7 @@ def set_up(engine, job, shapes, monitor):
                 {"buckets": shapes.padding.bucket_list, "n_train": len(job.data["train"]), "run_id": job.run_id})
     evaluate = Evaluator(engine, task, dict(zip(task.eval_splits, eval_dls)), state, monitor)
     return Training(model, optimizer, scheduler, train_dl, evaluate, state, shapes, total_steps, steps_per_epoch,
-                    task.problem, memory, counts, Profile(engine, cfg.profile_steps, _profile_folder(cfg)))
+                    task, memory, counts, Profile(engine, cfg.profile_steps, _profile_folder(cfg)))
 
 
 def _profile_folder(cfg):
@@ -243,7 +243,7 @@ def train_loop(engine, cfg, t, monitor):
                 t.profile.step_begins(state.step + 1)
                 labels = batch.pop("labels")  # the loss is the job's own: no model head can add a host sync
                 with engine.autocast():
-                    loss = task_loss(model(**batch).logits, labels, t.problem)
+                    loss = t.task.loss(model(**batch), labels)
                 engine.backward(loss)
                 state.tracker.add(loss)
                 if not engine.optimizer_step(optimizer):
@@ -316,7 +316,7 @@ def save_outputs(engine, job, t, results):
     folder = state.store.local_folder()
     if cfg.merge_lora:  # merged on the CPU, into the base model loaded again
         def load_base():
-            return add_adapters(load_model(cfg.model, cfg.seed, task, job.tokenizer.pad_token_id), cfg)
+            return add_adapters(task.load_model(cfg.model, cfg.seed, job.tokenizer.pad_token_id), cfg, task)
 
         save_merged(engine, t.model, load_base, job.tokenizer, folder)
     else:
@@ -324,13 +324,13 @@ def save_outputs(engine, job, t, results):
     predictions = scored = None
     if task.test is not None:  # padded like the training batches (buckets, max_length or dynamic)
         loader = predict_loader(engine, job.tokenizer, job.data["test"], cfg.batch_size, t.shapes.padding)
-        scored = predict_rows(engine, t.model, loader, task.problem)
+        scored = predict_rows(engine, t.model, loader, task.predict_columns)
         predictions = f"{state.store.url.rstrip('/')}/predictions{Path(cfg.test_file).suffix.lower()}"
 
     def write_files():
-        task_info(task, cfg).write(folder)
+        task.write_record(folder)
         if scored is not None:
-            write_output(folder / Path(predictions).name, task.test, task_info(task, cfg), scored)
+            write_output(folder / Path(predictions).name, task.test, task, scored)
         write_finished(folder, job.run_id, cfg, state.step, results, state.best, state.stopped_early)
         state.store.publish()
 
@@ -371,58 +371,3 @@ def replica_checksums(engine, model):
     sums = torch.stack([engine.backend.whole(p.detach().float().sum()) for p in params])  # FSDP: of every shard
     (host,) = engine.to_host([engine.gather(sums[None])])
     return host
-
-
-# ---------------------------------------------------------------------------------------------
-# Evaluation
-
-
-def evaluate_model(engine, model, eval_dl, metric, problem):
-    """The task's metrics over every row of one evaluation split exactly once (`compute` empties
-    `metric` for the next call), and `n`, the rows scored."""
-
-    def columns(batch, logits):
-        if problem == "regression":
-            return logits[:, 0].float(), batch["labels"].float()
-        # int32 across replicas: 64-bit integer collectives may not lower on TPU (pytorch/xla#1952)
-        return logits.argmax(-1).int(), batch["labels"].int()
-
-    preds, refs = infer(engine, model, eval_dl, columns)
-    metric.add_batch(predictions=preds, references=refs)
-    n = len(metric)
-    return {**metric.compute(), "n": n}
-
-
-class Evaluator:
-    """Scores every evaluation split, prints and logs the scores, and hands them to the run state
-    (best model, early stopping). Mid-epoch (--eval-every) it pauses the training clock."""
-
-    def __init__(self, engine, task, loaders, state, monitor):
-        self.engine, self.task, self.loaders, self.state, self.monitor = engine, task, loaders, state, monitor
-        self.metric = load_metric(task.metric_name)
-
-    def __call__(self, model, where, mid_epoch=False):
-        if mid_epoch:
-            self.monitor.clock.stop(self.state.step)
-        with self.monitor.clock.evaluating():
-            results = evaluate_all(self.engine, model, self.task, self.loaders, self.metric)
-        self.engine.print(f"{where}: {scores(results)}")
-        self.monitor.evaluated(self.state.step, results)
-        self.state.evaluated(results, model, self.task.main)
-        if mid_epoch:
-            model.train()
-            self.monitor.clock.start()
-
-
-def task_info(task, cfg):
-    """What the saved model folder records of its training data (read back by `xla-train predict`)."""
-    return ModelInfo(task.problem, task.labels, task.name, task.text_columns, cfg.max_length)
-
-
-def evaluate_all(engine, model, task, eval_dls, metric):
-    """Every evaluation split, keys suffixed per split (MNLI's mismatched set: `accuracy_mm`, `n_mm`)."""
-    results = {}
-    for split, dl in eval_dls.items():
-        suffix = task.eval_suffix(split)
-        results.update({k + suffix: v for k, v in evaluate_model(engine, model, dl, metric, task.problem).items()})
-    return results

@@ -14,6 +14,29 @@ from sklearn.metrics import f1_score, matthews_corrcoef
 
 REGRESSION = ("stsb", "regression")
 KNOWN = ("cola", "sst2", "mrpc", "qqp", "stsb", "mnli", "qnli", "rte", "wnli", "classification", "regression")
+# The keys each config computes, the main one first (others: accuracy). The one statement of them:
+# the tasks read it (`keys`) for --metric-for-best's choices.
+KEYS = {"cola": ("matthews_correlation",), "stsb": ("pearson", "spearmanr"), "mrpc": ("accuracy", "f1"),
+        "qqp": ("accuracy", "f1"), "classification": ("accuracy", "f1"), "regression": ("pearson", "spearmanr", "mse")}
+
+
+def keys(config_name):
+    return KEYS.get(config_name, ("accuracy",))
+
+
+def _f1(p, r, config_name):
+    # MRPC and QQP: F1 of the positive class (GLUE's); own data: macro F1 over the classes
+    return f1_score(r, p, average="macro" if config_name == "classification" else "binary")
+
+
+VALUES = {  # key: value from (predictions, references, config name)
+    "pearson": lambda p, r, _: float(pearsonr(p, r)[0]),
+    "spearmanr": lambda p, r, _: float(spearmanr(p, r)[0]),
+    "mse": lambda p, r, _: float(np.mean((p - r) ** 2)),
+    "matthews_correlation": lambda p, r, _: float(matthews_corrcoef(r, p)),
+    "accuracy": lambda p, r, _: float((p == r).mean()),
+    "f1": lambda p, r, name: float(_f1(p, r, name)),
+}
 
 
 class TaskMetric(evaluate.Metric):
@@ -30,17 +53,4 @@ class TaskMetric(evaluate.Metric):
 
     def _compute(self, predictions, references):
         p, r = np.asarray(predictions), np.asarray(references)
-        task = self.config_name
-        if task in REGRESSION:
-            out = {"pearson": float(pearsonr(p, r)[0]), "spearmanr": float(spearmanr(p, r)[0])}
-            if task == "regression":
-                out["mse"] = float(np.mean((p - r) ** 2))
-            return out
-        if task == "cola":
-            return {"matthews_correlation": float(matthews_corrcoef(r, p))}
-        out = {"accuracy": float((p == r).mean())}
-        if task in ("mrpc", "qqp"):
-            out["f1"] = float(f1_score(r, p))
-        elif task == "classification":
-            out["f1"] = float(f1_score(r, p, average="macro"))
-        return out
+        return {key: VALUES[key](p, r, self.config_name) for key in keys(self.config_name)}

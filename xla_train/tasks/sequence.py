@@ -1,0 +1,194 @@
+"""Sequence-level tasks: a text, or a pair of texts, to one label (`Classification`) or one number
+(`Regression`), read by a transformers `...ForSequenceClassification` model with a new head.
+
+Models, torch and transformers are imported inside the methods: `xla-train --help` reads the
+task registry and must start at once.
+"""
+
+from dataclasses import dataclass
+
+from ..errors import UserError
+from .base import Task
+
+
+def _classifier():
+    from transformers import AutoModelForSequenceClassification
+
+    return AutoModelForSequenceClassification
+
+
+def _regression(config):
+    return config.problem_type == "regression" or config.num_labels == 1
+
+
+@dataclass
+class SequenceTask(Task):
+    """What classification and regression share: the model class, the tokenising of `text1`
+    [`text2`], the head's config, and how a saved classifier folder is read back."""
+
+    peft_task_type = "SEQ_CLS"  # peft keeps the head ("classifier", "score") trainable in full
+
+    def head_options(self):
+        """The config of the new head (its label names too, so pipelines print them)."""
+        return {"num_labels": self.num_labels}
+
+    def load_model(self, name, seed, pad_token_id=None):
+        """The pretrained encoder (or decoder) with a new head for the task, initialised from `seed`."""
+        import torch
+        from transformers import AutoConfig
+
+        from ..models import load_pretrained, no_cache, shown_name
+
+        torch.manual_seed(seed)
+        options = self.head_options()
+        config = load_pretrained(AutoConfig, name)
+        if config.pad_token_id is None and pad_token_id is not None:
+            options["pad_token_id"] = pad_token_id  # decoder classifiers find each row's last token by it
+        classifier = any(a.endswith("ForSequenceClassification") for a in config.architectures or ())
+        if classifier and config.num_labels != self.num_labels:
+            # a classifier fine-tuned for another label set: its head is replaced, as run_glue's
+            # --ignore_mismatched_sizes does
+            options["ignore_mismatched_sizes"] = True
+        # fp32 weights whatever the checkpoint holds (transformers' dtype "auto" would keep a bf16
+        # checkpoint's bf16, and AdamW would then update bf16 weights); --precision bf16 is autocast
+        model, info = load_pretrained(_classifier(), name, output_loading_info=True, dtype=torch.float32,
+                                      **options)
+        no_cache(model)
+        # transformers' load report would list the new head as a problem: say it here
+        new = sorted({*info["missing_keys"], *(k[0] if isinstance(k, tuple) else k for k in info["mismatched_keys"])})
+        if new:
+            print(f"model {shown_name(name)}: new classification head for {self.num_labels} output(s) "
+                  f"({', '.join(new)}), initialised with --seed {seed}")
+        return model
+
+    def load_trained(self, folder):
+        from ..models import load_trained
+
+        return load_trained(_classifier(), folder)
+
+    @classmethod
+    def claims(cls, config):
+        return any(a.endswith("ForSequenceClassification") for a in config.architectures or ())
+
+    @classmethod
+    def from_config(cls, config, saved):
+        return cls(saved.get("task"), cls.labels_of(config), text_columns=saved.get("text_columns"),
+                   max_length=saved.get("max_length", 128))
+
+    def tokenize(self, splits, tokenizer, max_length):
+        from ..data import tokenize
+
+        return tokenize(splits, tokenizer, max_length)
+
+    def describe(self):
+        texts = " + ".join(self.text_columns)
+        sizes = ", ".join(f"{len(ds)} {split}" for split, ds in self.splits.items())
+        return f"task {self.name}: {texts} -> {self.describe_target()}; {sizes} rows"
+
+
+@dataclass
+class Classification(SequenceTask):
+    """One label of a few: cross-entropy; evaluation gathers the argmax; predict writes the label's
+    name and its probability."""
+
+    kind = "classification"
+    own_main = "accuracy"  # own data's main metric (its metric config is the kind's name)
+
+    @classmethod
+    def claims(cls, config):
+        return super().claims(config) and not _regression(config)
+
+    @staticmethod
+    def labels_of(config):
+        return [config.id2label[i] for i in range(config.num_labels)]
+
+    def head_options(self):
+        return {"num_labels": self.num_labels, "problem_type": None,
+                "id2label": dict(enumerate(self.labels)), "label2id": {n: i for i, n in enumerate(self.labels)}}
+
+    def loss(self, output, labels):
+        # Computed here rather than by the model, whose head may build it with data-dependent shapes
+        # (DeBERTa-v2's `(labels >= 0).nonzero()`): on XLA a device-to-host read and a second graph
+        # in every step. The value transformers' head computes for this problem.
+        import torch.nn.functional as F
+
+        logits = output.logits
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1))
+
+    def eval_columns(self, batch, output):
+        # int32 across replicas: 64-bit integer collectives may not lower on TPU (pytorch/xla#1952)
+        return output.logits.argmax(-1).int(), batch["labels"].int()
+
+    def predict_columns(self, output):
+        return tuple(output.logits.float().softmax(-1).T)
+
+    def predictions(self, scores):
+        best = scores.max(1)
+        return [self.labels[i] for i in best.indices.tolist()], best.values.tolist()
+
+    def glue_predictions(self, scores, file_labels):
+        return [file_labels[i] for i in scores.max(1).indices.tolist()]
+
+    def describe_target(self):
+        return f"{self.num_labels} labels ({', '.join(self.labels)})"
+
+    @staticmethod
+    def encode_labels(values, files):
+        """Own files' label values per split as class ids, and the label names (sorted, numbers first)."""
+        labels = sorted(set(values["train"]), key=lambda v: (isinstance(v, str), v))
+        if len(labels) < 2:
+            raise UserError(f"{files['train']}: every row has label {labels[0]!r}; a classifier needs at "
+                            "least two classes (or use --problem regression)")
+        index = {v: i for i, v in enumerate(labels)}
+        unseen = next((v for v in values["validation"] if v not in index), None)
+        if unseen is not None:
+            raise UserError(f"{files['validation']}: label {unseen!r} never occurs in {files['train']}")
+        return [str(v) for v in labels], {split: [index[v] for v in column] for split, column in values.items()}
+
+
+@dataclass
+class Regression(SequenceTask):
+    """One number: mean squared error; evaluation gathers the value; predict writes it."""
+
+    kind = "regression"
+    own_main = "pearson"
+
+    @classmethod
+    def claims(cls, config):
+        return super().claims(config) and _regression(config)
+
+    @staticmethod
+    def labels_of(config):
+        return None
+
+    def head_options(self):
+        return {"num_labels": 1, "problem_type": "regression"}
+
+    def loss(self, output, labels):
+        import torch.nn.functional as F
+
+        return F.mse_loss(output.logits.squeeze(), labels.squeeze())
+
+    def eval_columns(self, batch, output):
+        return output.logits[:, 0].float(), batch["labels"].float()
+
+    def predict_columns(self, output):
+        return (output.logits.float()[:, 0],)
+
+    def predictions(self, scores):
+        values = scores[:, 0].tolist()
+        return [round(v, 6) for v in values], values
+
+    def glue_predictions(self, scores, file_labels):
+        return [f"{v:.3f}" for v in scores[:, 0].tolist()]
+
+    def describe_target(self):
+        return "a regression"
+
+    @staticmethod
+    def encode_labels(values, files):
+        """Own files' label values per split as numbers (no label names)."""
+        from .base import number, row_name
+
+        return None, {split: [number(v, files[split], row_name(files[split], i)) for i, v in enumerate(column)]
+                      for split, column in values.items()}
