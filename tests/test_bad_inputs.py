@@ -1,5 +1,6 @@
-"""The README's table of bad inputs: each ends with one clear line on stderr and exit code 2, and
-the previous run's checkpoints and model in the output folder stay byte for byte as they were."""
+"""The table of bad inputs in docs/bad-inputs.md: each ends with one clear line on stderr and exit
+code 2, and the previous run's checkpoints and model in the output folder stay byte for byte as
+they were."""
 
 import hashlib
 import json
