@@ -134,7 +134,7 @@ def main():
 
     from gpu_fallback.backend import CPUBackend
     from xla_train.options import TrainOptions
-    from xla_train.train import prepare
+    from xla_train.job import prepare
 
     cfg = TrainOptions(backend="cpu", buckets="32,64,96,128")
     job = prepare(cfg, CPUBackend())

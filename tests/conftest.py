@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -245,3 +246,38 @@ def pytest_collection_modifyitems(config, items):
         if any(m in src for src in sources for m in STARTS_PROCESSES) or \
                 any(f"{n}(" in src for src in sources for n in cache[module]):
             item.add_marker(pytest.mark.slow)
+
+
+def start_cli(args, env=None):
+    """Starts `python -m xla_train train ARGS` in a fresh process (not waited for)."""
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    return subprocess.Popen([sys.executable, "-m", "xla_train", "train", *map(str, args)], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for(condition, proc, timeout=300, every=0.005):
+    """Polls `condition()` until it holds; fails if `proc` ends first."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        found = condition()
+        if found:
+            return found
+        assert proc.poll() is None, f"the run ended early:\n{proc.communicate()[1][-3000:]}"
+        time.sleep(every)
+    raise AssertionError("timed out")
+
+
+def stop_and_resume(args, out, tmp_path, sig=signal.SIGTERM, env=None):
+    """The preemption protocol: starts `args` into `out`, sends `sig` once checkpoint 4 is
+    complete, checks the exit code (128 + signal) and resumes with --resume. Returns (the stopped
+    run's last stderr line, the step it stopped at, the resumed run's metrics)."""
+    run = start_cli([*args, "--output-dir", out], env=env)
+    wait_for(lambda: (Path(out) / "checkpoints" / "step-00000004" / "COMPLETE").exists(), run)
+    run.send_signal(sig)
+    _, err = run.communicate(timeout=300)
+    assert run.returncode == 128 + sig, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    stopped_at = int(last.split("after step ")[1].split(":")[0])
+    proc, resumed = run_cli([*args, "--output-dir", out, "--resume"], tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return last, stopped_at, resumed

@@ -4,34 +4,15 @@ good one. Runs are real CLI processes on the CPU backend (deterministic; dropout
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import ROOT, assert_same_weights, run_cli
+from conftest import ROOT, assert_same_weights, run_cli, start_cli, stop_and_resume, wait_for
 
 COMMON = ["--backend", "cpu", "--epochs", "10", "--log-every", "3"]
-
-
-def start_cli(args, env=None):
-    env = {**os.environ, "PJRT_DEVICE": "CPU", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
-    return subprocess.Popen([sys.executable, "-m", "xla_train", "train", *map(str, args)], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def wait_for(condition, proc, timeout=300, every=0.005):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        found = condition()
-        if found:
-            return found
-        assert proc.poll() is None, f"the run ended early:\n{proc.communicate()[1][-3000:]}"
-        time.sleep(every)
-    raise AssertionError("timed out")
 
 
 def test_sigterm_then_resume_equals_the_uninterrupted_run(mrpc_slice, tiny_dropout_model, tmp_path):
@@ -45,21 +26,12 @@ def test_sigterm_then_resume_equals_the_uninterrupted_run(mrpc_slice, tiny_dropo
     assert proc.returncode == 0, proc.stderr[-3000:]
 
     out = tmp_path / "stopped"
-    run = start_cli([*args, "--output-dir", out])
-    wait_for(lambda: (out / "checkpoints" / "step-00000004" / "COMPLETE").exists(), run)
-    run.send_signal(signal.SIGTERM)
-    _, err = run.communicate(timeout=300)
-    assert run.returncode == 128 + signal.SIGTERM, err[-3000:]
-    last = err.strip().splitlines()[-1]
+    last, stopped_at, resumed = stop_and_resume(args, out, tmp_path)
     assert last.startswith("xla-train: stopped by SIGTERM after step ") and "continue with --resume" in last
-    stopped_at = int(last.split("after step ")[1].split(":")[0])
     assert 4 <= stopped_at < 45 and stopped_at % 6 != 0  # mid-epoch
     assert (out / "checkpoints" / f"step-{stopped_at:08d}" / "COMPLETE").exists()
     saved = out / "checkpoints" / f"step-{stopped_at:08d}" / "model.safetensors"
     assert saved.stat().st_size < 100_000  # adapters and head: 4 MB with the frozen base
-
-    proc, resumed = run_cli([*args, "--output-dir", out, "--resume"], tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
     assert resumed["first_step"] == stopped_at and resumed["steps"] == whole["steps"] == 45
     assert_same_weights(out, tmp_path / "whole", file="adapter_model.safetensors")
     assert [s for s, _, _ in resumed["train_loss"]] == [s for s, _, _ in whole["train_loss"]]
@@ -81,19 +53,11 @@ def test_ctrl_c_stops_two_gloo_fsdp_workers_at_one_step_and_resumes_exactly(lora
             "--data-dir", mrpc_slice, "--max-steps", 30, "--save-every", 4, *(["--lora", "--lr", 1e-3] if lora else [])]
     proc, whole = run_cli([*args, "--output-dir", tmp_path / "whole"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    run = start_cli([*args, "--output-dir", out])
-    wait_for(lambda: (out / "checkpoints" / "step-00000004" / "COMPLETE").exists(), run)
-    run.send_signal(signal.SIGINT)
-    _, err = run.communicate(timeout=300)
-    assert run.returncode == 130, err[-3000:]
-    last = err.strip().splitlines()[-1]
+    last, stopped_at, m = stop_and_resume(args, out, tmp_path, sig=signal.SIGINT)  # exit 130
     assert last.startswith("xla-train: stopped by SIGINT after step ")
-    stopped_at = int(last.split("after step ")[1].split(":")[0])
     assert stopped_at % 3 == 0 and stopped_at < 30  # a log point (--log-every 3)
     rng = torch.load(out / "checkpoints" / f"step-{stopped_at:08d}" / "rng.pt", weights_only=True)["rng"]
     assert rng.shape[0] == 2  # both workers' random states
-    proc, m = run_cli([*args, "--output-dir", out, "--resume"], tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
     assert m["first_step"] == stopped_at and m["steps"] == 30 and m["replicas_identical"]
     assert m["memory"]["param_bytes_per_device"] == -(-m["memory"]["param_bytes_total"] // 2)
     torch.testing.assert_close(m["train_loss"], whole["train_loss"], atol=1e-6, rtol=0)

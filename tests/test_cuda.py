@@ -3,13 +3,11 @@ NVIDIA H100 (benchmarks/RESULTS.md, "The CUDA path on a GPU"). The same runs as 
 with the GPU's own checks: it computes what the CPU computes (fp32), bf16 autocast trains, and a
 run stopped by SIGTERM resumes exactly."""
 
-import signal
 
 import pytest
 import torch
 
-from conftest import TINY, assert_same_weights, run_cli
-from test_checkpoint import start_cli, wait_for
+from conftest import TINY, assert_same_weights, run_cli, stop_and_resume
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CI has none)")
 
@@ -56,13 +54,7 @@ def test_cuda_sigterm_then_resume_equals_the_uninterrupted_run(mrpc_slice, tiny_
     proc, whole = run_cli([*args, "--output-dir", tmp_path / "whole"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = tmp_path / "stopped"
-    run = start_cli([*args, "--output-dir", out])
-    wait_for(lambda: (out / "checkpoints" / "step-00000004" / "COMPLETE").exists(), run)
-    run.send_signal(signal.SIGTERM)
-    _, err = run.communicate(timeout=300)
-    assert run.returncode == 128 + signal.SIGTERM, err[-3000:]
-    proc, resumed = run_cli([*args, "--output-dir", out, "--resume"], tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _, _, resumed = stop_and_resume(args, out, tmp_path)
     assert 4 <= resumed["first_step"] < 40 and resumed["steps"] == whole["steps"] == 40
     for (_, a, _), (_, b, _) in zip(resumed["train_loss"], whole["train_loss"]):
         assert abs(a - b) < 1e-5

@@ -6,13 +6,11 @@ test_distributed.py (equal to one process) and test_checkpoint.py (Ctrl-C and an
 
 import json
 import os
-import signal
 
 import pytest
 import torch
 
-from conftest import TINY, assert_same_weights, run_cli
-from test_checkpoint import start_cli, wait_for
+from conftest import TINY, assert_same_weights, run_cli, stop_and_resume
 from test_lora import _dev_accuracy
 
 FSDP = ["--backend", "xla", "--strategy", "fsdp", "--gradient-checkpointing", "--batch-size", 2, *TINY,
@@ -85,23 +83,9 @@ def test_the_fsdp_model_is_saved_whole_and_trained_and_checkpoints_hold_shards(x
     assert torch.load(folder / "optimizer.pt", weights_only=True)["sharded_moments"] == sorted(saved["optimizer"])
 
 
-def _stop_and_resume(args, out, tmp_path, env=None):
-    """Starts `args`, stops it with SIGTERM once checkpoint 4 is written, resumes it; returns the
-    step it stopped at and the resumed run's metrics."""
-    run = start_cli([*args, "--output-dir", out], env=env)
-    wait_for(lambda: (out / "checkpoints" / "step-00000004" / "COMPLETE").exists(), run)
-    run.send_signal(signal.SIGTERM)
-    _, err = run.communicate(timeout=300)
-    assert run.returncode == 128 + signal.SIGTERM, err[-3000:]
-    stopped_at = int(err.strip().splitlines()[-1].split("after step ")[1].split(":")[0])
-    proc, resumed = run_cli([*args, "--output-dir", out, "--resume"], tmp_path, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return stopped_at, resumed
-
-
 def test_xla_fsdp_resumes_exactly_after_sigterm(xla_fsdp_run, mrpc_slice, tiny_model, tmp_path):
     _, whole, whole_dir = xla_fsdp_run
-    stopped_at, resumed = _stop_and_resume([*FSDP, "--model", tiny_model, "--data-dir", mrpc_slice],
+    _, stopped_at, resumed = stop_and_resume([*FSDP, "--model", tiny_model, "--data-dir", mrpc_slice],
                                            tmp_path / "run", tmp_path, env=FOUR)
     assert 4 <= stopped_at < 16 and resumed["first_step"] == stopped_at
     assert [h[0] for h in resumed["train_loss"]] == [h[0] for h in whole["train_loss"]]
@@ -212,7 +196,7 @@ def test_lora_under_fsdp_resumes_exactly_and_saves_its_adapter(mrpc_slice, tiny_
     assert not any("_orig_module" in k for k in adapter)
     assert whole["xla"]["aten_fallbacks"] == 0 and whole["xla"]["compiles_after_first_epoch"] == 0
 
-    stopped_at, resumed = _stop_and_resume(args, tmp_path / "run", tmp_path, env=FOUR)
+    _, stopped_at, resumed = stop_and_resume(args, tmp_path / "run", tmp_path, env=FOUR)
     assert 4 <= stopped_at < 16 and resumed["first_step"] == stopped_at
     torch.testing.assert_close(resumed["train_loss"], whole["train_loss"], atol=1e-6, rtol=0)
     assert_same_weights(tmp_path / "run", tmp_path / "whole", atol=1e-6, file="adapter_model.safetensors")

@@ -1,7 +1,23 @@
-"""The prepared job: what the parent process reads, checks and loads once, and hands to every
-worker and to the finish as one value."""
+"""The prepared job: what the parent process reads, checks and loads once (the output folder's
+run, the data, the shapes, the model), and hands to every worker and to the finish as one value."""
 
+import os
 from dataclasses import dataclass
+
+from transformers import AutoConfig
+
+from . import checkpoint
+from .data import model_inputs_only
+from .errors import UserError
+from .launchers import watch_pod
+from .models import add_adapters, hold_frozen_in_bf16, load_pretrained, load_tokenizer, position_limit
+from .predictions import read_input, tokenize_rows
+from .run_folder import RunFolder
+from .shapes import ShapePlan, check_steps, settle_padding
+from .storage import is_remote, open_store
+from .tasks import load_task
+
+LAUNCH_ID = "XLA_TRAIN_LAUNCH_ID"  # one start of the job on every host of a pod (scripts/tpu_pod.py)
 
 
 @dataclass
@@ -20,3 +36,78 @@ class Job:
     def report(self):
         """What the metrics JSON says of the job's preparation."""
         return {"run_id": self.run_id, "truncated": self.truncated, "buckets_auto": self.shapes.estimate}
+
+
+def open_output(cfg, backend):
+    """The output folder's run and the checkpoint to resume, checked before any work. Returns
+    (RunFolder or None, checkpoint.Resume or None, the line to print if the run has finished)."""
+    if not cfg.output_dir:
+        return None, None, None
+    store = open_store(cfg.output_dir)
+    host, hosts = backend.host_position()
+    if hosts > 1 and not is_remote(store.url):
+        # only global ordinal 0 writes; every host decides on its own whether to resume
+        raise UserError(f"--output-dir {cfg.output_dir}: a run on {hosts} hosts needs a gs:// output, which every "
+                        "host reads alike (a local folder holds host 0's checkpoints only)")
+    if hosts > 1 and os.environ.get(LAUNCH_ID):  # scripts/tpu_pod.py gives every host one launch id
+        watch_pod(store.url, os.environ[LAUNCH_ID])  # a failing host tells the others there
+    store.check_writable()
+    folder = RunFolder(store, cfg, writer=host == 0)  # one run per folder
+    folder.check()
+    done = folder.finished_message()
+    if done:
+        return folder, None, done
+    resume = None
+    if cfg.resume_from or (cfg.resume and any(store.checkpoints().values())):
+        resume = checkpoint.Resume(*checkpoint.find(store, cfg.resume_from))
+        folder.check_checkpoint(resume)
+    elif cfg.resume:
+        print(f"--resume: no complete checkpoint in {cfg.output_dir} yet; starting from the beginning")
+    return folder, resume, None
+
+
+def prepare(cfg, backend, resume=None):
+    """The job: the task's data read and checked before the model loads, tokenised once, the
+    shapes settled, the model loaded (with a resumed run's weights)."""
+    task = load_task(cfg.task, cfg.data_dir, cfg.train_file, cfg.validation_file, cfg.text_columns,
+                     cfg.label_column, cfg.problem)
+    if cfg.metric_for_best and cfg.metric_for_best not in task.metric_keys:
+        raise UserError(f"--metric-for-best must be one of {task.name}'s metrics: {', '.join(task.metric_keys)}; "
+                        f"not {cfg.metric_for_best!r}")
+    task.max_length = cfg.max_length  # what the model folder records for predict
+    if cfg.test_file:
+        task.test = read_input(cfg.test_file, task)
+    print(task.describe())
+    tokenizer = load_tokenizer(cfg.model)
+    limit = position_limit(load_pretrained(AutoConfig, cfg.model), tokenizer)
+    if cfg.max_length > limit:
+        raise UserError(f"--max-length {cfg.max_length} is longer than model {cfg.model} takes ({limit} tokens)")
+    shapes = ShapePlan(cfg.batch_size, backend.planned_devices(), cfg.grad_accum)
+    check_steps(shapes, len(task.splits["train"]))
+    data, truncated = tokenize_task(cfg, task, tokenizer)
+    if resume:
+        resume.check(cfg, len(data["train"]), backend)
+    settle_padding(cfg, shapes, data, task.eval_splits, backend, resume)
+    weights = resume.model_weights() if resume else None  # a corrupt file fails before any loading
+    model = task.load_model(cfg.model, cfg.seed, tokenizer.pad_token_id)
+    if cfg.lora:
+        model = add_adapters(model, cfg, task)
+    if weights is not None:
+        resume.load_model(model, weights)
+        del weights
+    if cfg.lora and cfg.precision == "bf16":
+        hold_frozen_in_bf16(model)  # here, once: forked replicas share these pages
+    return Job(cfg, task, tokenizer, model_inputs_only(data, model), shapes, model, truncated=truncated,
+               resume=resume)
+
+
+def tokenize_task(cfg, task, tokenizer):
+    """Every split (and the test rows) tokenised once; the workers get this copy."""
+    data, truncated = task.tokenize(task.splits, tokenizer, cfg.max_length)
+    if task.test is not None:
+        data["test"], truncated["test"] = tokenize_rows(task.test, task, tokenizer, cfg.max_length)
+    task.splits = None
+    if any(truncated.values()):
+        print(f"truncated to --max-length {cfg.max_length} tokens: "
+              + ", ".join(f"{n} {split} rows" for split, n in truncated.items()))
+    return data, truncated

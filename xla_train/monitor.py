@@ -25,6 +25,7 @@ from pathlib import Path
 from .clock import RunClock
 from .files import atomic_write
 from .report import tag, write_report
+from .storage import is_remote
 from .trackers import Trackers
 
 ANALYSIS = re.compile(r"Compilation Cause\n\s*(.*?)\n.*?Python Frame Triggered Execution: *\n(.*?)\n-{10}", re.S)
@@ -37,7 +38,7 @@ class Monitor:
     def __init__(self, engine, cfg, shapes, started=None, run_id=None):
         self.engine = engine
         self.on = engine.is_main_process
-        local = bool(cfg.output_dir) and not str(cfg.output_dir).startswith("gs://")
+        local = bool(cfg.output_dir) and not is_remote(cfg.output_dir)
         self.out = Path(cfg.output_dir) if self.on and local else None
         self.buckets = shapes.padding.lengths  # None: dynamic padding, lengths unbounded
         # training graphs a healthy run compiles: one per bucket plus the first step's (no

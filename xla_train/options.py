@@ -13,11 +13,11 @@ from .errors import UserError, check_choice
 from .models import BUNDLED_MODEL, bundled_model_path
 from .shapes import parse_buckets
 from .tasks import FILE_FORMATS, PROBLEMS, TASKS, check_choices
+from .trackers import TRACKERS, trackers
 
 PADDING_MODES = ("buckets", "max_length", "dynamic")
 PRECISIONS = ("fp32", "bf16")
 BACKENDS = ("auto", "xla", "cuda", "cpu")
-TRACKERS = ("tensorboard", "mlflow", "wandb")
 # ddp: one replica per device; spmd: one process shards the batch (XLA); fsdp: the model too (FSDPv2 on
 # XLA, FSDP2 on CUDA and the CPU)
 STRATEGIES = ("ddp", "spmd", "fsdp")
@@ -107,9 +107,10 @@ class TrainOptions:
     # where the time goes
     profile_steps: str = option(None, "capture a profile of optimizer steps A to B (A:B, e.g. 12:16) into "
                                 "OUTPUT_DIR/profile/ for TensorBoard's profile plugin")
-    report_to: str = option("tensorboard", f"where the run's scalars go: {', '.join(TRACKERS)} or none, "
-                            "comma-separated (TensorBoard events are written to a local output folder in any "
-                            "case: the report reads them)")
+    report_to: str = option("tensorboard", f"where the run's scalars go besides TensorBoard: {', '.join(TRACKERS)} "
+                            "or none, comma-separated. TensorBoard's events are written to a local output folder "
+                            "whatever this says (the report reads them): 'tensorboard' adds nothing, 'none' no "
+                            "other tracker")
     # model selection
     eval_every: int = option(None, "evaluate every N optimizer steps (default: at the end of each epoch)")
     metric_for_best: str = option(None, "the evaluation metric that ranks models (default: the task's main metric; "
@@ -160,19 +161,14 @@ class TrainOptions:
     def _check_observers(self):
         if self.profile_steps:
             from .profile import parse_steps
+            from .storage import is_remote
 
             parse_steps(self.profile_steps)
-            if not self.output_dir or str(self.output_dir).startswith("gs://"):
+            if not self.output_dir or is_remote(self.output_dir):
                 raise UserError("--profile-steps needs a local --output-dir, where profile/ is written")
         unknown = [name for name in trackers(self.report_to) if name not in TRACKERS]
         if unknown:
             raise UserError(f"--report-to takes {', '.join(TRACKERS)} or none, comma-separated; not {unknown[0]!r}")
-
-
-def trackers(spec):
-    """The tracker names of a --report-to value ("none": none)."""
-    names = [n.strip() for n in (spec or "").split(",") if n.strip()]
-    return [] if names == ["none"] else names
 
 
 @dataclass

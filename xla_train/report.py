@@ -54,20 +54,9 @@ def load_run(run_dir):
     return metrics, log, scalars
 
 
-def time_split(metrics, log):
-    """Seconds by where they went: the run's goodput phases (they add up to its wall time); for
-    a run recorded before goodput, the training phase's time less the training graphs'
-    compilations (the last step's graph may compile after the phase, so this is a floor)."""
-    if metrics.get("goodput"):
-        return {GOODPUT_NAMES[k]: v for k, v in metrics["goodput"]["seconds"].items() if k != "wall"}
-    compiling = {phase: sum(e["seconds"] for e in log["compilations"] if e["phase"] == phase)
-                 for phase in ("train", "eval")}
-    parts = {"compiling training graphs": compiling["train"],
-             "training steps": max(metrics["train_seconds"] - compiling["train"], 0.0),
-             "compiling evaluation graphs": compiling["eval"]}
-    if log.get("wall_seconds"):
-        parts["evaluation, loading, saving"] = max(log["wall_seconds"] - sum(parts.values()), 0.0)
-    return parts
+def time_split(metrics):
+    """Seconds by where they went: the run's goodput phases (they add up to its wall time)."""
+    return {GOODPUT_NAMES[k]: v for k, v in metrics["goodput"]["seconds"].items() if k != "wall"}
 
 
 GOODPUT_NAMES = {"startup": "start-up (imports, data, model)", "compile": "compiling", "train_steps": "training steps",
@@ -109,7 +98,7 @@ def plot_throughput(ax, scalars, log):
 
 
 def plot_time(ax, metrics, log):
-    parts = time_split(metrics, log)
+    parts = time_split(metrics)
     left = 0.0
     colors = ("tab:olive", "tab:red", "tab:green", "tab:cyan", "tab:pink", "tab:brown", "tab:gray") if len(parts) > 4 \
         else ("tab:red", "tab:green", "tab:pink", "tab:gray")
@@ -206,7 +195,7 @@ def markdown(metrics, log):
                  ("compilations after the first epoch", xla["compiles_after_first_epoch"]),
                  ("host syncs per training step", xla["host_syncs_per_step"]),
                  ("CPU fallbacks (aten ops)", xla["aten_fallbacks"])]
-    rows += [(f"time: {k}", f"{v:.1f} s") for k, v in time_split(metrics, log).items()]
+    rows += [(f"time: {k}", f"{v:.1f} s") for k, v in time_split(metrics).items()]
     if metrics.get("goodput"):
         rows += [("goodput (training steps / wall)", f"{metrics['goodput']['ratio']} of "
                                                     f"{metrics['goodput']['seconds']['wall']:.1f} s")]

@@ -72,6 +72,13 @@ class RunState:
         for the evaluation it had not run); never after early stopping."""
         return not self.stopped_early and (self.step < total_steps or self.batch > 0)
 
+    def next_micro_batch(self):
+        self.batch += 1
+
+    def stepped(self):
+        """An optimizer step was taken."""
+        self.step += 1
+
     def end_epoch(self):
         self.epoch, self.batch = self.epoch + 1, 0
 

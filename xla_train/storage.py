@@ -22,8 +22,13 @@ SHARDS = "shards"  # a checkpoint's per-host shards (--strategy fsdp on XLA): sh
 _STEP = re.compile(r"step-(\d+)$")
 
 
+def is_remote(url):
+    """Whether `url` names Cloud Storage (gs://) rather than a local folder."""
+    return str(url).startswith("gs://")
+
+
 def open_store(url):
-    return GCSStore(url) if str(url).startswith("gs://") else LocalStore(url)
+    return GCSStore(url) if is_remote(url) else LocalStore(url)
 
 
 def nearest_existing(path):

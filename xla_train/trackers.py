@@ -13,7 +13,6 @@ from dataclasses import asdict
 from pathlib import Path
 
 from .errors import UserError
-from .options import trackers
 
 
 class MLflow:
@@ -83,6 +82,15 @@ def _wandb_key():
 
 
 KINDS = {"mlflow": MLflow, "wandb": Wandb}
+# --report-to's names: TensorBoard is the monitor's own writer (always on where the output folder is
+# local: the report reads its events), the others are KINDS
+TRACKERS = ("tensorboard", *KINDS)
+
+
+def trackers(spec):
+    """The tracker names of a --report-to value ("none": none)."""
+    names = [n.strip() for n in (spec or "").split(",") if n.strip()]
+    return [] if names == ["none"] else names
 
 
 class Trackers:

@@ -10,40 +10,26 @@
 
 import copy
 import dataclasses
-import json
-import os
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
-from transformers import AutoConfig, get_scheduler
+from transformers import get_scheduler
 
-from . import STARTED, checkpoint
+from . import STARTED
 from .api import Engine
-from .data import make_loader, model_inputs_only
-from .errors import UserError
-from .files import atomic_write
-from .job import Job
+from .data import make_loader
+from .evaluation import Evaluator
+from .job import open_output, prepare
 from .memory import check_fits, device_bytes
 from .memory import describe as describe_memory
 from .memory import plan as plan_of
-from .launchers import watch_pod
-from .models import add_adapters, hold_frozen_in_bf16, load_pretrained, load_tokenizer, position_limit, save_merged
 from .monitor import Monitor
+from .outputs import finish
 from .profile import Profile
-from .evaluation import Evaluator
-from .inference import predict_loader, predict_rows
-from .predict import read_input, tokenize_rows, write_output
-from .run_folder import RunFolder, write_finished
 from .run_state import RunState
 from .selection import select_backend
-from .shapes import ShapePlan, check_steps, settle_padding
 from .signals import StopRequest
-from .storage import open_store
-from .tasks import load_task, scores
-
-LAUNCH_ID = "XLA_TRAIN_LAUNCH_ID"  # one start of the job on every host of a pod (scripts/tpu_pod.py)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -67,81 +53,6 @@ def run(cfg):
         backend.launch(train_worker, (job,))
 
 
-def open_output(cfg, backend):
-    """The output folder's run and the checkpoint to resume, checked before any work. Returns
-    (RunFolder or None, checkpoint.Resume or None, the line to print if the run has finished)."""
-    if not cfg.output_dir:
-        return None, None, None
-    store = open_store(cfg.output_dir)
-    host, hosts = backend.host_position()
-    if hosts > 1 and not store.url.startswith("gs://"):
-        # only global ordinal 0 writes; every host decides on its own whether to resume
-        raise UserError(f"--output-dir {cfg.output_dir}: a run on {hosts} hosts needs a gs:// output, which every "
-                        "host reads alike (a local folder holds host 0's checkpoints only)")
-    if hosts > 1 and os.environ.get(LAUNCH_ID):  # scripts/tpu_pod.py gives every host one launch id
-        watch_pod(store.url, os.environ[LAUNCH_ID])  # a failing host tells the others there
-    store.check_writable()
-    folder = RunFolder(store, cfg, writer=host == 0)  # one run per folder
-    folder.check()
-    done = folder.finished_message()
-    if done:
-        return folder, None, done
-    resume = None
-    if cfg.resume_from or (cfg.resume and any(store.checkpoints().values())):
-        resume = checkpoint.Resume(*checkpoint.find(store, cfg.resume_from))
-        folder.check_checkpoint(resume)
-    elif cfg.resume:
-        print(f"--resume: no complete checkpoint in {cfg.output_dir} yet; starting from the beginning")
-    return folder, resume, None
-
-
-def prepare(cfg, backend, resume=None):
-    """The job: the task's data read and checked before the model loads, tokenised once, the
-    shapes settled, the model loaded (with a resumed run's weights)."""
-    task = load_task(cfg.task, cfg.data_dir, cfg.train_file, cfg.validation_file, cfg.text_columns,
-                     cfg.label_column, cfg.problem)
-    if cfg.metric_for_best and cfg.metric_for_best not in task.metric_keys:
-        raise UserError(f"--metric-for-best must be one of {task.name}'s metrics: {', '.join(task.metric_keys)}; "
-                        f"not {cfg.metric_for_best!r}")
-    task.max_length = cfg.max_length  # what the model folder records for predict
-    if cfg.test_file:
-        task.test = read_input(cfg.test_file, task)
-    print(task.describe())
-    tokenizer = load_tokenizer(cfg.model)
-    limit = position_limit(load_pretrained(AutoConfig, cfg.model), tokenizer)
-    if cfg.max_length > limit:
-        raise UserError(f"--max-length {cfg.max_length} is longer than model {cfg.model} takes ({limit} tokens)")
-    shapes = ShapePlan(cfg.batch_size, backend.planned_devices(), cfg.grad_accum)
-    check_steps(shapes, len(task.splits["train"]))
-    data, truncated = tokenize_task(cfg, task, tokenizer)
-    if resume:
-        resume.check(cfg, len(data["train"]), backend)
-    settle_padding(cfg, shapes, data, task.eval_splits, backend, resume)
-    weights = resume.model_weights() if resume else None  # a corrupt file fails before any loading
-    model = task.load_model(cfg.model, cfg.seed, tokenizer.pad_token_id)
-    if cfg.lora:
-        model = add_adapters(model, cfg, task)
-    if weights is not None:
-        resume.load_model(model, weights)
-        del weights
-    if cfg.lora and cfg.precision == "bf16":
-        hold_frozen_in_bf16(model)  # here, once: forked replicas share these pages
-    return Job(cfg, task, tokenizer, model_inputs_only(data, model), shapes, model, truncated=truncated,
-               resume=resume)
-
-
-def tokenize_task(cfg, task, tokenizer):
-    """Every split (and the test rows) tokenised once; the workers get this copy."""
-    data, truncated = task.tokenize(task.splits, tokenizer, cfg.max_length)
-    if task.test is not None:
-        data["test"], truncated["test"] = tokenize_rows(task.test, task, tokenizer, cfg.max_length)
-    task.splits = None
-    if any(truncated.values()):
-        print(f"truncated to --max-length {cfg.max_length} tokens: "
-              + ", ".join(f"{n} {split} rows" for split, n in truncated.items()))
-    return data, truncated
-
-
 # ---------------------------------------------------------------------------------------------
 # In every worker: set-up, the loop, the finish
 
@@ -156,7 +67,7 @@ class Training:
     train_dl: object
     evaluate: object  # Evaluator
     state: RunState
-    shapes: ShapePlan  # the job's, with this run's device count
+    shapes: object  # shapes.ShapePlan: the job's, with this run's device count
     total_steps: int
     steps_per_epoch: int
     task: object  # tasks.Task: the loss
@@ -238,7 +149,7 @@ def train_loop(engine, cfg, t, monitor):
             for batch in monitor.clock.timed(t.train_dl):  # its waits are the data's, not the steps
                 if state.step >= total or state.batch == t.steps_per_epoch * cfg.grad_accum:
                     break  # done, or the epoch's last micro-batches would not fill an optimizer step
-                state.batch += 1
+                state.next_micro_batch()
                 engine.seed_micro_batch(cfg.seed, state.epoch, state.batch)  # dropout: from the position
                 t.profile.step_begins(state.step + 1)
                 labels = batch.pop("labels")  # the loss is the job's own: no model head can add a host sync
@@ -251,7 +162,7 @@ def train_loop(engine, cfg, t, monitor):
                 lr = scheduler.get_last_lr()[0]  # the rate this step used
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
-                state.step += 1
+                state.stepped()
                 t.profile.step_ended(state.step)
                 bar.update(1)
                 monitor.step(state.step, batch)
@@ -289,85 +200,3 @@ def _private_copy(model):
     return model
 
 
-def finish(engine, job, t, monitor):
-    """After the loop: the final (or best) model, its predictions for --test-file, the metrics
-    JSON and the run folder's files."""
-    cfg, state = job.cfg, t.state
-    timing = monitor.clock.summary(state.step, t.shapes.rows_per_step, state.first_step)  # before the graphs below
-    results = state.restore_best(t.model)  # --save-best: the best evaluation's weights
-    predictions = save_outputs(engine, job, t, results) if state.store else None
-    metrics = {**run_metrics(engine, job, t, monitor, timing, results), "predictions": predictions}
-    if engine.is_main_process:
-        engine.print(f"dev {scores(results)}  (training {metrics['train_samples_per_s']:.1f} samples/s)")
-        if cfg.metrics_out:
-            atomic_write(cfg.metrics_out, json.dumps(metrics, indent=2) + "\n")  # makes missing folders
-    monitor.close(metrics)
-    seconds = metrics["goodput"]["seconds"]
-    engine.print(f"goodput {metrics['goodput']['ratio']:.2f}: training steps {seconds['train_steps']:.1f} s of "
-                 f"{seconds['wall']:.1f} s (" + ", ".join(f"{k} {v:.1f}" for k, v in seconds.items()
-                                                     if k not in ("train_steps", "wall")) + ")")
-    return metrics
-
-
-def save_outputs(engine, job, t, results):
-    """The model and tokenizer, the task's description, --test-file's predictions and the run's
-    record, into the output folder (published to gs:// from there). Returns the predictions' URL."""
-    cfg, task, state = job.cfg, job.task, t.state
-    folder = state.store.local_folder()
-    if cfg.merge_lora:  # merged on the CPU, into the base model loaded again
-        def load_base():
-            return add_adapters(task.load_model(cfg.model, cfg.seed, job.tokenizer.pad_token_id), cfg, task)
-
-        save_merged(engine, t.model, load_base, job.tokenizer, folder)
-    else:
-        engine.save_pretrained(t.model, job.tokenizer, folder)
-    predictions = scored = None
-    if task.test is not None:  # padded like the training batches (buckets, max_length or dynamic)
-        loader = predict_loader(engine, job.tokenizer, job.data["test"], cfg.batch_size, t.shapes.padding)
-        scored = predict_rows(engine, t.model, loader, task.predict_columns)
-        predictions = f"{state.store.url.rstrip('/')}/predictions{Path(cfg.test_file).suffix.lower()}"
-
-    def write_files():
-        task.write_record(folder)
-        if scored is not None:
-            write_output(folder / Path(predictions).name, task.test, task, scored)
-        write_finished(folder, job.run_id, cfg, state.step, results, state.best, state.stopped_early)
-        state.store.publish()
-
-    engine.on_main(write_files, f"cannot write the run's files to {state.store.url}")
-    return predictions
-
-
-def run_metrics(engine, job, t, monitor, timing, results):
-    """The metrics JSON of the run (DESIGN.md's contract and more)."""
-    cfg, task, state = job.cfg, job.task, t.state
-    sums = replica_checksums(engine, t.model)
-    plan = t.train_dl.loader.batch_sampler
-    return {
-        "backend": engine.runtime, "device": engine.describe_device(),
-        "world_size": engine.num_devices, "model": cfg.model, "task": task.name, "problem": task.problem,
-        "labels": task.labels, "num_labels": task.num_labels, "main_metric": task.main, "steps": state.step,
-        "epochs": round(state.step / t.steps_per_epoch, 4),
-        "train_samples": state.step * t.shapes.rows_per_step, **timing,
-        "padding_efficiency": round(plan.padding_efficiency(), 4),
-        "padding_by_bucket": plan.padding_by_length(),
-        "eval": results,  # of the saved model: the last evaluation, or the best with --save-best
-        "best": state.best, "evaluations": state.evaluations, "stopped_early": state.stopped_early,
-        "train_loss": [h[:3] for h in state.history],  # [step, mean loss since the last entry, learning rate]
-        "param_checksum": float(sums[0].double().sum()),
-        "replicas_identical": bool((sums == sums[0]).all()),
-        "buckets": t.shapes.padding.bucket_list,
-        "padding": cfg.padding, "precision": cfg.precision,
-        "resumed_from": job.resume.url if job.resume else None,
-        "first_step": state.first_step, "checkpoint": state.saved, "config": asdict(cfg), **job.report(),
-        "memory": {**t.memory, "peak_bytes": engine.peak_memory()}, **t.counts,
-        "goodput": monitor.clock.goodput(),  # last: the wall time up to the metrics
-    }
-
-
-def replica_checksums(engine, model):
-    """Per-parameter sums from every replica (rows), to show that replicas hold the same model."""
-    params = list(engine.unwrap_model(model).parameters())
-    sums = torch.stack([engine.backend.whole(p.detach().float().sum()) for p in params])  # FSDP: of every shard
-    (host,) = engine.to_host([engine.gather(sums[None])])
-    return host

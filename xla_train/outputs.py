@@ -1,0 +1,99 @@
+"""What a run leaves when its loop ends: the final (or best) model and tokenizer, --test-file's
+predictions, the run folder's record and the metrics JSON."""
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from .files import atomic_write
+from .inference import predict_loader, predict_rows
+from .models import add_adapters, save_merged
+from .predictions import write_output
+from .run_folder import write_finished
+from .tasks import scores
+
+
+def finish(engine, job, t, monitor):
+    """After the loop: the final (or best) model, its predictions for --test-file, the metrics
+    JSON and the run folder's files."""
+    cfg, state = job.cfg, t.state
+    timing = monitor.clock.summary(state.step, t.shapes.rows_per_step, state.first_step)  # before the graphs below
+    results = state.restore_best(t.model)  # --save-best: the best evaluation's weights
+    predictions = save_outputs(engine, job, t, results) if state.store else None
+    metrics = {**run_metrics(engine, job, t, monitor, timing, results), "predictions": predictions}
+    if engine.is_main_process:
+        engine.print(f"dev {scores(results)}  (training {metrics['train_samples_per_s']:.1f} samples/s)")
+        if cfg.metrics_out:
+            atomic_write(cfg.metrics_out, json.dumps(metrics, indent=2) + "\n")  # makes missing folders
+    monitor.close(metrics)
+    seconds = metrics["goodput"]["seconds"]
+    engine.print(f"goodput {metrics['goodput']['ratio']:.2f}: training steps {seconds['train_steps']:.1f} s of "
+                 f"{seconds['wall']:.1f} s (" + ", ".join(f"{k} {v:.1f}" for k, v in seconds.items()
+                                                     if k not in ("train_steps", "wall")) + ")")
+    return metrics
+
+
+def save_outputs(engine, job, t, results):
+    """The model and tokenizer, the task's description, --test-file's predictions and the run's
+    record, into the output folder (published to gs:// from there). Returns the predictions' URL."""
+    cfg, task, state = job.cfg, job.task, t.state
+    folder = state.store.local_folder()
+    if cfg.merge_lora:  # merged on the CPU, into the base model loaded again
+        def load_base():
+            return add_adapters(task.load_model(cfg.model, cfg.seed, job.tokenizer.pad_token_id), cfg, task)
+
+        save_merged(engine, t.model, load_base, job.tokenizer, folder)
+    else:
+        engine.save_pretrained(t.model, job.tokenizer, folder)
+    predictions = scored = None
+    if task.test is not None:  # padded like the training batches (buckets, max_length or dynamic)
+        loader = predict_loader(engine, job.tokenizer, job.data["test"], cfg.batch_size, t.shapes.padding)
+        scored = predict_rows(engine, t.model, loader, task.predict_columns)
+        predictions = f"{state.store.url.rstrip('/')}/predictions{Path(cfg.test_file).suffix.lower()}"
+
+    def write_files():
+        task.write_record(folder)
+        if scored is not None:
+            write_output(folder / Path(predictions).name, task.test, task, scored)
+        write_finished(folder, job.run_id, cfg, state.step, results, state.best, state.stopped_early)
+        state.store.publish()
+
+    engine.on_main(write_files, f"cannot write the run's files to {state.store.url}")
+    return predictions
+
+
+def run_metrics(engine, job, t, monitor, timing, results):
+    """The metrics JSON of the run (DESIGN.md's contract and more)."""
+    cfg, task, state = job.cfg, job.task, t.state
+    sums = replica_checksums(engine, t.model)
+    plan = t.train_dl.loader.batch_sampler
+    return {
+        "backend": engine.runtime, "device": engine.describe_device(),
+        "world_size": engine.num_devices, "model": cfg.model, "task": task.name, "problem": task.problem,
+        "labels": task.labels, "num_labels": task.num_labels, "main_metric": task.main, "steps": state.step,
+        "epochs": round(state.step / t.steps_per_epoch, 4),
+        "train_samples": state.step * t.shapes.rows_per_step, **timing,
+        "padding_efficiency": round(plan.padding_efficiency(), 4),
+        "padding_by_bucket": plan.padding_by_length(),
+        "eval": results,  # of the saved model: the last evaluation, or the best with --save-best
+        "best": state.best, "evaluations": state.evaluations, "stopped_early": state.stopped_early,
+        "train_loss": [h[:3] for h in state.history],  # [step, mean loss since the last entry, learning rate]
+        "param_checksum": float(sums[0].double().sum()),
+        "replicas_identical": bool((sums == sums[0]).all()),
+        "buckets": t.shapes.padding.bucket_list,
+        "padding": cfg.padding, "precision": cfg.precision,
+        "resumed_from": job.resume.url if job.resume else None,
+        "first_step": state.first_step, "checkpoint": state.saved, "config": asdict(cfg), **job.report(),
+        "memory": {**t.memory, "peak_bytes": engine.peak_memory()}, **t.counts,
+        "goodput": monitor.clock.goodput(),  # last: the wall time up to the metrics
+    }
+
+
+def replica_checksums(engine, model):
+    """Per-parameter sums from every replica (rows), to show that replicas hold the same model."""
+    params = list(engine.unwrap_model(model).parameters())
+    sums = torch.stack([engine.backend.whole(p.detach().float().sum()) for p in params])  # FSDP: of every shard
+    (host,) = engine.to_host([engine.gather(sums[None])])
+    return host
