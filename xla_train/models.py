@@ -74,6 +74,15 @@ def no_cache(model):
     return model
 
 
+@contextlib.contextmanager
+def _peft_quiet():
+    """peft without transformers 5's FutureWarning for the `is_gradient_checkpointing` it reads
+    (renamed `is_activation_checkpointing`): the user can do nothing about it."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+        yield
+
+
 ADAPTER_FILE = "adapter_config.json"  # what peft's save_pretrained writes beside the adapter's weights
 
 
@@ -87,7 +96,8 @@ def add_adapters(model, cfg, task):
     config = LoraConfig(task_type=task.peft_task_type, r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                         target_modules=targets)
     try:
-        return get_peft_model(model, config)
+        with _peft_quiet():
+            return get_peft_model(model, config)
     except ValueError as e:  # no default targets for the architecture, or targets it does not have
         raise UserError(f"--lora: {first_line(e)} (name them with --lora-targets)")
 
@@ -140,8 +150,7 @@ def load_trained(model_class, folder):
     config = load_pretrained(AutoConfig, folder)
     model = no_cache(load_pretrained(model_class, base, config=config))
     try:
-        with quiet_transformers(), warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+        with quiet_transformers(), _peft_quiet():
             return PeftModel.from_pretrained(model, folder)
     except (OSError, ValueError, RuntimeError) as e:
         raise UserError(f"cannot load the adapter in {folder}: {first_line(e)}")
