@@ -14,11 +14,7 @@ from .tasks import FILE_FORMATS, PROBLEMS, TASKS, bundled_model_path, check_choi
 
 PADDING_MODES = ("buckets", "max_length", "dynamic")
 PRECISIONS = ("fp32", "bf16")
-BACKENDS = ("auto", "xla", "cuda", "cpu")
 TRACKERS = ("tensorboard", "mlflow", "wandb")
-# ddp: one replica per device; spmd: one process shards the batch (XLA); fsdp: the model too (FSDPv2 on
-# XLA, FSDP2 on CUDA and the CPU)
-STRATEGIES = ("ddp", "spmd", "fsdp")
 BUNDLED_MODEL = "the bundled MiniLM-L6-H384"
 
 

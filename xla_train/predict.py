@@ -27,7 +27,7 @@ from .errors import UserError, first_line
 from .files import atomic_write
 from .models import load_classifier, load_pretrained
 from .options import PredictOptions, check_model_path, parse_buckets
-from .selection import select_backend
+from .core.select import select_roles
 from .shapes import CostModel, Padding, choose_buckets
 from .tasks import GLUE, glue_columns, read_table, text_columns_of
 
@@ -159,8 +159,8 @@ def plan(lengths, backend, buckets, max_length):
     auto`'s for a forward pass (about a third of a training step's cost; one graph per bucket)."""
     buckets = parse_buckets(buckets, max_length)
     if buckets == "auto":
-        cost = CostModel(compile_seconds=backend.compile_seconds, token_seconds=backend.token_seconds,
-                         graphs_per_bucket=1)
+        cost = CostModel(compile_seconds=backend.accelerator.compile_seconds,
+                         token_seconds=backend.accelerator.token_seconds, graphs_per_bucket=1)
         buckets, _ = choose_buckets(lengths, 1 / 3, max_length, cost)
     padding = Padding("buckets", buckets, max_length)
     padding.check_fit(lengths)
@@ -238,7 +238,7 @@ def run(cfg):
     info = ModelInfo.read(cfg.model)
     cfg.max_length = cfg.max_length or info.max_length
     table = read_input(cfg.input, info, cfg.text_columns, cfg.task)
-    backend = select_backend(cfg.backend, cfg.num_processes, cfg.strategy)
+    backend = select_roles(cfg.backend, cfg.num_processes, cfg.strategy)
     tokenizer = load_pretrained(AutoTokenizer, cfg.model)
     data, truncated = tokenize_rows(table, tokenizer, cfg.max_length)
     if truncated:

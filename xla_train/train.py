@@ -37,7 +37,7 @@ from .options import TrainOptions
 from .predict import ModelInfo, infer, predict_loader, predict_rows, read_input, tokenize_rows, write_output
 from .run_folder import RunFolder, write_finished
 from .run_state import RunState
-from .selection import select_backend
+from .core.select import select_roles
 from .shapes import ShapePlan, check_steps, settle_padding
 from .signals import StopRequest
 from .storage import open_store
@@ -54,7 +54,7 @@ LAUNCH_ID = "XLA_TRAIN_LAUNCH_ID"  # one start of the job on every host of a pod
 def run(cfg):
     """Runs the whole job: data in this process, then training on every local worker."""
     cfg.validate()
-    backend = select_backend(cfg.backend, cfg.num_processes, cfg.strategy)
+    backend = select_roles(cfg.backend, cfg.num_processes, cfg.strategy)
     folder, resume, done = open_output(cfg, backend)
     if done:
         print(done)
@@ -111,12 +111,12 @@ def prepare(cfg, backend, resume=None):
     limit = position_limit(load_pretrained(AutoConfig, cfg.model), tokenizer)
     if cfg.max_length > limit:
         raise UserError(f"--max-length {cfg.max_length} is longer than model {cfg.model} takes ({limit} tokens)")
-    shapes = ShapePlan(cfg.batch_size, backend.planned_devices(), cfg.grad_accum)
+    shapes = ShapePlan(cfg.batch_size, backend.planned_data_parallel_size(), cfg.grad_accum)
     check_steps(shapes, len(task.splits["train"]))
     data, truncated = tokenize_task(cfg, task, tokenizer)
     if resume:
         resume.check(cfg, len(data["train"]), backend)
-    settle_padding(cfg, shapes, data, task.eval_splits, backend, resume)
+    settle_padding(cfg, shapes, data, task.eval_splits, backend.accelerator, resume)
     weights = resume.model_weights() if resume else None  # a corrupt file fails before any loading
     model = load_model(cfg.model, cfg.seed, task, tokenizer.pad_token_id)
     if cfg.lora:
@@ -172,7 +172,7 @@ def train_worker(job):
                     max_grad_norm=cfg.max_grad_norm, num_processes=cfg.num_processes,
                     compile_cache=cfg.compile_cache, strategy=cfg.strategy)
     engine.seed(cfg.seed)  # dropout
-    shapes = dataclasses.replace(job.shapes, devices=engine.num_devices)
+    shapes = dataclasses.replace(job.shapes, devices=engine.data_parallel_size)
     # TensorBoard, compilation log, explainer and the run's clock; before anything is compiled
     monitor = Monitor(engine, cfg, shapes, job.started, job.run_id)
     t = set_up(engine, job, shapes, monitor)
@@ -217,10 +217,10 @@ def plan_memory(engine, cfg, shapes, model):
     """The memory plan, printed; a run that cannot fit the device stops here, before compiling."""
     length = max(shapes.padding.lengths or [cfg.max_length])
     memory, counts = plan_of(engine.unwrap_model(model), cfg.batch_size, length, cfg.precision,
-                             shards=engine.backend.param_shards, device_bytes=device_bytes(engine.backend),
+                             shards=engine.strategy.param_shards, device_bytes=device_bytes(engine.accelerator),
                              checkpointed=cfg.gradient_checkpointing)
     engine.print(describe_memory(memory, counts))
-    check_fits(memory, cfg.batch_size, length, cfg.gradient_checkpointing, engine.backend.param_shards > 1, cfg.lora)
+    check_fits(memory, cfg.batch_size, length, cfg.gradient_checkpointing, engine.strategy.param_shards > 1, cfg.lora)
     return memory, counts
 
 
@@ -345,7 +345,7 @@ def run_metrics(engine, job, t, monitor, timing, results):
     plan = t.train_dl.loader.batch_sampler
     return {
         "backend": engine.runtime, "device": engine.describe_device(),
-        "world_size": engine.num_devices, "model": cfg.model, "task": task.name, "problem": task.problem,
+        "world_size": engine.data_parallel_size, "model": cfg.model, "task": task.name, "problem": task.problem,
         "labels": task.labels, "num_labels": task.num_labels, "main_metric": task.main, "steps": state.step,
         "epochs": round(state.step / t.steps_per_epoch, 4),
         "train_samples": state.step * t.shapes.rows_per_step, **timing,
@@ -368,8 +368,8 @@ def run_metrics(engine, job, t, monitor, timing, results):
 def replica_checksums(engine, model):
     """Per-parameter sums from every replica (rows), to show that replicas hold the same model."""
     params = list(engine.unwrap_model(model).parameters())
-    sums = torch.stack([engine.backend.whole(p.detach().float().sum()) for p in params])  # FSDP: of every shard
-    (host,) = engine.to_host([engine.gather(sums[None])])
+    sums = torch.stack([engine.strategy.whole(p.detach().float().sum()) for p in params])  # FSDP: of every shard
+    (host,) = engine.to_host([engine.strategy.gather(sums[None])])
     return host
 
 
