@@ -145,7 +145,7 @@ class CostModel:
     """What `--buckets auto` minimises: graphs x compile cost + padded tokens x per-token cost.
 
     compile_seconds: cost of one XLA compilation (XLA:CPU here ~10-15 s for this model's training
-        graph; about 6 s a graph in Hugging Face's TPU blog post, see XLABackend; 0 on the eager
+        graph; about 6 s a graph in Hugging Face's TPU blog post, see XlaAccelerator; 0 on the eager
         CUDA/CPU fallback).
     token_seconds: cost of one padded token in one training step (forward + backward).
     graphs_per_bucket: graphs each bucket length costs (training step and evaluation step).

@@ -510,7 +510,8 @@ class XlaFsdp(XlaSpmd):
             # order (`to_writer` too); one small graph is compiled per tensor.
             wholes = [t.cpu() for t in picked]
         elif picked:
-            self.accelerator.synchronize()  # shards are read from the device data, which a queued graph may still be computing
+            # shards are read from the device data, which a queued graph may still be computing
+            self.accelerator.synchronize()
             wholes = [_from_shards(t.shape, [data for data, _ in pieces], [index for _, index in places])
                       for t, pieces, places in zip(picked, torch_xla._XLAC._get_local_shards(picked),
                                                    torch_xla._XLAC._get_local_shard_replica_and_indices(picked))]
@@ -541,7 +542,8 @@ class XlaFsdp(XlaSpmd):
         import torch.distributed.checkpoint as dcp
         from torch_xla.experimental.distributed_checkpoint import SPMDSavePlanner
 
-        self.accelerator.synchronize()  # shards are read from the device data, which a queued graph may still be computing
+        # shards are read from the device data, which a queued graph may still be computing
+        self.accelerator.synchronize()
         with _dcp_errors():
             dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(folder)), planner=SPMDSavePlanner(),
                      no_dist=True)
@@ -573,7 +575,8 @@ class XlaFsdp(XlaSpmd):
         if not torch_xla._XLAC._get_xla_sharding_spec(param):
             return zeros.to(self.accelerator.device)
         # only this host's shards reach its devices (never the whole tensor on one device)
-        (placed,) = xm.send_cpu_data_to_device([zeros], self.accelerator.device, xs.ShardingSpec(self.mesh(), _param_spec(param)))
+        sharding = xs.ShardingSpec(self.mesh(), _param_spec(param))
+        (placed,) = xm.send_cpu_data_to_device([zeros], self.accelerator.device, sharding)
         return placed
 
 
