@@ -27,10 +27,10 @@ from xla_train.data import tokenize
 from xla_train.shapes import CostModel, auto_buckets, job_rows
 from xla_train.models import bundled_model_path
 from xla_train.tasks import load_task
-from xla_train.xla_backend import XLABackend
+from xla_train.core.xla import XlaAccelerator
 
 STEPS = (20, 100, 459, 1377, 4590)  # 459 steps of batch 8 = one MRPC epoch
-COMPILE_SECONDS = (0.0, 3.0, 6.0, 12.0, 40.0, 120.0)  # 12 s: XLA:CPU here; 6 s: the TPU estimate (XLABackend)
+COMPILE_SECONDS = (0.0, 3.0, 6.0, 12.0, 40.0, 120.0)  # 12 s: XLA:CPU here; 6 s: the TPU estimate (XlaAccelerator)
 FIXED = {"128": [128], "32,64,96,128": [32, 64, 96, 128]}
 
 
@@ -43,7 +43,7 @@ def fixed_estimate(buckets, train_len, eval_len, steps, batch, epochs, cost):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--token-seconds", type=float, default=XLABackend.token_seconds,
+    p.add_argument("--token-seconds", type=float, default=XlaAccelerator.token_seconds,
                    help="seconds per padded token of a training step (default: XLA:CPU's, measured here)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "out"))

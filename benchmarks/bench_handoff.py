@@ -6,7 +6,7 @@ tensor into shared memory).
 
 The parent prepares the real job (the bundled MRPC train and dev sets tokenised, the bundled
 model with its new head) as `xla-train train` does, then starts N replicas in a fork-context
-ProcessPoolExecutor, the pool xmp.spawn uses, through xla_backend's own replica entry. Each
+ProcessPoolExecutor, the pool xmp.spawn uses, through xla_train.launchers' own replica entry. Each
 replica does what a training replica does with its inputs before the device gets them: takes its
 private model copy and writes every parameter once (an optimizer step), and collates its first
 500 training batches. With all replicas alive, each reads its memory from /proc (USS: pages only
@@ -94,12 +94,12 @@ def run_case(job, n, handoff, shm_before):
 
     import torch.multiprocessing
 
-    from gpu_fallback.backend import CPUBackend
     from xla_train import launchers
+    from xla_train.core.select import select_roles
 
     folder = tempfile.mkdtemp()
     args = (job, time.time(), folder, n)
-    entry, entry_args = launchers.spawn_arguments(CPUBackend(), replica, args, "fork" if handoff else "spawn")
+    entry, entry_args = launchers.spawn_arguments(select_roles("cpu"), replica, args, "fork" if handoff else "spawn")
     start = time.time()
     with launchers.replica_failures():
         with concurrent.futures.ProcessPoolExecutor(n, mp_context=torch.multiprocessing.get_context("fork")) as pool:
@@ -132,12 +132,12 @@ def main():
     os.environ.setdefault("USE_TORCH_XLA", "0")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-    from gpu_fallback.backend import CPUBackend
-    from xla_train.options import TrainOptions
+    from xla_train.core.select import select_roles
     from xla_train.job import prepare
+    from xla_train.options import TrainOptions
 
     cfg = TrainOptions(backend="cpu", buckets="32,64,96,128")
-    job = prepare(cfg, CPUBackend())
+    job = prepare(cfg, select_roles("cpu"))
     data, model = job.data, job.model
     if a.train_copies > 1:
         import datasets

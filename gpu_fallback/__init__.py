@@ -1,5 +1,9 @@
-"""The xla_train backend API on CUDA (DDP over NCCL) or the CPU (single process or gloo)."""
+"""xla_train's roles on plain torch: the torch-native accelerator (CUDA, the CPU), the Ddp and Fsdp2
+strategies (NCCL or gloo, or one process) and torch.multiprocessing's launcher."""
 
-from .backend import CPUBackend, CudaBackend, TorchBackend
+from .device import TorchAccelerator
+from .launcher import TorchLauncher
+from .strategies import Ddp, Fsdp2
 
-__all__ = ["CPUBackend", "CudaBackend", "TorchBackend"]
+__all__ = ["Ddp", "Fsdp2", "TorchAccelerator", "TorchLauncher"]
+

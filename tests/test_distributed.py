@@ -176,7 +176,8 @@ def test_forked_replicas_get_the_job_without_pickling_it(tiny_model):
     import torch.multiprocessing  # noqa: F401  registers them
     from transformers import AutoModelForSequenceClassification
 
-    from xla_train import launchers, xla_backend
+    from xla_train import launchers
+    from xla_train.core.roles import Roles
 
     def pickled(entry, args):
         buf = io.BytesIO()
@@ -184,7 +185,7 @@ def test_forked_replicas_get_the_job_without_pickling_it(tiny_model):
         return len(buf.getvalue())
 
     model = AutoModelForSequenceClassification.from_pretrained(tiny_model)
-    job = (object.__new__(xla_backend.XLABackend), len, (model,))
+    job = (object.__new__(Roles), len, (model,))
     size = pickled(*launchers.spawn_arguments(*job, start_method="fork"))
     launchers._HANDED_OFF.clear()
     assert size < 1000 and not any(p.is_shared() for p in model.parameters())
@@ -212,10 +213,10 @@ def _replica_part(part, folder):
 
 
 def _pool_entry(index, parts):
-    from gpu_fallback.backend import CPUBackend
     from xla_train import launchers
+    from xla_train.core.select import select_roles
 
-    launchers._run_replica(index, CPUBackend(), _replica_part, (parts[index], launchers.worker_folder()))
+    launchers._run_replica(index, select_roles("cpu"), _replica_part, (parts[index], launchers.worker_folder()))
 
 
 FAILING_POOL = """
@@ -318,11 +319,11 @@ def test_spmd_processes_agree_through_a_reduction_over_every_device(tmp_path):
     devices with an all-reduce, the collective that spans the hosts on a pod."""
     script = """
 import torch, torch_xla
-from xla_train.xla_backend import XLASpmdBackend
-backend = XLASpmdBackend()
-backend.setup()
-rows = backend.gather_rows(torch.tensor([3, 0], dtype=torch.int32))
-print(backend.peers, tuple(rows.shape), torch_xla._XLAC._get_xla_sharding_spec(rows))
+from xla_train.core.select import select_roles
+roles = select_roles("xla", strategy="spmd")
+roles.start()
+rows = roles.strategy.gather_rows(torch.tensor([3, 0], dtype=torch.int32))
+print(roles.strategy.peers, tuple(rows.shape), torch_xla._XLAC._get_xla_sharding_spec(rows))
 print(rows.amax(0).cpu().tolist())
 """
     env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4", "XLA_FLAGS": f"--xla_dump_to={tmp_path}"}
@@ -357,14 +358,14 @@ def test_one_process_per_host_of_a_pod_is_refused(monkeypatch, capsys):
 def test_a_vfio_device_alone_is_no_tpu(monkeypatch):
     """/dev/vfio/0 is on any host that passes a PCI device through; without a Google TPU PCI device
     (torch_xla's check) or /dev/accel0 the host has no TPU."""
-    from xla_train import xla_backend
+    from xla_train.core import xla
 
     monkeypatch.delenv("PJRT_DEVICE", raising=False)
     real = os.path.exists
     monkeypatch.setattr(os.path, "exists", lambda p: p == "/dev/vfio/0" or (p != "/dev/accel0" and real(p)))
-    assert os.path.exists("/dev/vfio/0") and not xla_backend.tpu_present()
+    assert os.path.exists("/dev/vfio/0") and not xla.tpu_present()
     monkeypatch.setattr(os.path, "exists", lambda p: p == "/dev/accel0" or real(p))
-    assert xla_backend.tpu_present()
+    assert xla.tpu_present()
 
 
 def test_a_failure_on_another_pod_host_ends_this_hosts_replicas(gcs_emulator, tmp_path, monkeypatch):

@@ -106,13 +106,13 @@ xr.use_spmd()
 import torch_xla.distributed.spmd as xs
 from torch_xla.experimental.distributed_checkpoint._helpers import _CpuShards
 
+from xla_train.core.select import select_roles
 from xla_train.errors import UserError
-from xla_train.xla_backend import XLAFsdpBackend
 
-backend = XLAFsdpBackend()
+backend = select_roles("xla", strategy="fsdp").strategy
 part = xs.XLAShard(torch.ones(2, 4), [slice(0, 2), slice(0, 4)], "CPU:0", 0)
 backend.save_shards({"w": _CpuShards([part], torch.Size([8, 4]))}, sys.argv[1])
-w = torch.zeros(8, 4).to(backend.device)
+w = torch.zeros(8, 4).to(backend.accelerator.device)
 xs.mark_sharding(w, xs.Mesh(np.arange(4), (4,), ("fsdp",)), ("fsdp", None))
 try:
     backend.load_shards({"w": w}, sys.argv[1])
@@ -209,7 +209,7 @@ def test_lora_under_fsdp_resumes_exactly_and_saves_its_adapter(mrpc_slice, tiny_
 def test_shards_are_put_together_without_their_padding():
     """10 rows over 4 devices: shards of 3, 3, 3 and 1 rows, the last padded to 3 (how XLA splits
     unevenly); the host tensor is the whole, without the padding."""
-    from xla_train.xla_backend import _from_shards
+    from xla_train.core.xla import _from_shards
 
     whole = torch.arange(30.0).view(10, 3)
     pieces, indices = [], []

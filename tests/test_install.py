@@ -143,7 +143,8 @@ def test_wheel_carries_every_module_the_bundled_data_and_the_metric(built):
     package_files = {str(p.relative_to(src)) for top in ("xla_train", "gpu_fallback") for p in (src / top).rglob("*")
                      if p.is_file() and "__pycache__" not in p.parts}
     assert {"xla_train/data/mrpc/train.tsv", "xla_train/data/mrpc/dev.tsv", "xla_train/data/mrpc/test.tsv",
-            "xla_train/tasks/task_metric/task_metric.py", "xla_train/cli.py", "gpu_fallback/backend.py"} <= package_files
+            "xla_train/tasks/task_metric/task_metric.py", "xla_train/cli.py", "xla_train/core/roles.py",
+            "gpu_fallback/strategies.py"} <= package_files
     assert {n for n in names if ".dist-info/" not in n} == package_files  # all of them, and nothing else
     info = wheel.name.split("-")[0] + "-" + wheel.name.split("-")[1] + ".dist-info/"
     entry_points = zipfile.ZipFile(wheel).read(info + "entry_points.txt").decode()

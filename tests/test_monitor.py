@@ -147,9 +147,9 @@ def test_sync_inside_the_step_is_named_by_its_python_frame(short_data, tiny_mode
     seed's setup), the explainer names transformers' frame behind the sync."""
     out = tmp_path / "out"
     patch = """
-from xla_train import xla_backend
-xla_backend._register_attention = lambda: None  # keep transformers' stock "sdpa"
-xla_backend.XLA_ATTENTION = "sdpa"
+from xla_train.core import xla
+xla._register_attention = lambda: None  # keep transformers' stock "sdpa"
+xla.XLA_ATTENTION = "sdpa"
 """
     proc = run_patched(patch, ["--backend", "xla", "--model", tiny_model, "--data-dir", short_data, "--max-steps", 2,
                                "--buckets", "128", "--output-dir", out])
@@ -208,9 +208,9 @@ def test_replicas_agreeing_at_a_log_point_compile_no_new_step_graph(xla_run, sho
     patch = """
 import torch_xla.core.xla_model as xm
 from xla_train.run_state import RunState
-from xla_train.xla_backend import XLABackend
+from xla_train.core.xla import XlaDdp
 RunState._agree = RunState._agree_across  # the path several replicas take
-XLABackend.gather = lambda self, tensor: xm.all_gather(tensor, dim=0)  # a real collective on one replica
+XlaDdp.gather = lambda self, tensor: xm.all_gather(tensor, dim=0)  # a real collective on one replica
 """
     proc = run_patched(patch, ["--backend", "xla", "--model", tiny_model, "--data-dir", short_data, "--max-steps", 4,
                                "--buckets", "128", "--log-every", 2, "--output-dir", out])

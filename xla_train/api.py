@@ -11,8 +11,12 @@
             optimizer.zero_grad(set_to_none=True)
 
 `launch(fn, args)` runs `fn` on every local TPU core / GPU / CPU worker; create the Engine
-inside `fn` (it then uses the backend that launched the worker). The package's own job
+inside `fn` (it then uses the roles that launched the worker). The package's own job
 (`xla_train.train`) is written on this same API.
+
+An Engine's roles are attributes: `engine.accelerator` (the device: seeds, host copies, counters,
+profiles), `engine.strategy` (how work is split: mesh, data-parallel degree, model wrapping,
+collectives, sharded checkpoints) and `engine.launcher`. Code that needs one asks it directly.
 """
 
 import traceback
@@ -22,24 +26,26 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DataCollatorWithPadding
 
-from .backend import Backend, active_backend
-from .core.hf import quiet_transformers
 from .core.checkpoint_io import trained_state
+from .core.hf import quiet_transformers
+from .core.roles import Roles, active_roles, optimizer_params
+from .core.select import select_roles
 from .data import BatchPlan, make_loader
 from .errors import UserError, describe
-from .selection import select_backend
 from .shapes import Padding
 
 
 class Engine:
-    """Picks the backend and adapts loaders, model and optimizer to it. One per worker."""
+    """Picks the roles (accelerator, strategy, launcher) and adapts loaders, model and optimizer
+    to them. One per worker."""
 
     def __init__(self, backend="auto", precision="fp32", grad_accum=1, max_grad_norm=None,
                  num_processes=None, compile_cache=None, strategy="ddp"):
-        self.backend = _engine_backend(backend, num_processes, strategy)
-        self.backend.start()  # process groups, SPMD mode: before anything touches the device
+        roles = _engine_roles(backend, num_processes, strategy)
+        self.accelerator, self.strategy, self.launcher = roles.accelerator, roles.strategy, roles.launcher
+        roles.start()  # process groups, SPMD mode: before anything touches the device
         if compile_cache:
-            self.backend.use_compile_cache(compile_cache)  # before the first compilation
+            self.accelerator.use_compile_cache(compile_cache)  # before the first compilation
         self.precision, self.grad_accum, self.max_grad_norm = precision, grad_accum, max_grad_norm
         self._micro_steps = 0
         self._model = None
@@ -48,53 +54,55 @@ class Engine:
     # --- who am I -----------------------------------------------------------------------
     @property
     def device(self):
-        return self.backend.device
+        """The torch.device this process computes on."""
+        return self.accelerator.device
 
     @property
     def world_size(self):
-        return self.backend.world_size
+        return self.strategy.world_size
 
     @property
     def rank(self):
-        return self.backend.rank
+        return self.strategy.rank
 
     @property
-    def num_devices(self):
-        """Devices training in data parallel: processes x devices each process feeds (SPMD)."""
-        return self.world_size * self.backend.devices_per_process
+    def data_parallel_size(self):
+        """Copies of the model that see different batches (the strategy's data axes; under SPMD,
+        every device the processes feed). The metrics' and a checkpoint's `world_size`."""
+        return self.strategy.data_parallel_size
 
     @property
     def replicas_per_process(self):
         """Replicas sharing this process and its counters (threads on Colab's TPU v2-8/v3-8)."""
-        return self.backend.replicas_per_process
+        return self.strategy.replicas_per_process
 
     @property
     def is_main_process(self):
-        return self.backend.is_main
+        return self.strategy.is_main
 
     @property
     def runtime(self):
-        """The backend's name: "xla", "cuda" or "cpu"."""
-        return self.backend.name
+        """The accelerator's name: "xla", "cuda" or "cpu"."""
+        return self.accelerator.name
 
     def describe_device(self):
-        return self.backend.describe_device()
+        return self.accelerator.describe()
 
     @property
     def fused_optimizer(self):
         """Whether torch.optim's fused kernels (`fused=True`) run on this device."""
-        return self.backend.fused_optimizer
+        return self.accelerator.fused_optimizer
 
     def seed(self, seed):
         """Seeds the host generator and the device's (dropout masks)."""
-        self.backend.seed(seed)
+        self.accelerator.seed(seed)
 
     def seed_micro_batch(self, seed, epoch, batch):
         """Seeds the device's generator for micro-batch `batch` of `epoch` (XLA; elsewhere the
         generator's saved state resumes exactly). XLA's generator moves on at every graph cut,
         needed or not, so after a resume, whose cuts differ from the uninterrupted run's, its
         dropout masks would differ; seeded from the position they are the same."""
-        self.backend.seed_micro_batch(seed, epoch, batch)
+        self.accelerator.seed_micro_batch(seed, epoch, batch)
 
     def print(self, *args, **kwargs):
         """print() on the main process only, without breaking progress bars."""
@@ -103,7 +111,7 @@ class Engine:
 
     # --- prepare ------------------------------------------------------------------------
     def prepare(self, *objects):
-        """Returns each object ready for the backend, in the order given.
+        """Returns each object ready for the accelerator and strategy, in the order given.
 
         Modules go to the device (wrapped in DDP on several fallback workers); optimizers are
         re-pointed at the moved parameters (on XLA, `.to(device)` makes new Parameter objects);
@@ -111,11 +119,11 @@ class Engine:
         """
         modules = [o for o in objects if isinstance(o, torch.nn.Module)]
         before = [list(m.parameters()) for m in modules]
-        moved = {id(m): self.backend.prepare_model(m) for m in modules}
+        moved = {id(m): self.strategy.wrap_model(self.accelerator.adapt_model(m)) for m in modules}
         self._model = moved[id(modules[-1])] if modules else self._model  # for no_sync on micro-steps
         remap = {}
         for m, old in zip(modules, before):
-            remap.update({id(p): q for p, q in zip(old, self.backend.unwrap_model(moved[id(m)]).parameters())})
+            remap.update({id(p): q for p, q in zip(old, self.strategy.unwrap_model(moved[id(m)]).parameters())})
         out = []
         for o in objects:
             if isinstance(o, torch.nn.Module):
@@ -131,39 +139,39 @@ class Engine:
         return tuple(out) if len(out) > 1 else out[0]
 
     def _prepare_loader(self, loader):
-        if (self.backend.static_shapes and isinstance(loader.collate_fn, DataCollatorWithPadding)
+        if (self.accelerator.static_shapes and isinstance(loader.collate_fn, DataCollatorWithPadding)
                 and hasattr(loader.dataset, "with_format")):
             loader = _static_shape_loader(loader)
         plan = loader.batch_sampler
         if isinstance(plan, BatchPlan):
             plan.shard(self.world_size, self.rank)
-            plan.batch_size *= self.backend.devices_per_process  # SPMD: one process feeds them all
+            plan.batch_size *= self.strategy.devices_per_process  # SPMD: one process feeds them all
         elif self.world_size > 1:
             sampler = torch.utils.data.DistributedSampler(loader.dataset, self.world_size, self.rank,
                                                           shuffle=not isinstance(loader.sampler,
                                                                                  torch.utils.data.SequentialSampler))
             loader = torch.utils.data.DataLoader(loader.dataset, batch_size=loader.batch_size, sampler=sampler,
                                                  collate_fn=loader.collate_fn, drop_last=loader.drop_last)
-        return PreparedLoader(loader, self.backend.wrap_loader(loader), self)
+        return PreparedLoader(loader, self.accelerator.wrap_loader(loader, self.strategy.input_sharding()), self)
 
     def unwrap_model(self, model):
-        return self.backend.unwrap_model(model)
+        return self.strategy.unwrap_model(model)
 
     # --- the step -----------------------------------------------------------------------
     def autocast(self):
-        """bf16 autocast on the backend's device with precision="bf16"; a no-op for fp32."""
-        return self.backend.autocast(self.precision)
+        """bf16 autocast on the device with precision="bf16"; a no-op for fp32."""
+        return self.accelerator.autocast(self.precision)
 
     def checkpoint_activations(self, model):
         """Gradient checkpointing for a transformers model, before `prepare`: each block's
         activations are recomputed in the backward pass instead of kept (on XLA with torch_xla's
         checkpoint, which XLA does not undo)."""
-        checkpoint_activations(model, self.backend.activation_checkpoint())
+        checkpoint_activations(model, self.accelerator.activation_checkpoint())
         return model
 
     def inference_mode(self):
-        """`torch.inference_mode()` where the backend supports it, else `torch.no_grad()`."""
-        return self.backend.inference_mode()
+        """`torch.inference_mode()` where the device supports it, else `torch.no_grad()`."""
+        return self.accelerator.inference_mode()
 
     @property
     def sync_gradients(self):
@@ -175,10 +183,10 @@ class Engine:
         optimizer step (DDP's no_sync on micro-steps; XLA reduces inside optimizer_step)."""
         loss = loss / self.grad_accum if self.grad_accum > 1 else loss
         if self.sync_gradients or self._model is None:
-            self.backend.backward(loss)
+            loss.backward()
         else:
-            with self.backend.no_sync(self._model):
-                self.backend.backward(loss)
+            with self.strategy.no_sync(self._model):
+                loss.backward()
 
     def optimizer_step(self, optimizer):
         """Steps (all-reducing and clipping gradients) on accumulation boundaries.
@@ -191,9 +199,9 @@ class Engine:
         self._micro_steps += 1
         if not boundary:
             return False
-        norm = self.backend.optimizer_step(optimizer, self.max_grad_norm)
+        norm = self.strategy.optimizer_step(optimizer, self.max_grad_norm)
         if norm is None:  # not clipped: the step leaves the reduced gradients in .grad
-            grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+            grads = [p.grad for p in optimizer_params(optimizer) if p.grad is not None]
             norm = torch.nn.utils.get_total_norm(grads)
         self.last_grad_norm = norm
         return True
@@ -217,81 +225,53 @@ class Engine:
         tensors = [tensors] if torch.is_tensor(tensors) else list(tensors)
         if valid is None:
             valid = self._valid if self._valid is not None else torch.ones_like(tensors[0])
-        return self.backend.gather(torch.stack([*tensors, valid.to(tensors[0].dtype)], dim=1))
+        return self.strategy.gather(torch.stack([*tensors, valid.to(tensors[0].dtype)], dim=1))
 
     def rows_to_host(self, parts):
         """The columns of `gather_on_device`'s results, in one transfer, filler rows dropped."""
-        self.backend.cut_graph()  # the last batch's graph, if its loader has not cut it
-        host = torch.cat(self.backend.read(parts))  # one device-to-host transfer on XLA
+        self.accelerator.cut_graph()  # the last batch's graph, if its loader has not cut it
+        host = torch.cat(self.strategy.read(parts))  # one device-to-host transfer on XLA
         host = host[host[:, -1] != 0]
         return tuple(host[:, i] for i in range(host.shape[1] - 1))
 
-    def gather(self, tensor):
-        """Concatenates `tensor` (same shape on every replica) along dim 0, on the device."""
-        return self.backend.gather(tensor)
-
-    @property
-    def peers(self):
-        """How many processes must agree on a stop: the replicas (under SPMD: one process per host)."""
-        return self.backend.peers
-
-    def gather_rows(self, row):
-        """Every peer's `row` (a 1-D host tensor) as rows of one device tensor, for a reduction
-        over dim 0 on the device (under SPMD a process's row comes once per device it feeds)."""
-        return self.backend.gather_rows(row)
-
-    def to_host(self, tensors):
-        """Cuts the pending graph and copies device tensors to the CPU (one transfer on XLA)."""
-        return self.backend.to_host(tensors)
+    def to_host(self, tensors, main_only=False):
+        """Cuts the pending graph and copies device tensors to the CPU (one transfer on XLA).
+        `main_only`: the main replica, which writes files, gets the copies; the others cut their
+        graph at the same point, so every replica keeps running the same graphs, and get None."""
+        return self.strategy.to_host(tensors, main_only)
 
     def to_writer(self, tensors):
-        """`to_host` on the main replica, which writes files; the others cut their graph at the
-        same point, so every replica keeps running the same graphs, and get None."""
-        return self.backend.to_writer(tensors)
-
-    def read(self, tensors):
-        """Copies tensors the step has already computed to the CPU (in a step closure)."""
-        return self.backend.read(tensors)
+        """`to_host(tensors, main_only=True)` (kept for models.py)."""
+        return self.strategy.to_host(tensors, main_only=True)
 
     def step_closure(self, fn, args=()):
         """Runs `fn(*args)` on the host once the current step has run (at once when eager):
         logging that never makes the loop wait for the device."""
-        self.backend.step_closure(fn, args)
+        self.accelerator.step_closure(fn, args)
 
     def synchronize(self):
         """Waits for all queued device work (for honest timings)."""
-        self.backend.synchronize()
+        self.accelerator.synchronize()
 
     def cut_graph(self):
         """Ends the pending graph (XLA): what comes next compiles, and is cached, on its own."""
-        self.backend.cut_graph()
+        self.accelerator.cut_graph()
 
     def wait_for_everyone(self):
-        self.backend.barrier()
+        self.strategy.barrier()
 
-    # --- state and observability --------------------------------------------------------
-    def rng_state(self):
-        """This process's random state (host and device generators) as a 1-D uint8 tensor."""
-        return self.backend.rng_state()
-
-    def set_rng_state(self, state):
-        self.backend.set_rng_state(state)
-
+    # --- observability ------------------------------------------------------------------
     def compile_stats(self):
         """A snapshot of the process's compilation counters, or None where nothing compiles."""
-        return self.backend.compile_stats()
-
-    def device_memory(self):
-        """Bytes of the device's memory, or None where the backend cannot tell."""
-        return self.backend.device_memory()
+        return self.accelerator.compile_stats()
 
     def peak_memory(self):
-        """The most bytes the device held so far, or None where the backend cannot measure it."""
-        return self.backend.peak_memory()
+        """The most bytes the device held so far, or None where the device cannot measure it."""
+        return self.accelerator.peak_memory()
 
     def trace_compilations(self, path):
-        """Sends the cause and Python frames of every compilation to `path` (see Backend)."""
-        return self.backend.trace_compilations(path)
+        """Sends the cause and Python frames of every compilation to `path` (see Accelerator)."""
+        return self.accelerator.trace_compilations(path)
 
     def save_pretrained(self, model, tokenizer, path):
         """`save_pretrained` of the unwrapped model (weights moved to the CPU) and tokenizer. A
@@ -300,12 +280,12 @@ class Engine:
         model = self.unwrap_model(model)
         adapter = hasattr(model, "peft_config")
         state = trained_state(model) if adapter else model.state_dict()
-        weights = self.to_writer(list(state.values()))
+        weights = self.to_host(list(state.values()), main_only=True)
 
         def write():
             card = Path(path, "README.md")
             had_card = card.exists()
-            with quiet_transformers(), self.backend.plain_modules(model):
+            with quiet_transformers(), self.strategy.plain_modules(model):
                 model.save_pretrained(path, state_dict=dict(zip(state, weights)))
                 if adapter:
                     model.get_base_model().config.save_pretrained(path)
@@ -343,7 +323,7 @@ class Engine:
                 if isinstance(e, _BUGS):
                     traceback.print_exc()  # in the process that has it
                     code = 1
-        if self.peers == 1:
+        if self.strategy.peers == 1:
             if error is not None:
                 raise UserError(error, code)
             return
@@ -354,7 +334,7 @@ class Engine:
         if error is not None:
             data = error.encode()[:_MESSAGE_BYTES]
             payload[0], payload[1:1 + len(data)] = code, torch.tensor(list(data), dtype=torch.int32)
-        (rows,) = self.to_host([self.gather_rows(payload)])
+        (rows,) = self.to_host([self.strategy.gather_rows(payload)])
         failed = [row for row in rows if row[0]]
         if failed:
             raise UserError(bytes(failed[0][1:].tolist()).rstrip(b"\0").decode(errors="replace"), int(failed[0][0]))
@@ -405,13 +385,13 @@ def _static_shape_loader(loader):
                        lengths=lengths)
 
 
-def _engine_backend(backend, num_processes, strategy):
-    """The backend object an Engine uses: the launching one inside `launch`, else a new one."""
-    if isinstance(backend, Backend):
+def _engine_roles(backend, num_processes, strategy):
+    """The roles an Engine uses: the launching ones inside `launch`, else new ones."""
+    if isinstance(backend, Roles):
         return backend
-    active = active_backend()
+    active = active_roles()
     if active is None:
-        return select_backend(backend, num_processes, strategy)
+        return select_roles(backend, num_processes, strategy)
     if backend not in ("auto", active.name):
         raise UserError(f"Engine(backend={backend!r}) inside a worker launched with the {active.name} backend")
     return active
@@ -420,13 +400,13 @@ def _engine_backend(backend, num_processes, strategy):
 def launch(fn, args=(), backend="auto", num_processes=None, strategy="ddp"):
     """Runs `fn(*args)` on every local worker of `backend` (xmp.spawn on TPU; one process per GPU
     or `num_processes` gloo workers on the fallback; in this process when there is one)."""
-    select_backend(backend, num_processes, strategy).launch(fn, args)
+    select_roles(backend, num_processes, strategy).launch(fn, args)
 
 
 def notebook_launcher(fn, args=(), backend="auto", num_processes=None, strategy="ddp"):
     """`launch` for a notebook cell: workers are forked, so `fn` may be defined in the notebook.
     Call it before the notebook itself has put anything on an accelerator."""
-    select_backend(backend, num_processes, strategy).launch(fn, args, start_method="fork")
+    select_roles(backend, num_processes, strategy).launch(fn, args, start_method="fork")
 
 
 def checkpoint_activations(model, checkpoint=None):

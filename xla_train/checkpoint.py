@@ -2,7 +2,7 @@
 state, the data position and the run's config, in one folder per step (see storage.py).
 
 Every replica calls `save`; tensors are copied to the CPU first and only the main replica writes.
-Under FSDPv2 (a backend that `writes_shards`) the trained weights and the optimizer's moments are
+Under FSDPv2 (a strategy that `writes_shards`) the trained weights and the optimizer's moments are
 not copied whole: every host writes its own shards (`shards/host-N/`, torch.distributed.checkpoint)
 and the main one the rest, its marker once every host's part is written.
 Loading unpickles no objects of ours: safetensors for the model, `torch.load(weights_only=True)` for
@@ -18,6 +18,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .core.checkpoint_io import trained_state
+from .core.roles import optimizer_params, shaped_like
 from .errors import UserError, first_line
 from .run_folder import mismatch
 from .storage import MARKER, SHARDS, checkpoint_name, open_store
@@ -34,10 +35,10 @@ MOMENTS = "sharded_moments"  # in a sharded checkpoint's optimizer.pt: the keys 
 
 def _host_tree(engine, tree, writer_only=False):
     """`tree` (dicts, lists, tensors) with every tensor copied to the CPU in one transfer. With
-    `writer_only`, only the main replica copies (`Engine.to_writer`); the others get None."""
+    `writer_only`, only the main replica copies (`Engine.to_host`'s main_only); the others get None."""
     leaves, spec = tree_flatten(tree)
     where = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-    hosts = (engine.to_writer if writer_only else engine.to_host)([leaves[i] for i in where])
+    hosts = engine.to_host([leaves[i] for i in where], main_only=writer_only)
     if hosts is None:
         return None
     for i, host in zip(where, hosts):
@@ -45,9 +46,6 @@ def _host_tree(engine, tree, writer_only=False):
     return tree_unflatten(leaves, spec)
 
 
-def _numbered_params(optimizer):
-    """The optimizer's parameters in the order `optimizer.state_dict()` numbers its states."""
-    return [p for group in optimizer.param_groups for p in group["params"]]
 
 
 def split_moments(optimizer):
@@ -55,12 +53,12 @@ def split_moments(optimizer):
     and those tensors keyed `"<parameter index>.<name>"` (laid out like their parameter, on the
     device). The rest (steps, hyperparameters) is small and the same on every host."""
     saved = optimizer.state_dict()
-    params = _numbered_params(optimizer)
+    params = optimizer_params(optimizer)
     states, moments = {}, {}
     for i, s in saved["state"].items():
         states[i] = {}
         for k, v in s.items():  # a copy: `s` is the optimizer's own dict
-            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == params[i].shape:
+            if shaped_like(v, params[i]):
                 moments[f"{i}.{k}"] = v
             else:
                 states[i][k] = v
@@ -71,16 +69,16 @@ def save(engine, store, model, optimizer, scheduler, state, keep_last=None):
     """Writes checkpoint `step-<state["run"]["step"]>`; every replica must call this. Returns its URL."""
     from safetensors.torch import save_file
 
-    backend, name = engine.backend, checkpoint_name(state["run"]["step"])
+    strategy, name = engine.strategy, checkpoint_name(state["run"]["step"])
     what = f"cannot write checkpoint {store.checkpoint_url(name)}"
     model_state = trained_state(engine.unwrap_model(model))
-    if backend.writes_shards:
+    if strategy.writes_shards:
         opt_state, moments = split_moments(optimizer)
         host = _host_tree(engine, (None, opt_state), writer_only=True)
-        state = {**state, "shards": SHARDS, "hosts": engine.peers}  # a host reads the shards it wrote
+        state = {**state, "shards": SHARDS, "hosts": strategy.peers}  # a host reads the shards it wrote
     else:
         host = _host_tree(engine, (model_state, optimizer.state_dict()), writer_only=True)
-    rng = engine.gather(engine.rng_state()[None].int().to(engine.device))  # one row per replica
+    rng = strategy.gather(engine.accelerator.rng_state()[None].int().to(engine.device))  # one row per replica
     (rng,) = engine.to_host([rng])
     staging = None
 
@@ -89,13 +87,13 @@ def save(engine, store, model, optimizer, scheduler, state, keep_last=None):
         store.clear(name)  # what an interrupted save of this step left, before any host uploads its part
         staging = store.staging(name)
 
-    if backend.writes_shards:
+    if strategy.writes_shards:
         # every host writes its shards (its own files and metadata: no host reads another's); the
         # others upload theirs, and the main one writes the rest once all have (on_every agrees)
         def write_shards():
             folder = staging if engine.is_main_process else store.staging(name)
-            backend.save_shards({"model": model_state, "optimizer": moments},
-                                folder / SHARDS / f"host-{backend.rank}")
+            strategy.save_shards({"model": model_state, "optimizer": moments},
+                                 folder / SHARDS / f"host-{strategy.rank}")
             if not engine.is_main_process:
                 store.upload(folder, name)
                 shutil.rmtree(folder, ignore_errors=True)
@@ -198,8 +196,8 @@ class Resume:
         except DAMAGED as e:
             raise UserError(f"checkpoint {url} is corrupt: {first_line(e)}")
 
-    def check(self, cfg, n_train, backend):
-        if self.sharded and not backend.writes_shards:
+    def check(self, cfg, n_train, roles):
+        if self.sharded and not roles.strategy.writes_shards:
             raise UserError(f"checkpoint {self.url} holds its hosts' shards (written by --backend xla --strategy "
                             "fsdp): resume with --backend xla --strategy fsdp")
         if self.state["n_train"] != n_train:
@@ -251,26 +249,26 @@ class Resume:
             engine.on_every(lambda: self._load_shards(engine, model, optimizer, opt_state),
                             f"cannot resume from {self.url}")
         optimizer.load_state_dict(opt_state)  # param groups carry the current learning rate
-        engine.backend.place_optimizer_state(optimizer)
+        engine.strategy.place_optimizer_state(optimizer)
         scheduler.load_state_dict(load("scheduler.pt"))
-        engine.set_rng_state(replica_row(load("rng.pt")["rng"], engine))
+        engine.accelerator.set_rng_state(replica_row(load("rng.pt")["rng"], engine))
 
     def _load_shards(self, engine, model, optimizer, opt_state):
         """Loads this host's shards into the model's trained tensors (in place) and into the moments
         of `opt_state` (made here laid out like their parameters)."""
-        backend = engine.backend
-        if self.state.get("hosts", 1) != engine.peers:
+        strategy = engine.strategy
+        if self.state.get("hosts", 1) != strategy.peers:
             raise UserError(f"checkpoint {self.url} was made on {self.state.get('hosts', 1)} host(s); this run has "
-                            f"{engine.peers}: resume on as many hosts (each reads the shards it wrote)")
-        part = f"{SHARDS}/host-{backend.rank}"
+                            f"{strategy.peers}: resume on as many hosts (each reads the shards it wrote)")
+        part = f"{SHARDS}/host-{strategy.rank}"
         folder = self.store.fetch(self.name, part) / part
         if not (folder / ".metadata").is_file():
             raise UserError(f"checkpoint {self.url} is corrupt: {part}/.metadata missing")
-        params = _numbered_params(optimizer)
-        moments = {key: backend.zeros_like_param(params[int(key.split(".")[0])]) for key in opt_state.pop(MOMENTS)}
+        params = optimizer_params(optimizer)
+        moments = {key: strategy.zeros_like_param(params[int(key.split(".")[0])]) for key in opt_state.pop(MOMENTS)}
         try:
-            backend.load_shards({"model": trained_state(engine.unwrap_model(model), live=True),
-                                 "optimizer": moments}, folder)
+            strategy.load_shards({"model": trained_state(engine.unwrap_model(model), live=True),
+                                  "optimizer": moments}, folder)
         except DAMAGED as e:
             raise UserError(f"checkpoint {self.url} is corrupt: {part}: {first_line(e)}")
         finally:
@@ -281,7 +279,7 @@ class Resume:
 
 
 def replica_row(rows, engine):
-    """This process's row of a checkpoint's random states, saved one per replica (`engine.gather`).
+    """This process's row of a checkpoint's random states, saved one per replica (`strategy.gather`).
     Under SPMD there is one replica (world size 1) but a process on every host, each with a rank
     (its process index): all of them run the same program from the same seed, so they share the
     one row; indexing by rank would fail on host 1 and up."""

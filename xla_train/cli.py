@@ -77,7 +77,7 @@ def cmd_env(args):
     import torch
     import transformers
 
-    from .selection import auto_choice, xla_available
+    from .core.select import auto_choice, xla_available
 
     choice, reason = auto_choice()
     print(f"torch         {torch.__version__}")
@@ -105,7 +105,7 @@ def _no_xla_unless_used(argv):
         return  # --help starts no library (a test checks)
     name = known.backend
     if name == "auto":
-        from .selection import auto_choice
+        from .core.select import auto_choice
 
         name, _ = auto_choice()
     if name in ("cpu", "cuda"):

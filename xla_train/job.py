@@ -82,12 +82,12 @@ def prepare(cfg, backend, resume=None):
     limit = position_limit(load_pretrained(AutoConfig, cfg.model), tokenizer)
     if cfg.max_length > limit:
         raise UserError(f"--max-length {cfg.max_length} is longer than model {cfg.model} takes ({limit} tokens)")
-    shapes = ShapePlan(cfg.batch_size, backend.planned_devices(), cfg.grad_accum)
+    shapes = ShapePlan(cfg.batch_size, backend.planned_data_parallel_size(), cfg.grad_accum)
     check_steps(shapes, len(task.splits["train"]))
     data, truncated = tokenize_task(cfg, task, tokenizer)
     if resume:
         resume.check(cfg, len(data["train"]), backend)
-    settle_padding(cfg, shapes, data, task.eval_splits, backend, resume)
+    settle_padding(cfg, shapes, data, task.eval_splits, backend.accelerator, resume)
     weights = resume.model_weights() if resume else None  # a corrupt file fails before any loading
     model = task.load_model(cfg.model, cfg.seed, tokenizer.pad_token_id)
     if cfg.lora:

@@ -1,7 +1,8 @@
 """Starting the workers of a job and ending them all when one fails: the one place for both.
 
-Two launchers start workers on this host: `xmp.spawn` (XLA replicas, `XLABackend.launch`) and
-torch.multiprocessing (gloo / NCCL workers, `gpu_fallback`). Both use one failure channel: the
+The XLA launchers are here: `XmpLauncher` (XLA replicas through `xmp.spawn`) and `HostLauncher`
+(SPMD and FSDPv2: one process per host, run in place). Two launchers start workers on this host:
+`xmp.spawn` and torch.multiprocessing (gloo / NCCL workers, `gpu_fallback.launcher`). Both use one failure channel: the
 launcher makes a folder and names it, with its own pid, in one environment variable its workers
 inherit (`failure_channel`); a failing worker leaves its one line there (`errors.tell`), and the
 launcher raises the line of the lowest-ranked worker that told one (`errors.told`).
@@ -20,6 +21,7 @@ import traceback
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
+from .core.roles import Launcher
 from .errors import ExitError, Stopped, UserError, describe, tell, told
 
 _CHANNEL = "XLA_TRAIN_LAUNCH"  # "LAUNCHER-PID:FOLDER": where workers register and tell failures
@@ -51,12 +53,98 @@ def worker_folder():
 _HANDED_OFF = {}  # the job forked replicas inherit (set before xmp.spawn, never pickled)
 
 
-def spawn_replicas(backend, fn, args, nprocs, start_method="fork"):
+class _XlaLauncher(Launcher):
+    """What both XLA launchers share: the processes asked for, and a TPU pod's hosts."""
+
+    start_method = "fork"
+
+    def __init__(self, num_processes=None):
+        if num_processes not in (None, 1):
+            # xmp.spawn under PJRT takes nprocs 1 or None (every local device) and raises
+            # ValueError for anything else (torch_xla/_internal/pjrt.py, spawn, lines 204-209)
+            # TPU_VISIBLE_CHIPS set for the whole job would override what torch_xla sets for each
+            # replica (configure_topology: one chip each, torch_xla/_internal/tpu.py, line 298),
+            # so every replica would claim the same chips: name only the process bounds
+            raise UserError(f"--num-processes {num_processes}: on XLA give 1 (one replica) or leave it out (one "
+                            "replica per local device); to use fewer chips, set TPU_PROCESS_BOUNDS")
+        from .core.xla import pjrt_device
+
+        self.num_processes = num_processes
+        self.tpu = pjrt_device() == "TPU"
+
+    def host_position(self):
+        if os.environ["PJRT_DEVICE"].upper() != "TPU":
+            return 0, 1
+        from torch_xla._internal import tpu
+
+        # the tpu-env metadata (or TPU_WORKER_ID / TPU_WORKER_HOSTNAMES), read without starting the
+        # runtime (torch_xla/_internal/tpu.py, worker_id and num_tpu_workers)
+        return tpu.worker_id(), tpu.num_tpu_workers()
+
+
+class XmpLauncher(_XlaLauncher):
+    """One replica per local device under xmp.spawn (XLA's data parallel)."""
+
+    def __init__(self, num_processes=None):
+        super().__init__(num_processes)
+        if self.tpu:
+            _refuse_one_process_per_pod(num_processes)
+
+    def planned_replicas(self):
+        # Read from the environment and the host, never from the runtime: the parent must not
+        # start it before xmp.spawn forks the replicas.
+        device = os.environ["PJRT_DEVICE"].upper()
+        if device == "TPU":
+            from torch_xla._internal import tpu
+
+            if self.num_processes == 1:
+                return 1  # one replica (refused on several hosts: see __init__)
+            # the processes xmp.spawn starts on a host (its chips, fewer where TPU_PROCESS_BOUNDS
+            # says so) x devices per process (two cores a chip on v2/v3) x hosts; "safe to call
+            # before xmp.spawn" (torch_xla/_internal/tpu.py, num_local_processes, lines 142-148)
+            return tpu.num_local_processes() * tpu.num_logical_cores_per_chip() * tpu.num_tpu_workers()
+        return 1 if device == "CPU" else int(os.environ.get("GPU_NUM_DEVICES", 1))  # see launch()
+
+    def launch(self, roles, fn, args, start_method):
+        nprocs = self.num_processes
+        if os.environ["PJRT_DEVICE"].upper() == "CPU":
+            nprocs = 1  # XLA:CPU runs one replica; xmp.spawn then calls fn in this process.
+        # fork: replicas share the parent's tokenised data and model pages instead of each
+        # loading a copy. The parent must not have started the XLA runtime.
+        spawn_replicas(roles, fn, args, nprocs, start_method)
+
+
+class HostLauncher(_XlaLauncher):
+    """SPMD and FSDPv2: one process per host drives every device; it runs the job in place
+    (whatever --num-processes says: no xmp.spawn, which would start the runtime before use_spmd())."""
+
+    def planned_replicas(self):
+        return self.host_position()[1]
+
+    def launch(self, roles, fn, args, start_method):
+        with pod_watch():  # no launcher watches this process: on several hosts, the pod's marker
+            roles.run_worker(fn, args)
+
+
+def _refuse_one_process_per_pod(num_processes):
+    """`--num-processes 1` on several TPU hosts would make each host a world of one: torch_xla's
+    single-process path sets TPU_PROCESS_BOUNDS=1,1,1 (torch_xla/_internal/pjrt.py,
+    initialize_singleprocess, line 106; tpu.py, configure_one_chip_topology), so the hosts would train
+    apart, each as rank 0, writing the same checkpoints."""
+    from torch_xla._internal import tpu
+
+    hosts = tpu.num_tpu_workers()
+    if num_processes == 1 and hosts > 1:
+        raise UserError(f"--num-processes 1 on a TPU slice of {hosts} hosts would train {hosts} separate models; "
+                        "leave it out (one replica per chip), or use --strategy spmd")
+
+
+def spawn_replicas(roles, fn, args, nprocs, start_method="fork"):
     """`fn(*args)` in `nprocs` XLA replicas through xmp.spawn (None: one per local device; 1: in
-    this process), each through `backend.run_worker`; one replica's failure ends them all."""
+    this process), each through `roles.run_worker`; one replica's failure ends them all."""
     import torch_xla.distributed.xla_multiprocessing as xmp
 
-    entry, entry_args = spawn_arguments(backend, fn, args, start_method)
+    entry, entry_args = spawn_arguments(roles, fn, args, start_method)
     try:
         with replica_failures() if nprocs != 1 else contextlib.nullcontext():
             xmp.spawn(entry, args=entry_args, nprocs=nprocs, start_method=start_method)
@@ -64,15 +152,15 @@ def spawn_replicas(backend, fn, args, nprocs, start_method="fork"):
         _HANDED_OFF.clear()
 
 
-def spawn_arguments(backend, fn, args, start_method):
+def spawn_arguments(roles, fn, args, start_method):
     """The function and arguments for xmp.spawn. It pickles them into every replica
     (torch_xla/_internal/pjrt.py, run_multiprocess: executor.map over a partial of fn and args),
     and torch's pickler moves every tensor through shared memory (/dev/shm: 64 MB in a default
     container). Forked replicas take the job from this module instead: only a key is pickled."""
     if start_method != "fork":
-        return _run_replica, (backend, fn, args)
+        return _run_replica, (roles, fn, args)
     key = f"job-{len(_HANDED_OFF)}"
-    _HANDED_OFF[key] = (backend, fn, args)
+    _HANDED_OFF[key] = (roles, fn, args)
     return _run_handed_off, (key,)
 
 
@@ -80,7 +168,7 @@ def _run_handed_off(index, key):
     _run_replica(index, *_HANDED_OFF[key])
 
 
-def _run_replica(index, backend, fn, args):
+def _run_replica(index, roles, fn, args):
     """One replica of xmp.spawn (`index`: its global ordinal). Under PJRT, xmp.spawn runs the
     replicas in a ProcessPoolExecutor, collects their results in order, and leaving its `with`
     block waits for every worker (torch_xla/_internal/pjrt.py, run_multiprocess, lines 159-168).
@@ -93,13 +181,13 @@ def _run_replica(index, backend, fn, args):
     a word (the kernel's out-of-memory killer) is noticed by the others' watchdog, which does the same."""
     folder = worker_folder()
     if folder is None:  # nprocs=1: xmp.spawn calls this in the launcher's process, errors go up as they are
-        backend.run_worker(fn, args)
+        roles.run_worker(fn, args)
         return
     done = threading.Event()
     try:
         Path(folder, f"pid-{os.getpid()}").touch()  # threads of one process (Colab) share a pid
         threading.Thread(target=_watch_siblings, args=(folder, done, index), daemon=True).start()
-        backend.run_worker(fn, args)
+        roles.run_worker(fn, args)
     except Stopped:
         raise  # every replica stopped at the same step: they leave together
     except BaseException as e:  # noqa: B036 - any failure must end every replica

@@ -62,15 +62,15 @@ def needed(memory):
     return sum(memory[k] or 0 for k in keys)
 
 
-def device_bytes(backend):
-    """The device's memory: XLA_TRAIN_DEVICE_BYTES if set, else what the backend can tell, else None."""
+def device_bytes(accelerator):
+    """The device's memory: XLA_TRAIN_DEVICE_BYTES if set, else what the accelerator can tell, else None."""
     given = os.environ.get(DEVICE_BYTES)
     if given:
         try:
             return int(float(given))
         except ValueError:
             raise UserError(f"{DEVICE_BYTES} must be a number of bytes, not {given!r}") from None
-    return backend.device_memory()
+    return accelerator.device_memory()
 
 
 def describe(memory, counts):

@@ -29,7 +29,7 @@ from .storage import is_remote
 from .trackers import Trackers
 
 ANALYSIS = re.compile(r"Compilation Cause\n\s*(.*?)\n.*?Python Frame Triggered Execution: *\n(.*?)\n-{10}", re.S)
-LIBRARY_FRAME = re.compile(r"[/\\](torch|torch_xla)[/\\]|xla_train[/\\](api|backend|xla_backend|monitor|clock|run_state)\.py")  # plumbing
+LIBRARY_FRAME = re.compile(r"[/\\](torch|torch_xla)[/\\]|xla_train[/\\](api|core[/\\]roles|core[/\\]xla|monitor|clock|run_state)\.py")  # plumbing
 
 
 class Monitor:

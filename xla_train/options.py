@@ -17,10 +17,6 @@ from .trackers import TRACKERS, trackers
 
 PADDING_MODES = ("buckets", "max_length", "dynamic")
 PRECISIONS = ("fp32", "bf16")
-BACKENDS = ("auto", "xla", "cuda", "cpu")
-# ddp: one replica per device; spmd: one process shards the batch (XLA); fsdp: the model too (FSDPv2 on
-# XLA, FSDP2 on CUDA and the CPU)
-STRATEGIES = ("ddp", "spmd", "fsdp")
 
 
 def option(default, help, choices=None, required=False):

@@ -71,7 +71,7 @@ def run_metrics(engine, job, t, monitor, timing, results):
     plan = t.train_dl.loader.batch_sampler
     return {
         "backend": engine.runtime, "device": engine.describe_device(),
-        "world_size": engine.num_devices, "model": cfg.model, "task": task.name, "problem": task.problem,
+        "world_size": engine.data_parallel_size, "model": cfg.model, "task": task.name, "problem": task.problem,
         "labels": task.labels, "num_labels": task.num_labels, "main_metric": task.main, "steps": state.step,
         "epochs": round(state.step / t.steps_per_epoch, 4),
         "train_samples": state.step * t.shapes.rows_per_step, **timing,
@@ -94,6 +94,6 @@ def run_metrics(engine, job, t, monitor, timing, results):
 def replica_checksums(engine, model):
     """Per-parameter sums from every replica (rows), to show that replicas hold the same model."""
     params = list(engine.unwrap_model(model).parameters())
-    sums = torch.stack([engine.backend.whole(p.detach().float().sum()) for p in params])  # FSDP: of every shard
-    (host,) = engine.to_host([engine.gather(sums[None])])
+    sums = torch.stack([engine.strategy.whole(p.detach().float().sum()) for p in params])  # FSDP: of every shard
+    (host,) = engine.to_host([engine.strategy.gather(sums[None])])
     return host

@@ -15,7 +15,7 @@ from .data import model_inputs_only
 from .inference import predict_loader, predict_rows
 from .models import load_pretrained
 from .predictions import read_input, tokenize_rows, write_output
-from .selection import select_backend
+from .core.select import select_roles
 from .shapes import CostModel, Padding, choose_buckets, parse_buckets
 from .tasks import from_folder
 
@@ -25,8 +25,8 @@ def plan(lengths, backend, buckets, max_length):
     auto`'s for a forward pass (about a third of a training step's cost; one graph per bucket)."""
     buckets = parse_buckets(buckets, max_length)
     if buckets == "auto":
-        cost = CostModel(compile_seconds=backend.compile_seconds, token_seconds=backend.token_seconds,
-                         graphs_per_bucket=1)
+        cost = CostModel(compile_seconds=backend.accelerator.compile_seconds,
+                         token_seconds=backend.accelerator.token_seconds, graphs_per_bucket=1)
         buckets, _ = choose_buckets(lengths, 1 / 3, max_length, cost)
     padding = Padding("buckets", buckets, max_length)
     padding.check_fit(lengths)
@@ -54,7 +54,7 @@ def run(cfg):
     task = from_folder(cfg.model)
     cfg.max_length = cfg.max_length or task.max_length
     table = read_input(cfg.input, task, cfg.text_columns, cfg.task)
-    backend = select_backend(cfg.backend, cfg.num_processes, cfg.strategy)
+    backend = select_roles(cfg.backend, cfg.num_processes, cfg.strategy)
     tokenizer = load_pretrained(AutoTokenizer, cfg.model)
     data, truncated = tokenize_rows(table, task, tokenizer, cfg.max_length)
     if truncated:

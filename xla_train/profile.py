@@ -24,7 +24,7 @@ class Profile:
     """One window of profiled steps; a no-op without --profile-steps and on other replicas."""
 
     def __init__(self, engine, spec, folder):
-        self.backend, self.folder = engine.backend, folder
+        self.accelerator, self.folder = engine.accelerator, folder
         self.first, self.last = parse_steps(spec) if spec and engine.is_main_process else (None, None)
         self.session = self.step = None
 
@@ -34,9 +34,9 @@ class Profile:
             return
         if self.session is None:
             self.folder.mkdir(parents=True, exist_ok=True)
-            self.session = self.backend.start_profile(self.folder)
+            self.session = self.accelerator.start_profile(self.folder)
         self.step = step
-        self._annotation = self.backend.step_annotation(step)
+        self._annotation = self.accelerator.step_annotation(step)
         self._annotation.__enter__()
 
     def step_ended(self, step):
@@ -50,5 +50,5 @@ class Profile:
     def close(self):
         """Writes the profile (also when the run ends inside the window)."""
         if self.session is not None:
-            self.backend.stop_profile(self.session)
+            self.accelerator.stop_profile(self.session)
             self.session, self.first = None, None

@@ -91,7 +91,7 @@ class RunState:
 
     def _log(self, step, lr, bar, monitor, grad_norm):
         """Logs the mean loss since the previous log point, from the running sum (one transfer)."""
-        host = self.engine.read([self.tracker.t] + ([grad_norm] if grad_norm is not None else []))
+        host = self.engine.strategy.read([self.tracker.t] + ([grad_norm] if grad_norm is not None else []))
         total, bad = self.tracker.parse(host[0])
         self.bad_step = self.bad_step or bad
         grad_norm = float(host[1]) if len(host) > 1 else None
@@ -115,7 +115,7 @@ class RunState:
     def check_stop(self, stop, at_log_point):
         """Raises `Stopped` on every replica at once if any replica got a signal (after saving a
         checkpoint) or saw a non-finite loss (without saving)."""
-        if self.engine.peers > 1 and not at_log_point:  # agreeing needs a collective
+        if self.engine.strategy.peers > 1 and not at_log_point:  # agreeing needs a collective
             return
         flags = self._agree([stop.signum or 0, self.bad_step or 0])
         StopRequest.signum, self.bad_step = flags[0] or None, flags[1] or None
@@ -128,7 +128,7 @@ class RunState:
 
     def _agree(self, flags):
         """Per position, the largest value any replica has (a collective every replica reaches)."""
-        if self.engine.peers == 1:
+        if self.engine.strategy.peers == 1:
             return flags
         return self._agree_across(flags)
 
@@ -140,7 +140,7 @@ class RunState:
         self.engine.cut_graph()
         # int32: 64-bit integer collectives may not lower on TPU (pytorch/xla#1952). The largest
         # is taken on the device: under SPMD the rows are sharded over several hosts' devices.
-        (agreed,) = self.engine.to_host([self.engine.gather_rows(torch.tensor(flags, dtype=torch.int32)).amax(0)])
+        (agreed,) = self.engine.to_host([self.engine.strategy.gather_rows(torch.tensor(flags, dtype=torch.int32)).amax(0)])
         return agreed.tolist()
 
     def _diverged(self):
@@ -186,7 +186,7 @@ class RunState:
         if not (self.cfg.save_best and self.best) or self.best["step"] == self.evaluations[-1][0]:
             return self.results
         weights = self.best_weights if self.best_weights is not None else checkpoint.load_best(self.store)
-        self.engine.backend.load_weights(model, weights)
+        self.engine.strategy.load_weights(model, weights)
         return next(r for s, r in self.evaluations if s == self.best["step"])
 
     # --- checkpoints --------------------------------------------------------------------------
@@ -195,7 +195,7 @@ class RunState:
         A resumed run loads the optimizer's and scheduler's state and the random state here."""
         self._checkpoint_args = (model, optimizer, scheduler, clock, extra)
         if self.resume:
-            self.resume.load_training_state(self.engine, model, optimizer, scheduler, self.engine.num_devices)
+            self.resume.load_training_state(self.engine, model, optimizer, scheduler, self.engine.data_parallel_size)
             self.engine.print(f"resumed from {self.resume.url} at step {self.step}")
 
     def save_due(self, total_steps, end_of_epoch=False):
@@ -221,7 +221,7 @@ class RunState:
             run = {"step": self.step, "epoch": self.epoch, "batch": self.batch, "loss_sum": loss_sum,
                    "history": self.history, "results": self.results, "evaluations": self.evaluations,
                    "best": self.best, "bad_evals": self.bad_evals, "stopped_early": self.stopped_early}
-            state = {"run": run, **extra, "world_size": self.engine.num_devices, "config": asdict(self.cfg)}
+            state = {"run": run, **extra, "world_size": self.engine.data_parallel_size, "config": asdict(self.cfg)}
             self.saved = checkpoint.save(self.engine, self.store, model, optimizer, scheduler, state,
                                          self.cfg.keep_last)
         self.saved_at = self.position

@@ -103,26 +103,26 @@ def check_steps(shapes, rows):
                         "more rows, or a smaller --batch-size or --grad-accum")
 
 
-def settle_padding(cfg, shapes, data, eval_splits, backend, resume=None):
+def settle_padding(cfg, shapes, data, eval_splits, accelerator, resume=None):
     """Sets `shapes.padding`: the bucket lengths given, a resumed run's (the data order depends on
     them), or `--buckets auto`'s choice for this job. Every row must fit them."""
     buckets = parse_buckets(cfg.buckets, cfg.max_length)
     if resume:
         buckets = resume.state["buckets"] or buckets
     if cfg.padding == "buckets" and buckets == "auto":
-        buckets = _auto_buckets(cfg, shapes, data, eval_splits, backend)
+        buckets = _auto_buckets(cfg, shapes, data, eval_splits, accelerator)
     shapes.padding = Padding(cfg.padding, buckets, cfg.max_length)
     for split in data.values():
         shapes.padding.check_fit(split["length"])
 
 
-def _auto_buckets(cfg, shapes, data, eval_splits, backend):
+def _auto_buckets(cfg, shapes, data, eval_splits, accelerator):
     """`--buckets auto` for the job the run will really be: every device training in data
     parallel (replicas on every host, SPMD's devices), counted before launch."""
     rows = len(data["train"])
     steps = shapes.total_steps(rows, cfg.epochs, cfg.max_steps)
-    compile_s = backend.compile_seconds if cfg.compile_seconds is None else cfg.compile_seconds
-    cost = CostModel(compile_seconds=compile_s, token_seconds=backend.token_seconds)
+    compile_s = accelerator.compile_seconds if cfg.compile_seconds is None else cfg.compile_seconds
+    cost = CostModel(compile_seconds=compile_s, token_seconds=accelerator.token_seconds)
     eval_lengths = [n for split in [*eval_splits, "test"] if split in data for n in data[split]["length"]]
     buckets, estimate = auto_buckets(data["train"]["length"], eval_lengths, steps, shapes.rows_per_step, cfg.epochs,
                                      cfg.max_length, cost)
@@ -144,7 +144,7 @@ class CostModel:
     """What `--buckets auto` minimises: graphs x compile cost + padded tokens x per-token cost.
 
     compile_seconds: cost of one XLA compilation (XLA:CPU here ~10-15 s for this model's training
-        graph; about 6 s a graph in Hugging Face's TPU blog post, see XLABackend; 0 on the eager
+        graph; about 6 s a graph in Hugging Face's TPU blog post, see XlaAccelerator; 0 on the eager
         CUDA/CPU fallback).
     token_seconds: cost of one padded token in one training step (forward + backward).
     graphs_per_bucket: graphs each bucket length costs (training step and evaluation step).

@@ -28,7 +28,7 @@ from .monitor import Monitor
 from .outputs import finish
 from .profile import Profile
 from .run_state import RunState
-from .selection import select_backend
+from .core.select import select_roles
 from .signals import StopRequest
 
 
@@ -39,7 +39,7 @@ from .signals import StopRequest
 def run(cfg):
     """Runs the whole job: data in this process, then training on every local worker."""
     cfg.validate()
-    backend = select_backend(cfg.backend, cfg.num_processes, cfg.strategy)
+    backend = select_roles(cfg.backend, cfg.num_processes, cfg.strategy)
     folder, resume, done = open_output(cfg, backend)
     if done:
         print(done)
@@ -83,7 +83,7 @@ def train_worker(job):
                     max_grad_norm=cfg.max_grad_norm, num_processes=cfg.num_processes,
                     compile_cache=cfg.compile_cache, strategy=cfg.strategy)
     engine.seed(cfg.seed)  # dropout
-    shapes = dataclasses.replace(job.shapes, devices=engine.num_devices)
+    shapes = dataclasses.replace(job.shapes, devices=engine.data_parallel_size)
     # TensorBoard, compilation log, explainer and the run's clock; before anything is compiled
     monitor = Monitor(engine, cfg, shapes, job.started, job.run_id)
     t = set_up(engine, job, shapes, monitor)
@@ -128,10 +128,10 @@ def plan_memory(engine, cfg, shapes, model):
     """The memory plan, printed; a run that cannot fit the device stops here, before compiling."""
     length = max(shapes.padding.lengths or [cfg.max_length])
     memory, counts = plan_of(engine.unwrap_model(model), cfg.batch_size, length, cfg.precision,
-                             shards=engine.backend.param_shards, device_bytes=device_bytes(engine.backend),
+                             shards=engine.strategy.param_shards, device_bytes=device_bytes(engine.accelerator),
                              checkpointed=cfg.gradient_checkpointing)
     engine.print(describe_memory(memory, counts))
-    check_fits(memory, cfg.batch_size, length, cfg.gradient_checkpointing, engine.backend.param_shards > 1, cfg.lora)
+    check_fits(memory, cfg.batch_size, length, cfg.gradient_checkpointing, engine.strategy.param_shards > 1, cfg.lora)
     return memory, counts
 
 

@@ -1,6 +1,8 @@
-"""The torch_xla (PJRT) backend: MpDeviceLoader, xm.optimizer_step, xmp.spawn.
+"""torch_xla (PJRT): the XLA accelerator and its strategies (XlaDdp: replicas under xmp.spawn;
+XlaSpmd: one process shards each batch; XlaFsdp: FSDPv2, the model sharded too). Their launchers
+are in `xla_train.launchers`; `xla_train.core.select` puts them together.
 
-Launch commands this backend serves:
+Launch commands these serve:
     xla-train train --backend xla                   # TPU VM: one replica per local chip
     xla-train train --backend xla --strategy spmd   # one process, batch sharded over every chip
     PJRT_DEVICE=CPU xla-train train --backend xla   # XLA on the CPU, one replica (tests)
@@ -11,15 +13,15 @@ Launch commands this backend serves:
 import contextlib
 import glob
 import importlib.util
+import math
 import os
 import threading
 from pathlib import Path
 
 import torch
 
-from .backend import Backend
-from .errors import UserError
-from .launchers import pod_watch, spawn_replicas
+from ..errors import UserError
+from .roles import Accelerator, Strategy, blocks_of, optimizer_params, shaped_like
 
 # Attention implementation registered below: transformers' own SDPA attention with a mask
 # function that never asks whether the padding mask is all ones. Stock "sdpa" evaluates
@@ -61,19 +63,6 @@ def tpu_present():
     return tpu.num_available_chips() > 0
 
 
-def _refuse_one_process_per_pod(num_processes):
-    """`--num-processes 1` on several TPU hosts would make each host a world of one: torch_xla's
-    single-process path sets TPU_PROCESS_BOUNDS=1,1,1 (torch_xla/_internal/pjrt.py,
-    initialize_singleprocess, line 106; tpu.py, configure_one_chip_topology), so the hosts would train
-    apart, each as rank 0, writing the same checkpoints."""
-    from torch_xla._internal import tpu
-
-    hosts = tpu.num_tpu_workers()
-    if num_processes == 1 and hosts > 1:
-        raise UserError(f"--num-processes 1 on a TPU slice of {hosts} hosts would train {hosts} separate models; "
-                        "leave it out (one replica per chip), or use --strategy spmd")
-
-
 def _read(path):
     try:
         with open(path) as f:
@@ -82,64 +71,48 @@ def _read(path):
         return None
 
 
-class XLABackend(Backend):
-    """Data parallel: one replica per device under xmp.spawn, gradients all-reduced in
-    `xm.optimizer_step`. Other strategies subclass it and override what differs."""
+def pjrt_device():
+    """The PJRT device, picked before torch_xla starts its runtime: without a TPU, the CPU."""
+    os.environ.setdefault("PJRT_DEVICE", "TPU" if tpu_present() else "CPU")
+    return os.environ["PJRT_DEVICE"].upper()
+
+
+class XlaAccelerator(Accelerator):
+    """An XLA device (a TPU chip's core, or XLA:CPU) through PJRT: lazy tensors, graphs compiled
+    per input shape, transfers counted by torch_xla's metrics."""
 
     name = "xla"
     static_shapes = True
     compile_seconds = 12.0  # one training graph of the bundled model on XLA:CPU, measured here
     token_seconds = 2e-3  # XLA:CPU, training step, per padded token
 
-    def __init__(self, num_processes=None):
-        if num_processes not in (None, 1):
-            # xmp.spawn under PJRT takes nprocs 1 or None (every local device) and raises
-            # ValueError for anything else (torch_xla/_internal/pjrt.py, spawn, lines 204-209)
-            # TPU_VISIBLE_CHIPS set for the whole job would override what torch_xla sets for each
-            # replica (configure_topology: one chip each, torch_xla/_internal/tpu.py, line 298),
-            # so every replica would claim the same chips: name only the process bounds
-            raise UserError(f"--num-processes {num_processes}: on XLA give 1 (one replica) or leave it out (one "
-                            "replica per local device); to use fewer chips, set TPU_PROCESS_BOUNDS")
-        # Pick the PJRT device before torch_xla starts its runtime; without a TPU, the CPU.
-        os.environ.setdefault("PJRT_DEVICE", "TPU" if tpu_present() else "CPU")
-        if os.environ["PJRT_DEVICE"].upper() == "TPU":
-            self.check_processes(num_processes)
+    def __init__(self, virtual=False):
+        # virtual: SPMD's one device that stands for every device of the process
+        self.virtual = virtual
+        if pjrt_device() == "TPU":
             # Compile cost: Hugging Face's "Hugging Face on PyTorch / XLA TPUs" (huggingface.co/blog/
             # pytorch-xla, 2021) prints torch_xla's CompileTime for a run of its TPU example: 5
             # graphs in 28.9 s (0.43 to 11.1 s each, median 3.65 s), i.e. about 6 s a graph. The
             # post does not say which of its runs (bert-large MLM on a v3-8) printed it; not
             # measured here. The per-token cost is a rough figure for a v4 chip, not measured here.
             self.compile_seconds, self.token_seconds = 6.0, 2e-6
-        self.num_processes = num_processes
         _register_attention()
 
-    def check_processes(self, num_processes):
-        """On a TPU, before any work: the replicas asked for make one job."""
-        _refuse_one_process_per_pod(num_processes)
+    @property
+    def device(self):
+        import torch_xla
 
-    def planned_devices(self):
-        # Read from the environment and the host, never from the runtime: the parent must not
-        # start it before xmp.spawn forks the replicas.
-        device = os.environ["PJRT_DEVICE"].upper()
-        if device == "TPU":
-            from torch_xla._internal import tpu
+        return torch_xla.device()
 
-            if self.num_processes == 1:
-                return 1  # one replica (refused on several hosts: see __init__)
-            # the processes xmp.spawn starts on a host (its chips, fewer where TPU_PROCESS_BOUNDS
-            # says so) x devices per process (two cores a chip on v2/v3) x hosts; "safe to call
-            # before xmp.spawn" (torch_xla/_internal/tpu.py, num_local_processes, lines 142-148)
-            return tpu.num_local_processes() * tpu.num_logical_cores_per_chip() * tpu.num_tpu_workers()
-        return 1 if device == "CPU" else int(os.environ.get("GPU_NUM_DEVICES", 1))  # see launch()
+    def describe(self):
+        import torch_xla.runtime as xr
 
-    def host_position(self):
-        if os.environ["PJRT_DEVICE"].upper() != "TPU":
-            return 0, 1
-        from torch_xla._internal import tpu
+        return f"{self.device} ({xr.device_type()})"
 
-        # the tpu-env metadata (or TPU_WORKER_ID / TPU_WORKER_HOSTNAMES), read without starting the
-        # runtime (torch_xla/_internal/tpu.py, worker_id and num_tpu_workers)
-        return tpu.worker_id(), tpu.num_tpu_workers()
+    def adapt_model(self, model):
+        if hasattr(model, "set_attn_implementation") and model.config._attn_implementation in ("sdpa", "eager"):
+            model.set_attn_implementation(XLA_ATTENTION)
+        return model
 
     def use_compile_cache(self, path):
         import torch_xla.runtime as xr
@@ -158,66 +131,11 @@ class XLABackend(Backend):
                 xr.initialize_cache(str(Path(path) / f"p{xr.process_index()}"), readonly=False)
                 _cache_set = True
 
-    def launch(self, fn, args=(), nprocs=None, start_method="fork"):
-        nprocs = nprocs or self.num_processes
-        if os.environ["PJRT_DEVICE"].upper() == "CPU":
-            nprocs = 1  # XLA:CPU runs one replica; xmp.spawn then calls fn in this process.
-        # fork: replicas share the parent's tokenised data and model pages instead of each
-        # loading a copy. The parent must not have started the XLA runtime.
-        spawn_replicas(self, fn, args, nprocs, start_method)
-
-    @property
-    def device(self):
-        import torch_xla
-
-        return torch_xla.device()
-
-    @property
-    def world_size(self):
-        import torch_xla.runtime as xr
-
-        return xr.world_size()
-
-    @property
-    def rank(self):
-        import torch_xla.runtime as xr
-
-        return xr.global_ordinal()
-
-    @property
-    def replicas_per_process(self):
-        if self.world_size == 1:
-            return 1
-        import torch_xla.runtime as xr
-
-        # xmp.spawn runs a thread per device the process addresses (torch_xla/_internal/pjrt.py,
-        # _run_thread_per_device, lines 44-78): two on Colab's TPU v2-8/v3-8, one on v4 and later
-        return xr.addressable_device_count()
-
-    def describe_device(self):
-        import torch_xla.runtime as xr
-
-        return f"{self.device} ({xr.device_type()})"
-
-    def prepare_model(self, model):
-        import torch_xla.core.xla_model as xm
-
-        if hasattr(model, "set_attn_implementation") and model.config._attn_implementation in ("sdpa", "eager"):
-            model.set_attn_implementation(XLA_ATTENTION)
-        model = model.to(self.device)
-        if self.world_size > 1:
-            xm.broadcast_master_param(model)  # every replica starts from replica 0's weights
-        return model
-
-    def wrap_loader(self, loader):
+    def wrap_loader(self, loader, sharding=None):
         import torch_xla.distributed.parallel_loader as pl
 
         # Uploads batches in a background thread and ends every step with a graph cut.
-        return pl.MpDeviceLoader(loader, self.device, input_sharding=self.input_sharding())
-
-    def input_sharding(self):
-        """How a batch is laid over the devices (None: each replica's batch on its device)."""
-        return None
+        return pl.MpDeviceLoader(loader, self.device, input_sharding=sharding)
 
     def activation_checkpoint(self):
         # torch_xla's checkpoint puts an optimization barrier on the saved inputs; plain
@@ -231,29 +149,6 @@ class XLABackend(Backend):
 
     def inference_mode(self):
         return torch.no_grad()  # inference tensors are a plain-torch optimisation; no_grad is what torch_xla's examples use
-
-    def optimizer_step(self, optimizer, max_grad_norm=None):
-        import torch_xla.core.xla_model as xm
-
-        if not max_grad_norm:
-            xm.optimizer_step(optimizer)  # all-reduces gradients, then steps
-            return None
-        xm.reduce_gradients(optimizer)  # clip the averaged gradients, not each replica's own
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-        optimizer.step()
-        return norm
-
-    def gather(self, tensor):
-        import torch_xla.core.xla_model as xm
-
-        return xm.all_gather(tensor, dim=0) if self.world_size > 1 else tensor
-
-    def barrier(self):
-        import torch_xla.core.xla_model as xm
-
-        if self.world_size > 1:  # a rendezvous runs a small graph and reads it back (an aten fallback)
-            xm.rendezvous("xla_train.barrier")
 
     def to_host(self, tensors):
         import torch_xla
@@ -309,7 +204,7 @@ class XLABackend(Backend):
         import numpy as np
         import torch_xla.core.xla_model as xm
 
-        super().set_rng_state(state)
+        Accelerator.set_rng_state(self, state)
         xm.set_rng_state(int(state[-8:].numpy().view(np.uint64)[0]))
 
     def compile_stats(self):
@@ -360,6 +255,8 @@ class XLABackend(Backend):
     def _memory_info(self, key):
         import torch_xla.core.xla_model as xm
 
+        if self.virtual:
+            return None  # SPMD's one virtual device has no memory of its own to ask about
         # a TPU or GPU device says (torch_xla/core/xla_model.py, get_memory_info); XLA:CPU raises
         # "GetAllocatorStats is not supported" (seen here)
         try:
@@ -385,25 +282,76 @@ _CACHE_LOCK = threading.Lock()
 _cache_set = False
 
 
-class XLASpmdBackend(XLABackend):
-    """SPMD: one process per host drives every device; each batch is split over a mesh's data
-    axis (2-D inputs; 1-D labels are small and stay replicated) and the partitioner inserts the
-    collectives. The world size is 1, but every host has a process (`peers`)."""
+class XlaDdp(Strategy):
+    """Data parallel: one replica per device under xmp.spawn, gradients all-reduced in
+    `xm.optimizer_step`."""
 
-    axis = "data"  # the mesh's one axis, over every device of every host
+    @property
+    def world_size(self):
+        import torch_xla.runtime as xr
 
-    def check_processes(self, num_processes):
-        pass  # one process per host whatever --num-processes says: no xmp.spawn
+        return xr.world_size()
 
-    def launch(self, fn, args=(), nprocs=None, start_method="fork"):
-        with pod_watch():  # no launcher watches this process: on several hosts, the pod's marker
-            self.run_worker(fn, args)  # one process for every device; xmp.spawn would start the runtime before use_spmd()
+    @property
+    def rank(self):
+        import torch_xla.runtime as xr
 
-    def planned_devices(self):
+        return xr.global_ordinal()
+
+    @property
+    def replicas_per_process(self):
+        if self.world_size == 1:
+            return 1
+        import torch_xla.runtime as xr
+
+        # xmp.spawn runs a thread per device the process addresses (torch_xla/_internal/pjrt.py,
+        # _run_thread_per_device, lines 44-78): two on Colab's TPU v2-8/v3-8, one on v4 and later
+        return xr.addressable_device_count()
+
+    def wrap_model(self, model):
+        import torch_xla.core.xla_model as xm
+
+        model = model.to(self.accelerator.device)
+        if self.world_size > 1:
+            xm.broadcast_master_param(model)  # every replica starts from replica 0's weights
+        return model
+
+    def optimizer_step(self, optimizer, max_grad_norm=None):
+        import torch_xla.core.xla_model as xm
+
+        if not max_grad_norm:
+            xm.optimizer_step(optimizer)  # all-reduces gradients, then steps
+            return None
+        xm.reduce_gradients(optimizer)  # clip the averaged gradients, not each replica's own
+        norm = torch.nn.utils.clip_grad_norm_(optimizer_params(optimizer), max_grad_norm)
+        optimizer.step()
+        return norm
+
+    def gather(self, tensor):
+        import torch_xla.core.xla_model as xm
+
+        return xm.all_gather(tensor, dim=0) if self.world_size > 1 else tensor
+
+    def barrier(self):
+        import torch_xla.core.xla_model as xm
+
+        if self.world_size > 1:  # a rendezvous runs a small graph and reads it back (an aten fallback)
+            xm.rendezvous("xla_train.barrier")
+
+
+class XlaSpmd(XlaDdp):
+    """SPMD: one process per host drives every device; each batch is split over the mesh's data
+    axes (2-D inputs; 1-D labels are small and stay replicated) and the partitioner inserts the
+    collectives. The world size is 1, but every host has a process (`peers`). Its accelerator is
+    virtual (one device for all of them)."""
+
+    data_axes = ("data",)  # the mesh's one axis, over every device of every host
+
+    def planned_data_parallel_size(self, launcher):
         if os.environ["PJRT_DEVICE"].upper() == "TPU":
             from torch_xla._internal import tpu
 
-            return tpu.num_expected_global_devices()  # every chip of every host (see XLABackend)
+            return tpu.num_expected_global_devices()  # every chip of every host (see XmpLauncher)
         # every device of the process: CPU_NUM_DEVICES / GPU_NUM_DEVICES (torch_xla/core/xla_env_vars.py),
         # one device when unset
         return int(os.environ.get(f"{os.environ['PJRT_DEVICE'].upper()}_NUM_DEVICES", 1))
@@ -431,20 +379,25 @@ class XLASpmdBackend(XLABackend):
     def replicas_per_process(self):
         return 1
 
-    def _memory_info(self, key):
-        return None  # SPMD's one virtual device has no memory of its own to ask about
+    def mesh_shape(self):
+        return ((self.data_axes[0], self.devices_per_process),)
 
     def mesh(self):
         import numpy as np
         import torch_xla.distributed.spmd as xs
 
-        n = self.devices_per_process
-        return xs.Mesh(np.arange(n), (n,), (self.axis,))
+        names, sizes = zip(*self.mesh_shape())
+        return xs.Mesh(np.arange(math.prod(sizes)), sizes, names)
+
+    def batch_spec(self, dims):
+        """The partition spec of a tensor of `dims` dimensions split by rows over the data axes."""
+        rows = self.data_axes[0] if len(self.data_axes) == 1 else self.data_axes
+        return (rows,) + (None,) * (dims - 1)
 
     def input_sharding(self):
         import torch_xla.distributed.spmd as xs
 
-        return xs.ShardingSpec(self.mesh(), (self.axis, None))
+        return xs.ShardingSpec(self.mesh(), self.batch_spec(2))
 
     @property
     def peers(self):  # one replica (world_size 1), but a process on every host
@@ -463,44 +416,39 @@ class XLASpmdBackend(XLABackend):
         # A reduction over the rows then runs across the hosts; each process alone would give
         # one host's view of a stop.
         local = row[None].expand(xr.addressable_runtime_device_count(), -1).contiguous()
-        sharding = xs.ShardingSpec(self.mesh(), (self.axis, None), minibatch=True)
-        (rows,) = xm.send_cpu_data_to_device([local], self.device, sharding)
+        sharding = xs.ShardingSpec(self.mesh(), self.batch_spec(2), minibatch=True)
+        (rows,) = xm.send_cpu_data_to_device([local], self.accelerator.device, sharding)
         return rows
 
 
-
-class XLAFsdpBackend(XLASpmdBackend):
+class XlaFsdp(XlaSpmd):
     """FSDPv2: SPMD whose mesh axis is `fsdp`, with every parameter (and so its gradient and
     AdamW's moments) sharded over it, and each batch too. torch_xla's SpmdFullyShardedDataParallel
     wraps each transformer block the model declares (transformers' `_no_split_modules`), then the
     rest; the partitioner gathers a block's weights for its forward and backward only."""
 
-    axis = "fsdp"  # the name FSDPv2 requires (spmd_fully_sharded_data_parallel.py, __init__)
-    shards_model = True
+    data_axes = ("fsdp",)  # the name FSDPv2 requires (spmd_fully_sharded_data_parallel.py, __init__)
 
     @property
     def param_shards(self):
         return self.devices_per_process
 
-    def prepare_model(self, model):
+    def wrap_model(self, model):
         import functools
         import warnings
 
         from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
         from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel
 
-        if hasattr(model, "set_attn_implementation") and model.config._attn_implementation in ("sdpa", "eager"):
-            model.set_attn_implementation(XLA_ATTENTION)
-        blocks = set(getattr(model, "_no_split_modules", None) or ())
-        classes = {type(m) for m in model.modules() if type(m).__name__ in blocks}
+        classes = {type(m) for m in blocks_of(model)}
         policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=classes) if classes else None
         # its backward barrier hooks warn at every forward whose inputs need no grad (token ids)
         for message in ("For backward hooks to be called", "Full backward hook is firing"):
             warnings.filterwarnings("ignore", message=message)
         # No `.to(device)` first: each wrapper moves its own module and shards it at once, so the
         # device holds one block unsharded at a time, never the whole model.
-        wrapped = SpmdFullyShardedDataParallel(model, mesh=self.mesh(), shard_output=_shard_output,
-                                               auto_wrap_policy=policy)
+        shard = functools.partial(_shard_output, strategy=self)  # outputs split by rows over the data axes
+        wrapped = SpmdFullyShardedDataParallel(model, mesh=self.mesh(), shard_output=shard, auto_wrap_policy=policy)
         for m in wrapped.modules():
             if isinstance(m, SpmdFullyShardedDataParallel):
                 m.register_state_dict_post_hook(_drop_wrapper_keys)
@@ -527,18 +475,16 @@ class XLAFsdpBackend(XLASpmdBackend):
             for parent, name, child in reversed(wrapped):
                 parent._modules[name] = child
 
-    def to_host(self, tensors):
+    def to_host(self, tensors, main_only=False):
         import torch_xla
 
         torch_xla.sync()
-        return self._host_copies(tensors, lambda rest: [t.cpu() for t in rest])
-
-    def to_writer(self, tensors):
-        copies = self.to_host(tensors)  # every host takes part: on several hosts the copies are collectives
-        return copies if self.is_main else None
+        # every host takes part: on several hosts the copies are collectives
+        copies = self._host_copies(tensors, lambda rest: [t.cpu() for t in rest])
+        return copies if not main_only or self.is_main else None
 
     def read(self, tensors):
-        return self._host_copies(tensors, super().read)
+        return self._host_copies(tensors, self.accelerator.read)
 
     def _host_copies(self, tensors, copy):
         """Host copies of `tensors`: those split over the devices (weights, AdamW's moments, a
@@ -564,7 +510,8 @@ class XLAFsdpBackend(XLASpmdBackend):
             # order (`to_writer` too); one small graph is compiled per tensor.
             wholes = [t.cpu() for t in picked]
         elif picked:
-            self.synchronize()  # shards are read from the device data, which a queued graph may still be computing
+            # shards are read from the device data, which a queued graph may still be computing
+            self.accelerator.synchronize()
             wholes = [_from_shards(t.shape, [data for data, _ in pieces], [index for _, index in places])
                       for t, pieces, places in zip(picked, torch_xla._XLAC._get_local_shards(picked),
                                                    torch_xla._XLAC._get_local_shard_replica_and_indices(picked))]
@@ -577,13 +524,12 @@ class XLAFsdpBackend(XLASpmdBackend):
 
         # A loaded state comes to the device unsharded (Optimizer.load_state_dict casts each
         # tensor to its parameter's device); shard each moment like its parameter.
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                spec = _param_spec(p) if torch_xla._XLAC._get_xla_sharding_spec(p) else None
-                for value in optimizer.state.get(p, {}).values():
-                    if (spec and isinstance(value, torch.Tensor) and value.shape == p.shape
-                            and not torch_xla._XLAC._get_xla_sharding_spec(value)):  # loaded from shards: laid out already
-                        xs.mark_sharding(value, self.mesh(), spec)
+        for p in optimizer_params(optimizer):
+            spec = _param_spec(p) if torch_xla._XLAC._get_xla_sharding_spec(p) else None
+            for value in optimizer.state.get(p, {}).values():
+                if (spec and shaped_like(value, p)
+                        and not torch_xla._XLAC._get_xla_sharding_spec(value)):  # loaded from shards: laid out already
+                    xs.mark_sharding(value, self.mesh(), spec)
 
     # Checkpoints: each host writes and reads its own shards with torch.distributed.checkpoint and
     # torch_xla's SPMD planners, without a process group (no_dist): every host's folder holds its
@@ -596,7 +542,8 @@ class XLAFsdpBackend(XLASpmdBackend):
         import torch.distributed.checkpoint as dcp
         from torch_xla.experimental.distributed_checkpoint import SPMDSavePlanner
 
-        self.synchronize()  # shards are read from the device data, which a queued graph may still be computing
+        # shards are read from the device data, which a queued graph may still be computing
+        self.accelerator.synchronize()
         with _dcp_errors():
             dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(folder)), planner=SPMDSavePlanner(),
                      no_dist=True)
@@ -605,7 +552,7 @@ class XLAFsdpBackend(XLASpmdBackend):
         import torch.distributed.checkpoint as dcp
         from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner
 
-        self.synchronize()
+        self.accelerator.synchronize()
         reader, planner = dcp.FileSystemReader(str(folder)), SPMDLoadPlanner()
         reader.read_metadata()  # its own error: dcp.load turns a damaged one into a bare AssertionError
         with _dcp_errors():
@@ -626,16 +573,17 @@ class XLAFsdpBackend(XLASpmdBackend):
 
         zeros = torch.zeros(param.shape, dtype=param.dtype)
         if not torch_xla._XLAC._get_xla_sharding_spec(param):
-            return zeros.to(self.device)
+            return zeros.to(self.accelerator.device)
         # only this host's shards reach its devices (never the whole tensor on one device)
-        (placed,) = xm.send_cpu_data_to_device([zeros], self.device, xs.ShardingSpec(self.mesh(), _param_spec(param)))
+        sharding = xs.ShardingSpec(self.mesh(), _param_spec(param))
+        (placed,) = xm.send_cpu_data_to_device([zeros], self.accelerator.device, sharding)
         return placed
 
 
 @contextlib.contextmanager
 def _dcp_errors():
     """torch.distributed.checkpoint without its warnings (that no process group is used, on
-    purpose, see XLAFsdpBackend; torch's TypedStorage deprecation, once per tensor), and with its
+    purpose, see XlaFsdp; torch's TypedStorage deprecation, once per tensor), and with its
     failure as the error that caused it (a full disk, a damaged file): it wraps them in a
     CheckpointException, which is a BaseException, not an Exception."""
     import warnings
@@ -682,8 +630,9 @@ def _param_spec(param):
     return _prepare_spmd_partition_spec(param, shard_maximal=True)  # how FSDPv2 shards a parameter
 
 
-def _shard_output(output, mesh):
-    """Tells the partitioner that a block's or the model's output is split by rows over `fsdp`:
+def _shard_output(output, mesh, strategy):
+    """Tells the partitioner that a block's or the model's output is split by rows over the
+    strategy's data axes (FSDPv2: `fsdp`):
     a tensor, a tuple's first tensor, or a ModelOutput's logits, of any rank (the Trainer's
     FSDPv2 `shard_output` takes 3-D outputs only; a classifier's logits are 2-D)."""
     import torch_xla.distributed.spmd as xs
@@ -695,4 +644,4 @@ def _shard_output(output, mesh):
     else:
         tensor = output[0] if isinstance(output, (tuple, list)) and isinstance(output[0], torch.Tensor) else None
     if tensor is not None and tensor.dim() > 0:
-        xs.mark_sharding(tensor, mesh, ("fsdp",) + (None,) * (tensor.dim() - 1))
+        xs.mark_sharding(tensor, mesh, strategy.batch_spec(tensor.dim()))

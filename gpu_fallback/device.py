@@ -1,0 +1,97 @@
+"""The torch-native accelerator: one class for every device torch knows (CUDA, the CPU), through
+`torch.accelerator` and the device's module (`torch.get_device_module`).
+
+Launch commands (the strategies and the launcher are in `strategies.py` and `launcher.py`):
+    xla-train train --backend cpu                       # one CPU process
+    xla-train train --backend cpu --num-processes 2     # two gloo processes on this host
+    xla-train train --backend cuda                      # one process per visible GPU
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-endpoint HOST:29500 -m xla_train train --backend cuda
+"""
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from xla_train.core.roles import Accelerator
+
+from .launcher import launched_by_torchrun
+
+# eager CPU (2 cores here), training step of the bundled model, per padded token; on an
+# accelerator a rough guess for a current GPU, not measured here
+TOKEN_SECONDS = {"cpu": 1.2e-3}
+ACCELERATOR_TOKEN_SECONDS = 5e-6
+
+
+class TorchAccelerator(Accelerator):
+    """A device of plain torch: `device_type` "cuda" (one device per process, LOCAL_RANK's) or
+    "cpu" (the host, which `torch.accelerator` does not count as an accelerator)."""
+
+    fused_optimizer = True  # one fused AdamW kernel instead of a chain of multi-tensor ops
+
+    def __init__(self, device_type):
+        self.name = device_type
+        self.accelerated = device_type != "cpu"
+        self.token_seconds = TOKEN_SECONDS.get(device_type, ACCELERATOR_TOKEN_SECONDS)
+        # torch.distributed's process group for this device: "nccl" for CUDA, "gloo" for the CPU
+        self.process_group = dist.Backend.default_device_backend_map[device_type]
+        self._module = torch.get_device_module(device_type)  # rng state and memory, where it has them
+        # transformers and accelerate move work onto XLA when torch_xla is importable; this
+        # backend is the plain-torch path, so tell them not to.
+        os.environ.setdefault("USE_TORCH_XLA", "0")
+
+    @property
+    def device(self):
+        if not self.accelerated:
+            return torch.device("cpu")
+        return torch.device(self.name, int(os.environ.get("LOCAL_RANK", 0)))
+
+    def describe(self):
+        if not self.accelerated:
+            return f"cpu ({torch.get_num_threads()} threads)"
+        return self._module.get_device_name(self.device)
+
+    def default_processes(self):
+        """Workers on this host when --num-processes is not given: one per device."""
+        return torch.accelerator.device_count() if self.accelerated else 1
+
+    def setup(self):
+        if self.accelerated and launched_by_torchrun():
+            torch.accelerator.set_device_index(self.device)  # before the NCCL group, which binds to the current device
+
+    def wrap_loader(self, loader, sharding=None):
+        return _DeviceLoader(loader, self.device)
+
+    def rng_state(self):
+        if not hasattr(self._module, "get_rng_state"):
+            return super().rng_state()
+        return torch.cat([torch.get_rng_state(), self._module.get_rng_state(self.device)])
+
+    def set_rng_state(self, state):
+        super().set_rng_state(state)
+        if hasattr(self._module, "set_rng_state"):
+            self._module.set_rng_state(state[len(torch.get_rng_state()):].clone(), self.device)
+
+    def synchronize(self):
+        if self.accelerated:
+            torch.accelerator.synchronize(self.device)
+
+    def device_memory(self):
+        return self._module.mem_get_info(self.device)[1] if hasattr(self._module, "mem_get_info") else None
+
+    def peak_memory(self):
+        return torch.accelerator.max_memory_allocated(self.device) if self.accelerated else None
+
+
+class _DeviceLoader:
+    """Moves each batch of a DataLoader to the device."""
+
+    def __init__(self, loader, device):
+        self.loader, self.device = loader, device
+
+    def __len__(self):
+        return len(self.loader)
+
+    def __iter__(self):
+        for batch in self.loader:
+            yield {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}

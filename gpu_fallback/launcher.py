@@ -1,0 +1,93 @@
+"""The torch-native launcher: torchrun's processes as they are, one process, or workers started
+with torch.multiprocessing on this host (gloo on the CPU, NCCL on CUDA)."""
+
+import gc
+import logging
+import os
+import socket
+import sys
+
+import torch
+
+from xla_train.core.roles import Launcher
+from xla_train.errors import ExitError, Stopped, UserError, tell, told
+from xla_train.launchers import failure_channel, worker_folder
+
+
+def launched_by_torchrun():
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class TorchLauncher(Launcher):
+    """One process per device (`default_processes()`: the accelerator's count), `num_processes`
+    gloo workers on the CPU, or the processes torchrun started."""
+
+    def __init__(self, num_processes, default_processes):
+        self.num_processes, self.default_processes = num_processes, default_processes
+
+    def planned_replicas(self):
+        if launched_by_torchrun():
+            return int(os.environ["WORLD_SIZE"])
+        return self.num_processes or self.default_processes()
+
+    def launch(self, roles, fn, args, start_method):
+        nprocs = self.num_processes or self.default_processes()
+        if launched_by_torchrun() or nprocs == 1:
+            roles.run_worker(fn, args)  # torchrun started this process already, or there is one
+            return
+        # spawn by default: a forked child of a process whose OpenMP pool already ran can hang.
+        # Notebooks need fork (spawn cannot import a function defined in a cell), so
+        # notebook_launcher forks before the notebook has run torch ops in parallel, as Accelerate's does.
+        # A worker that fails leaves its one-line message in the launch's folder and this process
+        # prints it: torch stops the other workers as soon as one exits, maybe before they could print.
+        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(nprocs)}
+        # When one worker exits with an error, torch stops the others and logs each one it
+        # terminates; the worker's own message says what happened.
+        spawn_log = logging.getLogger("torch.multiprocessing.spawn")
+        level = spawn_log.level
+        spawn_log.setLevel(logging.ERROR)
+        try:
+            with failure_channel() as errors:
+                try:
+                    torch.multiprocessing.start_processes(_worker, args=(roles, env, fn, args), nprocs=nprocs,
+                                                          start_method=start_method)
+                except torch.multiprocessing.ProcessExitedException as e:
+                    if e.exit_code is None or e.exit_code < 0:  # killed by a signal it did not handle
+                        raise
+                    raise told(errors) or UserError("", e.exit_code) from None
+        finally:
+            spawn_log.setLevel(level)
+
+    def run_worker(self, roles, fn, args=(), report_stop=False):
+        stopped = None
+        with roles.activated():
+            try:
+                fn(*args)
+            except Stopped as e:  # every replica stopped at the same step: they leave together
+                stopped = e.args  # not the exception: its traceback holds fn's frames and DDP model
+                if report_stop and roles.strategy.is_main:  # a spawned worker: say it before the barrier lets others exit
+                    print(e.line(), file=sys.stderr, flush=True)
+        # Only now, with fn's DDP model and its gradient reducer freed, may the process group go:
+        # a reducer that outlives its group can hang in the group's destructor.
+        gc.collect()
+        roles.teardown()
+        if stopped:
+            raise Stopped(*stopped)
+
+
+def _worker(local_rank, roles, env, fn, args):
+    os.environ.update(env, RANK=str(local_rank), LOCAL_RANK=str(local_rank))
+    try:
+        roles.launcher.run_worker(roles, fn, args, report_stop=True)
+    except ExitError as e:
+        # One line, not the traceback torch.multiprocessing would pass up, told by the launcher
+        # (a stop was reported before the workers parted).
+        if str(e) and not isinstance(e, Stopped) and worker_folder():
+            tell(worker_folder(), local_rank, e)
+        sys.exit(e.exit_code)

@@ -1,0 +1,151 @@
+"""The torch-native strategies: DDP, and torch's FSDP2 (`fully_shard`), over a torch.distributed
+process group (NCCL on CUDA, gloo on the CPU) or in one process.
+
+    xla-train train --backend cuda --strategy fsdp      # the model sharded over the GPUs (FSDP2)
+    xla-train train --backend cpu --strategy fsdp --num-processes 2
+"""
+
+import os
+from contextlib import contextmanager, nullcontext
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from xla_train.core.roles import Strategy, blocks_of, optimizer_params, shaped_like
+
+from .launcher import launched_by_torchrun
+
+
+class TorchStrategy(Strategy):
+    """What DDP and FSDP2 share: the process group (one process per device), its collectives,
+    and the step (gradients are reduced during backward)."""
+
+    def setup(self):
+        if launched_by_torchrun() and int(os.environ["WORLD_SIZE"]) > 1 and not dist.is_initialized():
+            dist.init_process_group(self.accelerator.process_group)
+
+    def teardown(self):
+        if dist.is_initialized():
+            dist.barrier()  # no replica leaves while another still talks to it
+            dist.destroy_process_group()
+
+    @property
+    def world_size(self):
+        return dist.get_world_size() if dist.is_initialized() else 1
+
+    @property
+    def rank(self):
+        return dist.get_rank() if dist.is_initialized() else 0
+
+    def optimizer_step(self, optimizer, max_grad_norm=None):
+        norm = None  # DDP averaged the gradients during backward
+        if max_grad_norm:
+            norm = torch.nn.utils.clip_grad_norm_(optimizer_params(optimizer), max_grad_norm)
+        optimizer.step()
+        return norm
+
+    def gather(self, tensor):
+        if self.world_size == 1:
+            return tensor
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(parts, tensor.contiguous())
+        return torch.cat(parts)
+
+    def barrier(self):
+        if self.world_size > 1:
+            dist.barrier()
+
+
+class Ddp(TorchStrategy):
+    """Plain torch data parallel: DDP across processes (one per device), or one process."""
+
+    def wrap_model(self, model):
+        device = self.accelerator.device
+        model = model.to(device)
+        if self.world_size > 1:
+            # DDP broadcasts rank 0's parameters, so every replica starts identical.
+            model = DistributedDataParallel(model, device_ids=[device.index] if device.index is not None else None)
+        return model
+
+    def unwrap_model(self, model):
+        return model.module if isinstance(model, DistributedDataParallel) else model
+
+    def no_sync(self, model):
+        return model.no_sync() if isinstance(model, DistributedDataParallel) else nullcontext()
+
+
+class Fsdp2(TorchStrategy):
+    """torch's FSDP2 in place of DDP: every parameter, gradient and AdamW moment is a DTensor
+    sharded on dim 0 over the workers (the mesh's `fsdp` axis); each transformer block the model
+    declares (`_no_split_modules`) is gathered for its forward and backward only, then the rest."""
+
+    data_axes = ("fsdp",)
+
+    def mesh_shape(self):
+        return (("fsdp", self.world_size),)
+
+    @property
+    def param_shards(self):
+        return self.world_size
+
+    def mesh(self):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        # given explicitly: the default mesh of a GPU host is CUDA's even when the group is gloo
+        # (pytorch#132471)
+        names, sizes = zip(*self.mesh_shape())
+        return init_device_mesh(self.accelerator.device.type, sizes, mesh_dim_names=names)
+
+    def wrap_model(self, model):
+        from torch.distributed.fsdp import fully_shard
+
+        model = model.to(self.accelerator.device)
+        if not dist.is_initialized():
+            return model  # one process: nothing to shard over
+        mesh = self.mesh()
+        for block in blocks_of(model):
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
+
+    @contextmanager
+    def _gradient_sync_off(self, model):
+        model.set_requires_gradient_sync(False)  # micro-steps keep unsharded gradients, unreduced
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+
+    def no_sync(self, model):
+        return self._gradient_sync_off(model) if hasattr(model, "set_requires_gradient_sync") else nullcontext()
+
+    def optimizer_step(self, optimizer, max_grad_norm=None):
+        norm = super().optimizer_step(optimizer, max_grad_norm)
+        return self.whole(norm) if norm is not None else None  # the norm over every shard
+
+    def whole(self, tensor):
+        from torch.distributed.tensor import DTensor
+
+        return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor  # a collective
+
+    def to_host(self, tensors, main_only=False):
+        whole = [self.whole(t) for t in tensors]  # every worker takes part in the gathers
+        return self.accelerator.to_host(whole) if not main_only or self.is_main else None
+
+    def load_weights(self, model, weights):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        if not dist.is_initialized():
+            return super().load_weights(model, weights)
+        set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
+
+    def place_optimizer_state(self, optimizer):
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        # a checkpoint holds whole moments; each worker keeps its shard, laid out like the parameter
+        for p in optimizer_params(optimizer):
+            state = optimizer.state.get(p, {})
+            for key, value in state.items():
+                if isinstance(p, DTensor) and not isinstance(value, DTensor) and shaped_like(value, p):
+                    state[key] = distribute_tensor(value.to(p.device), p.device_mesh, p.placements)

@@ -1,0 +1,404 @@
+"""The roles a run is made of, apart: the device it computes on (`Accelerator`), how the work is
+split over devices and processes (`Strategy`) and how those processes start (`Launcher`), as
+Lightning Fabric separates them. `Roles` composes one of each; `xla_train.core.select` picks them.
+
+This module imports no implementation. Implementations: `xla_train.core.xla` (torch_xla: the XLA
+accelerator, the XlaDdp, XlaSpmd and XlaFsdp strategies), `xla_train.launchers` (xmp.spawn's
+replicas, one process per host) and, in `gpu_fallback`, the torch-native accelerator (CUDA, the
+CPU), the Ddp and Fsdp2 strategies and torch.multiprocessing's launcher. Nothing outside those
+files imports torch_xla or torch.distributed, and nothing else branches on a kind: where kinds
+differ, the difference is an attribute or a method here.
+"""
+
+import math
+from abc import ABC, abstractmethod
+from contextlib import contextmanager, nullcontext
+
+import torch
+
+from ..errors import UserError
+
+_active = None  # the roles `launch` started this worker process with (see `Roles.run_worker`)
+
+
+def active_roles():
+    """The roles of the launch this process is a worker of, or None outside `launch`."""
+    return _active
+
+
+def optimizer_params(optimizer):
+    """The optimizer's parameters, in the order `optimizer.state_dict()` numbers its states."""
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def blocks_of(model):
+    """The transformer blocks `model` declares (transformers' `_no_split_modules`): FSDP's units,
+    each gathered for its own forward and backward only."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
+def shaped_like(value, param):
+    """Whether an optimizer state `value` is a moment of `param` (AdamW's two): a tensor of the
+    parameter's shape, laid out like it when the parameter is sharded; steps and scalars are not."""
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == param.shape
+
+
+class Accelerator(ABC):
+    """The device one process computes on: its torch.device, its costs and counters, its random
+    generators, and how tensors reach it and come back."""
+
+    name: str  # "xla" | "cuda" | "cpu"
+    # Rough costs for `--buckets auto` (see shapes.CostModel); accelerators override them.
+    compile_seconds = 0.0
+    token_seconds = 1e-5
+    # torch.optim's fused kernels (`fused=True`) exist for the CPU and CUDA, not for XLA, which
+    # traces the default multi-tensor update into the step's one graph anyway.
+    fused_optimizer = False
+    # Whether every new input shape costs a compilation: DataLoaders padded per batch
+    # (DataCollatorWithPadding) are then rebuilt with a few fixed shapes by `Engine.prepare`.
+    static_shapes = False
+
+    @property
+    @abstractmethod
+    def device(self):
+        """This process's torch.device."""
+
+    def describe(self):
+        return str(self.device)
+
+    def setup(self):
+        """Called in each worker before anything touches the device."""
+
+    def adapt_model(self, model):
+        """The model as this device runs it best, before a strategy places it (XLA: its attention)."""
+        return model
+
+    @abstractmethod
+    def wrap_loader(self, loader, sharding=None):
+        """An iterable over `loader`'s batches, already on the device (laid out by `sharding`,
+        the strategy's input sharding, where the device takes one)."""
+
+    def use_compile_cache(self, path):
+        """Keeps compiled graphs in `path` across runs, where the device compiles anything."""
+        raise UserError(f"--compile-cache only applies to the xla backend, not {self.name}")
+
+    def inference_mode(self):
+        """A context for forward passes whose results are never differentiated."""
+        return torch.inference_mode()
+
+    def activation_checkpoint(self):
+        """The function that recomputes a checkpointed block in the backward pass, or None for
+        transformers' own (torch.utils.checkpoint)."""
+        return None
+
+    def autocast(self, precision):
+        """A context for the forward pass: bf16 autocast, or a no-op for fp32."""
+        if precision == "fp32":
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16)
+
+    # --- to the host ------------------------------------------------------------------------
+    def to_host(self, tensors):
+        """Copies a list of device tensors to the CPU (one device-to-host transfer on XLA)."""
+        return [t.detach().cpu() for t in tensors]
+
+    def read(self, tensors):
+        """Copies tensors that are already computed (e.g. in a step closure) to the CPU, in one
+        device-to-host transfer on XLA, without cutting the graph."""
+        return [t.detach().cpu() for t in tensors]
+
+    def step_closure(self, fn, args=()):
+        """Runs `fn(*args)` once the current step's tensors are computed (at once when eager)."""
+        fn(*args)
+
+    def synchronize(self):
+        """Waits until all queued device work is done (for honest timings)."""
+
+    def cut_graph(self):
+        """Ends the pending lazy graph here, so what is built next is a graph of its own (XLA;
+        nothing to do when eager)."""
+
+    # --- random state -----------------------------------------------------------------------
+    def seed(self, seed):
+        torch.manual_seed(seed)
+
+    def seed_micro_batch(self, seed, epoch, batch):
+        """See Engine.seed_micro_batch: nothing to do where the generator's state is restored exactly."""
+
+    def rng_state(self):
+        """This process's random state (host generator, plus the device's) as a 1-D uint8 tensor."""
+        return torch.get_rng_state()
+
+    def set_rng_state(self, state):
+        torch.set_rng_state(state[: len(torch.get_rng_state())].clone())
+
+    # --- observability ----------------------------------------------------------------------
+    def start_profile(self, folder):
+        """Starts capturing a profile into `folder`; returns the session for `stop_profile`."""
+        import torch.profiler as tp
+
+        activities = [tp.ProfilerActivity.CPU] + ([tp.ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        session = tp.profile(activities=activities, on_trace_ready=tp.tensorboard_trace_handler(str(folder)),
+                             record_shapes=True)
+        session.start()
+        return session
+
+    def stop_profile(self, session):
+        self.synchronize()  # the window's queued device work belongs in it
+        session.stop()
+
+    def step_annotation(self, step):
+        """A context that marks optimizer step `step` in the profile."""
+        return torch.profiler.record_function(f"train_step_{step}")
+
+    def device_memory(self):
+        """Bytes of memory of this process's device, or None where the device cannot tell."""
+        return None
+
+    def peak_memory(self):
+        """The most bytes the device held so far, or None where the device cannot measure it."""
+        return None
+
+    def compile_stats(self):
+        """A snapshot of compilation counters, or None where nothing is compiled."""
+        return None
+
+    def trace_compilations(self, path):
+        """Asks the runtime to append the cause and Python frames of every compilation to `path`.
+        Returns the file the analyses go to, or None where nothing is compiled or it is too late
+        (it must be called before the first compilation of the process)."""
+        return None
+
+
+class Strategy(ABC):
+    """How the work is split: over which devices and processes, along which named mesh axes, how
+    the model is wrapped, how gradients are reduced and how sharded state is read and written.
+    One per process, on one accelerator (`self.accelerator`)."""
+
+    # The device mesh as (axis name, size) pairs, and the axes a batch is split over. A strategy
+    # of several axes (fsdp x tensor parallel) names them all and its data axes.
+    data_axes = ("data",)
+    # Checkpoints of this host's shards (XLA FSDPv2), instead of whole copies that one process
+    # writes: on several hosts no host can read another's shards.
+    writes_shards = False
+
+    def __init__(self, accelerator):
+        self.accelerator = accelerator
+
+    def setup(self):
+        """Called in each worker before anything touches the device (process groups and such)."""
+
+    def teardown(self):
+        """Called in each worker once the function has returned (process groups go)."""
+
+    # --- topology ---------------------------------------------------------------------------
+    @property
+    def world_size(self):
+        """Processes (XLA: replicas) that train together and exchange gradients."""
+        return 1
+
+    @property
+    def rank(self):
+        return 0
+
+    @property
+    def is_main(self):
+        return self.rank == 0
+
+    @property
+    def devices_per_process(self):
+        """Devices that one process feeds (more than 1 only for SPMD)."""
+        return 1
+
+    @property
+    def replicas_per_process(self):
+        """Replicas sharing this process, and so its counters (Colab's threaded replicas)."""
+        return 1
+
+    @property
+    def peers(self):
+        """How many processes must agree on a stop, each with its own signals: the replicas."""
+        return self.world_size
+
+    def mesh_shape(self):
+        """The mesh as ((axis name, size), ...): every device of the job."""
+        return (("data", self.world_size * self.devices_per_process),)
+
+    @property
+    def data_parallel_size(self):
+        """Copies of the model that see different batches: the sizes of the data axes."""
+        return math.prod(size for name, size in self.mesh_shape() if name in self.data_axes)
+
+    def planned_data_parallel_size(self, launcher):
+        """`data_parallel_size` in the launching process, before `launch` and without starting any
+        runtime (the parent must not start XLA's before xmp.spawn forks the replicas)."""
+        return launcher.planned_replicas()
+
+    def input_sharding(self):
+        """How a batch is laid over the process's devices (None: the batch on its one device)."""
+        return None
+
+    # --- model ------------------------------------------------------------------------------
+    @abstractmethod
+    def wrap_model(self, model):
+        """Places `model` on the device(s) and wraps it for this strategy."""
+
+    def unwrap_model(self, model):
+        return model
+
+    def plain_modules(self, model):
+        """A context in which the unwrapped `model`'s module names are the model's own, for a
+        library that reads them (peft's save of an adapter); only FSDPv2 renames them."""
+        return nullcontext(model)
+
+    @property
+    def param_shards(self):
+        """Devices each parameter, gradient and optimizer state is split over (FSDP: every one)."""
+        return 1
+
+    def whole(self, tensor):
+        """A tensor computed from sharded parameters as the whole result (FSDP2: a collective that
+        every replica calls); others as they are."""
+        return tensor
+
+    def load_weights(self, model, weights):
+        """Puts weights (a state dict on the CPU: whole, or a model's trained tensors only, see
+        checkpoint.trained_state) into a prepared model."""
+        result = self.unwrap_model(model).load_state_dict(weights, strict=False)  # the frozen ones stay
+        assert not result.unexpected_keys, result.unexpected_keys[:3]
+
+    # --- the step ---------------------------------------------------------------------------
+    def no_sync(self, model):
+        """A context for micro-steps whose gradients must not be all-reduced yet."""
+        return nullcontext()
+
+    @abstractmethod
+    def optimizer_step(self, optimizer, max_grad_norm=None):
+        """All-reduces gradients across replicas (once), optionally clips, then steps. Returns
+        the norm of the reduced gradients when it clipped, else None."""
+
+    # --- across replicas --------------------------------------------------------------------
+    def gather(self, tensor):
+        """Concatenates `tensor` (same shape on every replica) along dim 0 across replicas."""
+        return tensor
+
+    def gather_rows(self, row):
+        """Every peer's `row` (a 1-D host tensor) as rows of one device tensor, for a reduction
+        over dim 0 on the device (under SPMD a process's row comes once per device it feeds)."""
+        return self.gather(row[None].to(self.accelerator.device))
+
+    def barrier(self):
+        pass
+
+    def to_host(self, tensors, main_only=False):
+        """Cuts the pending graph and copies device tensors to the CPU (one transfer on XLA).
+        `main_only`: only the main replica, which writes files, gets the copies; the others cut
+        their graph at the same point, so every replica keeps running the same graphs, and get
+        None. (FSDP: every replica takes part in gathering the shards.)"""
+        if not main_only or self.is_main:
+            return self.accelerator.to_host(tensors)
+        self.accelerator.cut_graph()
+        return None
+
+    def read(self, tensors):
+        """`Accelerator.read` of tensors laid out by this strategy."""
+        return self.accelerator.read(tensors)
+
+    # --- sharded checkpoints (writes_shards) ------------------------------------------------
+    def place_optimizer_state(self, optimizer):
+        """Lays an optimizer state just loaded from a checkpoint out like its parameters (FSDP)."""
+
+    def save_shards(self, tensors, folder):
+        """Writes this host's shards of `tensors` (a dict of device tensors) into `folder`."""
+        raise NotImplementedError
+
+    def load_shards(self, tensors, folder):
+        """Loads this host's shards from `folder` into `tensors` (a dict of device tensors laid
+        out as when they were saved), in place."""
+        raise NotImplementedError
+
+    def zeros_like_param(self, param):
+        """Zeros of `param`'s shape and dtype on the device, laid out like it (a template that
+        `load_shards` fills)."""
+        raise NotImplementedError
+
+
+class Launcher(ABC):
+    """How the job's processes start on this host, and what runs in each."""
+
+    start_method = "spawn"  # torch.multiprocessing's, where processes are started
+
+    @abstractmethod
+    def launch(self, roles, fn, args, start_method):
+        """Runs `fn(*args)` once on every local worker and waits for all of them, each worker
+        through `roles.run_worker`. `start_method` "fork" lets a notebook's own functions run in
+        the workers."""
+
+    @abstractmethod
+    def planned_replicas(self):
+        """In the launching process, before `launch` and without starting any runtime: how many
+        replicas (processes, or XLA's replica threads) the job will have on every host."""
+
+    def host_position(self):
+        """In the launching process, before `launch`: (this host's index, the number of hosts)
+        that start the job together (a TPU pod's hosts); (0, 1) on one host."""
+        return 0, 1
+
+    def run_worker(self, roles, fn, args=()):
+        """In each worker: `roles` become the process's (an `Engine` made inside `fn` uses them),
+        are set up, run `fn(*args)` and are torn down."""
+        with roles.activated():
+            fn(*args)
+        roles.teardown()
+
+
+class Roles:
+    """One accelerator, one strategy (on that accelerator) and one launcher: a run's setup, not yet
+    started (no runtime, no process group) until `start`. One per worker process."""
+
+    _started = False
+
+    def __init__(self, accelerator, strategy, launcher):
+        self.accelerator, self.strategy, self.launcher = accelerator, strategy, launcher
+
+    @property
+    def name(self):
+        return self.accelerator.name
+
+    def planned_data_parallel_size(self):
+        """In the launching process, before `launch` and without starting any runtime: how many
+        devices will train in data parallel (every replica on every host, SPMD's devices too)."""
+        return self.strategy.planned_data_parallel_size(self.launcher)
+
+    def host_position(self):
+        return self.launcher.host_position()
+
+    def launch(self, fn, args=(), start_method=None):
+        """Runs `fn(*args)` on every local worker (see `Launcher.launch`)."""
+        self.launcher.launch(self, fn, args, start_method or self.launcher.start_method)
+
+    def run_worker(self, fn, args=()):
+        self.launcher.run_worker(self, fn, args)
+
+    @contextmanager
+    def activated(self):
+        """These roles as the process's (`active_roles()`), set up, for the block."""
+        global _active
+        _active = self
+        try:
+            self.start()
+            yield self
+        finally:
+            _active = None
+
+    def start(self):
+        """Sets the accelerator, then the strategy, up once per process (an Engine made outside
+        `launch` calls it too)."""
+        if not self._started:
+            self._started = True
+            self.accelerator.setup()
+            self.strategy.setup()
+
+    def teardown(self):
+        self.strategy.teardown()
