@@ -23,11 +23,11 @@ from pathlib import Path
 import numpy as np
 from transformers import AutoTokenizer
 
-from xla_train.data import tokenize
-from xla_train.shapes import CostModel, auto_buckets, job_rows
+from xla_train.core.shapes import CostModel, auto_buckets, job_rows
+from xla_train.core.xla import XlaAccelerator
 from xla_train.models import bundled_model_path
 from xla_train.tasks import load_task
-from xla_train.core.xla import XlaAccelerator
+from xla_train.tasks.sequence import tokenize
 
 STEPS = (20, 100, 459, 1377, 4590)  # 459 steps of batch 8 = one MRPC epoch
 COMPILE_SECONDS = (0.0, 3.0, 6.0, 12.0, 40.0, 120.0)  # 12 s: XLA:CPU here; 6 s: the TPU estimate (XlaAccelerator)

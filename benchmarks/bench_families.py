@@ -25,10 +25,14 @@ def main():
     p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "out" / "families"))
     args = p.parse_args()
     import torch
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer, BertConfig
-
     from conftest import write_slice
     from test_families import SIZE, configs
+    from transformers import (
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+        BertConfig,
+    )
+
     from xla_train.models import bundled_model_path
 
     out = Path(args.out_dir)

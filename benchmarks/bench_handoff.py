@@ -6,7 +6,7 @@ tensor into shared memory).
 
 The parent prepares the real job (the bundled MRPC train and dev sets tokenised, the bundled
 model with its new head) as `xla-train train` does, then starts N replicas in a fork-context
-ProcessPoolExecutor, the pool xmp.spawn uses, through xla_train.launchers' own replica entry. Each
+ProcessPoolExecutor, the pool xmp.spawn uses, through xla_train.core.launchers' own replica entry. Each
 replica does what a training replica does with its inputs before the device gets them: takes its
 private model copy and writes every parameter once (an optimizer step), and collates its first
 500 training batches. With all replicas alive, each reads its memory from /proc (USS: pages only
@@ -59,7 +59,7 @@ def replica(job, started, folder, n):
     """Stands for train_worker up to the first step: what a replica does with the handed job."""
     import torch
 
-    from xla_train.data import make_loader
+    from xla_train.core.batching import make_loader
     from xla_train.train import _private_copy
 
     arrived = time.time() - started
@@ -94,7 +94,7 @@ def run_case(job, n, handoff, shm_before):
 
     import torch.multiprocessing
 
-    from xla_train import launchers
+    from xla_train.core import launchers
     from xla_train.core.select import select_roles
 
     folder = tempfile.mkdtemp()

@@ -17,8 +17,12 @@ import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
-from transformers import (AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding,
-                          get_scheduler)
+from transformers import (
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    DataCollatorWithPadding,
+    get_scheduler,
+)
 
 from xla_train.models import bundled_model_path
 from xla_train.tasks import load_metric, load_mrpc

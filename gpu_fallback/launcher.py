@@ -9,9 +9,9 @@ import sys
 
 import torch
 
+from xla_train.core.errors import ExitError, Stopped, UserError, tell, told
+from xla_train.core.launchers import failure_channel, worker_folder
 from xla_train.core.roles import Launcher
-from xla_train.errors import ExitError, Stopped, UserError, tell, told
-from xla_train.launchers import failure_channel, worker_folder
 
 
 def launched_by_torchrun():

@@ -134,7 +134,10 @@ class Fsdp2(TorchStrategy):
         return self.accelerator.to_host(whole) if not main_only or self.is_main else None
 
     def load_weights(self, model, weights):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+        )
 
         if not dist.is_initialized():
             return super().load_weights(model, weights)

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 import torch
-
 from conftest import ROOT
+
 from xla_train import Engine
 
 

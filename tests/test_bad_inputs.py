@@ -8,8 +8,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from conftest import run_cli, write_slice
+
 from xla_train.cli import main
 
 HEADER = "Quality\t#1 ID\t#2 ID\t#1 String\t#2 String\n"
@@ -225,7 +225,7 @@ DAMAGE = {  # file: (new content given the old bytes, expected message)
 @pytest.mark.parametrize("name", DAMAGE)
 def test_damaged_checkpoint_file_is_one_line(name, tmp_path):
     from xla_train.checkpoint import Resume
-    from xla_train.errors import UserError
+    from xla_train.core.errors import UserError
 
     folder = _checkpoint_folder(tmp_path / "step-00000002")
     damage, message = DAMAGE[name]
@@ -238,7 +238,7 @@ def test_damaged_checkpoint_file_is_one_line(name, tmp_path):
 
 def test_damaged_weights_are_one_line(tmp_path):
     from xla_train.checkpoint import Resume
-    from xla_train.errors import UserError
+    from xla_train.core.errors import UserError
 
     folder = _checkpoint_folder(tmp_path / "step-00000002")
     resume = Resume(folder, "URL")
@@ -259,7 +259,7 @@ class _Loader:
 
 
 def test_model_loading_tells_a_bad_model_from_a_bug(tmp_path):
-    from xla_train.errors import UserError
+    from xla_train.core.errors import UserError
     from xla_train.models import load_pretrained
     from xla_train.tasks import from_folder
 
@@ -280,7 +280,7 @@ def test_main_replica_write_failing_by_a_bug_prints_its_traceback(capsys):
     """A full disk is one line and exit 2; a bug in the write prints its traceback on the main
     replica (before the line goes to every replica) and exits 1."""
     from xla_train import Engine
-    from xla_train.errors import UserError
+    from xla_train.core.errors import UserError
 
     engine = Engine(backend="cpu")
 

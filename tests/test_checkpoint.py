@@ -9,8 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from conftest import ROOT, assert_same_weights, run_cli, start_cli, stop_and_resume, wait_for
+from conftest import (
+    ROOT,
+    assert_same_weights,
+    run_cli,
+    start_cli,
+    stop_and_resume,
+    wait_for,
+)
 
 COMMON = ["--backend", "cpu", "--epochs", "10", "--log-every", "3"]
 
@@ -177,7 +183,7 @@ def test_main_worker_failing_to_publish_stops_both_gloo_workers(mrpc_slice, tiny
     inject.mkdir()
     # sitecustomize runs at the start of every Python process, the spawned workers included
     (inject / "sitecustomize.py").write_text(
-        "from xla_train import storage\n"
+        "from xla_train.core import storage\n"
         "def publish(self):\n"
         "    raise RuntimeError('connection reset by peer')\n"
         "storage.LocalStore.publish = publish\n")
@@ -200,7 +206,7 @@ def test_pod_hosts_upload_their_shards_and_the_marker_comes_last(gcs_emulator, t
     folder of its own, as each host's process has): what an interrupted save of the step left is
     cleared first, host 1 uploads its shards, host 0 the rest and the marker last; a host fetches
     the common files and, on its own, its shards only."""
-    from xla_train.storage import open_store
+    from xla_train.core.storage import open_store
 
     url, name = f"gs://xla-train-test/{tmp_path.name}", "step-00000004"
     main, other = open_store(url), open_store(url)

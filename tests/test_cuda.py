@@ -6,7 +6,6 @@ run stopped by SIGTERM resumes exactly."""
 
 import pytest
 import torch
-
 from conftest import TINY, assert_same_weights, run_cli, stop_and_resume
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CI has none)")

@@ -3,11 +3,11 @@
 import numpy as np
 import pytest
 
-from xla_train.data import BatchPlan, tokenize
-from xla_train.shapes import parse_buckets
-from xla_train.shapes import CostModel, choose_buckets
+from xla_train.core.batching import BatchPlan
+from xla_train.core.errors import UserError
+from xla_train.core.shapes import CostModel, choose_buckets, parse_buckets
 from xla_train.tasks import load_mrpc, load_task, read_glue_tsv
-from xla_train.errors import UserError
+from xla_train.tasks.sequence import tokenize
 
 
 def test_bundled_mrpc_has_the_glue_row_counts():

@@ -9,9 +9,9 @@ import sys
 
 import pytest
 import torch
-
 from conftest import ROOT, TINY, assert_same_weights, run_cli, write_slice
-from xla_train.errors import UserError
+
+from xla_train.core.errors import UserError
 
 
 def test_spmd_over_four_devices_matches_one_device(mrpc_slice, tiny_model, tiny_bucketed_run, tmp_path):
@@ -120,9 +120,9 @@ def test_a_pod_host_with_a_local_output_folder_stops(tmp_path):
 
 
 def test_only_the_first_host_writes_the_run_record(tmp_path):
-    from xla_train.run_folder import RECORD, RunFolder
-    from xla_train.storage import open_store
+    from xla_train.core.storage import open_store
     from xla_train.options import TrainOptions
+    from xla_train.run_folder import RECORD, RunFolder
 
     cfg = TrainOptions(output_dir=str(tmp_path / "run"))
     assert RunFolder(open_store(cfg.output_dir), cfg, writer=False).claim() is None
@@ -135,9 +135,9 @@ def test_a_slower_pod_host_accepts_the_record_host_0_just_wrote(tmp_path, monkey
     """Host 0 claims the folder first; host 1, reading it a moment later, takes the record of the
     same run (same config, not finished; or the run id the launcher gave every host) instead of
     refusing a folder that "already holds a run" (the others would wait in the TPU's start-up)."""
-    from xla_train.run_folder import RUN_ID_VARIABLE, RunFolder
-    from xla_train.storage import open_store
+    from xla_train.core.storage import open_store
     from xla_train.options import TrainOptions
+    from xla_train.run_folder import RUN_ID_VARIABLE, RunFolder
 
     cfg = TrainOptions(output_dir=str(tmp_path / "run"))
     monkeypatch.delenv(RUN_ID_VARIABLE, raising=False)
@@ -170,13 +170,14 @@ def test_forked_replicas_get_the_job_without_pickling_it(tiny_model):
     gets pickled is a key, and the model's storage stays where it is."""
     import functools
     import io
-
-    from multiprocessing.reduction import ForkingPickler  # with torch's reductions (torch.multiprocessing)
+    from multiprocessing.reduction import (
+        ForkingPickler,  # with torch's reductions (torch.multiprocessing)
+    )
 
     import torch.multiprocessing  # noqa: F401  registers them
     from transformers import AutoModelForSequenceClassification
 
-    from xla_train import launchers
+    from xla_train.core import launchers
     from xla_train.core.roles import Roles
 
     def pickled(entry, args):
@@ -198,7 +199,7 @@ def _replica_part(part, folder):
     import signal
     import time
 
-    from xla_train.errors import UserError
+    from xla_train.core.errors import UserError
 
     while len([n for n in os.listdir(folder) if n.startswith("pid-")]) < 2:  # both replicas are up
         time.sleep(0.05)
@@ -213,7 +214,7 @@ def _replica_part(part, folder):
 
 
 def _pool_entry(index, parts):
-    from xla_train import launchers
+    from xla_train.core import launchers
     from xla_train.core.select import select_roles
 
     launchers._run_replica(index, select_roles("cpu"), _replica_part, (parts[index], launchers.worker_folder()))
@@ -224,9 +225,9 @@ import concurrent.futures, functools, json, multiprocessing, os, sys
 import torch
 sys.path.insert(0, {tests!r})
 from test_distributed import _pool_entry
-from xla_train import launchers
-from xla_train.errors import UserError
-from xla_train.signals import StopRequest
+from xla_train.core import launchers
+from xla_train.core.errors import UserError
+from xla_train.core.signals import StopRequest
 try:
     with StopRequest(), launchers.replica_failures():
         context = torch.multiprocessing.get_context("fork")
@@ -272,9 +273,9 @@ def test_only_the_launchers_children_are_its_replicas():
     """A process that a replica starts inherits the launch's variable, but is no replica: it must
     neither register nor kill the replicas when it fails. Here a child of the launcher stands for a
     replica, and the child it starts for a process a replica starts."""
-    from xla_train import launchers
+    from xla_train.core import launchers
 
-    ask = "from xla_train import launchers; print(launchers.worker_folder())"
+    ask = "from xla_train.core import launchers; print(launchers.worker_folder())"
     replica = f"import subprocess, sys; {ask}; subprocess.run([sys.executable, '-c', {ask!r}])"
     with launchers.replica_failures():
         assert launchers.worker_folder() is None  # the launcher itself
@@ -376,7 +377,7 @@ def test_a_failure_on_another_pod_host_ends_this_hosts_replicas(gcs_emulator, tm
     import signal
     import time
 
-    from xla_train import launchers
+    from xla_train.core import launchers
 
     url = f"gs://xla-train-test/{tmp_path.name}"
     # set, not deleted: monkeypatch restores (removes) it afterwards, where a delenv of an unset
@@ -407,7 +408,7 @@ def test_a_failure_on_another_pod_host_ends_this_hosts_replicas(gcs_emulator, tm
 def test_spmd_hosts_tell_each_other_their_failures(gcs_emulator, tmp_path, monkeypatch):
     """Under SPMD each host runs one process and no launcher watches it: `pod_watch` tells the
     other hosts of its failure, and ends it (with their line) when another host failed."""
-    from xla_train import launchers
+    from xla_train.core import launchers
 
     # set, not deleted: monkeypatch restores (removes) it afterwards, where a delenv of an unset
     # variable records nothing and watch_pod's marker would reach the later runs of this process
@@ -417,7 +418,7 @@ def test_spmd_hosts_tell_each_other_their_failures(gcs_emulator, tmp_path, monke
         raise UserError("cannot write checkpoint gs://b/run/checkpoints/step-00000004: full", 2)
     failed = launchers.pod_failure()
     assert (str(failed), failed.exit_code) == ("cannot write checkpoint gs://b/run/checkpoints/step-00000004: full", 2)
-    waiting = "import time\nfrom xla_train import launchers\nwith launchers.pod_watch():\n    time.sleep(120)\n"
+    waiting = "import time\nfrom xla_train.core import launchers\nwith launchers.pod_watch():\n    time.sleep(120)\n"
     proc = subprocess.run([sys.executable, "-c", waiting], cwd=ROOT, capture_output=True, text=True, timeout=60,
                           env={**os.environ, **gcs_emulator})
     assert proc.returncode == 2

@@ -1,9 +1,7 @@
-"""The gpu_fallback backend on the CPU with the bundled MiniLM (gloo processes: test_distributed.py)."""
+"""The gpu_fallback accelerator and strategies on the CPU with the bundled MiniLM (gloo processes: test_distributed.py)."""
 
 import torch
-
 from conftest import run_cli
-
 
 # The first six losses of the bundled MiniLM with the course's hyperparameters (the defaults) on
 # the CPU (buckets 64,128, seed 42), as measured here. Data order, padding, head initialisation,

@@ -3,15 +3,19 @@ DistilBERT (no token_type_ids), ELECTRA, ModernBERT and DeBERTa-v2 models, built
 configs with the bundled tokenizer, each trained 10 steps on XLA:CPU with buckets."""
 
 import pytest
-
 from conftest import run_cli
 
 SIZE = dict(num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
 
 
 def configs(vocab):
-    from transformers import (DebertaV2Config, DistilBertConfig, ElectraConfig, ModernBertConfig,
-                              RobertaConfig)
+    from transformers import (
+        DebertaV2Config,
+        DistilBertConfig,
+        ElectraConfig,
+        ModernBertConfig,
+        RobertaConfig,
+    )
 
     return {
         # RoBERTa-style: one token type (the tokenizer's token_type_ids are never passed)

@@ -9,7 +9,6 @@ import os
 
 import pytest
 import torch
-
 from conftest import TINY, assert_same_weights, run_cli, stop_and_resume
 from test_lora import _dev_accuracy
 
@@ -107,7 +106,7 @@ import torch_xla.distributed.spmd as xs
 from torch_xla.experimental.distributed_checkpoint._helpers import _CpuShards
 
 from xla_train.core.select import select_roles
-from xla_train.errors import UserError
+from xla_train.core.errors import UserError
 
 backend = select_roles("xla", strategy="fsdp").strategy
 part = xs.XLAShard(torch.ones(2, 4), [slice(0, 2), slice(0, 4)], "CPU:0", 0)

@@ -21,7 +21,6 @@ from pathlib import Path
 
 import nbformat
 import pytest
-
 from conftest import ROOT
 
 # installs that reuse the dependencies and never reach an index (see the module's docstring);

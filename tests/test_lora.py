@@ -9,8 +9,8 @@ import json
 
 import pytest
 import torch
-
 from conftest import run_cli
+
 from xla_train.cli import main
 
 
@@ -18,8 +18,15 @@ def _decoder(path, family):
     """A 2-layer, 32-wide random decoder classifier with the bundled tokenizer stripped of its
     padding token ([SEP] as end of sequence), as a Llama, Qwen2, Gemma, Mistral or GPT-2 checkpoint
     comes."""
-    from transformers import (AutoModelForSequenceClassification, AutoTokenizer, GemmaConfig, GPT2Config, LlamaConfig,
-                              MistralConfig, Qwen2Config)
+    from transformers import (
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+        GemmaConfig,
+        GPT2Config,
+        LlamaConfig,
+        MistralConfig,
+        Qwen2Config,
+    )
 
     from xla_train.models import bundled_model_path
 

@@ -6,8 +6,8 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT, run_cli, write_slice
+
 from xla_train.report import TAGS, read_scalars
 
 WARNING = "xla-train: warning: recompilation:"
@@ -117,7 +117,7 @@ def test_off_bucket_batch_mid_run_is_named(short_data, tiny_model, tmp_path):
     the shape and the bucket it missed. Only xla_train's own collator is replaced."""
     out = tmp_path / "out"
     patch = """
-from xla_train import data
+from xla_train.core import batching
 calls = [0]
 pad = data.PadCollator.__call__
 def off_bucket(self, items):

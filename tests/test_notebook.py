@@ -3,9 +3,8 @@
 import json
 
 import nbformat
-from nbclient import NotebookClient
-
 from conftest import ROOT
+from nbclient import NotebookClient
 
 
 def test_colab_notebook_executes(mrpc_slice, tmp_path):

@@ -5,7 +5,6 @@ without a host sync more per step. One XLA:CPU run and one CPU run serve every t
 import json
 
 import pytest
-
 from conftest import run_cli
 
 TRACKED = ["--report-to", "tensorboard,mlflow,wandb"]

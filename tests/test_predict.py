@@ -9,8 +9,8 @@ import sys
 
 import pytest
 import torch
-
 from conftest import ROOT, assert_same_weights, run_cli
+
 from xla_train.cli import main
 from xla_train.tasks import BUNDLED_MRPC, read_glue_tsv
 

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from xla_train.api import Engine
+from xla_train.core.engine import Engine
 from xla_train.options import TrainOptions
 from xla_train.run_state import RunState, _improves
 

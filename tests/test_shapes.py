@@ -6,9 +6,9 @@ import types
 import datasets
 import pytest
 
-from xla_train.data import BatchPlan
-from xla_train.errors import UserError
-from xla_train.shapes import Padding, ShapePlan, check_steps, settle_padding
+from xla_train.core.batching import BatchPlan
+from xla_train.core.errors import UserError
+from xla_train.core.shapes import Padding, ShapePlan, check_steps, settle_padding
 
 
 def _job(train_rows, grad_accum, padding="buckets", buckets="auto"):

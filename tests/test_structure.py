@@ -83,18 +83,18 @@ def test_no_import_circle():
 
 def test_the_interface_imports_no_implementation():
     graph = import_graph()
-    assert graph["xla_train.core.roles"] <= {"xla_train.errors"}
+    assert graph["xla_train.core.roles"] <= {"xla_train.core.errors"}
     # the launchers (xmp.spawn's and torch.multiprocessing's, one failure channel) are shared too;
     # on several hosts a failure travels through the job's gs:// output (storage); the XLA ones
     # pick the PJRT device (core.xla, which imports no torch_xla at its top)
-    assert graph["xla_train.launchers"] <= {"xla_train.errors", "xla_train.storage", "xla_train.core.roles",
+    assert graph["xla_train.core.launchers"] <= {"xla_train.core.errors", "xla_train.core.storage", "xla_train.core.roles",
                                             "xla_train.core.xla"}
     # the implementations import the roles, never each other
-    assert graph["xla_train.core.xla"] <= {"xla_train.errors", "xla_train.core.roles"}
+    assert graph["xla_train.core.xla"] <= {"xla_train.core.errors", "xla_train.core.roles"}
     fallback = [m for m in graph if m.startswith("gpu_fallback")]
     assert len(fallback) >= 4
-    assert not any(m.startswith("xla_train") and m not in ("xla_train.core.roles", "xla_train.errors",
-                                                           "xla_train.launchers")
+    assert not any(m.startswith("xla_train") and m not in ("xla_train.core.roles", "xla_train.core.errors",
+                                                           "xla_train.core.launchers")
                    for name in fallback for m in graph[name])
 
 

@@ -5,12 +5,20 @@ import csv
 import json
 
 import pytest
-
 from conftest import run_cli
+
 from xla_train.cli import main
-from xla_train.errors import UserError
-from xla_train.tasks import (BUNDLED_MRPC, check_choices, glue_columns, load_glue_hub, load_metric, load_mrpc,
-                             load_task, read_glue_tsv)
+from xla_train.core.errors import UserError
+from xla_train.tasks import (
+    BUNDLED_MRPC,
+    check_choices,
+    glue_columns,
+    load_glue_hub,
+    load_metric,
+    load_mrpc,
+    load_task,
+    read_glue_tsv,
+)
 
 STSB_HEADER = ["index", "genre", "filename", "year", "old_index", "source1", "source2", "sentence1", "sentence2",
                "score"]

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from conftest import TINY, assert_same_weights, run_cli
 
 EVAL_ROWS, BATCH = 48, 8
@@ -126,9 +125,10 @@ EVALUATE_ONCE = """
 import json, sys, torch
 import torch_xla.debug.metrics as met
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
-from xla_train.api import Engine
-from xla_train.data import make_loader, tokenize
-from xla_train.shapes import Padding
+from xla_train.core.engine import Engine
+from xla_train.core.batching import make_loader
+from xla_train.tasks.sequence import tokenize
+from xla_train.core.shapes import Padding
 from xla_train.evaluation import evaluate_model
 from xla_train.tasks import load_task
 

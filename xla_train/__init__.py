@@ -2,7 +2,7 @@
 
 import time
 
-from .errors import UserError
+from .core.errors import UserError
 
 STARTED = time.time()  # the process's start, near enough: where a run's wall time (goodput) begins
 
@@ -14,7 +14,7 @@ def __getattr__(name):
     # Imported on first use (PEP 562): `xla-train` starts without torch, so a Ctrl-C while the
     # libraries load reaches the CLI's handler, and `xla-train --help` is quick.
     if name in ("Engine", "launch", "notebook_launcher"):
-        from . import api
+        from .core import engine
 
-        return getattr(api, name)
+        return getattr(engine, name)
     raise AttributeError(f"module 'xla_train' has no attribute {name!r}")

@@ -18,10 +18,10 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .core.checkpoint_io import trained_state
+from .core.errors import UserError, first_line
 from .core.roles import optimizer_params, shaped_like
-from .errors import UserError, first_line
+from .core.storage import MARKER, SHARDS, checkpoint_name, open_store
 from .run_folder import mismatch
-from .storage import MARKER, SHARDS, checkpoint_name, open_store
 
 BEST = "best"  # checkpoints/best: the best evaluation's weights (--save-best)
 FILES = ("model.safetensors", "optimizer.pt", "scheduler.pt", "rng.pt", "state.json")

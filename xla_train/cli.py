@@ -5,7 +5,7 @@ import functools
 import os
 import sys
 
-from .errors import ExitError, Stopped, UserError
+from .core.errors import ExitError, Stopped, UserError
 
 
 class _Parser(argparse.ArgumentParser):

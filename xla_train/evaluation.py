@@ -1,7 +1,7 @@
 """Evaluation during training: every evaluation split scored by the task's metric, every row
 exactly once, printed, logged and handed to the run state (best model, early stopping)."""
 
-from .inference import infer
+from .core.inference import infer
 from .tasks import scores
 
 

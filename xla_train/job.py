@@ -7,14 +7,20 @@ from dataclasses import dataclass
 from transformers import AutoConfig
 
 from . import checkpoint
-from .data import model_inputs_only
-from .errors import UserError
-from .launchers import watch_pod
-from .models import add_adapters, hold_frozen_in_bf16, load_pretrained, load_tokenizer, position_limit
+from .core.batching import model_inputs_only
+from .core.errors import UserError
+from .core.launchers import watch_pod
+from .core.shapes import ShapePlan, check_steps, settle_padding
+from .core.storage import is_remote, open_store
+from .models import (
+    add_adapters,
+    hold_frozen_in_bf16,
+    load_pretrained,
+    load_tokenizer,
+    position_limit,
+)
 from .predictions import read_input, tokenize_rows
 from .run_folder import RunFolder
-from .shapes import ShapePlan, check_steps, settle_padding
-from .storage import is_remote, open_store
 from .tasks import load_task
 
 LAUNCH_ID = "XLA_TRAIN_LAUNCH_ID"  # one start of the job on every host of a pod (scripts/tpu_pod.py)

@@ -6,7 +6,7 @@ run, written to the metrics JSON as `memory`, and checked before the first step 
 
 import os
 
-from .errors import UserError
+from .core.errors import UserError
 
 DEVICE_BYTES = "XLA_TRAIN_DEVICE_BYTES"  # the device's memory, where the backend cannot tell (or to plan for another)
 MIB, GIB = 2**20, 2**30

@@ -8,7 +8,7 @@ import io
 import warnings
 from pathlib import Path
 
-from .errors import UserError, first_line
+from .core.errors import UserError, first_line
 
 BUNDLED_MODEL = "the bundled MiniLM-L6-H384"
 

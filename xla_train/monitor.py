@@ -22,14 +22,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from .clock import RunClock
-from .files import atomic_write
+from .core.clock import RunClock
+from .core.files import atomic_write
+from .core.storage import is_remote
 from .report import tag, write_report
-from .storage import is_remote
 from .trackers import Trackers
 
 ANALYSIS = re.compile(r"Compilation Cause\n\s*(.*?)\n.*?Python Frame Triggered Execution: *\n(.*?)\n-{10}", re.S)
-LIBRARY_FRAME = re.compile(r"[/\\](torch|torch_xla)[/\\]|xla_train[/\\](api|core[/\\]roles|core[/\\]xla|monitor|clock|run_state)\.py")  # plumbing
+LIBRARY_FRAME = re.compile(r"[/\\](torch|torch_xla)[/\\]|xla_train[/\\](core[/\\](engine|roles|xla|clock)|monitor|run_state)\.py")  # plumbing
 
 
 class Monitor:

@@ -9,9 +9,9 @@ import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from .errors import UserError, check_choice
+from .core.errors import UserError, check_choice
+from .core.shapes import parse_buckets
 from .models import BUNDLED_MODEL, bundled_model_path
-from .shapes import parse_buckets
 from .tasks import FILE_FORMATS, PROBLEMS, TASKS, check_choices
 from .trackers import TRACKERS, trackers
 
@@ -156,8 +156,8 @@ class TrainOptions:
 
     def _check_observers(self):
         if self.profile_steps:
+            from .core.storage import is_remote
             from .profile import parse_steps
-            from .storage import is_remote
 
             parse_steps(self.profile_steps)
             if not self.output_dir or is_remote(self.output_dir):
@@ -229,7 +229,7 @@ def check_model_path(name, need=False):
 def check_output_file(name, option, formats=None):
     """A file the run writes at its end can be written: no folder, of a known format (`formats`),
     under a folder or a path where one can be made (missing folders are made when it is written)."""
-    from .storage import nearest_existing
+    from .core.storage import nearest_existing
 
     path = Path(name)
     if formats and path.suffix.lower() not in formats:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from .files import atomic_write
-from .inference import predict_loader, predict_rows
+from .core.files import atomic_write
+from .core.inference import predict_loader, predict_rows
 from .models import add_adapters, save_merged
 from .predictions import write_output
 from .run_folder import write_finished

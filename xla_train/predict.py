@@ -10,13 +10,13 @@ shard, and the predictions are put back in input order: each row is predicted ex
 The output's formats: predictions.py.
 """
 
-from .api import Engine
-from .data import model_inputs_only
-from .inference import predict_loader, predict_rows
+from .core.batching import model_inputs_only
+from .core.engine import Engine
+from .core.inference import predict_loader, predict_rows
+from .core.select import select_roles
+from .core.shapes import CostModel, Padding, choose_buckets, parse_buckets
 from .models import load_pretrained
 from .predictions import read_input, tokenize_rows, write_output
-from .core.select import select_roles
-from .shapes import CostModel, Padding, choose_buckets, parse_buckets
 from .tasks import from_folder
 
 

@@ -12,8 +12,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import UserError
-from .files import atomic_write
+from .core.errors import UserError
+from .core.files import atomic_write
 from .tasks import GLUE, glue_columns, read_table, text_columns_of
 
 GLUE_TEST_TEXTS = {"cola": ("sentence",)}  # test files whose text columns differ from train/dev's

@@ -6,7 +6,7 @@ annotated with `xp.StepTrace`; CUDA and CPU: `torch.profiler` with TensorBoard's
 Only the main process captures; outside the window nothing is added to the loop.
 """
 
-from .errors import UserError
+from .core.errors import UserError
 
 
 def parse_steps(spec):

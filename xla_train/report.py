@@ -12,8 +12,8 @@ in `tensorboard/` (read back with tensorboard's EventAccumulator). Writes `RUN_D
 import json
 from pathlib import Path
 
-from .errors import UserError
-from .files import atomic_write
+from .core.errors import UserError
+from .core.files import atomic_write
 from .models import shown_name
 
 # TensorBoard tags the monitor writes and this module reads (the reader owns the names).

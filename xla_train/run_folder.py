@@ -14,8 +14,8 @@ import os
 import uuid
 from dataclasses import asdict
 
-from .errors import UserError
-from .files import atomic_write
+from .core.errors import UserError
+from .core.files import atomic_write
 from .tasks import scores
 
 RECORD = "xla_train_run.json"

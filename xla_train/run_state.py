@@ -13,9 +13,9 @@ from dataclasses import asdict
 import torch
 
 from . import checkpoint
-from .errors import Stopped
-from .signals import StopRequest
-from .storage import open_store
+from .core.errors import Stopped
+from .core.signals import StopRequest
+from .core.storage import open_store
 from .tasks import MINIMISED
 
 

@@ -12,7 +12,7 @@ import warnings
 from dataclasses import asdict
 from pathlib import Path
 
-from .errors import UserError
+from .core.errors import UserError
 
 
 class MLflow:

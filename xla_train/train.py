@@ -17,8 +17,10 @@ from tqdm.auto import tqdm
 from transformers import get_scheduler
 
 from . import STARTED
-from .api import Engine
-from .data import make_loader
+from .core.batching import make_loader
+from .core.engine import Engine
+from .core.select import select_roles
+from .core.signals import StopRequest
 from .evaluation import Evaluator
 from .job import open_output, prepare
 from .memory import check_fits, device_bytes
@@ -28,9 +30,6 @@ from .monitor import Monitor
 from .outputs import finish
 from .profile import Profile
 from .run_state import RunState
-from .core.select import select_roles
-from .signals import StopRequest
-
 
 # ---------------------------------------------------------------------------------------------
 # In the launching process: every check, then the job, then the workers

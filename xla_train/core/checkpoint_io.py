@@ -8,7 +8,7 @@ def trained_state(model, live=False):
     base), the trained parameters only; the frozen ones come again from the model's own files.
     Which are trained is read from the state's own values (`keep_vars`), so the keys may differ
     from `named_parameters()`' (under FSDPv2 the state's keys lose the wrappers' `_orig_module.`,
-    xla_backend._drop_wrapper_keys; the parameters' names keep it). A trained tied parameter
+    core.xla._drop_wrapper_keys; the parameters' names keep it). A trained tied parameter
     appears under each of its keys. `live`: the parameters and buffers themselves (to load into
     in place), not detached views."""
     state = model.state_dict(keep_vars=True)

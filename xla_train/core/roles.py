@@ -3,7 +3,7 @@ split over devices and processes (`Strategy`) and how those processes start (`La
 Lightning Fabric separates them. `Roles` composes one of each; `xla_train.core.select` picks them.
 
 This module imports no implementation. Implementations: `xla_train.core.xla` (torch_xla: the XLA
-accelerator, the XlaDdp, XlaSpmd and XlaFsdp strategies), `xla_train.launchers` (xmp.spawn's
+accelerator, the XlaDdp, XlaSpmd and XlaFsdp strategies), `xla_train.core.launchers` (xmp.spawn's
 replicas, one process per host) and, in `gpu_fallback`, the torch-native accelerator (CUDA, the
 CPU), the Ddp and Fsdp2 strategies and torch.multiprocessing's launcher. Nothing outside those
 files imports torch_xla or torch.distributed, and nothing else branches on a kind: where kinds
@@ -16,7 +16,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-from ..errors import UserError
+from .errors import UserError
 
 _active = None  # the roles `launch` started this worker process with (see `Roles.run_worker`)
 

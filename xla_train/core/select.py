@@ -6,7 +6,7 @@ import importlib.util
 
 import torch
 
-from ..errors import UserError
+from .errors import UserError
 from .roles import Roles
 
 BACKENDS = ("auto", "xla", "cuda", "cpu")
@@ -61,8 +61,7 @@ def select_roles(name="auto", num_processes=None, strategy="ddp"):
 def _xla_roles(num_processes, strategy):
     if not xla_available():
         raise UserError("--backend xla needs torch_xla: pip install 'xla-train[tpu]' (or torch_xla for CPU)")
-    from .. import launchers
-    from . import xla
+    from . import launchers, xla
 
     # ddp: replicas under xmp.spawn; spmd and fsdp: one process per host on a virtual device
     strategies = {"ddp": (xla.XlaDdp, launchers.XmpLauncher), "spmd": (xla.XlaSpmd, launchers.HostLauncher),

@@ -1,6 +1,6 @@
 """torch_xla (PJRT): the XLA accelerator and its strategies (XlaDdp: replicas under xmp.spawn;
 XlaSpmd: one process shards each batch; XlaFsdp: FSDPv2, the model sharded too). Their launchers
-are in `xla_train.launchers`; `xla_train.core.select` puts them together.
+are in `xla_train.core.launchers`; `xla_train.core.select` puts them together.
 
 Launch commands these serve:
     xla-train train --backend xla                   # TPU VM: one replica per local chip
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import UserError
+from .errors import UserError
 from .roles import Accelerator, Strategy, blocks_of, optimizer_params, shaped_like
 
 # Attention implementation registered below: transformers' own SDPA attention with a mask
@@ -438,7 +438,9 @@ class XlaFsdp(XlaSpmd):
         import warnings
 
         from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
-        from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel
+        from torch_xla.experimental.spmd_fully_sharded_data_parallel import (
+            SpmdFullyShardedDataParallel,
+        )
 
         classes = {type(m) for m in blocks_of(model)}
         policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=classes) if classes else None
@@ -463,7 +465,9 @@ class XlaFsdp(XlaSpmd):
         # Each block's wrapper is swapped for the module it wraps, then put back: the same
         # parameters under the model's own names (peft finds an adapter's tensors by walking the
         # module names, which hold `_orig_module.` under the wrappers, while the state's keys do not).
-        from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel
+        from torch_xla.experimental.spmd_fully_sharded_data_parallel import (
+            SpmdFullyShardedDataParallel,
+        )
 
         wrapped = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
                    if isinstance(child, SpmdFullyShardedDataParallel)]
@@ -625,7 +629,9 @@ def _from_shards(shape, pieces, indices):
 
 
 def _param_spec(param):
-    from torch_xla.experimental.spmd_fully_sharded_data_parallel import _prepare_spmd_partition_spec
+    from torch_xla.experimental.spmd_fully_sharded_data_parallel import (
+        _prepare_spmd_partition_spec,
+    )
 
     return _prepare_spmd_partition_spec(param, shard_maximal=True)  # how FSDPv2 shards a parameter
 

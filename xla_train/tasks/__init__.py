@@ -12,10 +12,19 @@ columns `text1` [`text2`] and `label`: GLUE's nine tasks (glue.py) or a user's o
 
 from pathlib import Path
 
-from ..errors import UserError, check_choice
+from ..core.errors import UserError, check_choice
 from .base import MINIMISED, RECORD, Task, load_metric, read_config, read_record, scores
 from .files import FILE_FORMATS, load_files, read_table, text_columns_of
-from .glue import BUNDLED_MRPC, GLUE, TASKS, glue_columns, load_glue_folder, load_glue_hub, load_mrpc, read_glue_tsv
+from .glue import (
+    BUNDLED_MRPC,
+    GLUE,
+    TASKS,
+    glue_columns,
+    load_glue_folder,
+    load_glue_hub,
+    load_mrpc,
+    read_glue_tsv,
+)
 from .kinds import KINDS, PROBLEMS
 from .sequence import Classification, Regression
 

@@ -11,8 +11,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import UserError, first_line
-from ..files import atomic_write
+from ..core.errors import UserError, first_line
+from ..core.files import atomic_write
 
 METRICS = Path(__file__).resolve().parent / "task_metric"  # the `evaluate` module, shipped in the package
 RECORD = "xla_train_task.json"  # what training saves beside the model, read back by `xla-train predict`

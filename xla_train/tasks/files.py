@@ -6,7 +6,7 @@
 import math
 from pathlib import Path
 
-from ..errors import UserError, first_line
+from ..core.errors import UserError, first_line
 from .base import row_name
 
 FILE_FORMATS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json"}
@@ -84,7 +84,9 @@ def load_files(train_file, validation_file, text_columns=None, label_column="lab
         if bad is not None:
             raise UserError(f"{files[split]}: {row_name(files[split], bad)} has an empty label")
     guess = "regression" if any(isinstance(v, float) for v in values["train"]) else "classification"
-    from .kinds import KINDS  # here: the kinds' label rules (sequence.py) read this module's helpers
+    from .kinds import (
+        KINDS,  # here: the kinds' label rules (sequence.py) read this module's helpers
+    )
 
     kind = KINDS[problem or guess]
     labels, targets = kind.encode_labels(values, files)

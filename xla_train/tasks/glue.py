@@ -10,7 +10,7 @@ import csv
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import UserError, describe
+from ..core.errors import UserError, describe
 from .base import number
 from .files import check_text
 from .sequence import Classification, Regression

@@ -7,7 +7,8 @@ task registry and must start at once.
 
 from dataclasses import dataclass
 
-from ..errors import UserError
+from ..core.batching import MODEL_INPUTS
+from ..core.errors import UserError
 from .base import Task
 
 
@@ -76,8 +77,6 @@ class SequenceTask(Task):
                    max_length=saved.get("max_length", 128))
 
     def tokenize(self, splits, tokenizer, max_length):
-        from ..data import tokenize
-
         return tokenize(splits, tokenizer, max_length)
 
     def describe(self):
@@ -192,3 +191,34 @@ class Regression(SequenceTask):
 
         return None, {split: [number(v, files[split], row_name(files[split], i)) for i, v in enumerate(column)]
                       for split, column in values.items()}
+
+
+def tokenize(ds, tokenizer, max_length):
+    """Tokenises `text1` (and `text2`, for sentence pairs), truncated to `max_length`, adding a
+    `length` column.
+
+    Returns the tokenised DatasetDict and the number of truncated rows per split.
+    """
+
+    def encode(batch):
+        texts = (batch["text1"], batch["text2"]) if "text2" in batch else (batch["text1"],)
+        full = tokenizer(*texts)["input_ids"]
+        enc = tokenizer(*texts, truncation=True, max_length=max_length)
+        enc["length"] = [len(ids) for ids in enc["input_ids"]]
+        enc["truncated"] = [len(ids) > max_length for ids in full]
+        return enc
+
+    import datasets
+
+    keep = set(MODEL_INPUTS) | {"label", "length", "truncated", "row"}  # row: a prediction's input position
+    quiet = sum(len(split) for split in ds.values()) < 50_000  # MRPC takes about a second: no bar
+    if quiet:
+        datasets.disable_progress_bars()
+    try:
+        out = ds.map(encode, batched=True, desc="Tokenising")
+    finally:
+        if quiet:
+            datasets.enable_progress_bars()
+    out = out.remove_columns([c for c in next(iter(out.values())).column_names if c not in keep])
+    truncated = {split: int(sum(out[split]["truncated"])) for split in out}
+    return out.remove_columns("truncated"), truncated

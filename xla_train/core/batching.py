@@ -1,4 +1,4 @@
-"""Tokenisation and static-shape batching.
+"""Static-shape batching (a task tokenises its rows: tasks/).
 
 XLA compiles one graph per distinct input shape, so the batch plan decides how many graphs a run
 compiles. `BatchPlan` is the single place that decides shapes: every batch has the same number
@@ -15,37 +15,6 @@ import torch
 from .shapes import Padding
 
 MODEL_INPUTS = ("input_ids", "token_type_ids", "attention_mask")
-
-
-def tokenize(ds, tokenizer, max_length):
-    """Tokenises `text1` (and `text2`, for sentence pairs), truncated to `max_length`, adding a
-    `length` column.
-
-    Returns the tokenised DatasetDict and the number of truncated rows per split.
-    """
-
-    def encode(batch):
-        texts = (batch["text1"], batch["text2"]) if "text2" in batch else (batch["text1"],)
-        full = tokenizer(*texts)["input_ids"]
-        enc = tokenizer(*texts, truncation=True, max_length=max_length)
-        enc["length"] = [len(ids) for ids in enc["input_ids"]]
-        enc["truncated"] = [len(ids) > max_length for ids in full]
-        return enc
-
-    import datasets
-
-    keep = set(MODEL_INPUTS) | {"label", "length", "truncated", "row"}  # row: a prediction's input position
-    quiet = sum(len(split) for split in ds.values()) < 50_000  # MRPC takes about a second: no bar
-    if quiet:
-        datasets.disable_progress_bars()
-    try:
-        out = ds.map(encode, batched=True, desc="Tokenising")
-    finally:
-        if quiet:
-            datasets.enable_progress_bars()
-    out = out.remove_columns([c for c in next(iter(out.values())).column_names if c not in keep])
-    truncated = {split: int(sum(out[split]["truncated"])) for split in out}
-    return out.remove_columns("truncated"), truncated
 
 
 def model_inputs_only(data, model):

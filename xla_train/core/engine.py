@@ -26,12 +26,12 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DataCollatorWithPadding
 
-from .core.checkpoint_io import trained_state
-from .core.hf import quiet_transformers
-from .core.roles import Roles, active_roles, optimizer_params
-from .core.select import select_roles
-from .data import BatchPlan, make_loader
+from .batching import BatchPlan, make_loader
+from .checkpoint_io import trained_state
 from .errors import UserError, describe
+from .hf import quiet_transformers
+from .roles import Roles, active_roles, optimizer_params
+from .select import select_roles
 from .shapes import Padding
 
 

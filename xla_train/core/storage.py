@@ -9,8 +9,8 @@ shards).
 
 import os
 import re
-import socket
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 

@@ -4,7 +4,7 @@ exactly once across replicas, gathered on the device per batch and copied to the
 import torch
 from tqdm.auto import tqdm
 
-from .data import make_loader
+from .batching import make_loader
 
 
 def infer(engine, model, loader, columns, desc=None):

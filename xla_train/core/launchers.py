@@ -21,8 +21,8 @@ import traceback
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
-from .core.roles import Launcher
 from .errors import ExitError, Stopped, UserError, describe, tell, told
+from .roles import Launcher
 
 _CHANNEL = "XLA_TRAIN_LAUNCH"  # "LAUNCHER-PID:FOLDER": where workers register and tell failures
 
@@ -67,7 +67,7 @@ class _XlaLauncher(Launcher):
             # so every replica would claim the same chips: name only the process bounds
             raise UserError(f"--num-processes {num_processes}: on XLA give 1 (one replica) or leave it out (one "
                             "replica per local device); to use fewer chips, set TPU_PROCESS_BOUNDS")
-        from .core.xla import pjrt_device
+        from .xla import pjrt_device
 
         self.num_processes = num_processes
         self.tpu = pjrt_device() == "TPU"
