@@ -72,6 +72,22 @@ def test_env_command(capsys):
     assert "torch_xla     2.9.0" in out and "--backend auto -> cpu: no TPU or CUDA device found" in out
 
 
+def test_env_and_a_default_run_print_no_library_warning(mrpc_slice, tmp_path):
+    """On a machine without a TPU, with PJRT_DEVICE unset: no `WARNING:root:Defaulting to
+    PJRT_DEVICE=CPU` from an import of torch_xla that nothing uses, no library warning or loading
+    bar. The run is the default job (the bundled model, --backend auto) on the MRPC slice."""
+    env = {k: v for k, v in os.environ.items() if k != "PJRT_DEVICE"}
+    proc = subprocess.run([sys.executable, "-m", "xla_train", "env"], cwd=ROOT, capture_output=True, text=True,
+                          env=env)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "xla_train", "train", "--data-dir", str(mrpc_slice), "--max-steps",
+                           "2"], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if "Training:" not in line]  # the job's bar
+    noisy = [line for line in lines if any(w in line for w in ("Warning", "WARNING", "Loading"))]
+    assert not noisy, noisy
+
+
 def test_help_starts_no_library():
     """`--help` of the tool and of both commands imports neither torch, transformers, datasets
     nor torch_xla (it printed in 4-12 s when the parser imported the training module)."""

@@ -82,9 +82,10 @@ def cmd_env(args):
     choice, reason = auto_choice()
     print(f"torch         {torch.__version__}")
     if xla_available():
-        import torch_xla
+        from importlib.metadata import version
 
-        print(f"torch_xla     {torch_xla.__version__}")
+        # from its metadata: importing torch_xla starts PJRT's defaults ("Defaulting to PJRT_DEVICE=CPU")
+        print(f"torch_xla     {version('torch_xla')}")
     else:
         print("torch_xla     not installed")
     print(f"transformers  {transformers.__version__}")
