@@ -369,7 +369,7 @@ def test_a_vfio_device_alone_is_no_tpu(monkeypatch):
     assert xla.tpu_present()
 
 
-def test_a_failure_on_another_pod_host_ends_this_hosts_replicas(gcs_emulator, tmp_path, monkeypatch):
+def test_a_failure_on_another_pod_host_ends_this_hosts_replicas(gcs_emulator, tmp_path):
     """Several hosts cannot run here. This host's two replicas are stuck (as in a collective
     whose peer on another host has failed); that host leaves its line in the job's gs:// output
     (`launchers.tell_pod`), and this host's watchdog reads it and ends the replicas with that line,
@@ -380,29 +380,27 @@ def test_a_failure_on_another_pod_host_ends_this_hosts_replicas(gcs_emulator, tm
     from xla_train.core import launchers
 
     url = f"gs://xla-train-test/{tmp_path.name}"
-    # set, not deleted: monkeypatch restores (removes) it afterwards, where a delenv of an unset
-    # variable records nothing and watch_pod's marker would reach the later runs of this process
-    monkeypatch.setenv(launchers.POD_FAILURES, "")
-    launchers.watch_pod(url, "launch-1")  # what train.run does on every host of a pod started by tpu_pod.py
-    env = {**os.environ, **gcs_emulator}
-    assert launchers.pod_failure() is None
-    proc = subprocess.Popen([sys.executable, "-c", FAILING_POOL.format(tests=str(ROOT / "tests"), part="stuck")],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
-    time.sleep(3)
-    launchers.tell_pod(UserError("replica 5 failed: RuntimeError: out of memory", 1))  # host 1's replica
-    try:
-        out, err = proc.communicate(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        pytest.fail("this host's replicas still wait after 60 s")
-    assert proc.returncode == 0, err[-3000:]
-    told = json.loads(out)
-    assert told["line"] == "replica 5 failed: RuntimeError: out of memory" and told["code"] == 1
-    assert told["children"] == 0
-    launchers.watch_pod(url, "launch-2")  # the next start of the same run does not see launch 1's failure
-    assert launchers.pod_failure() is None
+    with launchers.watch_pod(launchers.pod_marker(url, "launch-1")):  # job.launch's, on every pod host
+        env = {**os.environ, **gcs_emulator}
+        assert launchers.pod_failure() is None
+        proc = subprocess.Popen([sys.executable, "-c", FAILING_POOL.format(tests=str(ROOT / "tests"), part="stuck")],
+                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                start_new_session=True)
+        time.sleep(3)
+        launchers.tell_pod(UserError("replica 5 failed: RuntimeError: out of memory", 1))  # host 1's replica
+        try:
+            out, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            pytest.fail("this host's replicas still wait after 60 s")
+        assert proc.returncode == 0, err[-3000:]
+        told = json.loads(out)
+        assert told["line"] == "replica 5 failed: RuntimeError: out of memory" and told["code"] == 1
+        assert told["children"] == 0
+    assert launchers.POD_FAILURES not in os.environ  # as it was before the launch
+    with launchers.watch_pod(launchers.pod_marker(url, "launch-2")):
+        assert launchers.pod_failure() is None  # the next start of the same run does not see launch 1's failure
 
 
 def test_spmd_hosts_tell_each_other_their_failures(gcs_emulator, tmp_path, monkeypatch):
@@ -410,10 +408,7 @@ def test_spmd_hosts_tell_each_other_their_failures(gcs_emulator, tmp_path, monke
     other hosts of its failure, and ends it (with their line) when another host failed."""
     from xla_train.core import launchers
 
-    # set, not deleted: monkeypatch restores (removes) it afterwards, where a delenv of an unset
-    # variable records nothing and watch_pod's marker would reach the later runs of this process
-    monkeypatch.setenv(launchers.POD_FAILURES, "")
-    launchers.watch_pod(f"gs://xla-train-test/{tmp_path.name}", "l1")
+    monkeypatch.setenv(launchers.POD_FAILURES, launchers.pod_marker(f"gs://xla-train-test/{tmp_path.name}", "l1"))
     with pytest.raises(UserError), launchers.pod_watch():
         raise UserError("cannot write checkpoint gs://b/run/checkpoints/step-00000004: full", 2)
     failed = launchers.pod_failure()

@@ -9,7 +9,8 @@ from transformers import AutoConfig
 from . import checkpoint
 from .core.batching import model_inputs_only
 from .core.errors import UserError
-from .core.launchers import watch_pod
+from .core.launchers import pod_marker, watch_pod
+from .core.signals import StopRequest
 from .core.shapes import ShapePlan, check_steps, settle_padding
 from .core.storage import is_remote, open_store
 from .models import (
@@ -37,6 +38,7 @@ class Job:
     run_id: str = None  # the output folder's run
     truncated: dict = None  # rows cut to --max-length, per split
     resume: object = None  # checkpoint.Resume, or None
+    pod_marker: str = None  # on several hosts: where a failing host tells the others (launchers.pod_marker)
     started: float = None  # time.time() when the launching process started (goodput's wall time)
 
     def report(self):
@@ -55,10 +57,10 @@ def open_output(cfg, backend):
         # only global ordinal 0 writes; every host decides on its own whether to resume
         raise UserError(f"--output-dir {cfg.output_dir}: a run on {hosts} hosts needs a gs:// output, which every "
                         "host reads alike (a local folder holds host 0's checkpoints only)")
-    if hosts > 1 and os.environ.get(LAUNCH_ID):  # scripts/tpu_pod.py gives every host one launch id
-        watch_pod(store.url, os.environ[LAUNCH_ID])  # a failing host tells the others there
     store.check_writable()
     folder = RunFolder(store, cfg, writer=host == 0)  # one run per folder
+    if hosts > 1 and os.environ.get(LAUNCH_ID):  # scripts/tpu_pod.py gives every host one launch id
+        folder.pod_marker = pod_marker(store.url, os.environ[LAUNCH_ID])  # a failing host tells the others there
     folder.check()
     done = folder.finished_message()
     if done:
@@ -117,3 +119,12 @@ def tokenize_task(cfg, task, tokenizer):
         print(f"truncated to --max-length {cfg.max_length} tokens: "
               + ", ".join(f"{n} {split} rows" for split, n in truncated.items()))
     return data, truncated
+
+
+def launch(roles, job, worker):
+    """`worker(job)` on every local worker. Workers get the tokenised data and the model from here:
+    forked replicas (XLA) share these pages instead of each loading a copy; spawned ones (gloo,
+    NCCL) receive them pickled. A launcher passes SIGTERM on to its workers, which save and stop;
+    on several hosts they inherit the pod's failure marker, unset again afterwards."""
+    with StopRequest(), watch_pod(job.pod_marker):
+        roles.launch(worker, (job,))

@@ -56,6 +56,7 @@ class RunFolder:
 
     def __init__(self, store, cfg, writer=True):
         self.store, self.cfg, self.writer = store, cfg, writer  # writer: one host of a pod writes the record
+        self.pod_marker = None  # several hosts: where a failing host tells the others (job.open_output)
         self.found = _run_files(store.names())  # (first: a missing bucket is named here)
         text = store.read_text(RECORD) if RECORD in self.found else None
         try:

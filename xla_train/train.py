@@ -22,7 +22,7 @@ from .core.engine import Engine
 from .core.select import select_roles
 from .core.signals import StopRequest
 from .evaluation import Evaluator
-from .job import open_output, prepare
+from .job import launch, open_output, prepare
 from .memory import check_fits, device_bytes
 from .memory import describe as describe_memory
 from .memory import plan as plan_of
@@ -46,10 +46,8 @@ def run(cfg):
     job = prepare(cfg, backend, resume)
     job.run_id = folder.claim(resume) if folder else None  # every check passed: the folder is this run's
     job.started = STARTED
-    # Workers get the tokenised data and the model from here: forked replicas (XLA) share these
-    # pages instead of each loading a copy; spawned ones (gloo, NCCL) receive them pickled.
-    with StopRequest():  # a launcher passes SIGTERM on to its workers, which save and stop
-        backend.launch(train_worker, (job,))
+    job.pod_marker = folder.pod_marker if folder else None
+    launch(backend, job, train_worker)
 
 
 # ---------------------------------------------------------------------------------------------

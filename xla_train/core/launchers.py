@@ -259,10 +259,28 @@ POD_FAILURES = "XLA_TRAIN_POD_FAILURES"  # the marker's URL: OUTPUT/xla_train_fa
 POD_POLL_SECONDS = 5
 
 
-def watch_pod(output_url, launch_id):
-    """Before launching on several hosts: this launch's marker (one per launch, so a failure of
-    an earlier launch of the same run does not end a resumed one). Workers inherit it."""
-    os.environ[POD_FAILURES] = f"{output_url.rstrip('/')}/xla_train_failed-{launch_id}"
+def pod_marker(output_url, launch_id):
+    """This launch's failure marker in the job's output (one per launch, so a failure of an earlier
+    launch of the same run does not end a resumed one)."""
+    return f"{output_url.rstrip('/')}/xla_train_failed-{launch_id}"
+
+
+@contextlib.contextmanager
+def watch_pod(marker):
+    """Around a launch on several hosts: `marker` (pod_marker's) where its workers, which inherit
+    it, tell and read failures; the variable is as it was afterwards. None: one host, nothing set."""
+    if marker is None:
+        yield
+        return
+    previous = os.environ.get(POD_FAILURES)
+    os.environ[POD_FAILURES] = marker
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ[POD_FAILURES]
+        else:
+            os.environ[POD_FAILURES] = previous
 
 
 def _pod_marker():
