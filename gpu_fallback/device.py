@@ -35,10 +35,15 @@ class TorchAccelerator(Accelerator):
         self.token_seconds = TOKEN_SECONDS.get(device_type, ACCELERATOR_TOKEN_SECONDS)
         # torch.distributed's process group for this device: "nccl" for CUDA, "gloo" for the CPU
         self.process_group = dist.Backend.default_device_backend_map[device_type]
-        self._module = torch.get_device_module(device_type)  # rng state and memory, where it has them
         # transformers and accelerate move work onto XLA when torch_xla is importable; this
         # backend is the plain-torch path, so tell them not to.
         os.environ.setdefault("USE_TORCH_XLA", "0")
+
+    @property
+    def _module(self):
+        """torch.cuda, torch.cpu...: the device's rng state and memory, where it has them (looked up
+        each time: a module does not pickle, and spawned workers get this object pickled)."""
+        return torch.get_device_module(self.name)
 
     @property
     def device(self):
