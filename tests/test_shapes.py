@@ -8,7 +8,7 @@ import pytest
 
 from xla_train.core.batching import BatchPlan
 from xla_train.core.errors import UserError
-from xla_train.core.shapes import Padding, ShapePlan, check_steps, settle_padding
+from xla_train.core.shapes import Padding, Shapes, check_steps, settle_padding
 
 
 def _job(train_rows, grad_accum, padding="buckets", buckets="auto"):
@@ -25,7 +25,7 @@ def test_printed_steps_per_epoch_are_the_steps_an_epoch_runs(capsys):
     """160 rows, batch 8, --grad-accum 3: 20 micro-batches make 6 optimizer steps (the last 2 are
     skipped); the --buckets auto line said 7 when it rounded rows / 24 up."""
     cfg, data, backend, lengths = _job(160, 3)
-    shapes = ShapePlan(batch_size=8, devices=1, grad_accum=3)
+    shapes = Shapes(batch_size=8, devices=1, grad_accum=3)
     settle_padding(cfg, shapes, data, ["validation"], backend)
     line = capsys.readouterr().out
     loop = BatchPlan(lengths, 8, padding=shapes.padding, shuffle=True)  # the loader the loop iterates
@@ -48,7 +48,7 @@ def test_padding_modes_answer_which_lengths_a_batch_may_have():
 
 
 def test_a_plan_counts_every_device_and_refuses_an_epoch_without_a_step():
-    shapes = ShapePlan(batch_size=8, devices=4, grad_accum=2)
+    shapes = Shapes(batch_size=8, devices=4, grad_accum=2)
     assert shapes.global_batch == 32 and shapes.rows_per_step == 64
     assert shapes.steps_per_epoch(3668) == 115 // 2 and shapes.total_steps(3668, 3, max_steps=10) == 10
     with pytest.raises(UserError, match="20 training rows make 1 batch"):
@@ -57,6 +57,6 @@ def test_a_plan_counts_every_device_and_refuses_an_epoch_without_a_step():
 
 def test_a_resumed_run_keeps_its_buckets(capsys):
     cfg, data, backend, _ = _job(160, 1)
-    shapes = ShapePlan(batch_size=8, devices=1)
+    shapes = Shapes(batch_size=8, devices=1)
     settle_padding(cfg, shapes, data, ["validation"], backend, types.SimpleNamespace(state={"buckets": [88]}))
     assert shapes.padding.bucket_list == [88] and shapes.estimate is None and capsys.readouterr().out == ""

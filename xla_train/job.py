@@ -11,7 +11,7 @@ from .core.batching import model_inputs_only
 from .core.errors import UserError
 from .core.launchers import pod_marker, watch_pod
 from .core.signals import StopRequest
-from .core.shapes import ShapePlan, check_steps, settle_padding
+from .core.shapes import Shapes, check_steps, settle_padding
 from .core.storage import is_remote, open_store
 from .models import (
     add_adapters,
@@ -33,7 +33,7 @@ class Job:
     task: object  # tasks.Task: labels, metric, evaluation splits, test rows
     tokenizer: object
     data: object  # the tokenised DatasetDict: train, the evaluation splits, test
-    shapes: object  # shapes.ShapePlan: padding, global batch, steps per epoch
+    shapes: object  # shapes.Shapes: padding, global batch, steps per epoch
     model: object  # the pretrained model with its new head (and a resumed run's weights)
     run_id: str = None  # the output folder's run
     truncated: dict = None  # rows cut to --max-length, per split
@@ -90,7 +90,7 @@ def prepare(cfg, backend, resume=None):
     limit = position_limit(load_pretrained(AutoConfig, cfg.model), tokenizer)
     if cfg.max_length > limit:
         raise UserError(f"--max-length {cfg.max_length} is longer than model {cfg.model} takes ({limit} tokens)")
-    shapes = ShapePlan(cfg.batch_size, backend.planned_data_parallel_size(), cfg.grad_accum)
+    shapes = Shapes(cfg.batch_size, backend.planned_data_parallel_size(), cfg.grad_accum)
     check_steps(shapes, len(task.splits["train"]))
     data, truncated = tokenize_task(cfg, task, tokenizer)
     if resume:

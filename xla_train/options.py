@@ -24,6 +24,18 @@ def option(default, help, choices=None, required=False):
     return field(default=default, metadata={"help": help, "choices": choices, "required": required})
 
 
+def backend_option():
+    """--backend, the same for train and predict (the names are checked where they are chosen:
+    core/select.py)."""
+    return option("auto", "auto | xla | cuda | cpu (auto: TPU, then CUDA, then CPU)")
+
+
+def strategy_option():
+    return option("ddp", "ddp (a replica per device), spmd (XLA: one process shards each batch over all devices) or "
+                  "fsdp (the model's weights, gradients and AdamW state sharded over all devices too: FSDPv2 on XLA, "
+                  "FSDP2 on CUDA and the CPU)")
+
+
 def flag_name(name):
     return "--" + name.replace("_", "-")
 
@@ -48,12 +60,10 @@ class TrainOptions:
     test_file: str = option(None, "rows to predict with the final (or best) model, written to "
                             "OUTPUT_DIR/predictions.EXT (a GLUE test.tsv: GLUE's submission format)")
     # system
-    backend: str = option("auto", "auto | xla | cuda | cpu (auto: TPU, then CUDA, then CPU)")
+    backend: str = backend_option()
     num_processes: int = option(None, "workers on this host (default: one per TPU core or GPU; 1 on the CPU and "
                                 "on XLA:CPU)")
-    strategy: str = option("ddp", "ddp (a replica per device), spmd (XLA: one process shards each batch over "
-                           "all devices) or fsdp (the model's weights, gradients and AdamW state sharded over all "
-                           "devices too: FSDPv2 on XLA, FSDP2 on CUDA and the CPU)")
+    strategy: str = strategy_option()
     # hyperparameters (the course's: AdamW, linear schedule, 3 epochs, batch 8)
     epochs: int = option(3, "passes over the training data")
     batch_size: int = option(8, "per replica")
@@ -177,9 +187,8 @@ class PredictOptions:
     output: str = option(None, "file to write (missing folders are made): GLUE's index<TAB>prediction for a GLUE "
                          "file, else the input's columns plus prediction and score, in the format of its "
                          "extension", required=True)
-    backend: str = option("auto", "auto | xla | cuda | cpu")
-    strategy: str = option("ddp", "ddp, spmd (XLA) or fsdp (the model sharded: FSDPv2 on XLA, FSDP2 on CUDA and "
-                           "the CPU)")
+    backend: str = backend_option()
+    strategy: str = strategy_option()
     num_processes: int = option(None, "workers on this host (default: one per TPU core or GPU; 1 on the CPU)")
     batch_size: int = option(8, "rows per replica and batch")
     text_columns: str = option(None, "A or A,B (default: the columns the model was trained on)")

@@ -14,23 +14,21 @@ from .core.batching import model_inputs_only
 from .core.engine import Engine
 from .core.inference import predict_loader, predict_rows
 from .core.select import select_roles
-from .core.shapes import CostModel, Padding, choose_buckets, parse_buckets
+from .core.shapes import CostModel, choose_buckets, padding_for
 from .models import load_pretrained
 from .predictions import read_input, tokenize_rows, write_output
 from .tasks import from_folder
 
 
-def plan(lengths, backend, buckets, max_length):
+def forward_padding(lengths, roles, buckets, max_length):
     """The padding of one forward pass over these rows: the given bucket lengths, or `--buckets
     auto`'s for a forward pass (about a third of a training step's cost; one graph per bucket)."""
-    buckets = parse_buckets(buckets, max_length)
-    if buckets == "auto":
-        cost = CostModel(compile_seconds=backend.accelerator.compile_seconds,
-                         token_seconds=backend.accelerator.token_seconds, graphs_per_bucket=1)
-        buckets, _ = choose_buckets(lengths, 1 / 3, max_length, cost)
-    padding = Padding("buckets", buckets, max_length)
-    padding.check_fit(lengths)
-    return padding
+    def choose():
+        cost = CostModel(compile_seconds=roles.accelerator.compile_seconds,
+                         token_seconds=roles.accelerator.token_seconds, graphs_per_bucket=1)
+        return choose_buckets(lengths, 1 / 3, max_length, cost)[0]
+
+    return padding_for("buckets", buckets, max_length, [lengths], choose)
 
 
 def predict_worker(cfg, task, table, model, tokenizer, data, padding):
@@ -59,7 +57,7 @@ def run(cfg):
     data, truncated = tokenize_rows(table, task, tokenizer, cfg.max_length)
     if truncated:
         print(f"truncated to --max-length {cfg.max_length} tokens: {truncated} rows")
-    padding = plan(data["length"], backend, cfg.buckets, cfg.max_length)
+    padding = forward_padding(data["length"], backend, cfg.buckets, cfg.max_length)
     model = task.load_trained(cfg.model)  # a whole model, or an adapter (--lora) on its base
     data = model_inputs_only(data, model)
     backend.launch(predict_worker, (cfg, task, table, model, tokenizer, data, padding))

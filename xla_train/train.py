@@ -64,7 +64,7 @@ class Training:
     train_dl: object
     evaluate: object  # Evaluator
     state: RunState
-    shapes: object  # shapes.ShapePlan: the job's, with this run's device count
+    shapes: object  # shapes.Shapes: the job's, with this run's device count
     total_steps: int
     steps_per_epoch: int
     task: object  # tasks.Task: the loss

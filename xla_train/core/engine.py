@@ -32,7 +32,7 @@ from .errors import UserError, describe
 from .hf import quiet_transformers
 from .roles import Roles, active_roles, optimizer_params
 from .select import select_roles
-from .shapes import Padding
+from .shapes import even_buckets
 
 
 class Engine:
@@ -378,9 +378,8 @@ def _static_shape_loader(loader):
     with fixed shapes for XLA: rows grouped by length, padded to multiples of 32, full batches."""
     ds, tokenizer = loader.dataset, loader.collate_fn.tokenizer
     lengths = [len(ids) for ids in ds.with_format(None)["input_ids"]]
-    top = -(-max(lengths) // 32) * 32
     shuffle = not isinstance(loader.sampler, torch.utils.data.SequentialSampler)
-    return make_loader(ds, tokenizer, loader.batch_size, Padding("buckets", list(range(32, top + 1, 32)), top),
+    return make_loader(ds, tokenizer, loader.batch_size, even_buckets(lengths),
                        shuffle=shuffle, seed=torch.initial_seed(), fill="repeat" if shuffle else "mask",
                        lengths=lengths)
 

@@ -1,4 +1,4 @@
-"""The shape plan: what lengths a batch may have, how many rows a step takes, how many steps an
+"""A job's shapes: what lengths a batch may have, how many rows a step takes, how many steps an
 epoch runs. Computed once; batching, the cost model, the monitor, the report and the test file's
 predictions ask it. The only reader of `--padding`.
 """
@@ -57,7 +57,7 @@ class Padding:
 
 
 @dataclass
-class ShapePlan:
+class Shapes:
     """A job's shapes: its padding, and the rows one micro-batch and one optimizer step take."""
 
     batch_size: int  # rows per device and micro-batch
@@ -103,17 +103,32 @@ def check_steps(shapes, rows):
                         "more rows, or a smaller --batch-size or --grad-accum")
 
 
+def padding_for(mode, buckets, max_length, lengths, choose=None):
+    """The one bucket rule: `buckets` (--buckets: a spec, or the lengths themselves), where it says
+    "auto" `choose()`'s lengths, as the padding of `mode`; every row of each of `lengths` (one list
+    per split) must fit it."""
+    buckets = parse_buckets(buckets, max_length) if isinstance(buckets, str) else buckets
+    if mode == "buckets" and buckets == "auto":
+        buckets = choose()
+    padding = Padding(mode, buckets, max_length)
+    for split in lengths:
+        padding.check_fit(split)
+    return padding
+
+
+def even_buckets(lengths, step=32):
+    """Buckets every `step` tokens up to the longest row (a loop's own DataLoader on XLA, rebuilt
+    by `Engine.prepare`: the Engine knows nothing of its job to weigh compilations against padding)."""
+    top = -(-max(lengths) // step) * step
+    return padding_for("buckets", list(range(step, top + 1, step)), top, [lengths])
+
+
 def settle_padding(cfg, shapes, data, eval_splits, accelerator, resume=None):
     """Sets `shapes.padding`: the bucket lengths given, a resumed run's (the data order depends on
     them), or `--buckets auto`'s choice for this job. Every row must fit them."""
-    buckets = parse_buckets(cfg.buckets, cfg.max_length)
-    if resume:
-        buckets = resume.state["buckets"] or buckets
-    if cfg.padding == "buckets" and buckets == "auto":
-        buckets = _auto_buckets(cfg, shapes, data, eval_splits, accelerator)
-    shapes.padding = Padding(cfg.padding, buckets, cfg.max_length)
-    for split in data.values():
-        shapes.padding.check_fit(split["length"])
+    given = (resume.state["buckets"] if resume else None) or cfg.buckets
+    shapes.padding = padding_for(cfg.padding, given, cfg.max_length, [split["length"] for split in data.values()],
+                                 lambda: _auto_buckets(cfg, shapes, data, eval_splits, accelerator))
 
 
 def _auto_buckets(cfg, shapes, data, eval_splits, accelerator):
