@@ -6,7 +6,7 @@ import importlib.util
 
 import torch
 
-from .errors import UserError
+from .errors import UserError, check_choice
 from .roles import Roles
 
 BACKENDS = ("auto", "xla", "cuda", "cpu")
@@ -36,10 +36,8 @@ def auto_choice():
 def select_roles(name="auto", num_processes=None, strategy="ddp"):
     """The roles for `--backend NAME` and `--strategy`, not yet started (no runtime, no process
     group). The one place that maps the two names to implementations."""
-    if name not in BACKENDS:
-        raise UserError(f"--backend must be one of {', '.join(BACKENDS)}, not {name!r}")
-    if strategy not in STRATEGIES:
-        raise UserError(f"--strategy must be one of {', '.join(STRATEGIES)}, not {strategy!r}")
+    check_choice("--backend", name or "", BACKENDS)  # "" for None: given, and not a name
+    check_choice("--strategy", strategy or "", STRATEGIES)
     if num_processes is not None and num_processes < 1:
         raise UserError(f"--num-processes must be at least 1, not {num_processes}")
     if name == "auto":
