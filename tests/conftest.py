@@ -267,10 +267,12 @@ def wait_for(condition, proc, timeout=300, every=0.005):
     raise AssertionError("timed out")
 
 
-def stop_and_resume(args, out, tmp_path, sig=signal.SIGTERM, env=None):
+def stop_and_resume(args, out, tmp_path, sig=signal.SIGTERM, env=None, stopped=None):
     """The preemption protocol: starts `args` into `out`, sends `sig` once checkpoint 4 is
-    complete, checks the exit code (128 + signal) and resumes with --resume. Returns (the stopped
-    run's last stderr line, the step it stopped at, the resumed run's metrics)."""
+    complete, checks the exit code (128 + signal), calls `stopped(last stderr line, step)` (the
+    stopped run's checks, before the resumed run's --keep-last removes its checkpoint) and resumes
+    with --resume. Returns (the stopped run's last stderr line, the step it stopped at, the
+    resumed run's metrics)."""
     run = start_cli([*args, "--output-dir", out], env=env)
     wait_for(lambda: (Path(out) / "checkpoints" / "step-00000004" / "COMPLETE").exists(), run)
     run.send_signal(sig)
@@ -278,6 +280,8 @@ def stop_and_resume(args, out, tmp_path, sig=signal.SIGTERM, env=None):
     assert run.returncode == 128 + sig, err[-3000:]
     last = err.strip().splitlines()[-1]
     stopped_at = int(last.split("after step ")[1].split(":")[0])
+    if stopped:
+        stopped(last, stopped_at)
     proc, resumed = run_cli([*args, "--output-dir", out, "--resume"], tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return last, stopped_at, resumed

@@ -32,12 +32,15 @@ def test_sigterm_then_resume_equals_the_uninterrupted_run(mrpc_slice, tiny_dropo
     assert proc.returncode == 0, proc.stderr[-3000:]
 
     out = tmp_path / "stopped"
-    last, stopped_at, resumed = stop_and_resume(args, out, tmp_path)
-    assert last.startswith("xla-train: stopped by SIGTERM after step ") and "continue with --resume" in last
-    assert 4 <= stopped_at < 45 and stopped_at % 6 != 0  # mid-epoch
-    assert (out / "checkpoints" / f"step-{stopped_at:08d}" / "COMPLETE").exists()
-    saved = out / "checkpoints" / f"step-{stopped_at:08d}" / "model.safetensors"
-    assert saved.stat().st_size < 100_000  # adapters and head: 4 MB with the frozen base
+
+    def stopped(last, stopped_at):
+        assert last.startswith("xla-train: stopped by SIGTERM after step ") and "continue with --resume" in last
+        assert 4 <= stopped_at < 45 and stopped_at % 6 != 0  # mid-epoch
+        assert (out / "checkpoints" / f"step-{stopped_at:08d}" / "COMPLETE").exists()
+        saved = out / "checkpoints" / f"step-{stopped_at:08d}" / "model.safetensors"
+        assert saved.stat().st_size < 100_000  # adapters and head: 4 MB with the frozen base
+
+    _, stopped_at, resumed = stop_and_resume(args, out, tmp_path, stopped=stopped)
     assert resumed["first_step"] == stopped_at and resumed["steps"] == whole["steps"] == 45
     assert_same_weights(out, tmp_path / "whole", file="adapter_model.safetensors")
     assert [s for s, _, _ in resumed["train_loss"]] == [s for s, _, _ in whole["train_loss"]]
@@ -59,11 +62,13 @@ def test_ctrl_c_stops_two_gloo_fsdp_workers_at_one_step_and_resumes_exactly(lora
             "--data-dir", mrpc_slice, "--max-steps", 30, "--save-every", 4, *(["--lora", "--lr", 1e-3] if lora else [])]
     proc, whole = run_cli([*args, "--output-dir", tmp_path / "whole"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    last, stopped_at, m = stop_and_resume(args, out, tmp_path, sig=signal.SIGINT)  # exit 130
-    assert last.startswith("xla-train: stopped by SIGINT after step ")
-    assert stopped_at % 3 == 0 and stopped_at < 30  # a log point (--log-every 3)
-    rng = torch.load(out / "checkpoints" / f"step-{stopped_at:08d}" / "rng.pt", weights_only=True)["rng"]
-    assert rng.shape[0] == 2  # both workers' random states
+    def stopped(last, stopped_at):
+        assert last.startswith("xla-train: stopped by SIGINT after step ")
+        assert stopped_at % 3 == 0 and stopped_at < 30  # a log point (--log-every 3)
+        rng = torch.load(out / "checkpoints" / f"step-{stopped_at:08d}" / "rng.pt", weights_only=True)["rng"]
+        assert rng.shape[0] == 2  # both workers' random states
+
+    _, stopped_at, m = stop_and_resume(args, out, tmp_path, sig=signal.SIGINT, stopped=stopped)  # exit 130
     assert m["first_step"] == stopped_at and m["steps"] == 30 and m["replicas_identical"]
     assert m["memory"]["param_bytes_per_device"] == -(-m["memory"]["param_bytes_total"] // 2)
     torch.testing.assert_close(m["train_loss"], whole["train_loss"], atol=1e-6, rtol=0)

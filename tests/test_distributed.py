@@ -4,6 +4,7 @@ must agree to float precision."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -239,6 +240,19 @@ except UserError as e:
 """
 
 
+def _what_the_pool_told(proc, waiting):
+    """(the JSON a FAILING_POOL process prints, its stderr), once it has ended; its whole session
+    is killed and the test fails if it still runs after 60 s."""
+    try:
+        out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail(f"{waiting} after 60 s")
+    assert proc.returncode == 0, err[-3000:]
+    return json.loads(out), err
+
+
 @pytest.mark.parametrize("part, line, code", [
     ("fails", "cannot write the run's files to OUT: RuntimeError: connection reset by peer", 2),
     ("bug", "replica 1 failed: ZeroDivisionError: division by zero", 1),
@@ -251,19 +265,10 @@ def test_one_failing_replica_ends_them_all(part, line, code):
     SIGTERM handler as the CLI runs it. Replica 0 never returns and ignores SIGTERM, as one
     waiting in a collective would; replica 1 fails. Without the entry's handling the launcher
     waits for ever (here: killed, with its process group, after 60 s)."""
-    import signal
-
     proc = subprocess.Popen([sys.executable, "-c", FAILING_POOL.format(tests=str(ROOT / "tests"), part=part)],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        pytest.fail("the launcher still waits for its replicas after 60 s")
-    assert proc.returncode == 0, err[-3000:]
-    told = json.loads(out)
+    told, err = _what_the_pool_told(proc, "the launcher still waits for its replicas")
     assert told["line"].startswith(line) and told["code"] == code
     assert not told["variable_left"] and told["children"] == 0
     assert ("Traceback" in err and "ZeroDivisionError" in err) == (part == "bug")  # a bug keeps its traceback
@@ -374,7 +379,6 @@ def test_a_failure_on_another_pod_host_ends_this_hosts_replicas(gcs_emulator, tm
     whose peer on another host has failed); that host leaves its line in the job's gs:// output
     (`launchers.tell_pod`), and this host's watchdog reads it and ends the replicas with that line,
     instead of waiting for ever. The marker is per launch (`watch_pod`)."""
-    import signal
     import time
 
     from xla_train.core import launchers
@@ -388,14 +392,7 @@ def test_a_failure_on_another_pod_host_ends_this_hosts_replicas(gcs_emulator, tm
                                 start_new_session=True)
         time.sleep(3)
         launchers.tell_pod(UserError("replica 5 failed: RuntimeError: out of memory", 1))  # host 1's replica
-        try:
-            out, err = proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-            pytest.fail("this host's replicas still wait after 60 s")
-        assert proc.returncode == 0, err[-3000:]
-        told = json.loads(out)
+        told, _ = _what_the_pool_told(proc, "this host's replicas still wait")
         assert told["line"] == "replica 5 failed: RuntimeError: out of memory" and told["code"] == 1
         assert told["children"] == 0
     assert launchers.POD_FAILURES not in os.environ  # as it was before the launch

@@ -119,13 +119,13 @@ def test_off_bucket_batch_mid_run_is_named(short_data, tiny_model, tmp_path):
     patch = """
 from xla_train.core import batching
 calls = [0]
-pad = data.PadCollator.__call__
+pad = batching.PadCollator.__call__
 def off_bucket(self, items):
     calls[0] += 1
     if calls[0] == 6:
         items = [(features, 120, valid) for features, _, valid in items]
     return pad(self, items)
-data.PadCollator.__call__ = off_bucket
+batching.PadCollator.__call__ = off_bucket
 """
     proc = run_patched(patch, ["--backend", "xla", "--model", tiny_model, "--data-dir", short_data, "--max-steps", 6,
                                "--buckets", "128", "--output-dir", out])

@@ -7,7 +7,6 @@ task registry and must start at once.
 
 from dataclasses import dataclass
 
-from ..core.batching import MODEL_INPUTS
 from ..core.errors import UserError
 from .base import Task
 
@@ -209,6 +208,8 @@ def tokenize(ds, tokenizer, max_length):
         return enc
 
     import datasets
+
+    from ..core.batching import MODEL_INPUTS
 
     keep = set(MODEL_INPUTS) | {"label", "length", "truncated", "row"}  # row: a prediction's input position
     quiet = sum(len(split) for split in ds.values()) < 50_000  # MRPC takes about a second: no bar
