@@ -84,6 +84,9 @@ class TorchAccelerator(Accelerator):
     def device_memory(self):
         return self._module.mem_get_info(self.device)[1] if hasattr(self._module, "mem_get_info") else None
 
+    def device_kind(self):
+        return self.describe() if self.accelerated else None
+
     def peak_memory(self):
         return torch.accelerator.max_memory_allocated(self.device) if self.accelerated else None
 

@@ -112,6 +112,40 @@ def previous_run(mrpc_slice, tiny_model, tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="session")
+def reverse_task(tmp_path_factory):
+    """The synthetic causal-LM task (tiny_decoders): a 2-layer, 64-wide random Llama over the
+    task's 17 words with a chat template, 4,000 prompt/completion training rows, 64 validation
+    rows and 24 held-out prompts. Returns {"model", "train", "validation", "held_out"} paths."""
+    import tiny_decoders as td
+
+    folder = tmp_path_factory.mktemp("reverse")
+    return {"model": td.save("llama", folder / "llama", chat=True, letters=True),
+            "train": td.write_jsonl(folder / "train.jsonl", td.reverse_rows(4000, 1)),
+            "validation": td.write_jsonl(folder / "validation.jsonl", td.reverse_rows(64, 2)),
+            "held_out": td.write_jsonl(folder / "held_out.jsonl", td.reverse_rows(24, 3))}
+
+
+def reverse_args(task, *extra):
+    """The synthetic task's training run: 3 packed epochs of 64-token rows, batch 8 (about 100
+    steps an epoch), lr 3e-3."""
+    return ["--problem", "causal-lm", "--model", task["model"], "--train-file", task["train"], "--validation-file",
+            task["validation"], "--max-length", 64, "--lr", 3e-3, "--warmup-ratio", 0.05, "--log-every", 50, *extra]
+
+
+@pytest.fixture(scope="session")
+def learned_run(reverse_task, tmp_path_factory):
+    """The synthetic task learned on the CPU (about 10 s of training), evaluated every 100 steps,
+    reporting to MLflow; checkpoints every 50 steps. Returns (metrics, output folder)."""
+    out = tmp_path_factory.mktemp("learned")
+    env = {"MLFLOW_TRACKING_URI": f"sqlite:///{out / 'tracking.db'}"}
+    proc, m = run_cli(["--backend", "cpu", *reverse_args(reverse_task, "--eval-every", 100, "--save-every", 50,
+                                                         "--report-to", "tensorboard,mlflow"),
+                       "--output-dir", out / "run"], out, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return m, out / "run"
+
+
 def run_cli(args, tmp_path, env=None, timeout=900):
     """Runs `python -m xla_train train ARGS --metrics-out ...` in a fresh process.
 

@@ -46,8 +46,9 @@ def _add_options(parser, options):
 
     for flag, f in option_fields(options):
         meta = f.metadata
-        if f.type in (bool, "bool"):
-            parser.add_argument(flag, action="store_true", help=meta["help"])
+        if f.type in (bool, "bool"):  # a default of None: --name and --no-name, else not given
+            action = "store_true" if f.default is not None else argparse.BooleanOptionalAction
+            parser.add_argument(flag, action=action, default=f.default, help=meta["help"])
             continue
         kind = {"int": int, "float": float}.get(f.type if isinstance(f.type, str) else f.type.__name__)
         parser.add_argument(flag, type=kind, default=f.default, required=meta["required"], help=meta["help"])

@@ -8,7 +8,7 @@ from .tasks import scores
 def evaluate_model(engine, model, eval_dl, task, metric):
     """The task's metrics over every row of one evaluation split exactly once (`compute` empties
     `metric` for the next call), and `n`, the rows scored."""
-    return task.score(metric, infer(engine, model, eval_dl, task.eval_columns))
+    return task.score(metric, infer(engine, model, eval_dl, task.eval_columns, forward=task.forward))
 
 
 def evaluate_all(engine, model, task, eval_dls, metric):

@@ -11,7 +11,7 @@ from .core.batching import model_inputs_only
 from .core.errors import UserError
 from .core.launchers import pod_marker, watch_pod
 from .core.signals import StopRequest
-from .core.shapes import Shapes, check_steps, settle_padding
+from .core.shapes import Shapes, check_steps, padding_for, settle_padding
 from .core.storage import is_remote, open_store
 from .models import (
     add_adapters,
@@ -78,7 +78,11 @@ def prepare(cfg, backend, resume=None):
     """The job: the task's data read and checked before the model loads, tokenised once, the
     shapes settled, the model loaded (with a resumed run's weights)."""
     task = load_task(cfg.task, cfg.data_dir, cfg.train_file, cfg.validation_file, cfg.text_columns,
-                     cfg.label_column, cfg.problem)
+                     cfg.label_column, cfg.problem, cfg.seed)
+    if cfg.packing is not None:
+        if not hasattr(task, "packing"):
+            raise UserError(f"--{'' if cfg.packing else 'no-'}packing applies to --problem causal-lm")
+        task.packing = cfg.packing
     if cfg.metric_for_best and cfg.metric_for_best not in task.metric_keys:
         raise UserError(f"--metric-for-best must be one of {task.name}'s metrics: {', '.join(task.metric_keys)}; "
                         f"not {cfg.metric_for_best!r}")
@@ -86,8 +90,10 @@ def prepare(cfg, backend, resume=None):
     if cfg.test_file:
         task.test = read_input(cfg.test_file, task)
     print(task.describe())
+    config = load_pretrained(AutoConfig, cfg.model)
+    task.check_model(config, cfg.model)
     tokenizer = load_tokenizer(cfg.model)
-    limit = position_limit(load_pretrained(AutoConfig, cfg.model), tokenizer)
+    limit = position_limit(config, tokenizer)
     if cfg.max_length > limit:
         raise UserError(f"--max-length {cfg.max_length} is longer than model {cfg.model} takes ({limit} tokens)")
     shapes = Shapes(cfg.batch_size, backend.planned_data_parallel_size(), cfg.grad_accum)
@@ -95,7 +101,13 @@ def prepare(cfg, backend, resume=None):
     data, truncated = tokenize_task(cfg, task, tokenizer)
     if resume:
         resume.check(cfg, len(data["train"]), backend)
-    settle_padding(cfg, shapes, data, task.eval_splits, backend.accelerator, resume)
+    if getattr(task, "packing", False):  # rows of exactly --max-length tokens: one shape
+        if cfg.buckets != "auto" or cfg.padding != "buckets":
+            raise UserError("--packing makes every row --max-length tokens long: --buckets and --padding apply to "
+                            "--no-packing")
+        shapes.padding = padding_for("max_length", None, cfg.max_length, [split["length"] for split in data.values()])
+    else:
+        settle_padding(cfg, shapes, data, task.eval_splits, backend.accelerator, resume)
     weights = resume.model_weights() if resume else None  # a corrupt file fails before any loading
     model = task.load_model(cfg.model, cfg.seed, tokenizer.pad_token_id)
     if cfg.lora:
@@ -117,7 +129,7 @@ def tokenize_task(cfg, task, tokenizer):
     task.splits = None
     if any(truncated.values()):
         print(f"truncated to --max-length {cfg.max_length} tokens: "
-              + ", ".join(f"{n} {split} rows" for split, n in truncated.items()))
+              + ", ".join(f"{n} {split} {task.unit}" for split, n in truncated.items()))
     return data, truncated
 
 

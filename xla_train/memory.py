@@ -36,10 +36,20 @@ def activation_estimate(config, rows, length, precision, checkpointed=False):
     return int(layers * per_layer * scale)
 
 
-def plan(model, rows, length, precision="fp32", shards=1, device_bytes=None, checkpointed=False):
+def logit_bytes(config, rows, length):
+    """Bytes of a causal LM's logits at the loss: vocabulary x tokens x 4 bytes for the fp32 logits,
+    and as much again for their log-softmax, which the backward pass keeps (then their gradient
+    takes its place). Often the largest activation: Llama-3's 128,256 tokens x 8 rows x 2,048
+    tokens are 7.8 GiB."""
+    vocab = getattr(config, "vocab_size", None)
+    return 2 * 4 * vocab * rows * length if vocab else None
+
+
+def plan(model, rows, length, precision="fp32", shards=1, device_bytes=None, checkpointed=False, logits=False):
     """The memory plan of `model` trained with AdamW on `rows` rows of `length` tokens per device,
     its parameters split over `shards` devices (1: every device holds them all), its blocks'
-    activations `checkpointed` (recomputed in the backward pass) or kept."""
+    activations `checkpointed` (recomputed in the backward pass) or kept; with `logits`, a
+    vocabulary's logits per token (a causal LM's) are counted too."""
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
     out = {
@@ -48,6 +58,7 @@ def plan(model, rows, length, precision="fp32", shards=1, device_bytes=None, che
         "grad_bytes_per_device": -(-tensor_bytes(trainable) // shards),
         "optimizer_bytes_per_device": -(-2 * tensor_bytes(trainable) // shards),  # AdamW: exp_avg, exp_avg_sq
         "activation_bytes_estimate": activation_estimate(model.config, rows, length, precision, checkpointed),
+        "logit_bytes": logit_bytes(model.config, rows, length) if logits else None,
         "gradient_checkpointing": checkpointed,
         "device_bytes": device_bytes,
         "peak_bytes": None,
@@ -58,7 +69,7 @@ def plan(model, rows, length, precision="fp32", shards=1, device_bytes=None, che
 def needed(memory):
     """Bytes per device the plan adds up to."""
     keys = ("param_bytes_per_device", "grad_bytes_per_device", "optimizer_bytes_per_device",
-            "activation_bytes_estimate")
+            "activation_bytes_estimate", "logit_bytes")
     return sum(memory[k] or 0 for k in keys)
 
 
@@ -81,7 +92,8 @@ def describe(memory, counts):
     return (f"memory plan per device: parameters {mib('param_bytes_per_device')} (of {mib('param_bytes_total')}), "
             f"gradients {mib('grad_bytes_per_device')}, optimizer {mib('optimizer_bytes_per_device')}, "
             f"activations ~{mib('activation_bytes_estimate')}"
-            f"{' (checkpointed)' if memory.get('gradient_checkpointing') else ''}; device {device}; "
+            f"{' (checkpointed)' if memory.get('gradient_checkpointing') else ''}"
+            f"{', logits ' + mib('logit_bytes') if memory.get('logit_bytes') else ''}; device {device}; "
             f"{counts['trainable_params']:,} of {counts['total_params']:,} parameters trained")
 
 

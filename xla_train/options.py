@@ -50,13 +50,16 @@ class TrainOptions:
     data_dir: str = option(None, "the task's folder in GLUE's layout (train.tsv, dev.tsv; MNLI: dev_matched.tsv, "
                            "dev_mismatched.tsv); 'hub' for load_dataset('glue', TASK); default: the MRPC copy "
                            "bundled with the package")
-    train_file: str = option(None, "own training data: .csv, .tsv, .json or .jsonl")
-    validation_file: str = option(None, "own validation data, same columns")
+    train_file: str = option(None, "own training data: .csv, .tsv, .json, .jsonl or .parquet (causal-lm also a "
+                             "save_to_disk folder or a hub data set's name)")
+    validation_file: str = option(None, "own validation data, same columns (causal-lm: optional, else 5% of the "
+                                  "training rows are held out)")
     text_columns: str = option(None, "own data: A or A,B (default: sentence1,sentence2 if present, else the first "
                                "two text columns, else the first)")
     label_column: str = option("label", "own data: the label's column (default: label)")
     problem: str = option(None, f"own data: {' | '.join(PROBLEMS)} (default: float labels make a regression, "
-                          "others a classification)")
+                          "others a classification; causal-lm: instruction fine-tuning of a decoder on messages, "
+                          "prompt/completion or text rows)")
     test_file: str = option(None, "rows to predict with the final (or best) model, written to "
                             "OUTPUT_DIR/predictions.EXT (a GLUE test.tsv: GLUE's submission format)")
     # system
@@ -76,7 +79,10 @@ class TrainOptions:
     padding: str = option("buckets", " | ".join(PADDING_MODES) + " (dynamic: a new graph per batch length on XLA)",
                           PADDING_MODES)
     buckets: str = option("auto", "auto, or lengths like 32,64,96,128")
-    max_length: int = option(128, "truncate rows to this length")
+    max_length: int = option(128, "truncate rows to this length (causal-lm: documents; packed rows are this long)")
+    packing: bool = option(None, "causal-lm: whole documents packed into rows of exactly --max-length tokens, each "
+                           "attending to itself only (the default); --no-packing: a row per document, padded to "
+                           "--buckets")
     compile_seconds: float = option(None, "cost of one compilation for --buckets auto (default: the backend's "
                                     "estimate)")
     precision: str = option("fp32", " | ".join(PRECISIONS), PRECISIONS)
@@ -119,8 +125,8 @@ class TrainOptions:
                             "other tracker")
     # model selection
     eval_every: int = option(None, "evaluate every N optimizer steps (default: at the end of each epoch)")
-    metric_for_best: str = option(None, "the evaluation metric that ranks models (default: the task's main metric; "
-                                  "mse is minimised, the others maximised)")
+    metric_for_best: str = option(None, "the evaluation metric that ranks models (default: the task's main metric, "
+                                  "causal-lm's loss; mse, loss and perplexity are minimised, the others maximised)")
     save_best: bool = option(False, "keep the best evaluation's weights: the final model (and --test-file's "
                              "predictions) are the best one's")
     early_stopping_patience: int = option(None, "stop after this many evaluations without improvement")

@@ -24,7 +24,9 @@ def finish(engine, job, t, monitor):
     predictions = save_outputs(engine, job, t, results) if state.store else None
     metrics = {**run_metrics(engine, job, t, monitor, timing, results), "predictions": predictions}
     if engine.is_main_process:
-        engine.print(f"dev {scores(results)}  (training {metrics['train_samples_per_s']:.1f} samples/s)")
+        tokens = metrics["tokens"]
+        engine.print(f"dev {scores(results)}  (training {metrics['train_samples_per_s']:.1f} samples/s, "
+                     f"{tokens['per_s']:.0f} tokens/s" + (f", MFU {tokens['mfu']:.1%}" if tokens["mfu"] else "") + ")")
         if cfg.metrics_out:
             atomic_write(cfg.metrics_out, json.dumps(metrics, indent=2) + "\n")  # makes missing folders
     monitor.close(metrics)
@@ -76,6 +78,7 @@ def run_metrics(engine, job, t, monitor, timing, results):
         "epochs": round(state.step / t.steps_per_epoch, 4),
         "train_samples": state.step * t.shapes.rows_per_step, **timing,
         "padding_efficiency": round(plan.padding_efficiency(), 4),
+        "tokens": token_throughput(engine, job, t, timing),
         "padding_by_bucket": plan.padding_by_length(),
         "eval": results,  # of the saved model: the last evaluation, or the best with --save-best
         "best": state.best, "evaluations": state.evaluations, "stopped_early": state.stopped_early,
@@ -89,6 +92,46 @@ def run_metrics(engine, job, t, monitor, timing, results):
         "memory": {**t.memory, "peak_bytes": engine.peak_memory()}, **t.counts,
         "goodput": monitor.clock.goodput(),  # last: the wall time up to the metrics
     }
+
+
+def token_throughput(engine, job, t, timing):
+    """The tokens this run trained on, counted on the host from the batch plan: every padded token
+    (`padded`), those of the rows (`real`) and those in the loss (`trained`, where the task's rows
+    say: causal-lm); per second of training steps; the padding share; and the model FLOPs
+    utilisation where the device's peak is known (core.peaks), else None."""
+    from .core.peaks import flops_per_token, peak_flops
+
+    plan, state, accum = t.train_dl.loader.batch_sampler, t.state, job.cfg.grad_accum
+    data = job.data["train"]
+    trained = data["trained"] if "trained" in data.column_names else None
+    padded, real, in_loss = token_counts(plan, trained, state.first_step * accum, state.step * accum,
+                                         t.steps_per_epoch * accum)
+    seconds = timing["train_seconds"] or float("nan")
+    peak = peak_flops(engine.accelerator.device_kind(), job.cfg.precision)
+    model = engine.unwrap_model(t.model)
+    length = padded / max(1, (state.step - state.first_step) * t.shapes.rows_per_step)  # the mean row length
+    mfu = (flops_per_token(model.config, t.counts["total_params"], length) * real / seconds /
+           (peak * engine.data_parallel_size)) if peak and real else None
+    return {"padded": padded, "real": real, "trained": in_loss, "per_s": round(padded / seconds, 3),
+            "trained_per_s": round(in_loss / seconds, 3) if in_loss is not None else None,
+            "padding_share": round(1 - real / padded, 4) if padded else None,
+            "mfu": round(mfu, 4) if mfu is not None else None, "peak_flops": peak}
+
+
+def token_counts(plan, trained, first, last, per_epoch):
+    """(padded, real, trained) tokens of the run's global micro-batches [first, last), each epoch
+    `per_epoch` of them, as the batch plan made them; trained is None without `trained` counts."""
+    import numpy as np
+
+    weights = np.asarray(trained) if trained is not None else None
+    padded = real = in_loss = 0
+    for epoch in range(first // per_epoch, -(-last // per_epoch)):
+        lo, hi = max(first - epoch * per_epoch, 0), min(last - epoch * per_epoch, per_epoch)
+        for rows, pad_to, _ in plan.global_batches(epoch)[lo:hi]:  # filler rows are trained on too
+            padded += len(rows) * int(pad_to)
+            real += int(plan.lengths[rows].sum())
+            in_loss += int(weights[rows].sum()) if weights is not None else 0
+    return padded, real, in_loss if weights is not None else None
 
 
 def replica_checksums(engine, model):

@@ -50,6 +50,7 @@ def run(cfg):
 
     cfg.validate()  # --model is a model folder
     task = from_folder(cfg.model)
+    task.check_predict(cfg.model)
     cfg.max_length = cfg.max_length or task.max_length
     table = read_input(cfg.input, task, cfg.text_columns, cfg.task)
     backend = select_roles(cfg.backend, cfg.num_processes, cfg.strategy)

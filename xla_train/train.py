@@ -99,12 +99,13 @@ def set_up(engine, job, shapes, monitor):
     if cfg.gradient_checkpointing:
         engine.checkpoint_activations(model)
     loaders = [make_loader(job.data[split], job.tokenizer, cfg.batch_size, shapes.padding, shuffle=split == "train",
-                           seed=cfg.seed, fill="repeat" if split == "train" else "mask")
+                           seed=cfg.seed, fill="repeat" if split == "train" else "mask",
+                           collate=task.collator(job.tokenizer))
                for split in ("train", *task.eval_splits)]  # filler: repeats to train on, masked rows to score
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
                                   fused=engine.fused_optimizer or None)
     train_dl, *eval_dls, model, optimizer = engine.prepare(*loaders, model, optimizer)
-    memory, counts = plan_memory(engine, cfg, shapes, model)  # before anything compiles
+    memory, counts = plan_memory(engine, cfg, shapes, model, task.per_token_logits)  # before anything compiles
     steps_per_epoch = shapes.steps_per_epoch(len(job.data["train"]))
     total_steps = shapes.total_steps(len(job.data["train"]), cfg.epochs, cfg.max_steps)
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=int(cfg.warmup_ratio * total_steps),
@@ -121,12 +122,12 @@ def _profile_folder(cfg):
     return Path(cfg.output_dir) / "profile" if cfg.output_dir else None
 
 
-def plan_memory(engine, cfg, shapes, model):
+def plan_memory(engine, cfg, shapes, model, logits=False):
     """The memory plan, printed; a run that cannot fit the device stops here, before compiling."""
     length = max(shapes.padding.lengths or [cfg.max_length])
     memory, counts = plan_of(engine.unwrap_model(model), cfg.batch_size, length, cfg.precision,
                              shards=engine.strategy.param_shards, device_bytes=device_bytes(engine.accelerator),
-                             checkpointed=cfg.gradient_checkpointing)
+                             checkpointed=cfg.gradient_checkpointing, logits=logits)
     engine.print(describe_memory(memory, counts))
     check_fits(memory, cfg.batch_size, length, cfg.gradient_checkpointing, engine.strategy.param_shards > 1, cfg.lora)
     return memory, counts
@@ -151,7 +152,7 @@ def train_loop(engine, cfg, t, monitor):
                 t.profile.step_begins(state.step + 1)
                 labels = batch.pop("labels")  # the loss is the job's own: no model head can add a host sync
                 with engine.autocast():
-                    loss = t.task.loss(model(**batch), labels)
+                    loss = t.task.loss(t.task.forward(model, batch), labels)
                 engine.backward(loss)
                 state.tracker.add(loss)
                 if not engine.optimizer_step(optimizer):

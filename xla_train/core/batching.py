@@ -71,10 +71,11 @@ class BatchPlan(torch.utils.data.Sampler):
     def _pad_to(self, rows):
         return self.pad.pad_to(int(self.lengths[rows].max()))
 
-    def global_batches(self):
-        """The whole epoch's plan: a list of (rows, pad_to, n_real) with len(rows) = global batch."""
+    def global_batches(self, epoch=None):
+        """The whole epoch's plan (this epoch's, or `epoch`'s): a list of (rows, pad_to, n_real)
+        with len(rows) = global batch."""
         gb = self.batch_size * self.num_replicas
-        rng = np.random.default_rng([self.seed, self.epoch])
+        rng = np.random.default_rng([self.seed, self.epoch if epoch is None else epoch])
         order = rng.permutation(len(self.lengths)) if self.shuffle else np.arange(len(self.lengths))
         if self.pad.groups_by_length:
             # Stable sort by bucket: rows stay shuffled within a bucket, batches then hold one bucket.
@@ -133,7 +134,7 @@ class PlannedRows(torch.utils.data.Dataset):
     def __getitem__(self, key):
         row, pad_to, valid = key
         record = self.ds[row]
-        return {k: record[k] for k in (*MODEL_INPUTS, "label", "labels", "row") if k in record}, pad_to, valid
+        return {k: v for k, v in record.items() if k not in ("length", "trained")}, pad_to, valid
 
 
 class PadCollator:
@@ -151,12 +152,12 @@ class PadCollator:
         return dict(batch)
 
 
-def make_loader(ds, tokenizer, batch_size, padding, shuffle, seed, fill, lengths=None):
+def make_loader(ds, tokenizer, batch_size, padding, shuffle, seed, fill, lengths=None, collate=None):
     """A DataLoader over a tokenised split whose batches follow a `BatchPlan` padded by `padding`
-    (a `shapes.Padding`)."""
+    (a `shapes.Padding`), padded by `collate` (default: the tokenizer's own `pad`)."""
     plan = BatchPlan(ds["length"] if lengths is None else lengths, batch_size, padding=padding, shuffle=shuffle,
                      seed=seed, fill=fill)
     # Its own generator: a DataLoader draws a seed for every iterator it starts, and drawing it
     # from the global generator would shift dropout masks (a resumed run starts one mid-epoch).
-    return torch.utils.data.DataLoader(PlannedRows(ds), batch_sampler=plan, collate_fn=PadCollator(tokenizer),
+    return torch.utils.data.DataLoader(PlannedRows(ds), batch_sampler=plan, collate_fn=collate or PadCollator(tokenizer),
                                        generator=torch.Generator().manual_seed(seed))

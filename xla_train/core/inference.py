@@ -7,10 +7,11 @@ from tqdm.auto import tqdm
 from .batching import make_loader
 
 
-def infer(engine, model, loader, columns, desc=None):
+def infer(engine, model, loader, columns, desc=None, forward=None):
     """`columns(batch, output)` gives a batch's 1-D tensors of one dtype; they are gathered on the
     device per batch and copied to the host once, at the end (a per-batch copy would make the host
-    wait for every batch). Returns the host columns, filler rows dropped."""
+    wait for every batch). `forward(model, inputs)` runs the model (default: `model(**inputs)`).
+    Returns the host columns, filler rows dropped."""
     model.eval()
     parts = []
     bar = tqdm(total=len(loader), desc=desc, disable=not (desc and engine.is_main_process), dynamic_ncols=True,
@@ -19,7 +20,7 @@ def infer(engine, model, loader, columns, desc=None):
         for batch in loader:
             inputs = {k: v for k, v in batch.items() if k not in ("labels", "row")}
             with engine.autocast():
-                output = model(**inputs)
+                output = forward(model, inputs) if forward else model(**inputs)
             parts.append(engine.gather_on_device(columns(batch, output)))
             bar.update(1)
     return engine.rows_to_host(parts)

@@ -156,6 +156,11 @@ class Accelerator(ABC):
         """Bytes of memory of this process's device, or None where the device cannot tell."""
         return None
 
+    def device_kind(self):
+        """The device's model as its runtime names it ("TPU v5 lite", "NVIDIA H100 80GB HBM3"), or
+        None (a CPU): what core.peaks looks its peak FLOP/s up by."""
+        return None
+
     def peak_memory(self):
         """The most bytes the device held so far, or None where the device cannot measure it."""
         return None

@@ -249,6 +249,15 @@ class XlaAccelerator(Accelerator):
     def device_memory(self):
         return self._memory_info("bytes_limit")
 
+    def device_kind(self):
+        import torch_xla.core.xla_model as xm
+
+        try:
+            kind = xm.xla_device_kind(self.device)  # PJRT's device kind: "TPU v4", "TPU v5 lite"; "cpu" here
+        except RuntimeError:  # a device the runtime does not describe (SPMD's virtual one may not)
+            return None
+        return None if kind.lower() == "cpu" else kind
+
     def peak_memory(self):
         return self._memory_info("peak_bytes_used")
 

@@ -3,7 +3,7 @@ its evaluation, its predictions and its output folder.
 
 The loop, evaluation, predict, LoRA and the memory plan ask a `Task` and never branch on its kind.
 A new kind is one module with a `Task` subclass and one line in `tasks.KINDS`. Kinds today:
-`sequence.Classification` and `sequence.Regression`.
+`sequence.Classification`, `sequence.Regression` and `causal_lm.CausalLM`.
 """
 
 import json
@@ -16,7 +16,7 @@ from ..core.files import atomic_write
 
 METRICS = Path(__file__).resolve().parent / "task_metric"  # the `evaluate` module, shipped in the package
 RECORD = "xla_train_task.json"  # what training saves beside the model, read back by `xla-train predict`
-MINIMISED = ("mse", "loss")  # metrics where lower is better
+MINIMISED = ("mse", "loss", "perplexity")  # metrics where lower is better
 
 
 @dataclass
@@ -36,6 +36,8 @@ class Task:
 
     kind = None  # the --problem name of the subclass (its registration in tasks.KINDS)
     peft_task_type = None  # peft's task type for --lora
+    per_token_logits = False  # logits per token (vocabulary-wide), which the memory plan counts
+    unit = "rows"  # what --max-length truncates, in console lines
 
     @property
     def problem(self):
@@ -46,6 +48,9 @@ class Task:
         return len(self.labels) if self.labels else 1
 
     # --- the model ------------------------------------------------------------------------
+    def check_model(self, config, name):
+        """Stops with one line if the model `name` (its transformers `config`) cannot do this task."""
+
     def load_model(self, name, seed, pad_token_id=None):
         """The pretrained model with what this task trains on top (a new head), from `seed`."""
         raise NotImplementedError
@@ -63,6 +68,16 @@ class Task:
     def tokenize(self, splits, tokenizer, max_length):
         """The splits (a DatasetDict) as token ids; returns (data, rows truncated per split)."""
         raise NotImplementedError
+
+    def collator(self, tokenizer):
+        """What pads a planned batch of this task's rows (core.batching.make_loader)."""
+        from ..core.batching import PadCollator
+
+        return PadCollator(tokenizer)
+
+    def forward(self, model, inputs):
+        """The model on a batch's inputs (labels taken out)."""
+        return model(**inputs)
 
     def loss(self, output, labels):
         """The training loss of a batch from the model's output."""
@@ -96,6 +111,9 @@ class Task:
         return "" if split == self.eval_splits[0] else "_mm"
 
     # --- predictions ----------------------------------------------------------------------
+    def check_predict(self, folder):
+        """Stops with one line if `xla-train predict` cannot serve this task's model folder."""
+
     def predict_columns(self, output):
         """A batch's predictions as 1-D float device tensors (rows' scores)."""
         raise NotImplementedError

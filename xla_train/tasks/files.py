@@ -1,15 +1,19 @@
-"""A user's own files: .csv, .tsv, .json or .jsonl rows with text columns and a label column.
+"""A user's own files: .csv, .tsv, .json, .jsonl or .parquet rows with text columns and a label
+column (or, for causal-lm, rows of one of its forms: causal_lm.py).
 
     --train-file F --validation-file F [--text-columns A[,B]] [--label-column L] [--problem P]
 """
 
 import math
+import re
 from pathlib import Path
 
 from ..core.errors import UserError, first_line
 from .base import row_name
 
-FILE_FORMATS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json"}
+FILE_FORMATS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json"}  # predict writes these too
+DATA_FORMATS = {**FILE_FORMATS, ".parquet": "parquet"}  # what training reads
+HUB_NAME = re.compile(r"[\w.-]+/[\w.-]+")  # owner/name
 
 
 def check_text(path):
@@ -33,15 +37,16 @@ def read_table(path):
     from datasets.exceptions import DatasetGenerationError
 
     path = Path(path)
-    kind = FILE_FORMATS.get(path.suffix.lower())
+    kind = DATA_FORMATS.get(path.suffix.lower())
     if kind is None:
         raise UserError(f"{path}: unknown file type {path.suffix or '(none)'!r}; use "
-                        f"{', '.join(FILE_FORMATS)}")
+                        f"{', '.join(DATA_FORMATS)}")
     if not path.is_file():
         raise UserError(f"missing data file: {path}")
     if path.stat().st_size == 0:
         raise UserError(f"empty data file: {path}")
-    check_text(path)
+    if kind != "parquet":
+        check_text(path)
     options = {"sep": "\t"} if path.suffix.lower() == ".tsv" else {}
     if kind == "csv":
         options["encoding"] = "utf-8-sig"  # a byte-order mark is not part of the first column's name
@@ -62,8 +67,45 @@ def read_table(path):
     return ds
 
 
-def load_files(train_file, validation_file, text_columns=None, label_column="label", problem=None):
-    """Own training and validation files: text columns, labels and problem type settled here."""
+def read_source(spec, split):
+    """Rows from a file (read_table), a folder written by `datasets`' `save_to_disk` (a Dataset,
+    or a DatasetDict's `split`), or, where the hub is reachable, a hub data set's `split` by name."""
+    import datasets
+
+    path = Path(spec)
+    if path.is_dir():
+        try:
+            return split_of(datasets.load_from_disk(str(path)), split, spec)
+        except FileNotFoundError as e:
+            raise UserError(f"{spec}: a folder, but not one that datasets' save_to_disk wrote ({first_line(e)})")
+    if path.exists() or path.suffix.lower() in DATA_FORMATS or not HUB_NAME.fullmatch(str(spec)):
+        return read_table(path)
+    try:
+        loaded = datasets.load_dataset(str(spec))
+    except Exception as e:  # offline, no such data set, or one datasets cannot build: all one line
+        raise UserError(f"{spec}: no such file, and no hub data set of that name could be loaded ({first_line(e)})")
+    return split_of(loaded, split, spec)
+
+
+def split_of(loaded, split, spec):
+    """A Dataset as it is, or a DatasetDict's `split` (one line naming the splits it has)."""
+    import datasets
+
+    if isinstance(loaded, datasets.Dataset):
+        ds = loaded
+    elif split in loaded:
+        ds = loaded[split]
+    else:
+        raise UserError(f"{spec}: no {split!r} split (splits: {', '.join(loaded)}); save the split you mean, or give "
+                        "a file")
+    if len(ds) == 0:
+        raise UserError(f"{spec}: no rows (empty split)")
+    return ds
+
+
+def load_files(train_file, validation_file, kinds, text_columns=None, label_column="label", problem=None):
+    """Own training and validation files: text columns, labels and problem type (of `kinds`,
+    tasks.KINDS) settled here."""
     import datasets
 
     files = {"train": Path(train_file), "validation": Path(validation_file)}
@@ -84,11 +126,7 @@ def load_files(train_file, validation_file, text_columns=None, label_column="lab
         if bad is not None:
             raise UserError(f"{files[split]}: {row_name(files[split], bad)} has an empty label")
     guess = "regression" if any(isinstance(v, float) for v in values["train"]) else "classification"
-    from .kinds import (
-        KINDS,  # here: the kinds' label rules (sequence.py) read this module's helpers
-    )
-
-    kind = KINDS[problem or guess]
+    kind = kinds[problem or guess]
     labels, targets = kind.encode_labels(values, files)
     splits = {}
     for split, ds in raw.items():

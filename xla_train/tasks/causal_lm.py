@@ -1,0 +1,381 @@
+"""Instruction fine-tuning of a decoder LLM: `--problem causal-lm`.
+
+Rows come in one of three forms, told by their columns (TRL's SFTTrainer takes the same):
+
+    messages             chat turns [{role, content}, ...] rendered with the tokenizer's chat
+                         template; the loss covers the assistant turns
+    prompt, completion   the loss covers the completion and its end-of-sequence token
+    text                 the loss covers every token
+
+Each row is one document. `--packing` (the default) puts whole documents into rows of exactly
+`--max-length` tokens (best-fit decreasing); `--no-packing` gives each document a row of its own,
+padded to length buckets. Either way a row carries each token's `position_ids` (from 0 in every
+document) and `segments` (its document's number in the row, 0 for padding), and the forward pass
+turns the segments into a 4-D mask: every document attends causally to itself only. So a packed
+row computes exactly what its documents compute one by one, with one static shape per run.
+"""
+
+import math
+from bisect import bisect_left, insort
+from dataclasses import dataclass
+
+from ..core.errors import UserError
+from .base import Task, row_name
+
+FORMS = {"messages": ("messages",), "prompt/completion": ("prompt", "completion"), "text": ("text",)}
+IGNORE = -100  # labels the loss skips (torch's cross_entropy ignore_index, transformers' convention)
+COLUMNS = ("input_ids", "labels", "position_ids", "segments")  # a row's token columns (the collator pads them)
+HELD_OUT = 0.05  # without --validation-file: the share of the training rows held out (transformers' run_clm)
+SOURCE_ROW = "_source_row"  # a held-out split's rows: their position in the file, for messages
+
+
+def _causal_lm():
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM
+
+
+def is_decoder_config(config):
+    """Whether a transformers config is a decoder that generates: a causal-LM architecture, or a
+    model type with a causal-LM class and no masked-LM one (BERT has both: it is an encoder)."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
+
+    if getattr(config, "is_encoder_decoder", False):
+        return False
+    if any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in config.architectures or ()):
+        return True
+    return config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and config.model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+
+@dataclass
+class CausalLM(Task):
+    """Next-token prediction on documents; token-weighted loss and perplexity."""
+
+    kind = "causal-lm"
+    peft_task_type = "CAUSAL_LM"
+    per_token_logits = True  # the memory plan counts vocabulary x tokens of logits
+    unit = "documents"
+    packing: bool = True
+    form: str = None  # which of FORMS the rows have
+    files: dict = None  # split: where its rows came from (for messages)
+
+    def __post_init__(self):
+        self.metric_name, self.main = None, "loss"
+
+    # --- the model ------------------------------------------------------------------------
+    def check_model(self, config, name):
+        from ..models import shown_name
+
+        if not is_decoder_config(config):
+            raise UserError(f"--model {shown_name(name)}: {config.model_type} is not a decoder with a causal LM head "
+                            f"(architectures: {', '.join(config.architectures or ['none'])}); --problem causal-lm "
+                            "fine-tunes decoders such as Llama, Qwen2, Gemma, Mistral or GPT-2")
+
+    def load_model(self, name, seed, pad_token_id=None):
+        """The pretrained decoder with its LM head, in fp32 whatever the checkpoint holds
+        (--precision bf16 is autocast), without a key/value cache (training reads each row once)."""
+        import torch
+
+        from ..models import load_pretrained, no_cache, shown_name
+
+        torch.manual_seed(seed)
+        model = load_pretrained(_causal_lm(), name, dtype=torch.float32)
+        window = getattr(model.config, "sliding_window", None)
+        if window and window < self.max_length and getattr(model.config, "use_sliding_window", True):
+            # the 4-D mask is used as given in every layer: a shorter window would be lost
+            raise UserError(f"--max-length {self.max_length} is longer than {shown_name(name)}'s sliding attention "
+                            f"window ({window}); use --max-length {window} or less")
+        return no_cache(model)
+
+    def load_trained(self, folder):
+        from ..models import load_trained
+
+        return load_trained(_causal_lm(), folder)
+
+    @classmethod
+    def claims(cls, config):
+        return any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in config.architectures or ())
+
+    def check_predict(self, folder):
+        raise UserError(f"--model {folder}: a causal LM; xla-train predict does not generate text yet (it scores "
+                        "classifiers): generate with transformers' AutoModelForCausalLM and the folder's tokenizer")
+
+    @classmethod
+    def from_config(cls, config, saved):
+        return cls(saved.get("task") or "custom", None, max_length=saved.get("max_length", 128),
+                   packing=saved.get("packing", True), form=saved.get("form"))
+
+    def write_record(self, folder):
+        import json
+        from pathlib import Path
+
+        from ..core.files import atomic_write
+        from .base import RECORD
+
+        atomic_write(Path(folder) / RECORD, json.dumps(
+            {"task": self.name, "problem": self.problem, "labels": None, "form": self.form, "packing": self.packing,
+             "max_length": self.max_length}, indent=1) + "\n")
+
+    # --- batches, the forward pass and the loss ------------------------------------------------
+    def tokenize(self, splits, tokenizer, max_length):
+        """Every split as rows of documents (packed or one each); returns (data, documents
+        truncated per split)."""
+        import datasets
+
+        if tokenizer.eos_token_id is None:
+            raise UserError("--problem causal-lm needs a tokenizer with an end-of-sequence token (none is set)")
+        data, truncated, self.documents = {}, {}, {}
+        for split, ds in splits.items():
+            docs, truncated[split], empty = documents(ds, self.form, tokenizer, max_length, self.files[split])
+            if empty:
+                print(f"{self.files[split]}: {empty} document(s) have no trained token within --max-length "
+                      f"{max_length}; left out")
+            if not docs:
+                raise UserError(f"{self.files[split]}: no document has a trained token within --max-length {max_length}")
+            rows = pack([len(ids) for ids, _ in docs], max_length) if self.packing else [[i] for i in range(len(docs))]
+            data[split] = datasets.Dataset.from_dict(join(docs, rows))
+            self.documents[split] = len(docs)
+        if self.packing:
+            print("packed " + ", ".join(f"{self.documents[s]} {s} documents into {len(d)} rows" for s, d in data.items())
+                  + f" of {max_length} tokens (" + ", ".join(
+                      f"{s} {sum(d['length']) / (len(d) * max_length):.1%} full" for s, d in data.items()) + ")")
+        return datasets.DatasetDict(data), truncated
+
+    def collator(self, tokenizer):
+        return PackCollator(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
+
+    def forward(self, model, inputs):
+        """The model on a batch whose `segments` become the 4-D attention mask: causal within each
+        document, nothing across documents; padding (segment 0) attends to padding only, so no
+        row of the mask is empty."""
+        import torch
+
+        inputs = dict(inputs)
+        segments = inputs.pop("segments")
+        positions = torch.arange(segments.shape[1], device=segments.device)
+        mask = (segments[:, None, :, None] == segments[:, None, None, :]) & (positions[:, None] >= positions[None, :])
+        if _attention(model) == "eager":  # eager attention adds the mask to the scores (sdpa takes booleans)
+            mask = torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, torch.finfo(torch.float32).min)
+        return model(**inputs, attention_mask=mask)
+
+    def loss(self, output, labels):
+        """Mean cross-entropy over the batch's trained tokens (labels are already shifted)."""
+        import torch.nn.functional as F
+
+        logits = output.logits.float()
+        total = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1), ignore_index=IGNORE,
+                                reduction="sum")
+        return total / (labels != IGNORE).sum().clamp(min=1)
+
+    # --- evaluation -----------------------------------------------------------------------
+    @property
+    def metric_keys(self):
+        return ["loss", "perplexity"]
+
+    def load_metric(self):
+        return None  # the loss is summed here, token-weighted
+
+    def eval_columns(self, batch, output):
+        """Per row: the loss summed over its trained tokens, their number, and its documents."""
+        import torch.nn.functional as F
+
+        labels = batch["labels"]
+        losses = F.cross_entropy(output.logits.float().transpose(1, 2), labels, ignore_index=IGNORE, reduction="none")
+        return losses.sum(1), (labels != IGNORE).sum(1).float(), batch["segments"].amax(1).float()
+
+    def score(self, metric, columns):
+        loss_sum, tokens, docs = columns
+        loss = float(loss_sum.double().sum() / tokens.double().sum())
+        return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "n": int(docs.sum()),
+                "n_tokens": int(tokens.sum())}
+
+    def describe(self):
+        sizes = ", ".join(f"{len(ds)} {split}" for split, ds in self.splits.items())
+        return f"task {self.name}: causal-lm on {self.form} rows; {sizes} documents"
+
+
+def _attention(model):
+    """The attention implementation of a model, through its wrappers (DDP, FSDP, peft)."""
+    while not hasattr(model, "config") and hasattr(model, "module"):
+        model = model.module
+    return getattr(getattr(model, "config", None), "_attn_implementation", None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rows to documents
+
+
+def form_of(ds, path):
+    """Which of FORMS a split's columns make; one line naming the forms if none."""
+    for form, columns in FORMS.items():
+        if all(c in ds.column_names for c in columns):
+            return form
+    raise UserError(f"{path}: rows need a 'messages' column (chat turns), 'prompt' and 'completion' columns, or a "
+                    f"'text' column (columns: {', '.join(ds.column_names)})")
+
+
+def documents(ds, form, tokenizer, max_length, path):
+    """Each row as (input_ids, labels): labels shifted (a token's label is the next token, where
+    that one is trained; IGNORE elsewhere), truncated to `max_length` tokens. Returns (documents,
+    truncated count, count left out for having no trained token within the length)."""
+    from tqdm.auto import tqdm
+
+    if form == "messages" and not tokenizer.chat_template:
+        raise UserError(f"{path}: messages need a chat template, and the model's tokenizer has none; use "
+                        "prompt/completion or text rows, or a model whose tokenizer has a chat_template")
+    rows = ds.to_list() if len(ds) < 2_000 else ds  # a large split is read row by row
+    docs, truncated, empty = [], 0, 0
+    for i, row in enumerate(tqdm(rows, desc="Tokenising", disable=len(ds) < 50_000, leave=False)):
+        where = f"{path}: {row_name(path, row.get(SOURCE_ROW, i))}"
+        ids, trained = encode(row, form, tokenizer, where)
+        if len(ids) > max_length:
+            ids, trained, truncated = ids[:max_length], trained[:max_length], truncated + 1
+        labels = [t if keep else IGNORE for t, keep in zip(ids[1:], trained[1:])] + [IGNORE]
+        if all(label == IGNORE for label in labels):
+            empty += 1
+            continue
+        docs.append((ids, labels))
+    return docs, truncated, empty
+
+
+def encode(row, form, tokenizer, where):
+    """A row's token ids and, per token, whether the loss covers it."""
+    eos = tokenizer.eos_token_id
+    if form == "text":
+        ids = tokenizer(_string(row["text"], "text", where))["input_ids"]
+        ids = ids if ids and ids[-1] == eos else ids + [eos]
+        return ids, [True] * len(ids)
+    if form == "prompt/completion":
+        prompt = tokenizer(_string(row["prompt"], "prompt", where))["input_ids"]
+        completion = _string(row["completion"], "completion", where)
+        if not completion.strip():
+            raise UserError(f"{where}: empty completion")
+        answer = tokenizer(completion, add_special_tokens=False)["input_ids"] + [eos]
+        return prompt + answer, [False] * len(prompt) + [True] * len(answer)
+    return chat(row["messages"], tokenizer, where)
+
+
+def chat(messages, tokenizer, where):
+    """A conversation rendered with the chat template; the assistant turns are the characters
+    each one adds to the rendering of the turns before it with the generation prompt (so their
+    end-of-turn markup is trained, and the prompt's markup is not)."""
+    if not (isinstance(messages, list) and messages and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages)):
+        raise UserError(f"{where}: 'messages' must be a list of turns, each {{\"role\": ..., \"content\": ...}} "
+                        f"with text content; found {str(messages)[:80]!r}")
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if not turns:
+        raise UserError(f"{where}: no assistant turn (roles: {', '.join(m['role'] for m in messages)})")
+
+    def render(upto, prompt=False):
+        return tokenizer.apply_chat_template(messages[:upto], tokenize=False, add_generation_prompt=prompt) if upto else ""
+
+    text, spans = render(len(messages)), []
+    for i in turns:
+        start, end = render(i, prompt=True), render(i + 1)
+        if not (text.startswith(start) and text.startswith(end) and len(end) > len(start)):
+            raise UserError(f"{where}: the chat template does not render earlier turns as the start of later ones, "
+                            "so the assistant turns cannot be found in it")
+        spans.append((len(start), len(end)))
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    trained = [any(s <= a < e for s, e in spans) for a, _ in enc["offset_mapping"]]
+    return enc["input_ids"], trained
+
+
+def _string(value, column, where):
+    if not isinstance(value, str):
+        raise UserError(f"{where}: '{column}' must be text, found {type(value).__name__} {str(value)[:40]!r}")
+    return value
+
+
+# ---------------------------------------------------------------------------------------------
+# Documents to rows
+
+
+def pack(lengths, capacity):
+    """Whole documents into rows of at most `capacity` tokens, best-fit decreasing: each document,
+    longest first, goes to the row with the least room that still holds it. Returns the rows'
+    document indices."""
+    rows, room = [], []  # room: sorted (free tokens, row index)
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        at = bisect_left(room, (lengths[i], -1))
+        if at < len(room):
+            free, r = room.pop(at)
+        else:
+            free, r = capacity, len(rows)
+            rows.append([])
+        rows[r].append(i)
+        insort(room, (free - lengths[i], r))
+    return rows
+
+
+def join(docs, rows):
+    """The columns of rows made of documents: tokens, labels, positions from 0 in each document,
+    segments numbered from 1, the real length and the trained tokens."""
+    out = {c: [] for c in (*COLUMNS, "length", "trained")}
+    for row in rows:
+        ids, labels, positions, segments = [], [], [], []
+        for n, d in enumerate(row, 1):
+            doc_ids, doc_labels = docs[d]
+            ids += doc_ids
+            labels += doc_labels
+            positions += range(len(doc_ids))
+            segments += [n] * len(doc_ids)
+        for column, values in zip(COLUMNS, (ids, labels, positions, segments)):
+            out[column].append(values)
+        out["length"].append(len(ids))
+        out["trained"].append(sum(label != IGNORE for label in labels))
+    return out
+
+
+class PackCollator:
+    """Pads a planned batch of causal-LM rows to its planned length: token ids with the pad token,
+    labels with IGNORE, positions and segments with 0."""
+
+    def __init__(self, pad_id):
+        self.fill = {"input_ids": pad_id, "labels": IGNORE, "position_ids": 0, "segments": 0}
+
+    def __call__(self, items):
+        import torch
+
+        features, pads, valid = zip(*items)
+        batch = {c: torch.tensor([f[c] + [fill] * (pads[0] - len(f[c])) for f in features])
+                 for c, fill in self.fill.items()}
+        batch["valid"] = torch.tensor(valid, dtype=torch.long)
+        return batch
+
+
+# ---------------------------------------------------------------------------------------------
+# The data source
+
+
+def load_causal(train_file, validation_file=None, seed=0):
+    """A causal-LM task from own rows: files (.jsonl, .json, .csv, .parquet), `save_to_disk`
+    folders, or hub data sets by name. Without a validation source, HELD_OUT of the training
+    rows (at least one) are held out."""
+    import datasets
+
+    from .files import read_source
+
+    train = read_source(train_file, "train")
+    files = {"train": train_file, "validation": validation_file}
+    form = form_of(train, train_file)
+    if validation_file:
+        validation = read_source(validation_file, "validation")
+    else:
+        if len(train) < 2:
+            raise UserError(f"{train_file}: one row; give --validation-file, or more rows to hold some out")
+        train = train.add_column(SOURCE_ROW, list(range(len(train))))
+        parts = train.train_test_split(test_size=max(1, round(HELD_OUT * len(train))), seed=seed)
+        train, validation = parts["train"], parts["test"]
+        files["validation"] = train_file
+        print(f"no --validation-file: {len(validation)} of {train_file}'s rows held out for evaluation")
+    if form_of(validation, files["validation"]) != form:
+        raise UserError(f"{files['validation']} has {form_of(validation, files['validation'])} rows and {train_file} "
+                        f"{form} rows; give both in one form")
+    splits = datasets.DatasetDict({"train": train, "validation": validation})
+    return CausalLM("custom", None, splits, metric_name=None, main="loss", form=form, files=files)
