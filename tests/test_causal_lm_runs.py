@@ -47,6 +47,8 @@ def test_the_output_folder_holds_the_causal_lm_and_the_chat_template(learned_run
     assert isinstance(task, CausalLM) and task.form == "prompt/completion" and task.max_length == 64
     assert type(task.load_trained(out)).__name__ == "LlamaForCausalLM"
     assert AutoTokenizer.from_pretrained(out).chat_template  # a chat model's folder serves chat prompts
+    report = (out / "report" / "report.md").read_text()
+    assert "| dev perplexity |" in report and "| trained tokens (in the loss) / per s |" in report
 
 
 def test_trackers_get_the_loss_and_perplexity(learned_run):

@@ -175,6 +175,19 @@ def write_report(run_dir):
     return atomic_write(path, markdown(metrics, log))
 
 
+def _token_rows(tokens):
+    """Token throughput (metrics JSON `tokens`; runs before it had none): tokens/s, trained tokens
+    where the task counts them, and MFU where the device's peak is known."""
+    if not tokens:
+        return []
+    rows = [("tokens/s (padded)", tokens["per_s"])]
+    if tokens.get("trained") is not None:
+        rows.append(("trained tokens (in the loss) / per s", f"{tokens['trained']} / {tokens['trained_per_s']}"))
+    if tokens.get("mfu") is not None:
+        rows.append(("model FLOPs utilisation", f"{tokens['mfu']:.1%}"))
+    return rows
+
+
 def markdown(metrics, log):
     ev, xla = metrics.get("eval") or {}, metrics.get("xla")
     rows = [("backend / device", f"{metrics['backend']} / {metrics['device']} x {metrics['world_size']}"),
@@ -183,6 +196,7 @@ def markdown(metrics, log):
             ("samples/s (all / after the last compilation)",
              f"{metrics['train_samples_per_s']} / {metrics['steady_samples_per_s']}"),
             ("padding efficiency", metrics["padding_efficiency"]),
+            *_token_rows(metrics.get("tokens")),
             ("task", f"{metrics.get('task', 'mrpc')} ({metrics.get('problem', 'classification')})")]
     main = metrics.get("main_metric")
     rows += [(f"dev {k}" + (" (main metric)" if k == main else ""), v if k == "n" or k.startswith("n_") else
