@@ -52,7 +52,7 @@ class TrainOptions:
                            "bundled with the package")
     train_file: str = option(None, "own training data: .csv, .tsv, .json, .jsonl or .parquet (causal-lm also a "
                              "save_to_disk folder or a hub data set's name)")
-    validation_file: str = option(None, "own validation data, same columns (causal-lm: optional, else 5% of the "
+    validation_file: str = option(None, "own validation data, same columns (causal-lm: optional, else one in 20 of the "
                                   "training rows are held out)")
     text_columns: str = option(None, "own data: A or A,B (default: sentence1,sentence2 if present, else the first "
                                "two text columns, else the first)")

@@ -97,7 +97,8 @@ class CausalLM(Task):
 
     @classmethod
     def claims(cls, config):
-        return any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in config.architectures or ())
+        classifier = any(a.endswith("ForSequenceClassification") for a in config.architectures or ())
+        return not classifier and is_decoder_config(config)
 
     def check_predict(self, folder):
         raise UserError(f"--model {folder}: a causal LM; xla-train predict does not generate text yet (it scores "
