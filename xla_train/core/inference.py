@@ -26,17 +26,17 @@ def infer(engine, model, loader, columns, desc=None, forward=None):
     return engine.rows_to_host(parts)
 
 
-def predict_rows(engine, model, loader, columns, desc="Predicting"):
+def predict_rows(engine, model, loader, columns, desc="Predicting", forward=None):
     """`columns(output)`'s float rows for every row the loader holds, across replicas, in input
     order, as one (rows, columns) host tensor. The loader's dataset has a `row` column (the input
-    position); filler rows are dropped."""
+    position); filler rows are dropped. `forward`: as `infer`'s."""
 
     def with_position(batch, output):
         # floats only: the row numbers are exact in float32 below 2**24, and 64-bit integer
         # collectives may not lower on every device
         return (batch["row"].float(), *columns(output))
 
-    table = torch.stack(infer(engine, model, loader, with_position, desc), 1)
+    table = torch.stack(infer(engine, model, loader, with_position, desc, forward), 1)
     order = table[:, 0].round().long().argsort()
     return table[order, 1:]
 

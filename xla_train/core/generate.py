@@ -1,0 +1,144 @@
+"""Text generation from a decoder, one left-padded batch of prompts at a time.
+
+Where every new shape compiles (XLA), `static_generate` runs its own loop over a fixed-size
+key/value cache (transformers' StaticCache): the prompt's forward pass (prefill) is one graph and
+each one-token step (decode) another, the same for every step and every batch of a bucket length,
+so a run compiles about two graphs per bucket whatever the number of prompts or tokens. Nothing is
+read on the host per token: each row's `done` flag, its next position and the tokens so far stay
+on the device, and the graph is cut after every token. Every row takes all `max_new_tokens` steps
+(a row that ended feeds padding). Elsewhere `eager_generate` is transformers' `generate`.
+
+Both return a (rows, max_new_tokens) tensor of token ids: the generated tokens, the first
+end-of-sequence token, then padding.
+"""
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+from .inference import predict_rows
+
+
+@dataclass
+class Sampling:
+    """How tokens are chosen: greedy (temperature 0) or sampled with a temperature and top-p."""
+
+    max_new_tokens: int
+    eos_ids: tuple  # any of these ends a row
+    pad_id: int  # what a row that ended emits
+    temperature: float = 0.0
+    top_p: float = 1.0
+
+    @property
+    def greedy(self):
+        return self.temperature == 0
+
+
+def pick(logits, sampling):
+    """The next token of each row from its last logits (rows, vocabulary): the argmax, or a sample
+    drawn with the Gumbel-max trick (the argmax of logits / temperature plus Gumbel noise) on the
+    device, from the smallest set of likeliest tokens whose probability reaches top-p."""
+    if sampling.greedy:
+        return logits.argmax(-1)
+    logits = logits.float() / sampling.temperature
+    order = None
+    if sampling.top_p < 1:
+        logits, order = logits.sort(-1, descending=True)
+        probs = logits.softmax(-1)
+        # a token is dropped once the likelier ones before it hold top-p (the first is always kept),
+        # as transformers' TopPLogitsWarper keeps them
+        logits = logits.masked_fill(probs.cumsum(-1) - probs >= sampling.top_p, float("-inf"))
+    uniform = torch.rand_like(logits).clamp(min=torch.finfo(torch.float32).tiny)
+    chosen = (logits - torch.log(-torch.log(uniform))).argmax(-1)
+    return chosen if order is None else order.gather(-1, chosen[:, None])[:, 0]
+
+
+def static_generate(model, input_ids, attention_mask, sampling, cut_graph):
+    """Generates from a batch of left-padded prompts with static shapes; `cut_graph()` ends the
+    pending graph (see the module docstring)."""
+    from transformers import StaticCache
+
+    rows, length = input_ids.shape
+    steps = sampling.max_new_tokens
+    device = input_ids.device
+    slots = torch.arange(length + steps, device=device)  # the cache's: the prompt's, then one per new token
+    # Which slots hold a real token, passed as a 4-D mask, which transformers uses as given
+    # (masking_utils.py:821, _preprocess_mask_arguments). In the prompt's pass a padding slot
+    # attends to itself, so no row of the mask is empty: an empty one gives NaN, which would reach
+    # the real tokens through the padding's keys and values.
+    filled = torch.cat([attention_mask.bool(), torch.zeros(rows, steps, dtype=torch.bool, device=device)], 1)
+    own = slots[:length, None] == slots[None, :]
+    prompt_mask = (slots[:length, None] >= slots[None, :]) & (filled[:, None, :] | own)
+    positions = (attention_mask.long().cumsum(1) - 1).clamp(min=0)  # from 0 at each prompt's first token
+    # Its layers write their slots in place at a device counter (cache_utils.py:462-494,
+    # StaticLayer.update), so a decode step's graph does not change from token to token.
+    cache = StaticCache(config=_config(model), max_cache_len=length + steps)
+    extra = {**_logits_to_keep(model), "cache": cache, "use_cache": True}
+    logits = model(input_ids=input_ids, attention_mask=prompt_mask[:, None], position_ids=positions, **extra).logits
+    eos, columns = torch.tensor(sampling.eos_ids, device=device), torch.arange(steps, device=device)
+    pad = torch.full((rows,), sampling.pad_id, dtype=torch.long, device=device)
+
+    def take(logits, tokens, done, filled, step):
+        """The next token of every row (padding once a row has ended) into column `step` of
+        `tokens`, and its slot marked filled for the next step."""
+        token = torch.where(done, pad, pick(logits[:, -1], sampling))
+        return (token, torch.where(columns == step, token[:, None], tokens), done | (token[:, None] == eos).any(-1),
+                filled | (slots == length + step), step + 1)
+
+    tokens = torch.full((rows, steps), sampling.pad_id, dtype=torch.long, device=device)
+    done, step = torch.zeros(rows, dtype=torch.bool, device=device), torch.zeros((), dtype=torch.long, device=device)
+    token, tokens, done, filled, step = take(logits, tokens, done, filled, step)
+    position = positions[:, -1:] + 1
+    for _ in range(steps - 1):
+        cut_graph()  # the previous token's graph ends here: every decode step is then the same graph
+        logits = model(input_ids=token[:, None], attention_mask=filled[:, None, None, :], position_ids=position,
+                       **extra).logits
+        position = position + 1
+        token, tokens, done, filled, step = take(logits, tokens, done, filled, step)
+    cut_graph()
+    return tokens
+
+
+def eager_generate(model, input_ids, attention_mask, sampling):
+    """transformers' `generate` on a batch of left-padded prompts, with these settings only (not
+    the model's generation_config.json: the static loop reads none of it either)."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=sampling.max_new_tokens, do_sample=not sampling.greedy,
+                              temperature=sampling.temperature if not sampling.greedy else None,
+                              top_p=sampling.top_p if not sampling.greedy else None, top_k=None,
+                              eos_token_id=list(sampling.eos_ids), pad_token_id=sampling.pad_id, use_cache=True)
+    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
+    tokens = out[:, input_ids.shape[1]:]
+    # generate stops once every row has ended: fill up to max_new_tokens with padding
+    return torch.nn.functional.pad(tokens, (0, sampling.max_new_tokens - tokens.shape[1]), value=sampling.pad_id)
+
+
+def generate_rows(engine, model, loader, sampling):
+    """Every row's generated tokens (a prepared loader of left-padded prompts with their `row`
+    numbers), across replicas, in input order: one (rows, max_new_tokens) host tensor, copied
+    once. Static shapes where the device compiles each new one, else transformers' `generate`."""
+    plain = engine.unwrap_model(model)
+
+    def forward(_, inputs):
+        ids, mask = inputs["input_ids"], inputs["attention_mask"]
+        if engine.accelerator.static_shapes:
+            return static_generate(plain, ids, mask, sampling, engine.cut_graph)
+        return eager_generate(plain, ids, mask, sampling)
+
+    # token ids travel as floats with the row numbers (exact below 2**24, far above any vocabulary)
+    table = predict_rows(engine, model, loader, lambda tokens: tuple(tokens.T.float()), "Generating", forward)
+    return table.round().long()
+
+
+def _config(model):
+    while not hasattr(model, "config") and hasattr(model, "module"):
+        model = model.module
+    return model.config
+
+
+def _logits_to_keep(model):
+    """Only the last position's logits, where the model can leave out the others."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(base.forward).parameters else {}
