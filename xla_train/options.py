@@ -185,14 +185,16 @@ class TrainOptions:
 
 @dataclass
 class PredictOptions:
-    """`xla-train predict`: a fine-tuned classifier's predictions for a file."""
+    """`xla-train predict`: a fine-tuned classifier's predictions, or a causal LM's completions,
+    for a file."""
 
     model: str = option(None, "a folder written by xla-train train (or any fine-tuned sequence-classification "
-                        "folder)", required=True)
-    input: str = option(None, ".csv, .tsv, .json, .jsonl, or a GLUE .tsv file (test.tsv)", required=True)
+                        "or causal-LM folder; a --lora run's adapter folder too)", required=True)
+    input: str = option(None, ".csv, .tsv, .json, .jsonl, or a GLUE .tsv file (test.tsv); for a causal LM, rows "
+                        "with a 'prompt' column or a 'messages' column (chat turns)", required=True)
     output: str = option(None, "file to write (missing folders are made): GLUE's index<TAB>prediction for a GLUE "
-                         "file, else the input's columns plus prediction and score, in the format of its "
-                         "extension", required=True)
+                         "file, else the input's columns plus prediction and score (a causal LM: plus "
+                         "completion), in the format of its extension", required=True)
     backend: str = backend_option()
     strategy: str = strategy_option()
     num_processes: int = option(None, "workers on this host (default: one per TPU core or GPU; 1 on the CPU)")
@@ -201,9 +203,29 @@ class PredictOptions:
     task: str = option(None, "the GLUE task whose file layout --input has (default: the model's own task)")
     max_length: int = option(None, "truncate rows (default: training's, else 128)")
     buckets: str = option("auto", "auto, or lengths like 32,64,96,128")
+    # a causal LM's generation
+    max_new_tokens: int = option(None, "causal LM: tokens to generate per row at most; a row ends at its "
+                                 "end-of-sequence token (default: 64)")
+    temperature: float = option(None, "causal LM: 0 picks the likeliest token (greedy, the default); above 0 "
+                                "samples from the logits divided by it")
+    top_p: float = option(None, "causal LM, with --temperature above 0: sample from the likeliest tokens whose "
+                          "probability reaches this share, in (0, 1] (default: 1, all)")
+    seed: int = option(None, "causal LM: the sampling's random seed (default: 0)")
+    metrics_out: str = option(None, "write the rows, the time taken (a causal LM: tokens generated and tokens/s) "
+                              "and, on XLA, the compilations as JSON here")
 
     def validate(self):
-        _at_least_one(self, ("batch_size",), ("max_length",))
+        _at_least_one(self, ("batch_size",), ("max_length", "max_new_tokens"))
+        _check_numbers(self, {
+            "temperature": (lambda x: x >= 0, "a number >= 0"),
+            "top_p": (lambda x: 0 < x <= 1, "in (0, 1]"),
+        })
+        if self.top_p is not None and not self.temperature:
+            raise UserError("--top-p applies to sampling: give --temperature above 0 too")
+        if self.seed is not None and not 0 <= self.seed < 2**32:
+            raise UserError(f"--seed must be in [0, 2**32), not {self.seed}")
+        if self.metrics_out:
+            check_output_file(self.metrics_out, "--metrics-out")
         check_choices(self.task)
         check_output_file(self.output, "--output", formats=FILE_FORMATS)
         check_model_path(self.model, need=True)

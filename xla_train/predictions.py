@@ -75,13 +75,20 @@ def write_output(path, table, task, scores):
         header = [*table.columns, "prediction", "score"]
         rows = [{**{c: table.columns[c][i] for c in table.columns}, "prediction": preds[i], "score": round(values[i], 6)}
                 for i in range(len(table))]
+    return write_rows(path, header, rows, glue=bool(table.glue))
+
+
+def write_rows(path, header, rows, glue=False):
+    """Writes `rows` (dicts with the `header`'s keys) to `path` in the format of its extension,
+    atomically (`glue`: GLUE's unquoted TSV)."""
+    path = Path(path)
     suffix = path.suffix.lower()
 
     def write(f):
         if suffix in (".csv", ".tsv"):
-            quoting = csv.QUOTE_NONE if table.glue else csv.QUOTE_MINIMAL
+            quoting = csv.QUOTE_NONE if glue else csv.QUOTE_MINIMAL
             writer = csv.DictWriter(f, header, delimiter="\t" if suffix == ".tsv" else ",", quoting=quoting,
-                                    escapechar="\\" if table.glue else None)
+                                    escapechar="\\" if glue else None)
             writer.writeheader()
             writer.writerows(rows)
         elif suffix == ".jsonl":

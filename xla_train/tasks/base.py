@@ -17,6 +17,7 @@ from ..core.files import atomic_write
 METRICS = Path(__file__).resolve().parent / "task_metric"  # the `evaluate` module, shipped in the package
 RECORD = "xla_train_task.json"  # what training saves beside the model, read back by `xla-train predict`
 MINIMISED = ("mse", "loss", "perplexity")  # metrics where lower is better
+GENERATION = ("max_new_tokens", "temperature", "top_p", "seed")  # predict's options for a model that generates
 
 
 @dataclass
@@ -111,8 +112,15 @@ class Task:
         return "" if split == self.eval_splits[0] else "_mm"
 
     # --- predictions ----------------------------------------------------------------------
-    def check_predict(self, folder):
-        """Stops with one line if `xla-train predict` cannot serve this task's model folder."""
+    generates = False  # predict writes completions (text), not a prediction and a score per row
+
+    def check_predict(self, cfg):
+        """Stops with one line if `xla-train predict`'s options (`cfg`) do not fit this task's model."""
+        given = [name for name in GENERATION if getattr(cfg, name) is not None]
+        if given:
+            flag = "--" + given[0].replace("_", "-")
+            raise UserError(f"{flag} applies to a causal LM's folder (predict generates text there); --model "
+                            f"{cfg.model} is a {self.kind or 'classification'} model")
 
     def predict_columns(self, output):
         """A batch's predictions as 1-D float device tensors (rows' scores)."""

@@ -100,9 +100,13 @@ class CausalLM(Task):
         classifier = any(a.endswith("ForSequenceClassification") for a in config.architectures or ())
         return not classifier and is_decoder_config(config)
 
-    def check_predict(self, folder):
-        raise UserError(f"--model {folder}: a causal LM; xla-train predict does not generate text yet (it scores "
-                        "classifiers): generate with transformers' AutoModelForCausalLM and the folder's tokenizer")
+    generates = True  # predict writes each prompt's completion (generation.py)
+
+    def check_predict(self, cfg):
+        given = [flag for flag, value in (("--task", cfg.task), ("--text-columns", cfg.text_columns)) if value]
+        if given:
+            raise UserError(f"{given[0]} applies to classifiers; a causal LM's rows are told by their columns "
+                            "(prompt or messages)")
 
     @classmethod
     def from_config(cls, config, saved):
@@ -259,15 +263,30 @@ def encode(row, form, tokenizer, where):
     return chat(row["messages"], tokenizer, where)
 
 
-def chat(messages, tokenizer, where):
-    """A conversation rendered with the chat template; the assistant turns are the characters
-    each one adds to the rendering of the turns before it with the generation prompt (so their
-    end-of-turn markup is trained, and the prompt's markup is not)."""
+def prompt_ids(row, form, tokenizer, where):
+    """A prompt's token ids for generation (`form`: "prompt" or "messages"), tokenised as training
+    tokenised its prompts: a prompt with the tokenizer's special tokens (encode), a conversation
+    rendered by the chat template with the generation prompt after its last turn (chat)."""
+    if form == "prompt":
+        return tokenizer(_string(row["prompt"], "prompt", where))["input_ids"]
+    text = tokenizer.apply_chat_template(_turns(row["messages"], where), tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _turns(messages, where):
     if not (isinstance(messages, list) and messages and all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
             for m in messages)):
         raise UserError(f"{where}: 'messages' must be a list of turns, each {{\"role\": ..., \"content\": ...}} "
                         f"with text content; found {str(messages)[:80]!r}")
+    return messages
+
+
+def chat(messages, tokenizer, where):
+    """A conversation rendered with the chat template; the assistant turns are the characters
+    each one adds to the rendering of the turns before it with the generation prompt (so their
+    end-of-turn markup is trained, and the prompt's markup is not)."""
+    messages = _turns(messages, where)
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if not turns:
         raise UserError(f"{where}: no assistant turn (roles: {', '.join(m['role'] for m in messages)})")
