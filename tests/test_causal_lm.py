@@ -228,12 +228,3 @@ def test_record_reads_back(tmp_path):
     assert isinstance(task, CausalLM) and task.max_length == 96 and task.form == "messages" and not task.packing
     assert json.loads((path / "xla_train_task.json").read_text())["problem"] == "causal-lm"
 
-
-def test_predict_on_a_causal_lm_folder_is_one_line(tmp_path, capsys):
-    path = td.save("gpt2", tmp_path / "m")
-    (tmp_path / "in.jsonl").write_text('{"prompt": "a"}\n')
-    capsys.readouterr()  # the save's progress bar
-    code = main(["predict", "--backend", "cpu", "--model", str(path), "--input", str(tmp_path / "in.jsonl"),
-                 "--output", str(tmp_path / "out.jsonl")])
-    err = capsys.readouterr().err
-    assert code == 2 and err.count("\n") == 1 and "a causal LM; xla-train predict does not generate text yet" in err
