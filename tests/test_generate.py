@@ -111,6 +111,14 @@ def _decoder(tmp, chat=True):
     return td.save("llama", tmp / "decoder", chat=chat, letters=True)
 
 
+def _windowed(tmp, window=8):
+    """A tiny Mistral whose sliding attention window is `window` tokens."""
+    path = td.save("mistral", tmp / "mistral", letters=True)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "sliding_window": window}))
+    return path
+
+
 def _rows(tmp, rows):
     return td.write_jsonl(tmp / "in.jsonl", rows)
 
@@ -125,6 +133,15 @@ BAD = {  # name: (arguments after predict's --model/--input, message)
         "messages need a chat template, and the model's tokenizer has none"),
     "--top-p without --temperature": (lambda tmp, c: [_decoder(tmp), _rows(tmp, [{"prompt": "a"}]), "--top-p", 0.9],
                                       "--top-p applies to sampling"),
+    "past the model's positions": (
+        lambda tmp, c: [_decoder(tmp), _rows(tmp, [{"prompt": "a b"}]), "--max-new-tokens", 600],
+        "prompts of up to 3 tokens plus --max-new-tokens 600 pass the model's 512 positions"),
+    "--text-columns for a causal LM": (
+        lambda tmp, c: [_decoder(tmp), _rows(tmp, [{"prompt": "a"}]), "--text-columns", "prompt"],
+        "--text-columns applies to classifiers"),
+    "a cache longer than the sliding window on XLA": (
+        lambda tmp, c: [_windowed(tmp), _rows(tmp, [{"prompt": "a"}]), "--backend", "xla", "--max-new-tokens", 8],
+        "pass the model's sliding attention window (8)"),
     "--temperature for a classifier": (
         lambda tmp, c: [c, _rows(tmp, [{"sentence1": "a", "sentence2": "b"}]), "--temperature", 1],
         "--temperature applies to a causal LM's folder"),
@@ -136,8 +153,8 @@ def test_bad_generation_input(case, tiny_model, tmp_path, capsys):
     make, message = BAD[case]
     model, source, *extra = make(tmp_path, tiny_model)
     capsys.readouterr()  # the save's progress bar
-    code = main(["predict", "--backend", "cpu", "--model", model, "--input", source, "--output", tmp_path / "o.jsonl",
-                 *extra])
+    backend = [] if "--backend" in extra else ["--backend", "cpu"]
+    code = main(["predict", *backend, "--model", model, "--input", source, "--output", tmp_path / "o.jsonl", *extra])
     err = capsys.readouterr().err
     assert code == 2, err
     assert err.count("\n") == 1 and err.startswith("xla-train: error: "), err

@@ -32,7 +32,8 @@ def build_parser():
     sub.add_parser = functools.partial(sub.add_parser, formatter_class=_Help)
     _add_options(sub.add_parser("train", help="fine-tune on a GLUE task or own data (default: GLUE MRPC)"),
                  TrainOptions)
-    _add_options(sub.add_parser("predict", help="predict labels for a file with a fine-tuned classifier"),
+    _add_options(sub.add_parser("predict", help="predict labels for a file with a fine-tuned classifier, or generate "
+                                           "completions with a fine-tuned causal LM"),
                  PredictOptions)
     r = sub.add_parser("report", help="write RUN_DIR/report/ (Markdown and PNG plots) from a run's --output-dir")
     r.add_argument("run_dir", help="the --output-dir of a training run")

@@ -201,7 +201,8 @@ class PredictOptions:
     batch_size: int = option(8, "rows per replica and batch")
     text_columns: str = option(None, "A or A,B (default: the columns the model was trained on)")
     task: str = option(None, "the GLUE task whose file layout --input has (default: the model's own task)")
-    max_length: int = option(None, "truncate rows (default: training's, else 128)")
+    max_length: int = option(None, "truncate rows; a causal LM's prompts keep their last tokens (default: training's, "
+                             "else 128)")
     buckets: str = option("auto", "auto, or lengths like 32,64,96,128")
     # a causal LM's generation
     max_new_tokens: int = option(None, "causal LM: tokens to generate per row at most; a row ends at its "
