@@ -101,14 +101,16 @@ def static_generate(model, input_ids, attention_mask, sampling, cut_graph):
 
 
 def eager_generate(model, input_ids, attention_mask, sampling):
-    """transformers' `generate` on a batch of left-padded prompts, with these settings only (not
-    the model's generation_config.json: the static loop reads none of it either)."""
+    """transformers' `generate` on a batch of left-padded prompts, with these settings only: the
+    folder's generation_config.json (a repetition penalty, top-k, its temperature) is set aside,
+    as the static loop reads none of it (generate fills every setting left unset from it, then
+    from its own defaults, such as top-k 50: generation/utils.py:2113-2115)."""
     from transformers import GenerationConfig
 
+    model.generation_config = GenerationConfig()
+    sample = {} if sampling.greedy else {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": 0}
     config = GenerationConfig(max_new_tokens=sampling.max_new_tokens, do_sample=not sampling.greedy,
-                              temperature=sampling.temperature if not sampling.greedy else None,
-                              top_p=sampling.top_p if not sampling.greedy else None, top_k=None,
-                              eos_token_id=list(sampling.eos_ids), pad_token_id=sampling.pad_id, use_cache=True)
+                              eos_token_id=list(sampling.eos_ids), pad_token_id=sampling.pad_id, use_cache=True, **sample)
     out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
     tokens = out[:, input_ids.shape[1]:]
     # generate stops once every row has ended: fill up to max_new_tokens with padding
