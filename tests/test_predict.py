@@ -211,7 +211,7 @@ def test_replicas_predict_each_row_once_in_input_order(args, env, classifier, fi
 
 BAD = {  # name: (arguments, given the classifier folder and a scratch folder; expected message)
     "not a classifier": (lambda model, tmp: ["--model", _bundled(), "--input", tmp / "in.csv", "--output",
-                                             tmp / "o.csv"], "not a fine-tuned sequence classifier"),
+                                             tmp / "o.csv"], "neither a fine-tuned sequence classifier nor a causal LM"),
     "input without the trained text columns": (lambda model, tmp: ["--model", model, "--input", _write(tmp, "x,y\n1,2\n"),
                                                                    "--output", tmp / "o.csv"],
                                                "no column 'sentence1', 'sentence2', which the model was trained on"),
