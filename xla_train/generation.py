@@ -16,7 +16,7 @@ from .core.errors import UserError
 from .predictions import write_rows
 from .tasks import read_table
 from .tasks.base import row_name
-from .tasks.causal_lm import prompt_ids
+from .tasks.causal_lm import prompt_ids, window_shorter_than
 
 FORMS = ("prompt", "messages")  # the columns a row's prompt may come in, in the order looked for
 
@@ -103,7 +103,7 @@ def check_lengths(model, tokenizer, longest, cache_length, max_new_tokens, stati
     if longest + max_new_tokens > limit:
         raise UserError(f"prompts of up to {longest} tokens plus --max-new-tokens {max_new_tokens} pass the model's "
                         f"{limit} positions; lower --max-length or --max-new-tokens")
-    window = getattr(model.config, "sliding_window", None)
-    if static and window and getattr(model.config, "use_sliding_window", True) and cache_length > window:
+    window = window_shorter_than(model.config, cache_length) if static else None
+    if window:
         raise UserError(f"a bucket's prompts plus --max-new-tokens {max_new_tokens} ({cache_length} tokens) pass the "
                         f"model's sliding attention window ({window}); lower --max-length or --max-new-tokens")

@@ -79,10 +79,7 @@ def prepare(cfg, backend, resume=None):
     shapes settled, the model loaded (with a resumed run's weights)."""
     task = load_task(cfg.task, cfg.data_dir, cfg.train_file, cfg.validation_file, cfg.text_columns,
                      cfg.label_column, cfg.problem, cfg.seed)
-    if cfg.packing is not None:
-        if not hasattr(task, "packing"):
-            raise UserError(f"--{'' if cfg.packing else 'no-'}packing applies to --problem causal-lm")
-        task.packing = cfg.packing
+    task.set_packing(cfg.packing)
     if cfg.metric_for_best and cfg.metric_for_best not in task.metric_keys:
         raise UserError(f"--metric-for-best must be one of {task.name}'s metrics: {', '.join(task.metric_keys)}; "
                         f"not {cfg.metric_for_best!r}")
@@ -101,7 +98,7 @@ def prepare(cfg, backend, resume=None):
     data, truncated = tokenize_task(cfg, task, tokenizer)
     if resume:
         resume.check(cfg, len(data["train"]), backend)
-    if getattr(task, "packing", False):  # rows of exactly --max-length tokens: one shape
+    if task.packing:  # rows of exactly --max-length tokens: one shape
         if cfg.buckets != "auto" or cfg.padding != "buckets":
             raise UserError("--packing makes every row --max-length tokens long: --buckets and --padding apply to "
                             "--no-packing")

@@ -73,7 +73,7 @@ def static_generate(model, input_ids, attention_mask, sampling, cut_graph):
     positions = (attention_mask.long().cumsum(1) - 1).clamp(min=0)  # from 0 at each prompt's first token
     # Its layers write their slots in place at a device counter (cache_utils.py:462-494,
     # StaticLayer.update), so a decode step's graph does not change from token to token.
-    cache = StaticCache(config=_config(model), max_cache_len=length + steps)
+    cache = StaticCache(config=model.config, max_cache_len=length + steps)  # `model` unwrapped: generate_rows
     extra = {**_logits_to_keep(model), "cache": cache, "use_cache": True}
     logits = model(input_ids=input_ids, attention_mask=prompt_mask[:, None], position_ids=positions, **extra).logits
     eos, columns = torch.tensor(sampling.eos_ids, device=device), torch.arange(steps, device=device)
@@ -133,11 +133,6 @@ def generate_rows(engine, model, loader, sampling):
     table = predict_rows(engine, model, loader, lambda tokens: tuple(tokens.T.float()), "Generating", forward)
     return table.round().long()
 
-
-def _config(model):
-    while not hasattr(model, "config") and hasattr(model, "module"):
-        model = model.module
-    return model.config
 
 
 def _logits_to_keep(model):

@@ -39,6 +39,7 @@ class Task:
     peft_task_type = None  # peft's task type for --lora
     per_token_logits = False  # logits per token (vocabulary-wide), which the memory plan counts
     unit = "rows"  # what --max-length truncates, in console lines
+    packing = False  # rows of several documents, each exactly --max-length tokens long (causal-lm's)
 
     @property
     def problem(self):
@@ -69,6 +70,11 @@ class Task:
     def tokenize(self, splits, tokenizer, max_length):
         """The splits (a DatasetDict) as token ids; returns (data, rows truncated per split)."""
         raise NotImplementedError
+
+    def set_packing(self, packing):
+        """--packing / --no-packing (None: not given): this kind packs no rows."""
+        if packing is not None:
+            raise UserError(f"--{'' if packing else 'no-'}packing applies to --problem causal-lm")
 
     def collator(self, tokenizer):
         """What pads a planned batch of this task's rows (core.batching.make_loader)."""
@@ -135,10 +141,13 @@ class Task:
         raise NotImplementedError
 
     # --- what the output folder records ---------------------------------------------------
+    def record(self):
+        """What the output folder's record says of the task (read back by `from_config`)."""
+        return {"task": self.name, "problem": self.problem, "labels": self.labels, "text_columns": self.text_columns,
+                "max_length": self.max_length}
+
     def write_record(self, folder):
-        atomic_write(Path(folder) / RECORD, json.dumps(
-            {"task": self.name, "problem": self.problem, "labels": self.labels, "text_columns": self.text_columns,
-             "max_length": self.max_length}, indent=1) + "\n")
+        atomic_write(Path(folder) / RECORD, json.dumps(self.record(), indent=1) + "\n")
 
     @classmethod
     def from_config(cls, config, saved):

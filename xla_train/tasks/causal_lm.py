@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from ..core.errors import UserError
 from .base import Task, row_name
+from .sequence import is_classifier_config
 
 FORMS = {"messages": ("messages",), "prompt/completion": ("prompt", "completion"), "text": ("text",)}
 IGNORE = -100  # labels the loss skips (torch's cross_entropy ignore_index, transformers' convention)
@@ -48,6 +49,13 @@ def is_decoder_config(config):
     if any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in config.architectures or ()):
         return True
     return config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and config.model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+
+def window_shorter_than(config, length):
+    """The model's sliding attention window where it is shorter than `length` tokens, else None: a
+    4-D mask is used as given in every layer, so such a window would be lost."""
+    window = getattr(config, "sliding_window", None)
+    return window if window and window < length and getattr(config, "use_sliding_window", True) else None
 
 
 @dataclass
@@ -83,9 +91,8 @@ class CausalLM(Task):
 
         torch.manual_seed(seed)
         model = load_pretrained(_causal_lm(), name, dtype=torch.float32)
-        window = getattr(model.config, "sliding_window", None)
-        if window and window < self.max_length and getattr(model.config, "use_sliding_window", True):
-            # the 4-D mask is used as given in every layer: a shorter window would be lost
+        window = window_shorter_than(model.config, self.max_length)
+        if window:
             raise UserError(f"--max-length {self.max_length} is longer than {shown_name(name)}'s sliding attention "
                             f"window ({window}); use --max-length {window} or less")
         return no_cache(model)
@@ -97,8 +104,7 @@ class CausalLM(Task):
 
     @classmethod
     def claims(cls, config):
-        classifier = any(a.endswith("ForSequenceClassification") for a in config.architectures or ())
-        return not classifier and is_decoder_config(config)
+        return not is_classifier_config(config) and is_decoder_config(config)
 
     generates = True  # predict writes each prompt's completion (generation.py)
 
@@ -113,16 +119,9 @@ class CausalLM(Task):
         return cls(saved.get("task") or "custom", None, max_length=saved.get("max_length", 128),
                    packing=saved.get("packing", True), form=saved.get("form"))
 
-    def write_record(self, folder):
-        import json
-        from pathlib import Path
-
-        from ..core.files import atomic_write
-        from .base import RECORD
-
-        atomic_write(Path(folder) / RECORD, json.dumps(
-            {"task": self.name, "problem": self.problem, "labels": None, "form": self.form, "packing": self.packing,
-             "max_length": self.max_length}, indent=1) + "\n")
+    def record(self):
+        return {"task": self.name, "problem": self.problem, "labels": None, "form": self.form, "packing": self.packing,
+                "max_length": self.max_length}
 
     # --- batches, the forward pass and the loss ------------------------------------------------
     def tokenize(self, splits, tokenizer, max_length):
@@ -148,6 +147,10 @@ class CausalLM(Task):
                   + f" of {max_length} tokens (" + ", ".join(
                       f"{s} {sum(d['length']) / (len(d) * max_length):.1%} full" for s, d in data.items()) + ")")
         return datasets.DatasetDict(data), truncated
+
+    def set_packing(self, packing):
+        if packing is not None:
+            self.packing = packing
 
     def collator(self, tokenizer):
         return PackCollator(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)

@@ -17,6 +17,11 @@ def _classifier():
     return AutoModelForSequenceClassification
 
 
+def is_classifier_config(config):
+    """Whether a transformers config is a fine-tuned sequence classifier (or regressor)."""
+    return any(a.endswith("ForSequenceClassification") for a in config.architectures or ())
+
+
 def _regression(config):
     return config.problem_type == "regression" or config.num_labels == 1
 
@@ -44,8 +49,7 @@ class SequenceTask(Task):
         config = load_pretrained(AutoConfig, name)
         if config.pad_token_id is None and pad_token_id is not None:
             options["pad_token_id"] = pad_token_id  # decoder classifiers find each row's last token by it
-        classifier = any(a.endswith("ForSequenceClassification") for a in config.architectures or ())
-        if classifier and config.num_labels != self.num_labels:
+        if is_classifier_config(config) and config.num_labels != self.num_labels:
             # a classifier fine-tuned for another label set: its head is replaced, as run_glue's
             # --ignore_mismatched_sizes does
             options["ignore_mismatched_sizes"] = True
@@ -68,7 +72,7 @@ class SequenceTask(Task):
 
     @classmethod
     def claims(cls, config):
-        return any(a.endswith("ForSequenceClassification") for a in config.architectures or ())
+        return is_classifier_config(config)
 
     @classmethod
     def from_config(cls, config, saved):
