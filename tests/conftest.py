@@ -135,12 +135,13 @@ def reverse_args(task, *extra):
 
 @pytest.fixture(scope="session")
 def learned_run(reverse_task, tmp_path_factory):
-    """The synthetic task learned on the CPU (about 10 s of training), evaluated every 100 steps,
-    reporting to MLflow; checkpoints every 50 steps. Returns (metrics, output folder)."""
+    """The synthetic task learned on the CPU (about 10 s of training), evaluated every 100 steps
+    with 4 generated samples, reporting to MLflow; checkpoints every 50 steps. Returns (metrics,
+    output folder)."""
     out = tmp_path_factory.mktemp("learned")
     env = {"MLFLOW_TRACKING_URI": f"sqlite:///{out / 'tracking.db'}"}
     proc, m = run_cli(["--backend", "cpu", *reverse_args(reverse_task, "--eval-every", 100, "--save-every", 50,
-                                                         "--report-to", "tensorboard,mlflow"),
+                                                         "--eval-samples", 4, "--report-to", "tensorboard,mlflow"),
                        "--output-dir", out / "run"], out, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return m, out / "run"

@@ -182,6 +182,14 @@ BAD = {
                                "--buckets and --padding apply to --no-packing"),
     "--packing for a classifier": (lambda tmp, m: ["MRPC", "--packing"],
                                    "--packing applies to --problem causal-lm"),
+    "--eval-samples for a classifier": (lambda tmp, m: ["MRPC", "--eval-samples", "2"],
+                                        "--eval-samples generates text from evaluation prompts: it needs --problem "
+                                        "causal-lm"),
+    "--eval-samples on text rows": (
+        lambda tmp, m: ["--train-file", rows_file(tmp, td.reverse_rows(4, 0, "text")), "--eval-samples", "2"],
+        "--eval-samples needs prompt/completion or messages rows: text rows have no prompt"),
+    "--eval-samples 0": (lambda tmp, m: ["--train-file", rows_file(tmp, td.reverse_rows(4, 0)), "--eval-samples", "0"],
+                         "--eval-samples must be at least 1"),
 }
 
 
@@ -228,3 +236,48 @@ def test_record_reads_back(tmp_path):
     assert isinstance(task, CausalLM) and task.max_length == 96 and task.form == "messages" and not task.packing
     assert json.loads((path / "xla_train_task.json").read_text())["problem"] == "causal-lm"
 
+
+
+# ---------------------------------------------------------------------------------------------
+# --eval-samples: the prompts and how long a sample may write
+
+
+def test_eval_samples_prompt_with_the_turns_before_the_last_answer(families, tmp_path):
+    """A conversation's sample is its turns before the last assistant turn, rendered with the
+    generation prompt; it may write as many tokens as that turn takes (its end-of-turn markup
+    included), and its reference is that turn's text."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from xla_train.generation import eval_samples
+
+    chat = [{"role": "user", "content": "reverse a b ="}, {"role": "assistant", "content": "b a"},
+            {"role": "user", "content": "reverse c d e ="}, {"role": "assistant", "content": "e d c"}]
+    rows = [{"messages": chat}, *td.reverse_rows(3, 0, "messages")]
+    path = rows_file(tmp_path, rows)
+    task = load_task(train_file=str(path), validation_file=str(path), problem="causal-lm")
+    picked = task.sample_rows(2)
+    assert [len(r[0]["messages"]) for r in picked] == [3, 1] and picked[0][2] == "e d c"
+    tok = AutoTokenizer.from_pretrained(families["llama"])
+    model = AutoModelForCausalLM.from_pretrained(families["llama"])
+    samples = eval_samples(picked[:1], task.form, tok, model, 64, static=True)
+    rendered = tok.apply_chat_template(chat, tokenize=False)
+    prompt = tok.apply_chat_template(chat[:3], tokenize=False, add_generation_prompt=True)
+    answer = len(tok(rendered, add_special_tokens=False)["input_ids"]) - len(tok(prompt, add_special_tokens=False)["input_ids"])
+    assert samples.sampling.max_new_tokens == answer > len(tok("e d c", add_special_tokens=False)["input_ids"])
+    assert samples.sampling.greedy and samples.shown[0] == {"messages": chat[:3], "reference": "e d c"}
+    assert samples.data["input_ids"][0] == tok(prompt, add_special_tokens=False)["input_ids"]
+
+
+def test_eval_samples_of_prompt_rows_write_up_to_the_completion_and_its_eos(families, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from xla_train.generation import eval_samples
+
+    path = rows_file(tmp_path, td.reverse_rows(5, 0))
+    task = load_task(train_file=str(path), validation_file=str(path), problem="causal-lm")
+    tok = AutoTokenizer.from_pretrained(families["llama"])
+    samples = eval_samples(task.sample_rows(9), task.form, tok, AutoModelForCausalLM.from_pretrained(families["llama"]),
+                           64, static=False)
+    longest = max(len(tok(r["completion"], add_special_tokens=False)["input_ids"]) for r in td.reverse_rows(5, 0))
+    assert len(samples.shown) == 5 and samples.sampling.max_new_tokens == longest + 1  # all 5 rows; plus the EOS
+    assert samples.shown[0] == {"prompt": td.reverse_rows(5, 0)[0]["prompt"], "reference": td.reverse_rows(5, 0)[0]["completion"]}

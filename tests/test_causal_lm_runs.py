@@ -63,6 +63,29 @@ def test_trackers_get_the_loss_and_perplexity(learned_run):
     assert 0 < m["goodput"]["ratio"] <= 1
 
 
+def test_eval_samples_show_the_model_learn(learned_run, reverse_task):
+    """--eval-samples 4: at every evaluation the first 4 validation prompts' greedy completions go to
+    OUTPUT_DIR/samples/step-K.jsonl, TensorBoard's text tab and MLflow; the learned model's last
+    ones are the references."""
+    from mlflow import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    m, out = learned_run
+    steps = [s for s, _ in m["evaluations"]]
+    assert sorted(int(p.stem[5:]) for p in (out / "samples").glob("step-*.jsonl")) == steps
+    first = json.loads((reverse_task["validation"]).read_text().splitlines()[0])
+    last = [json.loads(line) for line in (out / "samples" / f"step-{steps[-1]}.jsonl").read_text().splitlines()]
+    assert len(last) == 4 and last[0]["prompt"] == first["prompt"] and last[0]["reference"] == first["completion"]
+    assert sum(s["completion"].strip() == s["reference"].strip() for s in last) >= 3, last
+    events = EventAccumulator(str(out / "tensorboard"), size_guidance={"tensors": 0}).Reload()
+    text = events.Tensors("eval/samples/text_summary")
+    assert [e.step for e in text] == steps and first["prompt"] in text[-1].tensor_proto.string_val[0].decode()
+    client = MlflowClient(tracking_uri=f"sqlite:///{out.parent / 'tracking.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("xla-train").experiment_id])
+    assert [a.path for a in client.list_artifacts(run.info.run_id, "samples")] == sorted(
+        f"samples/step-{s}.jsonl" for s in steps)
+
+
 def test_sigterm_then_resume_equals_the_uninterrupted_run(reverse_task, learned_run, tmp_path):
     whole, whole_out = learned_run
     args = ["--backend", "cpu", *reverse_args(reverse_task, "--eval-every", 100, "--save-every", 4)]
@@ -96,7 +119,7 @@ def test_lora_with_fsdp_on_four_xla_devices(reverse_task, tmp_path):
     """peft's CAUSAL_LM adapters under FSDPv2 (3-D logits sharded by rows), with gradient
     checkpointing and bf16: the adapter is saved and reads back as a causal LM."""
     args = reverse_args(reverse_task, "--max-steps", 12, "--batch-size", 2, "--log-every", 4, "--lora",
-                        "--strategy", "fsdp", "--gradient-checkpointing", "--precision", "bf16")
+                        "--strategy", "fsdp", "--gradient-checkpointing", "--precision", "bf16", "--eval-samples", 3)
     proc, m = run_cli(["--backend", "xla", *args, "--output-dir", tmp_path / "run"], tmp_path, env=FOUR)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert m["world_size"] == 4 and m["steps"] == 12 and m["replicas_identical"]
@@ -109,6 +132,8 @@ def test_lora_with_fsdp_on_four_xla_devices(reverse_task, tmp_path):
     model = from_folder(tmp_path / "run").load_trained(tmp_path / "run")  # the adapter on its base, as predict reads it
     assert type(model).__name__ == "PeftModelForCausalLM"
     assert type(model.get_base_model()).__name__ == "LlamaForCausalLM"
+    samples = [json.loads(line) for line in (tmp_path / "run" / "samples" / "step-12.jsonl").read_text().splitlines()]
+    assert [sorted(s) for s in samples] == [["completion", "prompt", "reference"]] * 3  # generated with the adapter, sharded
 
 
 def test_merge_lora_saves_a_whole_causal_lm(reverse_task, tmp_path):

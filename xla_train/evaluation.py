@@ -24,16 +24,20 @@ class Evaluator:
     """Scores every evaluation split, prints and logs the scores, and hands them to the run state
     (best model, early stopping). Mid-epoch (--eval-every) it pauses the training clock."""
 
-    def __init__(self, engine, task, loaders, state, monitor):
+    def __init__(self, engine, task, loaders, state, monitor, samples=None):
         self.engine, self.task, self.loaders, self.state, self.monitor = engine, task, loaders, state, monitor
         self.metric = task.load_metric()
+        self.samples = samples  # --eval-samples: generation.sample_generator's function of the model
 
     def __call__(self, model, where, mid_epoch=False):
         if mid_epoch:
             self.monitor.clock.stop(self.state.step)
         with self.monitor.clock.evaluating():
             results = evaluate_all(self.engine, model, self.task, self.loaders, self.metric)
+            written = self.samples(model) if self.samples else None
         self.engine.print(f"{where}: {scores(results)}")
+        if written:
+            self.monitor.samples(self.state.step, written)
         self.monitor.evaluated(self.state.step, results)
         self.state.evaluated(results, model, self.task.main)
         if mid_epoch:

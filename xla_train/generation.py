@@ -10,13 +10,18 @@ generation prompt; in a .csv, the turns as JSON). The output holds the input's c
 How the tokens are generated (static shapes on XLA): core/generate.py.
 """
 
+import copy
 import json
+from dataclasses import dataclass
 
 from .core.errors import UserError
+from .core.generate import Sampling, generate_rows
+from .core.inference import predict_loader
+from .core.shapes import padding_for
 from .predictions import write_rows
 from .tasks import read_table
 from .tasks.base import row_name
-from .tasks.causal_lm import prompt_ids, window_shorter_than
+from .tasks.causal_lm import encode, prompt_ids, window_shorter_than
 
 FORMS = ("prompt", "messages")  # the columns a row's prompt may come in, in the order looked for
 
@@ -25,8 +30,6 @@ def read_prompts(path, tokenizer, max_length):
     """The input's columns (as read) and its prompts tokenised as a dataset with `row` numbers;
     a prompt longer than `max_length` keeps its last `max_length` tokens. Returns (columns, data,
     prompts truncated)."""
-    import datasets
-
     ds = read_table(path)
     form = next((c for c in FORMS if c in ds.column_names), None)
     if form is None:
@@ -42,11 +45,20 @@ def read_prompts(path, tokenizer, max_length):
         if form == "messages" and isinstance(row["messages"], str):  # a CSV cell: the turns as JSON
             row["messages"] = _json(row["messages"], where)
         ids.append(prompt_ids(row, form, tokenizer, where))
+    data, truncated = prompt_data(ids, max_length)
+    return columns, data, truncated
+
+
+def prompt_data(ids, max_length):
+    """Prompts' token ids as a dataset with `row` numbers, each cut to its last `max_length`
+    tokens; returns (data, prompts truncated)."""
+    import datasets
+
     truncated = sum(len(x) > max_length for x in ids)
     ids = [x[-max_length:] for x in ids]
     data = datasets.Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * len(x) for x in ids],
                                        "length": [len(x) for x in ids], "row": list(range(len(ids)))})
-    return columns, data, truncated
+    return data, truncated
 
 
 def _json(text, where):
@@ -107,3 +119,59 @@ def check_lengths(model, tokenizer, longest, cache_length, max_new_tokens, stati
     if window:
         raise UserError(f"a bucket's prompts plus --max-new-tokens {max_new_tokens} ({cache_length} tokens) pass the "
                         f"model's sliding attention window ({window}); lower --max-length or --max-new-tokens")
+
+
+def left_padded(tokenizer, eos_ids):
+    """A copy of the tokenizer that pads on the left, so every prompt ends where generation
+    starts; without a padding token it pads with the end of a sequence (padding is masked)."""
+    tokenizer = copy.copy(tokenizer)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.convert_ids_to_tokens(eos_ids[0])
+    return tokenizer
+
+
+# ---------------------------------------------------------------------------------------------
+# --eval-samples: completions of a few evaluation prompts at every evaluation
+
+
+@dataclass
+class Samples:
+    """Evaluation prompts, made once in the launching process; every worker generates from them."""
+
+    shown: list  # each sample as the files show it: its prompt (or messages) and its reference
+    data: object  # the prompts tokenised (prompt_data)
+    sampling: Sampling  # greedy, up to as many tokens as the longest reference takes
+
+
+def eval_samples(rows, form, tokenizer, model, max_length, static):
+    """`Samples` of the task's `sample_rows`: a sample may write as many tokens as its reference
+    answer takes in training's rendering (its end-of-turn markup included)."""
+    ids, new = [], 1
+    for i, (prompt, prompt_form, _, full) in enumerate(rows):
+        where = f"--eval-samples: validation row {i + 1}"
+        ids.append(prompt_ids(prompt, prompt_form, tokenizer, where))
+        new = max(new, len(encode(full, form, tokenizer, where)[0]) - len(ids[-1]))
+    data, _ = prompt_data(ids, max_length)
+    longest = max(data["length"])
+    check_lengths(model, tokenizer, longest, longest + new, new, static)
+    eos = end_ids(tokenizer, model)
+    pad = left_padded(tokenizer, eos).pad_token_id
+    shown = [{**prompt, "reference": reference} for prompt, _, reference, _ in rows]
+    return Samples(shown, data, Sampling(new, eos, pad))
+
+
+def sample_generator(engine, samples, tokenizer, batch_size):
+    """A function of the model that generates every sample (on every replica: each takes its
+    share) and returns the samples with their `completion`, one bucket: the longest prompt."""
+    longest = max(samples.data["length"])
+    padding = padding_for("buckets", [longest], longest, [samples.data["length"]])
+    loader = predict_loader(engine, left_padded(tokenizer, samples.sampling.eos_ids), samples.data,
+                            min(batch_size, len(samples.data)), padding)
+
+    def generate(model):
+        tokens = generate_rows(engine, model, loader, samples.sampling)
+        texts, _ = completions(tokens, tokenizer, samples.sampling.eos_ids)
+        return [{**shown, "completion": text} for shown, text in zip(samples.shown, texts)]
+
+    return generate

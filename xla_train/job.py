@@ -13,6 +13,7 @@ from .core.launchers import pod_marker, watch_pod
 from .core.signals import StopRequest
 from .core.shapes import Shapes, check_steps, padding_for, settle_padding
 from .core.storage import is_remote, open_store
+from .generation import eval_samples
 from .models import (
     add_adapters,
     hold_frozen_in_bf16,
@@ -40,6 +41,7 @@ class Job:
     resume: object = None  # checkpoint.Resume, or None
     pod_marker: str = None  # on several hosts: where a failing host tells the others (launchers.pod_marker)
     started: float = None  # time.time() when the launching process started (goodput's wall time)
+    samples: object = None  # --eval-samples: generation.Samples
 
     def report(self):
         """What the metrics JSON says of the job's preparation."""
@@ -87,6 +89,7 @@ def prepare(cfg, backend, resume=None):
     if cfg.test_file:
         task.test = read_input(cfg.test_file, task)
     print(task.describe())
+    sample_rows = task.sample_rows(cfg.eval_samples) if cfg.eval_samples else None  # before tokenising drops the rows
     config = load_pretrained(AutoConfig, cfg.model)
     task.check_model(config, cfg.model)
     tokenizer = load_tokenizer(cfg.model)
@@ -114,8 +117,10 @@ def prepare(cfg, backend, resume=None):
         del weights
     if cfg.lora and cfg.precision == "bf16":
         hold_frozen_in_bf16(model)  # here, once: forked replicas share these pages
+    samples = sample_rows and eval_samples(sample_rows, task.form, tokenizer, model, cfg.max_length,
+                                           backend.accelerator.static_shapes)
     return Job(cfg, task, tokenizer, model_inputs_only(data, model), shapes, model, truncated=truncated,
-               resume=resume)
+               resume=resume, samples=samples)
 
 
 def tokenize_task(cfg, task, tokenizer):

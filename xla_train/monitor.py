@@ -111,6 +111,22 @@ class Monitor:
         if self._last is not None:
             self._note_compiles(step, "eval", None)
 
+    def samples(self, step, rows):
+        """After an evaluation with --eval-samples: the completions on the console, in
+        OUTPUT_DIR/samples/step-K.jsonl, TensorBoard's text tab and the trackers."""
+        if not self.on:
+            return
+        for row in rows:
+            prompt = row["prompt"] if "prompt" in row else row["messages"][-1]["content"]
+            self.engine.print(f"  sample: {_short(prompt)} -> {_short(row['completion'])} (reference: "
+                              f"{_short(row['reference'])})")
+        lines = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+        if self.out:
+            atomic_write(self.out / "samples" / f"step-{step}.jsonl", lines)
+        if self._writer:
+            self._writer.add_text("eval/samples", _markdown(rows), step)
+        self.trackers.text(step, f"samples/step-{step}.jsonl", rows)
+
     def close(self, metrics):
         """At the end of the run: the trackers' final metrics, metrics.json, compilations.json and
         the report."""
@@ -205,3 +221,19 @@ class Monitor:
 def _usual(cause):
     """The loader's ordinary graph cut at the end of every step (torch_xla's wording)."""
     return "step end" in (cause or "")
+
+
+def _short(text, width=60):
+    text = " ".join(str(text).split())
+    return repr(text if len(text) <= width else text[:width - 3] + "...")
+
+
+def _markdown(rows):
+    """Samples as a Markdown table (TensorBoard's text tab renders Markdown)."""
+    def cell(value):
+        value = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+        return value.replace("|", "\\|").replace("\n", " ")
+
+    columns = list(rows[0])
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    return "\n".join(lines + ["| " + " | ".join(cell(row[c]) for c in columns) + " |" for row in rows])

@@ -125,6 +125,9 @@ class TrainOptions:
                             "other tracker")
     # model selection
     eval_every: int = option(None, "evaluate every N optimizer steps (default: at the end of each epoch)")
+    eval_samples: int = option(None, "causal-lm: at every evaluation, complete the first N validation prompts "
+                               "greedily, up to their reference's length, into OUTPUT_DIR/samples/step-K.jsonl, "
+                               "TensorBoard's text tab and the trackers")
     metric_for_best: str = option(None, "the evaluation metric that ranks models (default: the task's main metric, "
                                   "causal-lm's loss; mse, loss and perplexity are minimised, the others maximised)")
     save_best: bool = option(False, "keep the best evaluation's weights: the final model (and --test-file's "
@@ -138,7 +141,7 @@ class TrainOptions:
         """Every check of the options alone (files and data are checked when they are read)."""
         _check_choices(self, {"padding": PADDING_MODES, "precision": PRECISIONS})
         _at_least_one(self, ("epochs", "batch_size", "grad_accum", "log_every", "max_length"),
-                      ("max_steps", "save_every", "keep_last", "eval_every", "early_stopping_patience"))
+                      ("max_steps", "save_every", "keep_last", "eval_every", "eval_samples", "early_stopping_patience"))
         _check_numbers(self, {  # name: (allowed, what the message says)
             "lr": (lambda x: x > 0, "a positive number"),
             "weight_decay": (lambda x: x >= 0, "a number >= 0"),

@@ -23,7 +23,15 @@ from .core.generate import Sampling, generate_rows
 from .core.inference import predict_loader, predict_rows
 from .core.select import select_roles
 from .core.shapes import CostModel, choose_buckets, padding_for
-from .generation import check_lengths, completions, end_ids, generation_model, read_prompts, write_completions
+from .generation import (
+    check_lengths,
+    completions,
+    end_ids,
+    generation_model,
+    left_padded,
+    read_prompts,
+    write_completions,
+)
 from .models import load_pretrained
 from .predictions import read_input, tokenize_rows, write_output
 from .tasks import from_folder
@@ -126,8 +134,6 @@ def run_generation(cfg, task):
     check_lengths(model, tokenizer, max(data["length"]), padding.buckets[-1] + max_new, max_new,
                   backend.accelerator.static_shapes)
     eos = end_ids(tokenizer, model)
-    tokenizer.padding_side = "left"  # every prompt ends where generation starts
-    if tokenizer.pad_token is None:  # padding is masked: any token serves
-        tokenizer.pad_token = tokenizer.convert_ids_to_tokens(eos[0])
+    tokenizer = left_padded(tokenizer, eos)
     sampling = Sampling(max_new, eos, tokenizer.pad_token_id, cfg.temperature or 0.0, cfg.top_p or 1.0)
     backend.launch(generate_worker, (cfg, columns, model, tokenizer, data, padding, sampling))

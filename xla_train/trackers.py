@@ -5,6 +5,7 @@ start and the final metrics once at the end. A tracker that cannot start stops t
 training (one line); one that fails mid-run is warned about once and dropped, and training goes on.
 """
 
+import json
 import netrc
 import os
 import time
@@ -42,6 +43,9 @@ class MLflow:
         now = int(time.time() * 1000)
         self.client.log_batch(self.run, metrics=[Metric(k, float(v), now, step) for k, v in values.items()])
 
+    def text(self, step, name, rows):
+        self.client.log_text(self.run, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), name)
+
     def finish(self, final, step):
         self.log(step, final)
         self.client.set_terminated(self.run)
@@ -63,6 +67,13 @@ class Wandb:
 
     def log(self, step, values):
         self.run.log(values, step=step)
+
+    def text(self, step, name, rows):
+        import wandb
+
+        columns = list(rows[0])
+        data = [[v if isinstance(v, str) else json.dumps(v) for v in row.values()] for row in rows]
+        self.run.log({"eval/samples": wandb.Table(columns=columns, data=data)}, step=step)
 
     def finish(self, final, step):
         self.run.summary.update(final)
@@ -120,6 +131,10 @@ class Trackers:
     def log(self, step, values):
         values = {k: float(v) for k, v in values.items() if v is not None}
         self._each(lambda t: t.log(step, values))
+
+    def text(self, step, name, rows):
+        """Rows of text (--eval-samples): MLflow's artifact `name` (JSON lines), a W&B table."""
+        self._each(lambda t: t.text(step, name, rows))
 
     def finish(self, metrics):
         final = {f"final/{k}": v for k, v in (metrics.get("eval") or {}).items() if isinstance(v, (int, float))}

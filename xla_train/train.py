@@ -22,6 +22,7 @@ from .core.engine import Engine
 from .core.select import select_roles
 from .core.signals import StopRequest
 from .evaluation import Evaluator
+from .generation import sample_generator
 from .job import launch, open_output, prepare
 from .memory import check_fits, device_bytes
 from .memory import describe as describe_memory
@@ -113,7 +114,8 @@ def set_up(engine, job, shapes, monitor):
     state = RunState(engine, cfg, job.resume)  # where the run stands, and its stop and checkpoint decisions
     state.track(model, optimizer, scheduler, monitor.clock,
                 {"buckets": shapes.padding.bucket_list, "n_train": len(job.data["train"]), "run_id": job.run_id})
-    evaluate = Evaluator(engine, task, dict(zip(task.eval_splits, eval_dls)), state, monitor)
+    samples = job.samples and sample_generator(engine, job.samples, job.tokenizer, cfg.batch_size)
+    evaluate = Evaluator(engine, task, dict(zip(task.eval_splits, eval_dls)), state, monitor, samples)
     return Training(model, optimizer, scheduler, train_dl, evaluate, state, shapes, total_steps, steps_per_epoch,
                     task, memory, counts, Profile(engine, cfg.profile_steps, _profile_folder(cfg)))
 

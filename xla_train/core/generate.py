@@ -111,7 +111,12 @@ def eager_generate(model, input_ids, attention_mask, sampling):
     sample = {} if sampling.greedy else {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": 0}
     config = GenerationConfig(max_new_tokens=sampling.max_new_tokens, do_sample=not sampling.greedy,
                               eos_token_id=list(sampling.eos_ids), pad_token_id=sampling.pad_id, use_cache=True, **sample)
-    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
+    # Several processes keep stepping together until every one's rows have ended: FSDP's forward
+    # gathers weights from all of them. generate turns synced_gpus on by itself only for modules
+    # transformers sharded (distributed/fsdp.py:54-65), not for torch's own fully_shard.
+    synced = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
+                         synced_gpus=synced)
     tokens = out[:, input_ids.shape[1]:]
     # generate stops once every row has ended: fill up to max_new_tokens with padding
     return torch.nn.functional.pad(tokens, (0, sampling.max_new_tokens - tokens.shape[1]), value=sampling.pad_id)

@@ -117,6 +117,11 @@ class Task:
         """The metrics' key suffix of an evaluation split ("" for the first, "_mm" for MNLI's second)."""
         return "" if split == self.eval_splits[0] else "_mm"
 
+    def sample_rows(self, n):
+        """--eval-samples: up to `n` evaluation rows to generate from, as (the row's prompt, its
+        form for generation.prompt_ids, the reference answer, the row as training reads it)."""
+        raise UserError("--eval-samples generates text from evaluation prompts: it needs --problem causal-lm")
+
     # --- predictions ----------------------------------------------------------------------
     generates = False  # predict writes completions (text), not a prediction and a score per row
 

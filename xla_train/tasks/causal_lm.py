@@ -200,6 +200,29 @@ class CausalLM(Task):
         return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "n": int(docs.sum()),
                 "n_tokens": int(tokens.sum())}
 
+    def sample_rows(self, n):
+        """The first `n` rows of the validation split: a prompt/completion row's prompt, or a
+        conversation's turns before its last assistant turn (which is the reference)."""
+        if self.form == "text":
+            raise UserError("--eval-samples needs prompt/completion or messages rows: text rows have no prompt to "
+                            "generate from")
+        split = self.splits[self.eval_splits[0]]
+        samples = []
+        for i, row in enumerate(split.select(range(min(n, len(split)))).to_list()):
+            source = row.pop(SOURCE_ROW, i)  # its row in the file, where the split was held out
+            if self.form == "prompt/completion":
+                samples.append(({"prompt": row["prompt"]}, "prompt", row["completion"], row))
+                continue
+            path = self.files[self.eval_splits[0]]
+            where = f"{path}: {row_name(path, source)}"
+            turns = _turns(row["messages"], where)
+            last = max((j for j, m in enumerate(turns) if m["role"] == "assistant"), default=0)
+            if not last:  # none, or only a first turn: nothing to prompt with
+                raise UserError(f"{where}: --eval-samples needs turns before the last assistant turn")
+            samples.append(({"messages": turns[:last]}, "messages", turns[last]["content"],
+                            {"messages": turns[:last + 1]}))
+        return samples
+
     def describe(self):
         sizes = ", ".join(f"{len(ds)} {split}" for split, ds in self.splits.items())
         return f"task {self.name}: causal-lm on {self.form} rows; {sizes} documents"
