@@ -1,7 +1,10 @@
 """Where a run's time goes: a profile of a window of steps (TensorBoard's profile plugin layout),
 the trackers users already use (MLflow read back with its client, W&B offline), all on at once
-without a host sync more per step. One XLA:CPU run and one CPU run serve every test."""
+without a host sync more per step. One XLA:CPU run and one CPU run serve most tests; two short
+XLA:CPU runs with gradient accumulation into gs:// (the storage emulator) serve the profile's
+graphs and its upload."""
 
+import gzip
 import json
 
 import pytest
@@ -29,6 +32,49 @@ def test_an_xla_profile_lands_where_tensorboards_profile_plugin_looks(observed):
     _, out = observed
     found = list((out / "run" / "profile").glob("plugins/profile/*/*.xplane.pb"))
     assert len(found) == 1 and found[0].stat().st_size > 1000, found
+    assert found[0].parent.name == "steps_12_16"
+
+
+@pytest.fixture(scope="session")
+def accumulated(mrpc_slice, tiny_model, gcs_emulator, tmp_path_factory):
+    """6 optimizer steps of 2 micro-batches each on XLA:CPU into gs://, without and with
+    --profile-steps 3:4. Returns {"plain": metrics, "profiled": metrics}."""
+    out = tmp_path_factory.mktemp("accumulated")
+    runs = {}
+    for name, extra in (("plain", []), ("profiled", ["--profile-steps", "3:4"])):
+        proc, runs[name] = run_cli(["--backend", "xla", "--model", tiny_model, "--data-dir", mrpc_slice,
+                                    "--max-steps", 6, "--grad-accum", 2, "--buckets", 128,
+                                    "--output-dir", f"gs://xla-train-test/accumulated-{name}", *extra],
+                                   out, env=gcs_emulator)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return runs
+
+
+def test_profiling_keeps_the_runs_graphs(accumulated):
+    """The window's annotations cut no graph and move no cut: as many compilations and executions
+    as without them (torch_xla's StepTrace around a step of 2 micro-batches fused them into one
+    new graph: 5 compilations and 16 executions against 4 and 18)."""
+    keys = ("compiles", "executions", "host_syncs_per_step", "aten_fallbacks")
+    plain, profiled = ({k: accumulated[name]["xla"].get(k) for k in keys} for name in ("plain", "profiled"))
+    assert profiled == plain and plain["executions"] > 2 * 6
+
+
+def test_a_profile_reaches_a_gs_output_folder(accumulated, gcs_emulator):
+    """Each host's trace, written locally, is uploaded as OUTPUT_DIR/profile/plugins/profile/RUN/
+    HOST.xplane.pb (RUN named by the window, alike on every host of a pod). Its events hold every
+    micro-batch of steps 3 and 4, and no other step's."""
+    from google.cloud import storage
+
+    bucket = storage.Client().bucket("xla-train-test")
+    blobs = {b.name.rsplit("/", 1)[1]: b for b in bucket.list_blobs(prefix="accumulated-profiled/profile/")}
+    assert {b.name.rsplit("/", 1)[0] for b in blobs.values()} == {
+        "accumulated-profiled/profile/plugins/profile/steps_3_4"}
+    (xplane,) = (b for name, b in blobs.items() if name.endswith(".xplane.pb"))
+    assert xplane.size > 1000
+    (trace,) = (b for name, b in blobs.items() if name.endswith(".trace.json.gz"))
+    events = json.loads(gzip.decompress(trace.download_as_bytes()))["traceEvents"]
+    assert sorted(e["args"]["step_num"] for e in events if e.get("name") == "train_step") == ["3", "3", "4", "4"]
+    assert not list(bucket.list_blobs(prefix="accumulated-plain/profile/"))
 
 
 def test_mlflow_holds_the_loss_history_and_the_final_metrics(observed):
@@ -72,7 +118,7 @@ def test_a_cpu_run_leaves_a_torch_profiler_trace(mrpc_slice, tiny_model, tmp_pat
 @pytest.mark.parametrize("args, message", [
     (["--profile-steps", "5"], "--profile-steps must be A:B"),
     (["--profile-steps", "4:2", "--output-dir", "out"], "A must not be after B"),
-    (["--profile-steps", "1:2"], "--profile-steps needs a local --output-dir"),
+    (["--profile-steps", "1:2"], "--profile-steps needs an --output-dir"),
     (["--report-to", "comet"], "--report-to takes tensorboard, mlflow, wandb or none, comma-separated; not 'comet'"),
 ])
 def test_bad_observer_options_are_one_line(args, message, capsys):

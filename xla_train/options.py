@@ -118,7 +118,8 @@ class TrainOptions:
                               "OUTPUT_DIR/metrics.json is written in any case)")
     # where the time goes
     profile_steps: str = option(None, "capture a profile of optimizer steps A to B (A:B, e.g. 12:16) into "
-                                "OUTPUT_DIR/profile/ for TensorBoard's profile plugin")
+                                "OUTPUT_DIR/profile/ (a local folder or gs://) for TensorBoard's profile plugin, "
+                                "one per host")
     report_to: str = option("tensorboard", f"where the run's scalars go besides TensorBoard: {', '.join(TRACKERS)} "
                             "or none, comma-separated. TensorBoard's events are written to a local output folder "
                             "whatever this says (the report reads them): 'tensorboard' adds nothing, 'none' no "
@@ -175,12 +176,11 @@ class TrainOptions:
 
     def _check_observers(self):
         if self.profile_steps:
-            from .core.storage import is_remote
             from .profile import parse_steps
 
             parse_steps(self.profile_steps)
-            if not self.output_dir or is_remote(self.output_dir):
-                raise UserError("--profile-steps needs a local --output-dir, where profile/ is written")
+            if not self.output_dir:
+                raise UserError("--profile-steps needs an --output-dir, where profile/ is written")
         unknown = [name for name in trackers(self.report_to) if name not in TRACKERS]
         if unknown:
             raise UserError(f"--report-to takes {', '.join(TRACKERS)} or none, comma-separated; not {unknown[0]!r}")

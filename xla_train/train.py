@@ -10,7 +10,6 @@
 
 import copy
 import dataclasses
-from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
@@ -117,11 +116,7 @@ def set_up(engine, job, shapes, monitor):
     samples = job.samples and sample_generator(engine, job.samples, job.tokenizer, cfg.batch_size)
     evaluate = Evaluator(engine, task, dict(zip(task.eval_splits, eval_dls)), state, monitor, samples)
     return Training(model, optimizer, scheduler, train_dl, evaluate, state, shapes, total_steps, steps_per_epoch,
-                    task, memory, counts, Profile(engine, cfg.profile_steps, _profile_folder(cfg)))
-
-
-def _profile_folder(cfg):
-    return Path(cfg.output_dir) / "profile" if cfg.output_dir else None
+                    task, memory, counts, Profile(engine, cfg.profile_steps, state.store))
 
 
 def plan_memory(engine, cfg, shapes, model, logits=False):
@@ -151,24 +146,25 @@ def train_loop(engine, cfg, t, monitor):
                     break  # done, or the epoch's last micro-batches would not fill an optimizer step
                 state.next_micro_batch()
                 engine.seed_micro_batch(cfg.seed, state.epoch, state.batch)  # dropout: from the position
-                t.profile.step_begins(state.step + 1)
-                labels = batch.pop("labels")  # the loss is the job's own: no model head can add a host sync
-                with engine.autocast():
-                    loss = t.task.loss(t.task.forward(model, batch), labels)
-                engine.backward(loss)
-                state.tracker.add(loss)
-                if not engine.optimizer_step(optimizer):
+                with t.profile.micro_batch(state.step + 1):  # inside --profile-steps' window: annotated
+                    labels = batch.pop("labels")  # the loss is the job's own: no model head can add a host sync
+                    with engine.autocast():
+                        loss = t.task.loss(t.task.forward(model, batch), labels)
+                    engine.backward(loss)
+                    state.tracker.add(loss)
+                    stepped = engine.optimizer_step(optimizer)
+                if not stepped:
                     continue
                 lr = scheduler.get_last_lr()[0]  # the rate this step used
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
                 state.stepped()
-                t.profile.step_ended(state.step)
                 bar.update(1)
                 monitor.step(state.step, batch)
                 if after_step(cfg, t, lr, bar, monitor, stop):
                     break
             monitor.clock.stop(state.step)  # the training phase's time ends here, before evaluation
+            t.profile.ended(state.step)  # after the cut that ran the loop's last step
             state.end_epoch()
             if state.eval_at_epoch_end(total):
                 t.evaluate(model, f"epoch {state.epoch}")

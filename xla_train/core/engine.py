@@ -81,6 +81,11 @@ class Engine:
         return self.strategy.is_main
 
     @property
+    def is_host_main(self):
+        """Whether this worker is its host's first (the main process, on one host)."""
+        return self.strategy.is_host_main
+
+    @property
     def runtime(self):
         """The accelerator's name: "xla", "cuda" or "cpu"."""
         return self.accelerator.name

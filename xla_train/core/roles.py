@@ -134,8 +134,9 @@ class Accelerator(ABC):
         torch.set_rng_state(state[: len(torch.get_rng_state())].clone())
 
     # --- observability ----------------------------------------------------------------------
-    def start_profile(self, folder):
-        """Starts capturing a profile into `folder`; returns the session for `stop_profile`."""
+    def start_profile(self, folder, run):
+        """Starts capturing a profile into local `folder`; returns the session for `stop_profile`.
+        `run` names the capture alike on every host (XLA: the profile plugin's run folder)."""
         import torch.profiler as tp
 
         activities = [tp.ProfilerActivity.CPU] + ([tp.ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
@@ -149,7 +150,8 @@ class Accelerator(ABC):
         session.stop()
 
     def step_annotation(self, step):
-        """A context that marks optimizer step `step` in the profile."""
+        """A context that marks a micro-batch of optimizer step `step` in the profile; it must
+        change nothing the device runs."""
         return torch.profiler.record_function(f"train_step_{step}")
 
     def device_memory(self):
@@ -210,6 +212,11 @@ class Strategy(ABC):
     @property
     def is_main(self):
         return self.rank == 0
+
+    @property
+    def is_host_main(self):
+        """Whether this worker is its host's first (one per host: each host's profile)."""
+        return self.is_main
 
     @property
     def devices_per_process(self):

@@ -122,6 +122,12 @@ class LocalStore:
     def write_text(self, name, text):
         atomic_write(self.root / name, text)
 
+    def put_file(self, path, name):
+        """Moves local file `path` to `name` (a relative path, `/`-separated) in the folder."""
+        dest = self.root / name
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(path, dest)
+
     def remove(self, names):
         for name in names:
             path = self.root / name
@@ -235,6 +241,11 @@ class GCSStore:
         blob = self.bucket.blob(self._key(name))
         self._call(f"writing {self.url}/{name}", blob.upload_from_string, text.encode("utf-8"))
 
+    def put_file(self, path, name):
+        """Uploads local file `path` as `name` (a relative path, `/`-separated) under the prefix."""
+        blob = self.bucket.blob(self._key(name))
+        self._call(f"writing {self.url}/{name}", blob.upload_from_filename, str(path))
+
     def remove(self, names):
         base = self._key() + "/" if self.prefix else ""
         for name in names:
@@ -299,5 +310,4 @@ class GCSStore:
         """Uploads what the run wrote into `local_folder()` (checkpoints are committed on their own)."""
         local = self.local_folder()
         for f in sorted(p for p in local.rglob("*") if p.is_file() and "checkpoints" not in p.relative_to(local).parts):
-            blob = self.bucket.blob(self._key(*f.relative_to(local).parts))
-            self._call(f"writing {self.url}", blob.upload_from_filename, str(f))
+            self.put_file(f, f.relative_to(local).as_posix())

@@ -226,25 +226,36 @@ class XlaAccelerator(Accelerator):
             "cache_load_failures": met.counter_value("PersistentCacheDeserializeFailure") or 0,
         }
 
-    def start_profile(self, folder):
+    def start_profile(self, folder, run):
         import torch_xla.debug.profiler as xp
 
-        # no profiler server needed: the session runs in this process and writes
-        # FOLDER/plugins/profile/RUN/HOST.xplane.pb (torch_xla/debug/profiler.py, start_trace)
+        # no profiler server needed: the session runs in this process and its export writes
+        # FOLDER/plugins/profile/TIME/HOST.xplane.pb (torch_xla/debug/profiler.py, start_trace)
         xp.start_trace(str(folder))
-        return folder
+        return folder, run
 
     def stop_profile(self, session):
         import torch_xla.debug.profiler as xp
 
+        folder, run = session
         self.synchronize()
         xp.stop_trace()
+        # TIME is each host's clock at its export: named `run` instead, every host of a pod
+        # writes into one run of the profile plugin
+        (exported,) = Path(folder, "plugins", "profile").iterdir()
+        exported.rename(exported.with_name(run))
 
     def step_annotation(self, step):
         import torch_xla.debug.profiler as xp
 
-        # ends with a graph cut (torch_xla.sync), where the loader would cut the step anyway
-        return xp.StepTrace("train_step", step_num=step)
+        # xp.StepTrace without its two side effects on the graphs: entering it sets the flag that makes
+        # the loader's next `next()` skip its graph cut (torch_xla/debug/profiler.py:170-180,
+        # distributed/parallel_loader.py:39-47; the flag is one per process, shared by Colab's
+        # threaded replicas), and leaving it cuts the graph. The same event (`_r=1`, `step_num`)
+        # around one micro-batch keeps every cut the loader's. Its IR scope must end before the
+        # next cut: torch_xla.sync() checks that no scope is open (torch/csrc/lazy/core/ir_metadata.cpp,
+        # ResetScopeContext), so an annotation spanning micro-batches would raise.
+        return xp.Trace("train_step", _r=1, step_num=step)
 
     def device_memory(self):
         return self._memory_info("bytes_limit")
@@ -306,6 +317,12 @@ class XlaDdp(Strategy):
         import torch_xla.runtime as xr
 
         return xr.global_ordinal()
+
+    @property
+    def is_host_main(self):
+        import torch_xla.runtime as xr
+
+        return xr.local_ordinal() == 0  # this host's first replica, thread or process (runtime.py:143-149)
 
     @property
     def replicas_per_process(self):
@@ -383,6 +400,10 @@ class XlaSpmd(XlaDdp):
         # one process per host drives all its devices: the main one is process 0. The default
         # device's global ordinal would be 0 on every host (torch_xla/runtime.py, process_index)
         return xr.process_index()
+
+    @property
+    def is_host_main(self):
+        return True  # one process per host
 
     @property
     def replicas_per_process(self):
