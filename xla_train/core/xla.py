@@ -508,11 +508,9 @@ class XlaFsdp(XlaSpmd):
         them: distributed_checkpoint/_helpers.py, _cpu_shards_from_tensors)."""
         import torch_xla
         import torch_xla.runtime as xr
-        from torch_xla.distributed.spmd import ShardingType
 
         tensors = [t.detach() for t in tensors]
-        split = [t.device.type == "xla" and torch_xla._XLAC._get_xla_sharding_type(t) in
-                 (ShardingType.TILED, ShardingType.PARTIAL) for t in tensors]
+        split = [_is_split(t) for t in tensors]
         picked, rest = [t for t, s in zip(tensors, split) if s], [t for t, s in zip(tensors, split) if not s]
         wholes = []
         if picked and xr.process_count() > 1:
@@ -568,6 +566,17 @@ class XlaFsdp(XlaSpmd):
         self.accelerator.synchronize()
         reader, planner = dcp.FileSystemReader(str(folder)), SPMDLoadPlanner()
         reader.read_metadata()  # its own error: dcp.load turns a damaged one into a bare AssertionError
+        # A tensor of which this host's devices hold nothing was not saved by it, and has nothing
+        # to load. FSDPv2 splits every parameter over every device, a classifier's bias of 2 too:
+        # the devices past a tensor's end get empty ranges (csrc/xla_sharding_util.cpp,
+        # GetShardReplicaAndIndicesForDevices clamps each slice to the tensor). SPMDSavePlanner's
+        # dedup_tensors (experimental/distributed_checkpoint/_helpers.py:157-183) keys write items
+        # by name and offset (torch's MetadataIndex), so the empty shards, which share one offset,
+        # are all dropped, and on a host holding none of the tensor (host 1 of 2 x 4 devices) its
+        # metadata lacks it: planners.py:380 would raise a KeyError. A host whose one local shard
+        # is empty wrote a chunk of 0 elements, which no read overlaps: the check below would
+        # refuse it. The rest of the tensor is on other hosts, which load their shards of it.
+        tensors = _held_here(tensors)
         with _dcp_errors():
             dcp.load(tensors, storage_reader=reader, planner=planner, no_dist=True)
         # A local shard that no saved chunk overlaps gets no read at all, silently
@@ -624,6 +633,30 @@ def _drop_wrapper_keys(module, state_dict, prefix, local_metadata):
 def _add_wrapper_keys(module, state_dict, prefix, *args):
     for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(prefix + _WRAPPED)]:
         state_dict[prefix + _WRAPPED + key[len(prefix):]] = state_dict.pop(key)
+
+
+def _is_split(tensor):
+    """Whether `tensor` is split over the devices (each holds a part), not whole on each."""
+    import torch_xla
+    from torch_xla.distributed.spmd import ShardingType
+
+    return tensor.device.type == "xla" and torch_xla._XLAC._get_xla_sharding_type(tensor) in (
+        ShardingType.TILED, ShardingType.PARTIAL)
+
+
+def _held_here(tree):
+    """`tree` (dicts of tensors) without the split tensors of which this host's devices hold
+    nothing (every local shard an empty range), and without the dicts left empty
+    (torch.distributed.checkpoint would look for an empty dict as an item of its own)."""
+    import torch_xla
+
+    def none_here(t):
+        return _is_split(t) and all(any(s.start == s.stop for s in index) for _, index in
+                                    torch_xla._XLAC._get_local_shard_replica_and_indices([t])[0])
+
+    kept = {k: _held_here(v) if isinstance(v, dict) else v for k, v in tree.items()
+            if not (torch.is_tensor(v) and none_here(v))}
+    return {k: v for k, v in kept.items() if not (isinstance(v, dict) and not v)}
 
 
 def _from_shards(shape, pieces, indices):
