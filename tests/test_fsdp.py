@@ -226,6 +226,78 @@ def test_pod_hosts_holding_none_of_a_tensor_resume_it(per_host, tmp_path):
     assert proc.stdout.split() == [str(per_host == 1), "18", "True"]
 
 
+POD_COPIES = """
+import json, sys, torch
+import torch_xla.debug.metrics as met
+import torch_xla.runtime as xr
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+from xla_train.core.batching import make_loader
+from xla_train.core.checkpoint_io import trained_state
+from xla_train.core.engine import Engine
+from xla_train.core.shapes import Padding
+from xla_train.evaluation import evaluate_model
+from xla_train.tasks import load_task
+from xla_train.tasks.sequence import tokenize
+
+engine = Engine("xla", strategy="fsdp")
+task = load_task(data_dir=sys.argv[2])
+tok = AutoTokenizer.from_pretrained(sys.argv[1])
+data, _ = tokenize(task.splits, tok, 128)
+loader = engine.prepare(make_loader(data["validation"].remove_columns("token_type_ids"), tok, 2,
+                                    Padding("buckets", [128], 128), shuffle=False, seed=0, fill="mask"))
+model = engine.prepare(AutoModelForSequenceClassification.from_pretrained(sys.argv[1]))
+weights = list(trained_state(engine.unwrap_model(model)).values())
+one_host = engine.to_host(weights)  # from the shards
+xr.process_count = lambda: 2  # the pod's paths: another host holds shards, and has a process to agree with
+
+
+def grew(work):
+    def counts():
+        return [met.counter_value("ReplicateShardedData") or 0, (met.metric_data("CompileTime") or (0,))[0]]
+    before = counts()
+    work()
+    return [a - b for a, b in zip(counts(), before)]
+
+
+out = {"batches": len(loader), "weights": len(weights), "shapes": len({(w.shape, w.dtype) for w in weights})}
+out["evaluations"] = [grew(lambda: evaluate_model(engine, model, loader, task, task.load_metric())) for _ in range(3)]
+out["agreements"] = [grew(lambda: engine.on_every(lambda: None, "agree")) for _ in range(3)]
+copies = []
+out["copies"] = [grew(lambda: copies.append(engine.to_host(weights))) for _ in range(2)]
+out["equal"] = all(torch.equal(a, b) for c in copies for a, b in zip(c, one_host))
+print(json.dumps(out))
+"""
+
+
+def test_pod_copies_to_the_host_compile_no_program_each(mrpc_slice, tiny_model):
+    """On a pod a host cannot read the others' shards: the copy of a split tensor to the host
+    compiles and runs an identity program that replicates it, at every copy (torch_xla's
+    ReplicateShardedData, uncached). Here 4 XLA:CPU devices take the pod's paths (two
+    processes counted): what is copied is made whole inside a graph that is compiled once,
+    so evaluation batches, agreements between the hosts and copies of the weights compile
+    nothing after the first (before: 6 per evaluation, 1 per agreement, 41 per copy of the
+    weights). torch_xla's counter ReplicateShardedData counts every copy still: a replicated
+    tensor is read from its first device, with no program. The weights equal the shards'."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    proc = subprocess.run([sys.executable, "-c", POD_COPIES, str(tiny_model), str(mrpc_slice)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["batches"] == 6 and out["equal"]
+    # [copies of sharded data, compilations]: the evaluation graph once, one copy per batch
+    assert out["evaluations"] == [[6, 1], [6, 0], [6, 0]], out
+    assert out["agreements"] == [[1, 1], [1, 0], [1, 0]], out
+    # one graph for each shape of the tiny BERT's 41 weights, then none
+    assert out["copies"] == [[41, out["shapes"]], [41, 0]] and out["shapes"] < 41, out
+
+
 @pytest.mark.parametrize("damage", ["no metadata", "damaged metadata", "truncated shards", "other hosts",
                                     "other strategy"])
 def test_a_damaged_or_mismatched_shard_checkpoint_stops_in_one_line(damage, xla_fsdp_run, mrpc_slice, tiny_model,

@@ -422,12 +422,26 @@ class XlaSpmd(XlaDdp):
         # Each process gives its own rows (one per local device) of a tensor sharded over every
         # device: `minibatch` takes a process's data as its part of the global tensor
         # (torch_xla/core/xla_model.py, send_cpu_data_to_device, lines 1279-1292, "per-host").
-        # A reduction over the rows then runs across the hosts; each process alone would give
-        # one host's view of a stop.
+        # They are then gathered across the hosts on the device (`gather`); each process alone
+        # would give one host's view of a stop.
         local = row[None].expand(xr.addressable_runtime_device_count(), -1).contiguous()
         sharding = xs.ShardingSpec(self.mesh(), self.batch_spec(2), minibatch=True)
         (rows,) = xm.send_cpu_data_to_device([local], self.accelerator.device, sharding)
-        return rows
+        return self.gather(rows)
+
+    def gather(self, tensor):
+        import torch_xla.distributed.spmd as xs
+
+        # One replica (world size 1): every row is here, split over the devices. The result is
+        # made whole on every device inside the graph that computes it (the partitioner adds an
+        # all-gather), so its copy to the host compiles nothing. The copy of a split tensor builds
+        # and compiles an identity program of its own on every host at every copy, uncached
+        # (csrc/runtime/pjrt_computation_client.cpp:341-398, ReplicateShardedData); a replicated
+        # one is read from its first device. `+ 0` makes a result of the graph: a tensor that is
+        # device data already would be copied to the host and back to be marked.
+        whole = tensor + 0
+        xs.mark_sharding(whole, self.mesh(), (None,) * whole.dim())
+        return whole
 
 
 class XlaFsdp(XlaSpmd):
@@ -500,12 +514,12 @@ class XlaFsdp(XlaSpmd):
         return self._host_copies(tensors, self.accelerator.read)
 
     def _host_copies(self, tensors, copy):
-        """Host copies of `tensors`: those split over the devices (weights, AdamW's moments, a
-        batch's rows) shard by shard, put together here; the others by `copy`. A `.cpu()` of a
-        split tensor compiles and runs a graph that replicates it, one per tensor: 380
-        compilations in a 16-step run of the tiny BERT with two checkpoints, and one per
-        evaluation batch. Shards compile nothing (how torch_xla's distributed checkpoint reads
-        them: distributed_checkpoint/_helpers.py, _cpu_shards_from_tensors)."""
+        """Host copies of `tensors`: those split over the devices (weights, AdamW's moments) shard
+        by shard, put together here; the others by `copy`. A `.cpu()` of a split tensor compiles
+        and runs a graph that replicates it, one per tensor at every copy: 380 compilations in a
+        16-step run of the tiny BERT with two checkpoints. Shards compile nothing (how
+        torch_xla's distributed checkpoint reads them: distributed_checkpoint/_helpers.py,
+        _cpu_shards_from_tensors)."""
         import torch_xla
         import torch_xla.runtime as xr
 
@@ -514,12 +528,12 @@ class XlaFsdp(XlaSpmd):
         picked, rest = [t for t, s in zip(tensors, split) if s], [t for t, s in zip(tensors, split) if not s]
         wholes = []
         if picked and xr.process_count() > 1:
-            # Other hosts' shards cannot be read here. `.cpu()` runs a computation that replicates
-            # the tensor over every device of every host (torch_xla/csrc/runtime/
-            # pjrt_computation_client.cpp, ReplicateShardedData: an identity whose output sharding
-            # is replicated, ExecuteReplicated), so every host copies the same tensors in the same
-            # order (`to_writer` too); one small graph is compiled per tensor.
-            wholes = [t.cpu() for t in picked]
+            # Other hosts' shards cannot be read here. Each tensor is made whole on every device of
+            # every host by a graph of its own (`gather`), one tensor at a time (never the whole
+            # model on one device), so every host copies the same tensors in the same order
+            # (`to_writer` too). Its graph is compiled once for each shape and layout, then
+            # cached; a `.cpu()` of the split tensor would compile one at every copy (`gather`).
+            wholes = [copy([self.gather(t)])[0] for t in picked]
         elif picked:
             # shards are read from the device data, which a queued graph may still be computing
             self.accelerator.synchronize()
