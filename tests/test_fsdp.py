@@ -9,7 +9,7 @@ import os
 
 import pytest
 import torch
-from conftest import TINY, assert_same_weights, run_cli, stop_and_resume
+from conftest import EVALUATION_SETUP, TINY, assert_same_weights, run_cli, stop_and_resume
 from test_lora import _dev_accuracy
 
 FSDP = ["--backend", "xla", "--strategy", "fsdp", "--gradient-checkpointing", "--batch-size", 2, *TINY,
@@ -226,27 +226,10 @@ def test_pod_hosts_holding_none_of_a_tensor_resume_it(per_host, tmp_path):
     assert proc.stdout.split() == [str(per_host == 1), "18", "True"]
 
 
-POD_COPIES = """
-import json, sys, torch
-import torch_xla.debug.metrics as met
+POD_COPIES = EVALUATION_SETUP.format(engine=', strategy="fsdp"', batch=2) + """
 import torch_xla.runtime as xr
-from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-from xla_train.core.batching import make_loader
 from xla_train.core.checkpoint_io import trained_state
-from xla_train.core.engine import Engine
-from xla_train.core.shapes import Padding
-from xla_train.evaluation import evaluate_model
-from xla_train.tasks import load_task
-from xla_train.tasks.sequence import tokenize
 
-engine = Engine("xla", strategy="fsdp")
-task = load_task(data_dir=sys.argv[2])
-tok = AutoTokenizer.from_pretrained(sys.argv[1])
-data, _ = tokenize(task.splits, tok, 128)
-loader = engine.prepare(make_loader(data["validation"].remove_columns("token_type_ids"), tok, 2,
-                                    Padding("buckets", [128], 128), shuffle=False, seed=0, fill="mask"))
-model = engine.prepare(AutoModelForSequenceClassification.from_pretrained(sys.argv[1]))
 weights = list(trained_state(engine.unwrap_model(model)).values())
 one_host = engine.to_host(weights)  # from the shards
 xr.process_count = lambda: 2  # the pod's paths: another host holds shards, and has a process to agree with
