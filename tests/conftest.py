@@ -74,6 +74,29 @@ def tiny_dropout_model(tmp_path_factory):
     return _tiny_bert(tmp_path_factory.mktemp("tiny_bert_dropout"), dropout=0.1)
 
 
+# The start of a script that evaluates in a subprocess (argv: the model's folder, the data's):
+# an Engine("xla", {engine}), the dev split in batches of {batch} rows a device, the model prepared.
+EVALUATION_SETUP = """
+import json, sys, torch
+import torch_xla.debug.metrics as met
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+from xla_train.core.engine import Engine
+from xla_train.core.batching import make_loader
+from xla_train.tasks.sequence import tokenize
+from xla_train.core.shapes import Padding
+from xla_train.evaluation import evaluate_model
+from xla_train.tasks import load_task
+
+engine = Engine("xla"{engine})
+task = load_task(data_dir=sys.argv[2])
+tok = AutoTokenizer.from_pretrained(sys.argv[1])
+data, _ = tokenize(task.splits, tok, 128)
+loader = engine.prepare(make_loader(data["validation"].remove_columns("token_type_ids"), tok, {batch},
+                                    Padding("buckets", [128], 128), shuffle=False, seed=0, fill="mask"))
+model = engine.prepare(AutoModelForSequenceClassification.from_pretrained(sys.argv[1]))
+"""
+
+
 TINY = ["--max-steps", 16, "--buckets", "64,128", "--log-every", 1]
 
 

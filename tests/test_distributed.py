@@ -320,9 +320,11 @@ def test_a_failure_in_any_process_reaches_every_one(tmp_path):
 def test_spmd_processes_agree_through_a_reduction_over_every_device(tmp_path):
     """Under SPMD each host's process has its own signals, but world_size is 1. The stop flags
     become each process's rows of a tensor sharded over every device (torch_xla's `minibatch`:
-    a process's data is its part), and the largest is taken on the device. One process here
-    (4 XLA:CPU devices): the result is its own flags, and the compiled graph reduces across the
-    devices with an all-reduce, the collective that spans the hosts on a pod."""
+    a process's data is its part), gathered whole onto every device inside the graph (so their
+    copy to the host compiles no program of its own), and the largest is taken on the device.
+    One process here (4 XLA:CPU devices): the result is its own flags, and the compiled graph
+    gathers the rows across the devices with an all-gather, the collective that spans the
+    hosts on a pod."""
     script = """
 import torch, torch_xla
 from xla_train.core.select import select_roles
@@ -336,9 +338,9 @@ print(rows.amax(0).cpu().tolist())
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, env=env,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.splitlines() == ["1 (4, 2) {devices=[4,1]0,1,2,3}", "[3, 0]"]
+    assert proc.stdout.splitlines() == ["1 (4, 2) {replicated}", "[3, 0]"]
     compiled = [p.read_text() for p in tmp_path.glob("*cpu_after_optimizations.txt")]
-    assert len(compiled) == 1 and "all-reduce(" in compiled[0]
+    assert len(compiled) == 1 and "all-gather(" in compiled[0]
 
 
 POD_HOST_1 = {"PJRT_DEVICE": "TPU", "TPU_SKIP_MDS_QUERY": "1", "TPU_WORKER_ID": "1", "TPU_WORKER_HOSTNAMES": "h0,h1",

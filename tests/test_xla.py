@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import TINY, assert_same_weights, run_cli
+from conftest import EVALUATION_SETUP, TINY, assert_same_weights, run_cli
 
 EVAL_ROWS, BATCH = 48, 8
 
@@ -121,24 +121,7 @@ def test_compile_cache_counters_are_reported(mrpc_slice, tiny_model, tmp_path):
     assert second["xla"]["cache_hits"] + second["xla"]["cache_load_failures"] > 0
 
 
-EVALUATE_ONCE = """
-import json, sys, torch
-import torch_xla.debug.metrics as met
-from transformers import AutoModelForSequenceClassification, AutoTokenizer
-from xla_train.core.engine import Engine
-from xla_train.core.batching import make_loader
-from xla_train.tasks.sequence import tokenize
-from xla_train.core.shapes import Padding
-from xla_train.evaluation import evaluate_model
-from xla_train.tasks import load_task
-
-engine = Engine("xla")
-task = load_task(data_dir=sys.argv[2])
-tok = AutoTokenizer.from_pretrained(sys.argv[1])
-data, _ = tokenize(task.splits, tok, 128)
-loader = engine.prepare(make_loader(data["validation"].remove_columns("token_type_ids"), tok, 8,
-                                    Padding("buckets", [128], 128), shuffle=False, seed=0, fill="mask"))
-model = engine.prepare(AutoModelForSequenceClassification.from_pretrained(sys.argv[1]))
+EVALUATE_ONCE = EVALUATION_SETUP.format(engine="", batch=8) + """
 for _ in range(2):  # the second pass runs compiled graphs only
     before = met.metric_data("TransferFromDeviceTime")
     results = evaluate_model(engine, model, loader, task, task.load_metric())

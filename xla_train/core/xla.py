@@ -443,12 +443,26 @@ class XlaSpmd(XlaDdp):
         # Each process gives its own rows (one per local device) of a tensor sharded over every
         # device: `minibatch` takes a process's data as its part of the global tensor
         # (torch_xla/core/xla_model.py, send_cpu_data_to_device, lines 1279-1292, "per-host").
-        # A reduction over the rows then runs across the hosts; each process alone would give
-        # one host's view of a stop.
+        # They are then gathered across the hosts on the device (`gather`); each process alone
+        # would give one host's view of a stop.
         local = row[None].expand(xr.addressable_runtime_device_count(), -1).contiguous()
         sharding = xs.ShardingSpec(self.mesh(), self.batch_spec(2), minibatch=True)
         (rows,) = xm.send_cpu_data_to_device([local], self.accelerator.device, sharding)
-        return rows
+        return self.gather(rows)
+
+    def gather(self, tensor):
+        import torch_xla.distributed.spmd as xs
+
+        # One replica (world size 1): every row is here, split over the devices. The result is
+        # made whole on every device inside the graph that computes it (the partitioner adds an
+        # all-gather), so its copy to the host compiles nothing. The copy of a split tensor builds
+        # and compiles an identity program of its own on every host at every copy, uncached
+        # (csrc/runtime/pjrt_computation_client.cpp:341-398, ReplicateShardedData); a replicated
+        # one is read from its first device. `+ 0` makes a result of the graph: a tensor that is
+        # device data already would be copied to the host and back to be marked.
+        whole = tensor + 0
+        xs.mark_sharding(whole, self.mesh(), (None,) * whole.dim())
+        return whole
 
 
 class XlaFsdp(XlaSpmd):
@@ -521,28 +535,26 @@ class XlaFsdp(XlaSpmd):
         return self._host_copies(tensors, self.accelerator.read)
 
     def _host_copies(self, tensors, copy):
-        """Host copies of `tensors`: those split over the devices (weights, AdamW's moments, a
-        batch's rows) shard by shard, put together here; the others by `copy`. A `.cpu()` of a
-        split tensor compiles and runs a graph that replicates it, one per tensor: 380
-        compilations in a 16-step run of the tiny BERT with two checkpoints, and one per
-        evaluation batch. Shards compile nothing (how torch_xla's distributed checkpoint reads
-        them: distributed_checkpoint/_helpers.py, _cpu_shards_from_tensors)."""
+        """Host copies of `tensors`: those split over the devices (weights, AdamW's moments) shard
+        by shard, put together here; the others by `copy`. A `.cpu()` of a split tensor compiles
+        and runs a graph that replicates it, one per tensor at every copy: 380 compilations in a
+        16-step run of the tiny BERT with two checkpoints. Shards compile nothing (how
+        torch_xla's distributed checkpoint reads them: distributed_checkpoint/_helpers.py,
+        _cpu_shards_from_tensors)."""
         import torch_xla
         import torch_xla.runtime as xr
-        from torch_xla.distributed.spmd import ShardingType
 
         tensors = [t.detach() for t in tensors]
-        split = [t.device.type == "xla" and torch_xla._XLAC._get_xla_sharding_type(t) in
-                 (ShardingType.TILED, ShardingType.PARTIAL) for t in tensors]
+        split = [_is_split(t) for t in tensors]
         picked, rest = [t for t, s in zip(tensors, split) if s], [t for t, s in zip(tensors, split) if not s]
         wholes = []
         if picked and xr.process_count() > 1:
-            # Other hosts' shards cannot be read here. `.cpu()` runs a computation that replicates
-            # the tensor over every device of every host (torch_xla/csrc/runtime/
-            # pjrt_computation_client.cpp, ReplicateShardedData: an identity whose output sharding
-            # is replicated, ExecuteReplicated), so every host copies the same tensors in the same
-            # order (`to_writer` too); one small graph is compiled per tensor.
-            wholes = [t.cpu() for t in picked]
+            # Other hosts' shards cannot be read here. Each tensor is made whole on every device of
+            # every host by a graph of its own (`gather`), one tensor at a time (never the whole
+            # model on one device), so every host copies the same tensors in the same order
+            # (`to_writer` too). Its graph is compiled once for each shape and layout, then
+            # cached; a `.cpu()` of the split tensor would compile one at every copy (`gather`).
+            wholes = [copy([self.gather(t)])[0] for t in picked]
         elif picked:
             # shards are read from the device data, which a queued graph may still be computing
             self.accelerator.synchronize()
@@ -589,6 +601,17 @@ class XlaFsdp(XlaSpmd):
         self.accelerator.synchronize()
         reader, planner = dcp.FileSystemReader(str(folder)), SPMDLoadPlanner()
         reader.read_metadata()  # its own error: dcp.load turns a damaged one into a bare AssertionError
+        # A tensor of which this host's devices hold nothing was not saved by it, and has nothing
+        # to load. FSDPv2 splits every parameter over every device, a classifier's bias of 2 too:
+        # the devices past a tensor's end get empty ranges (csrc/xla_sharding_util.cpp,
+        # GetShardReplicaAndIndicesForDevices clamps each slice to the tensor). SPMDSavePlanner's
+        # dedup_tensors (experimental/distributed_checkpoint/_helpers.py:157-183) keys write items
+        # by name and offset (torch's MetadataIndex), so the empty shards, which share one offset,
+        # are all dropped, and on a host holding none of the tensor (host 1 of 2 x 4 devices) its
+        # metadata lacks it: planners.py:380 would raise a KeyError. A host whose one local shard
+        # is empty wrote a chunk of 0 elements, which no read overlaps: the check below would
+        # refuse it. The rest of the tensor is on other hosts, which load their shards of it.
+        tensors = _held_here(tensors)
         with _dcp_errors():
             dcp.load(tensors, storage_reader=reader, planner=planner, no_dist=True)
         # A local shard that no saved chunk overlaps gets no read at all, silently
@@ -645,6 +668,30 @@ def _drop_wrapper_keys(module, state_dict, prefix, local_metadata):
 def _add_wrapper_keys(module, state_dict, prefix, *args):
     for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(prefix + _WRAPPED)]:
         state_dict[prefix + _WRAPPED + key[len(prefix):]] = state_dict.pop(key)
+
+
+def _is_split(tensor):
+    """Whether `tensor` is split over the devices (each holds a part), not whole on each."""
+    import torch_xla
+    from torch_xla.distributed.spmd import ShardingType
+
+    return tensor.device.type == "xla" and torch_xla._XLAC._get_xla_sharding_type(tensor) in (
+        ShardingType.TILED, ShardingType.PARTIAL)
+
+
+def _held_here(tree):
+    """`tree` (dicts of tensors) without the split tensors of which this host's devices hold
+    nothing (every local shard an empty range), and without the dicts left empty
+    (torch.distributed.checkpoint would look for an empty dict as an item of its own)."""
+    import torch_xla
+
+    def none_here(t):
+        return _is_split(t) and all(any(s.start == s.stop for s in index) for _, index in
+                                    torch_xla._XLAC._get_local_shard_replica_and_indices([t])[0])
+
+    kept = {k: _held_here(v) if isinstance(v, dict) else v for k, v in tree.items()
+            if not (torch.is_tensor(v) and none_here(v))}
+    return {k: v for k, v in kept.items() if not (isinstance(v, dict) and not v)}
 
 
 def _from_shards(shape, pieces, indices):
