@@ -31,6 +31,7 @@ def test_spmd_over_four_devices_matches_one_device(mrpc_slice, tiny_model, tiny_
     assert spmd["xla"]["aten_fallbacks"] == 0
 
 
+@pytest.mark.torch_native
 def test_two_gloo_processes_match_one_process(tiny_model, tmp_path):
     """44 dev rows do not fill the last 2 x 8 batch: every row is still scored once. DDP and
     FSDP2 (--strategy fsdp: each process holds half of every weight) train the same model."""

@@ -179,6 +179,7 @@ def single_process(classifier, files, tmp_path_factory):
     return read_predictions(out)
 
 
+@pytest.mark.torch_native
 def test_predictions_equal_plain_transformers(classifier, files, single_process):
     _, model = classifier
     probs = reference(model, files / "pairs.csv")
