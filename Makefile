@@ -20,7 +20,7 @@ $(VENV)/.installed: setup.py
 
 $(TORCH_VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(TORCH_VENV)
-	$(TORCH_PY) -m pip install "torch==$(NEWEST_TORCH)" -e ".[gcs,trackers,test]"
+	$(TORCH_PY) -m pip install "torch==$(NEWEST_TORCH)" -e ".[test]"
 	touch $@
 
 demo: $(VENV)/.installed

@@ -346,6 +346,7 @@ POD_HOST_1 = {"PJRT_DEVICE": "TPU", "TPU_SKIP_MDS_QUERY": "1", "TPU_WORKER_ID": 
               "TPU_ACCELERATOR_TYPE": "v4-16"}
 
 
+@pytest.mark.xla
 def test_one_process_per_host_of_a_pod_is_refused(monkeypatch, capsys):
     """torch_xla's single-process path makes every host a world of one (TPU_PROCESS_BOUNDS=1,1,1):
     `--num-processes 1` on host 1 of 2 (described with torch_xla's variables) stops in one line;
