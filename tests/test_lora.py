@@ -86,7 +86,6 @@ def test_a_lora_run_prints_no_library_warning(lora_runs):
         assert "Warning" not in stderr and "WARNING" not in stderr, (name, stderr[-2000:])
 
 
-@pytest.mark.torch_native
 def test_lora_trains_only_the_adapters_and_the_head(lora_runs, mrpc_slice, tmp_path):
     m, folder, _ = lora_runs["adapter"]
     assert 0 < m["trainable_params"] <= 0.05 * m["total_params"]
