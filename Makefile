@@ -1,15 +1,26 @@
 # make demo: build .venv and fine-tune MRPC with the defaults.  make test: build .venv and run every test.
 # make test-fast: the tests that run in pytest's own process (no CLI runs, workers or emulator).
+# make test-torch: build .venv-torch (the newest torch, no torch_xla) and run the tests that need no XLA.
 # make dist: build dist/xla_train-VERSION.tar.gz and dist/xla_train-VERSION-py3-none-any.whl and list the wheel's files.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+# The second environment: the newest torch the tests ran on (setup.py caps torch just above it), without
+# torch_xla, which holds torch at 2.9. A CPU build of it is in /opt/wheels here (pip's find-links).
+NEWEST_TORCH := 2.13.0
+TORCH_VENV := .venv-torch
+TORCH_PY := $(TORCH_VENV)/bin/python
 
-.PHONY: demo test test-fast dist bench clean
+.PHONY: demo test test-fast test-torch dist bench clean
 
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -e ".[xla,gcs,dev,trackers,profile]"
+	touch $@
+
+$(TORCH_VENV)/.installed: setup.py
+	$(PYTHON) -m venv $(TORCH_VENV)
+	$(TORCH_PY) -m pip install "torch==$(NEWEST_TORCH)" -e ".[test]"
 	touch $@
 
 demo: $(VENV)/.installed
@@ -23,6 +34,12 @@ test: $(VENV)/.installed
 test-fast: $(VENV)/.installed
 	$(PY) -m pytest -q --durations=10 -m "not slow" tests
 
+# The newest torch: the in-process tests (those that need torch_xla skip, and run under make test),
+# then the CLI runs marked `torch_native` (a CPU MRPC run, gloo workers under ddp and fsdp, LoRA, predict).
+test-torch: $(TORCH_VENV)/.installed
+	$(TORCH_PY) -m pytest -q --durations=10 -m "not slow" tests
+	$(TORCH_PY) -m pytest -q --durations=10 -m "slow and torch_native" tests
+
 # setup.py is the build script; --no-isolation builds with .venv's setuptools and wheel (the dev
 # extra), as tests/test_install.py does. The wheel is built from the sdist, so nothing stale in the
 # checkout (build/) gets into it.
@@ -35,4 +52,4 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/bench_mrpc.py
 
 clean:
-	rm -rf $(VENV) runs dist build
+	rm -rf $(VENV) $(TORCH_VENV) runs dist build

@@ -1,5 +1,11 @@
 from setuptools import find_packages, setup
 
+# pytest 9.2 reads a test's id from Node._id, while pytest-xdist 3.8's --dist loadgroup writes its
+# group into Node._nodeid: groups were ignored and shared runs made twice
+TEST = ["pytest<9.2", "pytest-xdist", "accelerate", "gcp-storage-emulator", "google-cloud-storage",
+        "nbclient", "nbformat", "ipykernel",
+        "build", "setuptools", "wheel"]  # make dist and tests/test_install.py build the wheel
+
 setup(
     name="xla-train",
     version="0.1.0",
@@ -10,7 +16,9 @@ setup(
     packages=find_packages(include=["xla_train", "xla_train.*", "gpu_fallback", "gpu_fallback.*"]),
     package_data={"xla_train": ["data/mrpc/*.tsv", "tasks/task_metric/*.py"]},
     install_requires=[
-        "torch==2.9.0",  # torch_xla 2.9.0 pins exactly this torch
+        # The newest torch, up to the newest the tests ran on (`make test-torch`, .venv-torch: 2.13.0);
+        # the xla and tpu extras hold it at 2.9.0, the torch that torch_xla 2.9.0 pins.
+        "torch>=2.9,<2.14",
         "transformers>=5.0,<6",
         "datasets>=3.0",
         "evaluate>=0.4",
@@ -24,17 +32,18 @@ setup(
         "peft",  # --lora: LoRA adapters
     ],
     extras_require={
+        # torch_xla's last release (2.9.0) with the torch it pins; --backend xla
         "xla": ["torch_xla==2.9.0"],  # XLA on PJRT's CPU (or GPU) device
         "tpu": ["torch_xla[tpu]==2.9.0"],  # adds libtpu, for Cloud TPU VMs and Colab TPU
+        # TorchTPU (--backend tpu): torch 2.11-2.15 and libtpu. It cannot share an environment with
+        # the xla and tpu extras, which hold torch at 2.9.
+        "torchtpu": ["torch-tpu==0.2.0"],
         "gcs": ["google-cloud-storage"],
         # --report-to mlflow (the full package: its sqlite store needs it) and wandb
         "trackers": ["mlflow==3.17.2", "wandb"],
         "profile": ["tensorboard-plugin-profile"],  # TensorBoard's Profile tab for --profile-steps
-        # pytest 9.2 reads a test's id from Node._id, while pytest-xdist 3.8's --dist loadgroup
-        # writes its group into Node._nodeid: groups were ignored and shared runs made twice
-        "dev": ["pytest<9.2", "pytest-xdist", "accelerate", "gcp-storage-emulator", "google-cloud-storage", "torch_xla==2.9.0",
-                "nbclient", "nbformat", "ipykernel",
-                "build", "setuptools", "wheel"],  # make dist and tests/test_install.py build the wheel
+        "test": TEST,  # the tests without torch_xla (make test-torch)
+        "dev": TEST + ["torch_xla==2.9.0"],  # every test (make test)
     },
     entry_points={"console_scripts": ["xla-train=xla_train.cli:main"]},
 )

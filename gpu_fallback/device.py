@@ -1,10 +1,11 @@
-"""The torch-native accelerator: one class for every device torch knows (CUDA, the CPU), through
-`torch.accelerator` and the device's module (`torch.get_device_module`).
+"""The torch-native accelerator: one class for every device torch knows (CUDA, TorchTPU's `tpu`, the
+CPU), through `torch.accelerator` and the device's module (`torch.get_device_module`).
 
 Launch commands (the strategies and the launcher are in `strategies.py` and `launcher.py`):
     xla-train train --backend cpu                       # one CPU process
     xla-train train --backend cpu --num-processes 2     # two gloo processes on this host
     xla-train train --backend cuda                      # one process per visible GPU
+    xla-train train --backend tpu                       # TorchTPU: one process per TPU chip
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-endpoint HOST:29500 -m xla_train train --backend cuda
 """
 
@@ -24,8 +25,15 @@ ACCELERATOR_TOKEN_SECONDS = 5e-6
 
 
 class TorchAccelerator(Accelerator):
-    """A device of plain torch: `device_type` "cuda" (one device per process, LOCAL_RANK's) or
-    "cpu" (the host, which `torch.accelerator` does not count as an accelerator)."""
+    """A device of plain torch: `device_type` "cuda" or "tpu" (one device per process, LOCAL_RANK's)
+    or "cpu" (the host, which `torch.accelerator` does not count as an accelerator).
+
+    TorchTPU (torch_tpu 0.2.0, read in its wheel; docs/torchtpu.md) makes "tpu" a device like
+    CUDA's: PrivateUse1 renamed "tpu" and `torch.tpu` registered as its module
+    (torch_tpu/_loader.py:256, :275), with the rng state (_internal/device/_device_module.py:680,
+    :702), the device name and total memory (:1015, :1035) and a c10 DeviceAllocator whose stats
+    `torch.accelerator.max_memory_allocated` reads (TpuAllocator::getDeviceStats in its
+    libpywrap_*_common.so; no Python memory API)."""
 
     fused_optimizer = True  # one fused AdamW kernel instead of a chain of multi-tensor ops
 
@@ -33,7 +41,10 @@ class TorchAccelerator(Accelerator):
         self.name = device_type
         self.accelerated = device_type != "cpu"
         self.token_seconds = TOKEN_SECONDS.get(device_type, ACCELERATOR_TOKEN_SECONDS)
-        # torch.distributed's process group for this device: "nccl" for CUDA, "gloo" for the CPU
+        # torch.distributed's process group for this device: "nccl" for CUDA, "gloo" for the CPU,
+        # "tpu_dist" for TorchTPU's tpu, which torch_tpu registers first with devices=["tpu"]
+        # (torch_tpu/_loader.py:296-301), and torch maps a device to the first backend registered
+        # for it (Backend.register_backend)
         self.process_group = dist.Backend.default_device_backend_map[device_type]
         # transformers and accelerate move work onto XLA when torch_xla is importable; this
         # backend is the plain-torch path, so tell them not to.
@@ -60,6 +71,14 @@ class TorchAccelerator(Accelerator):
         """Workers on this host when --num-processes is not given: one per device."""
         return torch.accelerator.device_count() if self.accelerated else 1
 
+    def prepare_launch(self, processes):
+        """In the launching process, before it starts `processes` workers on this host: TorchTPU's
+        ranks must agree on addresses, topology and profiling session, which its
+        set_tpu_launch_env decides in the parent (torch_tpu/_internal/distributed/distributed.py:17-35,
+        :328; it sets only variables not already set, so an operator may pin them)."""
+        if self.name == "tpu":
+            self._module.distributed.set_tpu_launch_env(nproc_per_node=processes)
+
     def setup(self):
         if self.accelerated and launched_by_torchrun():
             torch.accelerator.set_device_index(self.device)  # before the NCCL group, which binds to the current device
@@ -82,7 +101,9 @@ class TorchAccelerator(Accelerator):
             torch.accelerator.synchronize(self.device)
 
     def device_memory(self):
-        return self._module.mem_get_info(self.device)[1] if hasattr(self._module, "mem_get_info") else None
+        # torch.cuda's and torch.tpu's device properties both carry total_memory (the HBM of one TPU
+        # device: torch_tpu/_internal/device/_device_module.py:989, :1054)
+        return self._module.get_device_properties(self.device).total_memory if self.accelerated else None
 
     def device_kind(self):
         return self.describe() if self.accelerated else None

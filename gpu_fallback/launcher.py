@@ -1,5 +1,5 @@
 """The torch-native launcher: torchrun's processes as they are, one process, or workers started
-with torch.multiprocessing on this host (gloo on the CPU, NCCL on CUDA)."""
+with torch.multiprocessing on this host (gloo on the CPU, NCCL on CUDA, tpu_dist on TorchTPU)."""
 
 import gc
 import logging
@@ -38,8 +38,12 @@ class TorchLauncher(Launcher):
 
     def launch(self, roles, fn, args, start_method):
         nprocs = self.num_processes or self.default_processes()
-        if launched_by_torchrun() or nprocs == 1:
-            roles.run_worker(fn, args)  # torchrun started this process already, or there is one
+        if launched_by_torchrun():
+            roles.run_worker(fn, args)  # torchrun started this process already
+            return
+        roles.accelerator.prepare_launch(nprocs)
+        if nprocs == 1:
+            roles.run_worker(fn, args)
             return
         # spawn by default: a forked child of a process whose OpenMP pool already ran can hang.
         # Notebooks need fork (spawn cannot import a function defined in a cell), so

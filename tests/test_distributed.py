@@ -31,6 +31,7 @@ def test_spmd_over_four_devices_matches_one_device(mrpc_slice, tiny_model, tiny_
     assert spmd["xla"]["aten_fallbacks"] == 0
 
 
+@pytest.mark.torch_native
 def test_two_gloo_processes_match_one_process(tiny_model, tmp_path):
     """44 dev rows do not fill the last 2 x 8 batch: every row is still scored once. DDP and
     FSDP2 (--strategy fsdp: each process holds half of every weight) train the same model."""
@@ -347,6 +348,7 @@ POD_HOST_1 = {"PJRT_DEVICE": "TPU", "TPU_SKIP_MDS_QUERY": "1", "TPU_WORKER_ID": 
               "TPU_ACCELERATOR_TYPE": "v4-16"}
 
 
+@pytest.mark.xla
 def test_one_process_per_host_of_a_pod_is_refused(monkeypatch, capsys):
     """torch_xla's single-process path makes every host a world of one (TPU_PROCESS_BOUNDS=1,1,1):
     `--num-processes 1` on host 1 of 2 (described with torch_xla's variables) stops in one line;

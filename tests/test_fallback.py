@@ -1,5 +1,6 @@
 """The gpu_fallback accelerator and strategies on the CPU with the bundled MiniLM (gloo processes: test_distributed.py)."""
 
+import pytest
 import torch
 from conftest import run_cli
 
@@ -9,6 +10,7 @@ from conftest import run_cli
 PINNED_LOSSES = [0.690841, 0.685246, 0.702139, 0.685597, 0.682586, 0.64638]
 
 
+@pytest.mark.torch_native
 def test_cpu_run_and_its_first_losses(mrpc_slice, tmp_path):
     proc, m = run_cli(["--backend", "cpu", "--data-dir", mrpc_slice, "--buckets", "64,128", "--max-steps", 6,
                        "--log-every", 1], tmp_path)

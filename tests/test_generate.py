@@ -148,7 +148,7 @@ BAD = {  # name: (arguments after predict's --model/--input, message)
 }
 
 
-@pytest.mark.parametrize("case", BAD)
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.xla) if "on XLA" in c else c for c in BAD])
 def test_bad_generation_input(case, tiny_model, tmp_path, capsys):
     make, message = BAD[case]
     model, source, *extra = make(tmp_path, tiny_model)

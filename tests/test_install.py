@@ -11,6 +11,7 @@ and the environment's bin/ first on PATH, as after `source venv/bin/activate`.
 
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -269,3 +270,10 @@ def test_tpu_pod_installs_a_git_url_or_pypi_name_on_every_worker(tmp_path):
     proc = subprocess.run([sys.executable, ROOT / "scripts" / "tpu_pod.py", "--tpu", "pod-1", "--zone", "z",
                            "--package", "dist/missing.whl", "--dry-run"], cwd=tmp_path, capture_output=True, text=True)
     assert proc.returncode == 2 and "no such wheel" in proc.stderr
+
+
+def test_the_torch_cap_is_the_newest_torch_make_test_torch_runs():
+    """setup.py lets the base install take torch up to the newest the tests ran on, the one
+    `make test-torch` installs into .venv-torch (Makefile's NEWEST_TORCH), and no newer."""
+    newest = re.search(r"^NEWEST_TORCH := (\d+)\.(\d+)\.\d+$", (ROOT / "Makefile").read_text(), re.MULTILINE)
+    assert f'"torch>=2.9,<{newest[1]}.{int(newest[2]) + 1}",' in (ROOT / "setup.py").read_text()

@@ -74,6 +74,7 @@ def test_save_best_keeps_the_better_of_two_evaluations(selected):
     assert_same_weights(out, out / "checkpoints" / "best")
 
 
+@pytest.mark.torch_native
 def test_save_best_with_lora_keeps_the_trained_tensors_only(files, tiny_model, tmp_path):
     """--lora --save-best: the best evaluation's weights are the adapters and the head, not the
     frozen base, and the adapter the run ends with is the best one (put back from them)."""
@@ -179,6 +180,7 @@ def single_process(classifier, files, tmp_path_factory):
     return read_predictions(out)
 
 
+@pytest.mark.torch_native
 def test_predictions_equal_plain_transformers(classifier, files, single_process):
     _, model = classifier
     probs = reference(model, files / "pairs.csv")

@@ -79,20 +79,21 @@ def cmd_env(args):
     import torch
     import transformers
 
-    from .core.select import auto_choice, xla_available
+    from .core.select import auto_backend, torch_accelerator, tpu_runtimes
+    from .core.xla import tpu_present
 
-    choice, reason = auto_choice()
+    runtimes, accelerator = tpu_runtimes(), torch_accelerator()
+    choice, reason = auto_backend(tpu_present(), accelerator, runtimes)
     print(f"torch         {torch.__version__}")
-    if xla_available():
-        from importlib.metadata import version
-
-        # from its metadata: importing torch_xla starts PJRT's defaults ("Defaulting to PJRT_DEVICE=CPU")
-        print(f"torch_xla     {version('torch_xla')}")
-    else:
-        print("torch_xla     not installed")
+    for name, version in runtimes.items():  # the TPU runtimes, from their metadata: no runtime starts
+        print(f"{name:<14}{version or 'not installed'}")
     print(f"transformers  {transformers.__version__}")
-    print(f"CUDA devices  {torch.cuda.device_count()}")
-    print(f"PJRT_DEVICE   {args.pjrt_device or '(unset: torch_xla picks TPU if present, else CPU)'}")
+    if accelerator:
+        print(f"accelerator   {accelerator} ({torch.accelerator.device_count()} device(s))")
+    else:
+        print("accelerator   none (torch sees the CPU only)")
+    if runtimes["torch_xla"]:
+        print(f"PJRT_DEVICE   {args.pjrt_device or '(unset: torch_xla picks TPU if present, else CPU)'}")
     print(f"--backend auto -> {choice}: {reason}")
 
 
@@ -111,7 +112,7 @@ def _no_xla_unless_used(argv):
         from .core.select import auto_choice
 
         name, _ = auto_choice()
-    if name in ("cpu", "cuda"):
+    if name in ("cpu", "cuda", "tpu"):
         os.environ.setdefault("USE_TORCH_XLA", "0")
 
 

@@ -27,7 +27,8 @@ def option(default, help, choices=None, required=False):
 def backend_option():
     """--backend, the same for train and predict (the names are checked where they are chosen:
     core/select.py)."""
-    return option("auto", "auto | xla | cuda | cpu (auto: TPU, then CUDA, then CPU)")
+    return option("auto", "auto | xla | tpu | cuda | cpu (xla: torch_xla; tpu: TorchTPU; auto: a TPU through "
+                  "whichever of the two is installed, then CUDA, then CPU)")
 
 
 def strategy_option():

@@ -139,7 +139,10 @@ class Accelerator(ABC):
         `run` names the capture alike on every host (XLA: the profile plugin's run folder)."""
         import torch.profiler as tp
 
-        activities = [tp.ProfilerActivity.CPU] + ([tp.ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        # the device's own Kineto activity: CUDA's, or PrivateUse1's for TorchTPU's tpu, whose Kineto
+        # backend torch_tpu registers at load (torch_tpu/_loader.py:305-307, _internal/profiler/_api.py:171)
+        device = {"cuda": tp.ProfilerActivity.CUDA, "tpu": tp.ProfilerActivity.PrivateUse1}.get(self.device.type)
+        activities = [tp.ProfilerActivity.CPU] + ([device] if device else [])
         session = tp.profile(activities=activities, on_trace_ready=tp.tensorboard_trace_handler(str(folder)),
                              record_shapes=True)
         session.start()

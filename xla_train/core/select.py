@@ -9,28 +9,77 @@ import torch
 from .errors import UserError, check_choice
 from .roles import Roles
 
-BACKENDS = ("auto", "xla", "cuda", "cpu")
+BACKENDS = ("auto", "xla", "tpu", "cuda", "cpu")
 # ddp: one replica per device; spmd: one process shards the batch (XLA); fsdp: the model too (FSDPv2 on
-# XLA, FSDP2 on CUDA and the CPU)
+# XLA, FSDP2 on the torch-native devices)
 STRATEGIES = ("ddp", "spmd", "fsdp")
+# The TPU runtimes: torch_xla (--backend xla, the xla and tpu extras, torch 2.9) and TorchTPU
+# (--backend tpu, the torchtpu extra, torch 2.11-2.15). Their torches differ, so one environment
+# holds one of them; libtpu is what both drive the chips with.
+TPU_RUNTIMES = ("torch_xla", "torch_tpu", "libtpu")
 
 
 def xla_available():
     return importlib.util.find_spec("torch_xla") is not None
 
 
+def installed_version(distribution):
+    """The installed version of a distribution, from its metadata (importing torch_xla starts PJRT's
+    defaults), or None."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(distribution)
+    except PackageNotFoundError:
+        return None
+
+
+def tpu_runtimes():
+    """{runtime: version or None} for TPU_RUNTIMES."""
+    return {name: installed_version(name) for name in TPU_RUNTIMES}
+
+
+def torch_accelerator():
+    """The accelerator torch itself sees ("cuda", "tpu"...), or None. TorchTPU's package is a torch
+    device extension (entry point `torch.backends` -> torch_tpu._loader:load, which torch calls at
+    its import); load() registers "tpu" only when it finds TPU chips (torch_tpu/_loader.py:391-392,
+    the device renamed from PrivateUse1 at :256)."""
+    accelerator = torch.accelerator.current_accelerator(check_available=True)  # a CUDA build sees no GPU
+    return accelerator.type if accelerator is not None else None
+
+
+def auto_backend(tpu_attached, accelerator, runtimes):
+    """(backend name, reason) that `--backend auto` picks from what this host has: whether a TPU is
+    attached, the accelerator torch sees (torch_accelerator) and the TPU runtimes installed
+    (tpu_runtimes). A TPU first, through whichever runtime is installed, then CUDA, then the CPU."""
+    if accelerator == "tpu":
+        return "tpu", f"torch sees TorchTPU's tpu device (torch_tpu {runtimes.get('torch_tpu')})"
+    if tpu_attached and runtimes.get("torch_xla"):
+        return "xla", "a TPU is attached and torch_xla is installed"
+    if accelerator == "cuda":
+        return "cuda", "torch sees CUDA devices"
+    if tpu_attached and runtimes.get("torch_tpu"):
+        return "cpu", "a TPU is attached and torch_tpu is installed, but torch sees no tpu device"
+    if tpu_attached:
+        return "cpu", ("a TPU is attached but no TPU runtime is installed (pip install 'xla-train[tpu]' "
+                       "for torch_xla, or 'xla-train[torchtpu]' for TorchTPU)")
+    return "cpu", "no TPU or CUDA device found"
+
+
 def auto_choice():
-    """(backend name, reason) that `--backend auto` picks: TPU, then CUDA, then CPU."""
+    """(backend name, reason) that `--backend auto` picks on this host."""
     from .xla import tpu_present  # imports no torch_xla
 
-    if tpu_present() and xla_available():
-        return "xla", "a TPU is attached and torch_xla is installed"
-    if torch.cuda.is_available():
-        return "cuda", f"{torch.cuda.device_count()} CUDA device(s) visible"
-    reason = "no TPU or CUDA device found"
-    if tpu_present():
-        reason = "a TPU is attached but torch_xla is not installed (pip install 'xla-train[tpu]')"
-    return "cpu", reason
+    return auto_backend(tpu_present(), torch_accelerator(), tpu_runtimes())
+
+
+def no_torchtpu_line(runtimes):
+    """Why `--backend tpu` cannot run here: TorchTPU is not installed."""
+    line = "--backend tpu is TorchTPU, which is not installed: pip install 'xla-train[torchtpu]'"
+    if runtimes.get("torch_xla"):
+        line += (f" (torch_xla {runtimes['torch_xla']} is installed here: --backend xla, or auto, runs the TPU "
+                 "through it)")
+    return line
 
 
 def select_roles(name="auto", num_processes=None, strategy="ddp"):
@@ -48,12 +97,23 @@ def select_roles(name="auto", num_processes=None, strategy="ddp"):
         raise UserError(f"--strategy spmd needs the xla backend, not {name}")
     if name == "cuda" and not torch.cuda.is_available():
         raise UserError("--backend cuda: no CUDA device is visible")
+    if name == "tpu":
+        _check_torchtpu()
     from gpu_fallback import Ddp, Fsdp2, TorchAccelerator, TorchLauncher
 
     accelerator = TorchAccelerator(name)
     strategies = {"ddp": Ddp, "fsdp": Fsdp2}
     launcher = TorchLauncher(num_processes, accelerator.default_processes)
     return Roles(accelerator, strategies[strategy](accelerator), launcher)
+
+
+def _check_torchtpu():
+    runtimes = tpu_runtimes()
+    if not runtimes["torch_tpu"]:
+        raise UserError(no_torchtpu_line(runtimes))
+    if torch_accelerator() != "tpu":
+        raise UserError(f"--backend tpu: torch_tpu {runtimes['torch_tpu']} is installed but torch sees no tpu "
+                        "device (no TPU chip found, or TORCH_DEVICE_BACKEND_AUTOLOAD=0 kept torch from loading it)")
 
 
 def _xla_roles(num_processes, strategy):

@@ -1,0 +1,87 @@
+"""TorchTPU's `tpu` device and the choice of backend, to the extent this machine can run them:
+torch_tpu needs torch 2.11-2.15 and TPU chips, so what runs here is the choice (a pure function of
+what a host has), the one-line refusal where TorchTPU is absent, `xla-train env`, and the
+torch-native device class under the names torch_tpu registers (read in its wheel, docs/torchtpu.md)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from gpu_fallback import TorchAccelerator
+from xla_train.cli import main
+from xla_train.core import select
+
+NONE = {"torch_xla": None, "torch_tpu": None, "libtpu": None}
+XLA = {**NONE, "torch_xla": "2.9.0"}
+TORCHTPU = {**NONE, "torch_tpu": "0.2.0", "libtpu": "0.0.50"}
+
+
+@pytest.mark.parametrize("tpu_attached, accelerator, runtimes, backend, reason", [
+    (True, "tpu", TORCHTPU, "tpu", "torch sees TorchTPU's tpu device (torch_tpu 0.2.0)"),
+    (True, None, XLA, "xla", "a TPU is attached and torch_xla is installed"),
+    # a TorchTPU host without torch's tpu device (no chip found, or autoload off): not silently the CPU's
+    (True, None, TORCHTPU, "cpu", "a TPU is attached and torch_tpu is installed, but torch sees no tpu device"),
+    (True, None, NONE, "cpu", "a TPU is attached but no TPU runtime is installed (pip install 'xla-train[tpu]' "
+                              "for torch_xla, or 'xla-train[torchtpu]' for TorchTPU)"),
+    (False, "cuda", XLA, "cuda", "torch sees CUDA devices"),  # torch_xla installed on a GPU host: CUDA
+    (False, None, XLA, "cpu", "no TPU or CUDA device found"),
+    (False, None, NONE, "cpu", "no TPU or CUDA device found"),
+])
+def test_auto_picks_the_tpu_runtime_that_is_installed(tpu_attached, accelerator, runtimes, backend, reason):
+    assert select.auto_backend(tpu_attached, accelerator, runtimes) == (backend, reason)
+
+
+def test_backend_tpu_without_torch_tpu_is_one_line_naming_the_extra():
+    assert select.no_torchtpu_line(NONE) == \
+        "--backend tpu is TorchTPU, which is not installed: pip install 'xla-train[torchtpu]'"
+    assert select.no_torchtpu_line(XLA) == (
+        "--backend tpu is TorchTPU, which is not installed: pip install 'xla-train[torchtpu]' (torch_xla 2.9.0 is "
+        "installed here: --backend xla, or auto, runs the TPU through it)")
+
+
+def test_backend_tpu_from_the_cli_here(capsys):
+    """Neither environment of the tests has torch_tpu: the line of this environment (with the
+    torch_xla hint in .venv, without it in .venv-torch), exit 2, before any data or model is read."""
+    assert main(["train", "--backend", "tpu"]) == 2
+    assert capsys.readouterr().err == f"xla-train: error: {select.no_torchtpu_line(select.tpu_runtimes())}\n"
+
+
+@pytest.fixture
+def registry(monkeypatch):
+    """torch.distributed's backend registry, restored after the test."""
+    for name in ("backend_list", "backend_capability", "backend_type_map", "default_device_backend_map", "_plugins"):
+        value = getattr(dist.Backend, name)
+        monkeypatch.setattr(dist.Backend, name, type(value)(value))
+    for attr in ("TPU_DIST", "TPU"):
+        monkeypatch.setattr(dist.Backend, attr, None, raising=False)
+
+
+def test_the_tpu_device_takes_the_process_group_torch_tpu_registers(registry):
+    """torch_tpu's load registers two names for the tpu device, "tpu_dist" then "tpu"
+    (torch_tpu/_loader.py:296-301); torch maps a device to the first registered for it, and
+    TorchAccelerator("tpu") starts that group. Registered here as torch_tpu does it."""
+
+    def create_process_group(*args):  # never called: the group is not started
+        raise AssertionError
+
+    for name in ("tpu_dist", "tpu"):
+        dist.Backend.register_backend(name, create_process_group, devices=["tpu"])
+    accelerator = TorchAccelerator("tpu")
+    assert accelerator.process_group == "tpu_dist"
+    assert accelerator.accelerated and accelerator.name == "tpu"
+    assert (TorchAccelerator("cpu").process_group, TorchAccelerator("cuda").process_group) == ("gloo", "nccl")
+
+
+def test_env_names_the_tpu_runtimes_and_autos_choice(capsys):
+    """`xla-train env` in either environment: torch's version, each TPU runtime with its version or
+    `not installed`, the accelerator torch sees, and auto's choice."""
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    runtimes = select.tpu_runtimes()
+    assert out[0] == f"torch         {torch.__version__}"
+    assert out[1:4] == [f"{name:<14}{runtimes[name] or 'not installed'}" for name in select.TPU_RUNTIMES]
+    assert (runtimes["torch_xla"] == "2.9.0") == (torch.__version__.split("+")[0] == "2.9.0")  # its pin
+    assert any(line.startswith("PJRT_DEVICE ") for line in out) == bool(runtimes["torch_xla"])
+    if not torch.cuda.is_available():  # CI's machines
+        assert "accelerator   none (torch sees the CPU only)" in out
+        assert out[-1] == "--backend auto -> cpu: no TPU or CUDA device found"
