@@ -98,8 +98,9 @@ class Monitor:
             values["throughput"] = (step - prev_step) * self.samples_per_step / (now - prev_t)
         stats = self.clock.counters()
         if stats:
-            values.update(compiles=stats["compiles"], compile_seconds=stats["compile_seconds"],
-                          host_syncs=stats["transfers"])
+            values.update(compiles=stats["compiles"], compile_seconds=stats["compile_seconds"])
+            if "transfers" in stats:  # XLA's (torch.compile counts graphs and seconds only)
+                values["host_syncs"] = stats["transfers"]
         self._scalars(step, values)
 
     def evaluated(self, step, results):
@@ -149,7 +150,7 @@ class Monitor:
 
     def _note_compiles(self, step, phase, shape):
         since, self._last = self.clock.delta(self._last)
-        graphs, seconds, syncs = since["compiles"], since["compile_seconds"], since["transfers"]
+        graphs, seconds, syncs = since["compiles"], since["compile_seconds"], since.get("transfers")
         if not graphs:
             return None
         # of several graphs in one step, name one not cut by the loader at the end of the step

@@ -39,6 +39,8 @@ def run(cfg):
     """Runs the whole job: data in this process, then training on every local worker."""
     cfg.validate()
     backend = select_roles(cfg.backend, cfg.num_processes, cfg.strategy)
+    if cfg.compile:
+        backend.use_compile()  # refused before any work where it does not apply; --buckets auto counts its cost
     folder, resume, done = open_output(cfg, backend)
     if done:
         print(done)
@@ -78,7 +80,7 @@ def train_worker(job):
     cfg = job.cfg
     engine = Engine(cfg.backend, precision=cfg.precision, grad_accum=cfg.grad_accum,
                     max_grad_norm=cfg.max_grad_norm, num_processes=cfg.num_processes,
-                    compile_cache=cfg.compile_cache, strategy=cfg.strategy)
+                    compile_cache=cfg.compile_cache, strategy=cfg.strategy, compile=cfg.compile)
     engine.seed(cfg.seed)  # dropout
     shapes = dataclasses.replace(job.shapes, devices=engine.data_parallel_size)
     # TensorBoard, compilation log, explainer and the run's clock; before anything is compiled

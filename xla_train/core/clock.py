@@ -125,7 +125,8 @@ class RunClock:
         """Rates over the steps this process ran (`first_step` < step <= `steps`)."""
         total = samples_per_step * (steps - first_step)
         if not total:  # nothing was left to train (a finished run resumed)
-            return {"train_seconds": 0.0, "train_samples_per_s": 0.0, "steady_samples_per_s": 0.0, "xla": None}
+            return {"train_seconds": 0.0, "train_samples_per_s": 0.0, "steady_samples_per_s": 0.0, "xla": None,
+                    "torch_compile": None}
         final_compiles = self.marks[-1][2]
         # steady: from the first mark with every compilation already done, to the end
         s0, t0 = next((s, t) for s, t, c in self.marks if c == final_compiles)
@@ -135,13 +136,17 @@ class RunClock:
             steady = total / self.seconds
         out = {"train_seconds": round(self.seconds, 3), "train_samples_per_s": round(total / self.seconds, 3),
                "steady_samples_per_s": round(steady, 3), "checkpoint_seconds": round(self.checkpoint_seconds, 3),
-               "xla": None}
+               "xla": None, "torch_compile": None}
         now, stats = self._stats(), self.counters()
-        if stats:
+        if not stats:
+            return out
+        compiled = {"compiles": stats["compiles"], "compile_seconds": round(stats["compile_seconds"], 3),
+                    "compiles_after_first_epoch": now["compiles"] - (self.first_epoch_compiles or now["compiles"])}
+        if "executions" not in stats:  # torch.compile's counters: graphs and seconds
+            out["torch_compile"] = compiled
+        else:
             out["xla"] = {
-                "compiles": stats["compiles"], "compile_seconds": round(stats["compile_seconds"], 3),
-                "compiles_after_first_epoch": now["compiles"] - (self.first_epoch_compiles or now["compiles"]),
-                "host_syncs_per_step": round(self.transfers / max(steps, 1), 4),
+                **compiled, "host_syncs_per_step": round(self.transfers / max(steps, 1), 4),
                 "aten_fallbacks": stats["aten_fallbacks"], "cache_hits": stats["cache_hits"],
                 "cache_misses": stats["cache_misses"], "cache_load_failures": stats["cache_load_failures"],
                 "executions": stats["executions"],
