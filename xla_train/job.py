@@ -8,6 +8,7 @@ from transformers import AutoConfig
 
 from . import checkpoint
 from .core.batching import model_inputs_only
+from .core.clock import Startup
 from .core.errors import UserError
 from .core.launchers import pod_marker, watch_pod
 from .core.signals import StopRequest
@@ -39,7 +40,7 @@ class Job:
     truncated: dict = None  # rows cut to --max-length, per split
     resume: object = None  # checkpoint.Resume, or None
     pod_marker: str = None  # on several hosts: where a failing host tells the others (launchers.pod_marker)
-    started: float = None  # time.time() when the launching process started (goodput's wall time)
+    startup: object = None  # clock.Startup: the launching process's start and start-up's parts (goodput)
 
     def report(self):
         """What the metrics JSON says of the job's preparation."""
@@ -74,9 +75,11 @@ def open_output(cfg, backend):
     return folder, resume, None
 
 
-def prepare(cfg, backend, resume=None):
+def prepare(cfg, backend, resume=None, startup=None):
     """The job: the task's data read and checked before the model loads, tokenised once, the
-    shapes settled, the model loaded (with a resumed run's weights)."""
+    shapes settled, the model loaded (with a resumed run's weights). `startup` (clock.Startup)
+    times the data's parts and the model's."""
+    startup = startup or Startup()
     task = load_task(cfg.task, cfg.data_dir, cfg.train_file, cfg.validation_file, cfg.text_columns,
                      cfg.label_column, cfg.problem, cfg.seed)
     task.set_packing(cfg.packing)
@@ -87,12 +90,14 @@ def prepare(cfg, backend, resume=None):
     if cfg.test_file:
         task.test = read_input(cfg.test_file, task)
     print(task.describe())
+    startup.lap("data")
     config = load_pretrained(AutoConfig, cfg.model)
     task.check_model(config, cfg.model)
     tokenizer = load_tokenizer(cfg.model)
     limit = position_limit(config, tokenizer)
     if cfg.max_length > limit:
         raise UserError(f"--max-length {cfg.max_length} is longer than model {cfg.model} takes ({limit} tokens)")
+    startup.lap("model")
     shapes = Shapes(cfg.batch_size, backend.planned_data_parallel_size(), cfg.grad_accum)
     check_steps(shapes, len(task.splits["train"]))
     data, truncated = tokenize_task(cfg, task, tokenizer)
@@ -105,6 +110,7 @@ def prepare(cfg, backend, resume=None):
         shapes.padding = padding_for("max_length", None, cfg.max_length, [split["length"] for split in data.values()])
     else:
         settle_padding(cfg, shapes, data, task.eval_splits, backend.accelerator, resume)
+    startup.lap("data")
     weights = resume.model_weights() if resume else None  # a corrupt file fails before any loading
     model = task.load_model(cfg.model, cfg.seed, tokenizer.pad_token_id)
     if cfg.lora:
@@ -114,8 +120,9 @@ def prepare(cfg, backend, resume=None):
         del weights
     if cfg.lora and cfg.precision == "bf16":
         hold_frozen_in_bf16(model)  # here, once: forked replicas share these pages
-    return Job(cfg, task, tokenizer, model_inputs_only(data, model), shapes, model, truncated=truncated,
-               resume=resume)
+    data = model_inputs_only(data, model)
+    startup.lap("model")
+    return Job(cfg, task, tokenizer, data, shapes, model, truncated=truncated, resume=resume, startup=startup)
 
 
 def tokenize_task(cfg, task, tokenizer):

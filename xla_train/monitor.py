@@ -35,7 +35,7 @@ LIBRARY_FRAME = re.compile(r"[/\\](torch|torch_xla)[/\\]|xla_train[/\\](core[/\\
 class Monitor:
     """One per worker; a no-op on replicas other than the main one."""
 
-    def __init__(self, engine, cfg, shapes, started=None, run_id=None):
+    def __init__(self, engine, cfg, shapes, startup=None, run_id=None):
         self.engine = engine
         self.on = engine.is_main_process
         local = bool(cfg.output_dir) and not is_remote(cfg.output_dir)
@@ -59,7 +59,7 @@ class Monitor:
         if self.on:
             self._open_files()
         self.trackers = Trackers(engine, cfg, self.out, run_id)  # --report-to: MLflow, W&B
-        self.clock = RunClock(engine, started)  # counters start here, once compilations are traced
+        self.clock = RunClock(engine, startup)  # counters start here, once compilations are traced
         self._last = self.clock.delta()[1] if self.on and self.clock.counting else None
 
     def _open_files(self):

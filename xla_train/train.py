@@ -18,6 +18,7 @@ from transformers import get_scheduler
 
 from . import STARTED
 from .core.batching import make_loader
+from .core.clock import Startup
 from .core.engine import Engine
 from .core.select import select_roles
 from .core.signals import StopRequest
@@ -37,6 +38,8 @@ from .run_state import RunState
 
 def run(cfg):
     """Runs the whole job: data in this process, then training on every local worker."""
+    startup = Startup(STARTED)
+    startup.lap("imports")  # this module's imports: torch, transformers, the package
     cfg.validate()
     backend = select_roles(cfg.backend, cfg.num_processes, cfg.strategy)
     if cfg.compile:
@@ -45,9 +48,8 @@ def run(cfg):
     if done:
         print(done)
         return None
-    job = prepare(cfg, backend, resume)
+    job = prepare(cfg, backend, resume, startup)
     job.run_id = folder.claim(resume) if folder else None  # every check passed: the folder is this run's
-    job.started = STARTED
     job.pod_marker = folder.pod_marker if folder else None
     launch(backend, job, train_worker)
 
@@ -84,7 +86,7 @@ def train_worker(job):
     engine.seed(cfg.seed)  # dropout
     shapes = dataclasses.replace(job.shapes, devices=engine.data_parallel_size)
     # TensorBoard, compilation log, explainer and the run's clock; before anything is compiled
-    monitor = Monitor(engine, cfg, shapes, job.started, job.run_id)
+    monitor = Monitor(engine, cfg, shapes, job.startup, job.run_id)
     t = set_up(engine, job, shapes, monitor)
     try:
         train_loop(engine, cfg, t, monitor)
