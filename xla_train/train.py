@@ -10,11 +10,11 @@
 
 import copy
 import dataclasses
+import functools
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
-from transformers import get_scheduler
 
 from . import STARTED
 from .core.batching import make_loader
@@ -112,14 +112,26 @@ def set_up(engine, job, shapes, monitor):
     memory, counts = plan_memory(engine, cfg, shapes, model, task.per_token_logits)  # before anything compiles
     steps_per_epoch = shapes.steps_per_epoch(len(job.data["train"]))
     total_steps = shapes.total_steps(len(job.data["train"]), cfg.epochs, cfg.max_steps)
-    scheduler = get_scheduler("linear", optimizer, num_warmup_steps=int(cfg.warmup_ratio * total_steps),
-                              num_training_steps=total_steps)
+    scheduler = linear_schedule(optimizer, int(cfg.warmup_ratio * total_steps), total_steps)
     state = RunState(engine, cfg, job.resume)  # where the run stands, and its stop and checkpoint decisions
     state.track(model, optimizer, scheduler, monitor.clock,
                 {"buckets": shapes.padding.bucket_list, "n_train": len(job.data["train"]), "run_id": job.run_id})
     evaluate = Evaluator(engine, task, dict(zip(task.eval_splits, eval_dls)), state, monitor)
     return Training(model, optimizer, scheduler, train_dl, evaluate, state, shapes, total_steps, steps_per_epoch,
                     task, memory, counts, Profile(engine, cfg.profile_steps, _profile_folder(cfg)))
+
+
+def linear_schedule(optimizer, warmup_steps, total_steps):
+    """transformers' `get_scheduler("linear", ...)`, the same LambdaLR (its state dict too): the rate
+    rises to the peak over `warmup_steps`, then falls linearly to 0 at `total_steps`. Written here
+    because importing transformers.optimization imports peft (trainer_utils): seconds of start-up."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(_linear, warmup_steps, total_steps))
+
+
+def _linear(warmup_steps, total_steps, step):
+    if step < warmup_steps:
+        return step / max(1, warmup_steps)
+    return max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
 
 
 def _profile_folder(cfg):
