@@ -8,6 +8,8 @@ tokenisation, compilation, training, evaluation) for the same number of steps de
     python benchmarks/bench_mrpc.py --pin                  # cases at once, one core and one thread each
     python benchmarks/bench_mrpc.py --cases xla,xla-bf16   # bf16 autocast against fp32, same seed
     python benchmarks/bench_mrpc.py --cases cuda,cuda-ref,cuda-bf16,cuda-ref-bf16   # on a GPU
+    python benchmarks/bench_mrpc.py --cases cuda-b4,cuda-compile,cuda-ref --max-steps 300  # --compile (CUDA graphs)
+    python benchmarks/bench_mrpc.py --cases cpu-b4,cpu-compile --max-steps 40            # --compile on the CPU
 
 --pin runs the cases concurrently, each pinned to its own core with one thread (a case waits for
 a free core); the speed drift of a shared machine then hits every case alike, and the wall-time
@@ -30,7 +32,11 @@ OURS = [sys.executable, "-m", "xla_train", "train"]
 XLA_ENV = {"PJRT_DEVICE": "CPU"}
 CPU_ENV = {"USE_TORCH_XLA": "0"}  # otherwise Accelerate silently moves the job onto XLA:CPU
 
-# name: (label, command, environment); "<backend>-..." rows are compared with the "<backend>" row
+# --compile against eager with the same buckets, so both train on the same batches (auto picks
+# fewer buckets when a graph costs a compilation)
+BUCKETS4 = ["--buckets", "32,64,96,128"]
+# name: (label, command, environment[, the row it is compared with]); "<backend>-..." rows are
+# compared with the "<backend>" row unless they name another
 CASES = {
     "xla": ("xla_train (xla, buckets auto)", OURS + ["--backend", "xla"], XLA_ENV),
     "xla-bf16": ("xla_train (xla, bf16)", OURS + ["--backend", "xla", "--precision", "bf16"], XLA_ENV),
@@ -38,12 +44,18 @@ CASES = {
     "xla-ref-dynamic": ("accelerate (xla, dynamic)", REF + ["--padding", "dynamic"], XLA_ENV),
     "cpu": ("xla_train (cpu, buckets auto)", OURS + ["--backend", "cpu"], CPU_ENV),
     "cpu-ref": ("accelerate (cpu, dynamic)", REF + ["--padding", "dynamic"], CPU_ENV),
+    "cpu-b4": ("xla_train (cpu, buckets 32,64,96,128)", OURS + ["--backend", "cpu", *BUCKETS4], CPU_ENV),
+    "cpu-compile": ("xla_train (cpu, buckets 32,64,96,128, --compile)",
+                    OURS + ["--backend", "cpu", *BUCKETS4, "--compile"], CPU_ENV, "cpu-b4"),
     # on a CUDA machine (Accelerate takes the GPU by itself there)
     "cuda": ("xla_train (cuda, buckets auto)", OURS + ["--backend", "cuda"], CPU_ENV),
     "cuda-bf16": ("xla_train (cuda, bf16)", OURS + ["--backend", "cuda", "--precision", "bf16"], CPU_ENV),
     "cuda-ref": ("accelerate (cuda, dynamic)", REF + ["--padding", "dynamic"], CPU_ENV),
     "cuda-ref-bf16": ("accelerate (cuda, dynamic, bf16)", REF + ["--padding", "dynamic", "--mixed-precision", "bf16"],
                       CPU_ENV),
+    "cuda-b4": ("xla_train (cuda, buckets 32,64,96,128)", OURS + ["--backend", "cuda", *BUCKETS4], CPU_ENV),
+    "cuda-compile": ("xla_train (cuda, buckets 32,64,96,128, --compile: CUDA graphs)",
+                     OURS + ["--backend", "cuda", *BUCKETS4, "--compile"], CPU_ENV, "cuda-b4"),
 }
 
 
@@ -86,7 +98,7 @@ def run_pinned(keys, extra, out_dir):
         while queue or running:
             while queue and free:
                 key = queue.pop(0)
-                label, cmd, env = CASES[key]
+                label, cmd, env = CASES[key][:3]
                 running[key] = start(label, cmd, env, extra, out_dir / f"{key}.json", free.pop(0))
             done = next((k for k, pr in running.items() if pr.poll() is not None), None)
             if done is None:
@@ -101,22 +113,37 @@ def run_pinned(keys, extra, out_dir):
     return {k: results[k] for k in keys}
 
 
+def base_of(key):
+    """The row a case is compared with."""
+    return CASES[key][3] if len(CASES[key]) > 3 else key.split("-")[0]
+
+
+def loss_gap(m, base):
+    """The largest difference of the logged training losses (the same steps) from the base row's."""
+    theirs = {step: loss for step, loss, *_ in base.get("train_loss") or []}
+    gaps = [abs(loss - theirs[step]) for step, loss, *_ in m.get("train_loss") or [] if step in theirs]
+    return f"{max(gaps):.1e}" if gaps else "-"
+
+
 def table(results):
-    rows = ["| case | wall s | wall / xla_train's | train samples/s | steady samples/s | compiles | "
-            "syncs/step | aten fallbacks | padding eff. | accuracy | F1 |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    rows = ["| case | wall s | wall / base's | train samples/s | steady samples/s | steady / base's | "
+            "max loss gap to base | compiles | syncs/step | aten fallbacks | padding eff. | accuracy | F1 |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for key, m in results.items():
         if "failed" in m:
             rows.append(f"| {CASES[key][0]} | failed (exit code {m['failed']}) after {m['wall_seconds']:.1f} s "
-                        f"| - | - | - | - | - | - | - | - | - |")
+                        f"| - | - | - | - | - | - | - | - | - | - | - |")
             continue
-        ours = results.get(key.split("-")[0])
-        ours = None if ours is None or "failed" in ours else ours
-        x = m.get("xla") or {}
-        rows.append("| {} | {:.1f} | {} | {:.1f} | {} | {} | {} | {} | {} | {:.4f} | {:.4f} |".format(
+        ours = results.get(base_of(key))
+        ours = None if ours is None or "failed" in ours or ours is m else ours
+        x = m.get("xla") or m.get("torch_compile") or {}
+        rows.append("| {} | {:.1f} | {} | {:.1f} | {} | {} | {} | {} | {} | {} | {} | {:.4f} | {:.4f} |".format(
             CASES[key][0], m["wall_seconds"],
-            f"{m['wall_seconds'] / ours['wall_seconds']:.2f}x" if ours and ours is not m else "-",
-            m["train_samples_per_s"], m.get("steady_samples_per_s", "-"), x.get("compiles", "-"),
+            f"{m['wall_seconds'] / ours['wall_seconds']:.2f}x" if ours else "-",
+            m["train_samples_per_s"], m.get("steady_samples_per_s", "-"),
+            f"{m['steady_samples_per_s'] / ours['steady_samples_per_s']:.2f}x"
+            if ours and m.get("steady_samples_per_s") and ours.get("steady_samples_per_s") else "-",
+            loss_gap(m, ours) if ours else "-", x.get("compiles", "-"),
             x.get("host_syncs_per_step", "-"), x.get("aten_fallbacks", "-"),
             m.get("padding_efficiency", "-"), m["eval"]["accuracy"], m["eval"]["f1"]))
     return "\n".join(rows) + "\n"
@@ -125,7 +152,8 @@ def table(results):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--max-steps", type=int, default=None)
-    p.add_argument("--cases", default=",".join(k for k in CASES if k != "xla-bf16" and not k.startswith("cuda")),
+    p.add_argument("--cases", default=",".join(k for k in CASES if k not in ("xla-bf16", "cpu-b4", "cpu-compile")
+                                               and not k.startswith("cuda")),
                    help="comma-separated, from: " + ", ".join(CASES))
     p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "out"))
     p.add_argument("--pin", action="store_true", help="run the cases at once, each on its own core")
@@ -142,7 +170,7 @@ def main():
     else:
         results = {}
         for key in keys:
-            label, cmd, env = CASES[key]
+            label, cmd, env = CASES[key][:3]
             results[key] = finish(start(label, cmd, env, extra, out_dir / f"{key}.json"))
     md = f"Command: `python benchmarks/bench_mrpc.py {' '.join(sys.argv[1:])}`\n\n" + table(results)
     (out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")

@@ -22,6 +22,19 @@ from .launcher import launched_by_torchrun
 # accelerator a rough guess for a current GPU, not measured here
 TOKEN_SECONDS = {"cpu": 1.2e-3}
 ACCELERATOR_TOKEN_SECONDS = 5e-6
+# --compile: torch.compile's mode per device (CUDA: CUDA graphs, which static shapes make safe;
+# else the default), and the cost of one graph of the bundled model for --buckets auto (the CPU:
+# inductor's C++ build on 2 busy cores, measured here; an accelerator: a guess, not measured)
+COMPILE_MODES = {"cuda": "reduce-overhead"}
+COMPILE_SECONDS = {"cpu": 60.0}
+ACCELERATOR_COMPILE_SECONDS = 30.0
+# Graphs one compiled forward may keep (dynamo's recompile_limit, 8 by default, beyond which it
+# runs eager): one per bucket length in training and one in evaluation, 2 x 4 by default
+RECOMPILE_LIMIT = 64
+# torch.compile's own timers (torch._dynamo.utils.compilation_time_metrics): a frame's compilation
+# (torch/_dynamo/convert_frame.py:1296) and its backward's, at the first backward
+# (torch/_inductor/compile_fx.py:2594)
+COMPILE_TIMERS = ("_compile.compile_inner", "compile_fx.<locals>.bw_compiler")
 
 
 class TorchAccelerator(Accelerator):
@@ -36,6 +49,7 @@ class TorchAccelerator(Accelerator):
     libpywrap_*_common.so; no Python memory API)."""
 
     fused_optimizer = True  # one fused AdamW kernel instead of a chain of multi-tensor ops
+    compile_refusal = None  # --compile: torch.compile (see `compile`)
 
     def __init__(self, device_type):
         self.name = device_type
@@ -85,6 +99,32 @@ class TorchAccelerator(Accelerator):
 
     def wrap_loader(self, loader, sharding=None):
         return _DeviceLoader(loader, self.device)
+
+    def use_compile(self):
+        super().use_compile()
+        self.compile_seconds = COMPILE_SECONDS.get(self.name, ACCELERATOR_COMPILE_SECONDS)
+
+    def compile(self, model):
+        """In place (`nn.Module.compile`: the same object, so DDP, state dicts and saving see no
+        wrapper; DDP's forward is compiled through dynamo's DDPOptimizer). `dynamic=False`: every
+        input shape is a graph of its own, specialised, never a dynamic-shape graph; the buckets
+        bound the shapes, so the graphs too (RECOMPILE_LIMIT)."""
+        import torch._dynamo
+        import torch._inductor.config
+
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+        torch._inductor.config.fallback_random = True  # dropout masks from torch's generator, as eager draws them
+        model.compile(mode=COMPILE_MODES.get(self.name), dynamic=False)
+        return model
+
+    def compile_stats(self):
+        """--compile: torch.compile's graphs and seconds (process-wide counters); None without it."""
+        if not self.compiling:
+            return None
+        from torch._dynamo.utils import compilation_time_metrics, counters
+
+        return {"compiles": counters["stats"]["unique_graphs"],
+                "compile_seconds": sum(sum(compilation_time_metrics.get(k, ())) for k in COMPILE_TIMERS)}
 
     def rng_state(self):
         if not hasattr(self._module, "get_rng_state"):

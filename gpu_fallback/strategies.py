@@ -81,6 +81,8 @@ class Fsdp2(TorchStrategy):
     declares (`_no_split_modules`) is gathered for its forward and backward only, then the rest."""
 
     data_axes = ("fsdp",)
+    # not run here: FSDP2's hooks under torch.compile (dynamo skips them, one graph per block)
+    compile_refusal = "not supported with --strategy fsdp yet; use --strategy ddp"
 
     def mesh_shape(self):
         return (("fsdp", self.world_size),)

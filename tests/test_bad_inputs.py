@@ -105,6 +105,12 @@ CASES = {
     "missing bucket": (lambda out, tmp: ["--output-dir", "gs://no-such-bucket/run"],
                        "bucket gs://no-such-bucket does not exist"),
     "unknown task": (lambda out, tmp: ["--task", "squad"], "--task must be one of cola, sst2, mrpc"),
+    "--compile on the xla backend": (lambda out, tmp: ["--backend", "xla", "--compile"],
+                                     "--compile: the xla backend compiles every step already"),
+    "--compile with fsdp": (lambda out, tmp: ["--strategy", "fsdp", "--compile"],
+                            "--compile: not supported with --strategy fsdp yet; use --strategy ddp"),
+    "--compile with dynamic padding": (lambda out, tmp: ["--padding", "dynamic", "--compile"],
+                                       "--compile needs static shapes"),
 }
 
 

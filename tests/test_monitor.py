@@ -227,7 +227,8 @@ XlaDdp.gather = lambda self, tensor: xm.all_gather(tensor, dim=0)  # a real coll
 def test_goodput_splits_the_wall_time_into_phases_that_add_up(xla_run, previous_run):
     """XLA:CPU (compilations) and the CPU: start-up, compilation, training steps, data, evaluation,
     checkpoints and the rest add up to the wall time (within 5%: nothing is counted twice); the
-    ratio is the training steps' share; the report shows it."""
+    ratio is the training steps' share; start-up's parts (imports, data, model, device set-up)
+    add up to it (within the rounding), each measured; the report shows them."""
     _, xla, out = xla_run
     cpu = json.loads((previous_run / "metrics.json").read_text())
     for m in (xla, cpu):
@@ -236,7 +237,12 @@ def test_goodput_splits_the_wall_time_into_phases_that_add_up(xla_run, previous_
         assert abs(sum(v for k, v in seconds.items() if k != "wall") - seconds["wall"]) <= 0.05 * seconds["wall"]
         assert seconds["train_steps"] > 0 and seconds["startup"] > 0 and seconds["eval"] > 0
         assert goodput["ratio"] == round(seconds["train_steps"] / seconds["wall"], 4)
+        startup = goodput["startup"]
+        assert list(startup) == ["imports", "data", "model", "device"]
+        assert all(v > 0 for v in startup.values()), startup  # each part takes some time: none is left out
+        assert abs(sum(startup.values()) - seconds["startup"]) <= 0.003, (startup, seconds["startup"])
     assert xla["goodput"]["seconds"]["compile"] > 0 and cpu["goodput"]["seconds"]["compile"] == 0
     assert cpu["goodput"]["seconds"]["checkpoint"] > 0  # checkpoints at steps 2 and 4
     assert "| goodput (training steps / wall) |" in (out / "report" / "report.md").read_text()
     assert "| time: training steps |" in (out / "report" / "report.md").read_text()
+    assert "| start-up by part | imports " in (out / "report" / "report.md").read_text()

@@ -6,6 +6,7 @@ any moment ends with one line and exit code 130."""
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -142,6 +143,7 @@ def test_a_fresh_run_prints_what_matters(tmp_path):
     assert [ln.split(":")[0].split(" ")[0] for ln in lines] == ["task", "buckets", "model", "memory", "epoch", "dev",
                                                                  "report", "goodput"]
     assert lines[-1].startswith("goodput 0.") and "training steps " in lines[-1] and "startup " in lines[-1]
+    assert re.search(r"startup [\d.]+ = imports [\d.]+ \+ data [\d.]+ \+ model [\d.]+ \+ device [\d.]+,", lines[-1])
     assert "| model | the bundled MiniLM-L6-H384 |" in (tmp_path / "out" / "report" / "report.md").read_text()
     assert "new classification head for 2 output(s) (classifier.bias, classifier.weight)" in lines[2]
     assert lines[3].startswith("memory plan per device: parameters 86.") and "device unknown" in lines[3]

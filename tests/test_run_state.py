@@ -89,3 +89,30 @@ def test_the_final_results_are_the_last_evaluations_unless_the_best_is_kept(engi
     for s.step, accuracy in ((1, 0.7), (2, 0.6)):
         s.evaluated({"accuracy": accuracy}, model=None, main_metric="accuracy")
     assert s.restore_best(model=None) == {"accuracy": 0.6}  # without --save-best: the last
+
+
+@pytest.mark.parametrize("warmup, total", [(0, 10), (3, 10), (10, 10), (2, 1)])
+def test_the_linear_schedule_is_transformers_own(warmup, total):
+    """train.linear_schedule (written out, so that start-up does not import peft through
+    transformers.optimization) gives get_scheduler("linear")'s rates at every step, past the end
+    too, and the same state dict (what a checkpoint keeps)."""
+    import torch
+    from transformers import get_scheduler
+
+    from xla_train.train import linear_schedule
+
+    def rates(make):
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.5)
+        scheduler = make(optimizer)
+        out = []
+        for _ in range(total + 3):
+            out.append(scheduler.get_last_lr()[0])
+            optimizer.step()
+            scheduler.step()
+        return out, scheduler.state_dict()
+
+    ours, ours_state = rates(lambda o: linear_schedule(o, warmup, total))
+    theirs, their_state = rates(lambda o: get_scheduler("linear", o, num_warmup_steps=warmup,
+                                                         num_training_steps=total))
+    assert ours == theirs and ours_state == their_state
+    assert max(ours) <= 0.5 and ours[-1] == 0.0

@@ -8,6 +8,7 @@ from transformers import AutoConfig
 
 from . import checkpoint
 from .core.batching import model_inputs_only
+from .core.clock import Startup
 from .core.errors import UserError
 from .core.launchers import pod_marker, watch_pod
 from .core.signals import StopRequest
@@ -40,8 +41,12 @@ class Job:
     truncated: dict = None  # rows cut to --max-length, per split
     resume: object = None  # checkpoint.Resume, or None
     pod_marker: str = None  # on several hosts: where a failing host tells the others (launchers.pod_marker)
+<<<<<<< HEAD
     started: float = None  # time.time() when the launching process started (goodput's wall time)
     samples: object = None  # --eval-samples: generation.Samples
+=======
+    startup: object = None  # clock.Startup: the launching process's start and start-up's parts (goodput)
+>>>>>>> compile35
 
     def report(self):
         """What the metrics JSON says of the job's preparation."""
@@ -76,9 +81,11 @@ def open_output(cfg, backend):
     return folder, resume, None
 
 
-def prepare(cfg, backend, resume=None):
+def prepare(cfg, backend, resume=None, startup=None):
     """The job: the task's data read and checked before the model loads, tokenised once, the
-    shapes settled, the model loaded (with a resumed run's weights)."""
+    shapes settled, the model loaded (with a resumed run's weights). `startup` (clock.Startup)
+    times the data's parts and the model's."""
+    startup = startup or Startup()
     task = load_task(cfg.task, cfg.data_dir, cfg.train_file, cfg.validation_file, cfg.text_columns,
                      cfg.label_column, cfg.problem, cfg.seed)
     task.set_packing(cfg.packing)
@@ -89,13 +96,18 @@ def prepare(cfg, backend, resume=None):
     if cfg.test_file:
         task.test = read_input(cfg.test_file, task)
     print(task.describe())
+<<<<<<< HEAD
     sample_rows = task.sample_rows(cfg.eval_samples) if cfg.eval_samples else None  # before tokenising drops the rows
+=======
+    startup.lap("data")
+>>>>>>> compile35
     config = load_pretrained(AutoConfig, cfg.model)
     task.check_model(config, cfg.model)
     tokenizer = load_tokenizer(cfg.model)
     limit = position_limit(config, tokenizer)
     if cfg.max_length > limit:
         raise UserError(f"--max-length {cfg.max_length} is longer than model {cfg.model} takes ({limit} tokens)")
+    startup.lap("model")
     shapes = Shapes(cfg.batch_size, backend.planned_data_parallel_size(), cfg.grad_accum)
     check_steps(shapes, len(task.splits["train"]))
     data, truncated = tokenize_task(cfg, task, tokenizer)
@@ -108,6 +120,7 @@ def prepare(cfg, backend, resume=None):
         shapes.padding = padding_for("max_length", None, cfg.max_length, [split["length"] for split in data.values()])
     else:
         settle_padding(cfg, shapes, data, task.eval_splits, backend.accelerator, resume)
+    startup.lap("data")
     weights = resume.model_weights() if resume else None  # a corrupt file fails before any loading
     model = task.load_model(cfg.model, cfg.seed, tokenizer.pad_token_id)
     if cfg.lora:
@@ -117,10 +130,16 @@ def prepare(cfg, backend, resume=None):
         del weights
     if cfg.lora and cfg.precision == "bf16":
         hold_frozen_in_bf16(model)  # here, once: forked replicas share these pages
+<<<<<<< HEAD
     samples = sample_rows and eval_samples(sample_rows, task.form, tokenizer, model, cfg.max_length,
                                            backend.accelerator.static_shapes)
     return Job(cfg, task, tokenizer, model_inputs_only(data, model), shapes, model, truncated=truncated,
                resume=resume, samples=samples)
+=======
+    data = model_inputs_only(data, model)
+    startup.lap("model")
+    return Job(cfg, task, tokenizer, data, shapes, model, truncated=truncated, resume=resume, startup=startup)
+>>>>>>> compile35
 
 
 def tokenize_task(cfg, task, tokenizer):

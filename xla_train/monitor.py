@@ -35,7 +35,7 @@ LIBRARY_FRAME = re.compile(r"[/\\](torch|torch_xla)[/\\]|xla_train[/\\](core[/\\
 class Monitor:
     """One per worker; a no-op on replicas other than the main one."""
 
-    def __init__(self, engine, cfg, shapes, started=None, run_id=None):
+    def __init__(self, engine, cfg, shapes, startup=None, run_id=None):
         self.engine = engine
         self.on = engine.is_main_process
         local = bool(cfg.output_dir) and not is_remote(cfg.output_dir)
@@ -59,7 +59,7 @@ class Monitor:
         if self.on:
             self._open_files()
         self.trackers = Trackers(engine, cfg, self.out, run_id)  # --report-to: MLflow, W&B
-        self.clock = RunClock(engine, started)  # counters start here, once compilations are traced
+        self.clock = RunClock(engine, startup)  # counters start here, once compilations are traced
         self._last = self.clock.delta()[1] if self.on and self.clock.counting else None
 
     def _open_files(self):
@@ -98,8 +98,9 @@ class Monitor:
             values["throughput"] = (step - prev_step) * self.samples_per_step / (now - prev_t)
         stats = self.clock.counters()
         if stats:
-            values.update(compiles=stats["compiles"], compile_seconds=stats["compile_seconds"],
-                          host_syncs=stats["transfers"])
+            values.update(compiles=stats["compiles"], compile_seconds=stats["compile_seconds"])
+            if "transfers" in stats:  # XLA's (torch.compile counts graphs and seconds only)
+                values["host_syncs"] = stats["transfers"]
         self._scalars(step, values)
 
     def evaluated(self, step, results):
@@ -165,7 +166,7 @@ class Monitor:
 
     def _note_compiles(self, step, phase, shape):
         since, self._last = self.clock.delta(self._last)
-        graphs, seconds, syncs = since["compiles"], since["compile_seconds"], since["transfers"]
+        graphs, seconds, syncs = since["compiles"], since["compile_seconds"], since.get("transfers")
         if not graphs:
             return None
         # of several graphs in one step, name one not cut by the loader at the end of the step

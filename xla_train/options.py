@@ -68,6 +68,8 @@ class TrainOptions:
     num_processes: int = option(None, "workers on this host (default: one per TPU core or GPU; 1 on the CPU and "
                                 "on XLA:CPU)")
     strategy: str = strategy_option()
+    compile: bool = option(False, "compile the model with torch.compile on the torch-native backends (cuda: with CUDA "
+                           "graphs; cpu), one graph per bucket length; xla compiles every step already")
     # hyperparameters (the course's: AdamW, linear schedule, 3 epochs, batch 8)
     epochs: int = option(3, "passes over the training data")
     batch_size: int = option(8, "per replica")
@@ -162,6 +164,9 @@ class TrainOptions:
         if self.resume and not self.output_dir:
             raise UserError("--resume needs --output-dir, the folder that holds the checkpoints")
         parse_buckets(self.buckets, self.max_length)
+        if self.compile and self.padding == "dynamic":
+            raise UserError("--compile needs static shapes: --padding buckets or max_length, not dynamic (a graph "
+                            "for every batch length)")
         self._check_observers()
         check_model_path(self.model)
         if self.metrics_out:

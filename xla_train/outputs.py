@@ -30,10 +30,12 @@ def finish(engine, job, t, monitor):
         if cfg.metrics_out:
             atomic_write(cfg.metrics_out, json.dumps(metrics, indent=2) + "\n")  # makes missing folders
     monitor.close(metrics)
-    seconds = metrics["goodput"]["seconds"]
-    engine.print(f"goodput {metrics['goodput']['ratio']:.2f}: training steps {seconds['train_steps']:.1f} s of "
-                 f"{seconds['wall']:.1f} s (" + ", ".join(f"{k} {v:.1f}" for k, v in seconds.items()
-                                                     if k not in ("train_steps", "wall")) + ")")
+    goodput = metrics["goodput"]
+    seconds, startup = goodput["seconds"], " + ".join(f"{k} {v:.1f}" for k, v in goodput["startup"].items())
+    phases = ", ".join(f"{k} {v:.1f}" + (f" = {startup}" if k == "startup" else "")
+                       for k, v in seconds.items() if k not in ("train_steps", "wall"))
+    engine.print(f"goodput {goodput['ratio']:.2f}: training steps {seconds['train_steps']:.1f} s of "
+                 f"{seconds['wall']:.1f} s ({phases})")
     return metrics
 
 

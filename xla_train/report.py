@@ -59,7 +59,9 @@ def time_split(metrics):
     return {GOODPUT_NAMES[k]: v for k, v in metrics["goodput"]["seconds"].items() if k != "wall"}
 
 
-GOODPUT_NAMES = {"startup": "start-up (imports, data, model)", "compile": "compiling", "train_steps": "training steps",
+STARTUP_NAMES = {"imports": "imports", "data": "data (reading, tokenising)", "model": "model loading",
+                 "device": "device set-up"}
+GOODPUT_NAMES = {"startup": "start-up (imports, data, model, device set-up)", "compile": "compiling", "train_steps": "training steps",
                  "data": "waiting for data", "eval": "evaluation", "checkpoint": "checkpoints", "other": "other"}
 
 
@@ -210,6 +212,9 @@ def markdown(metrics, log):
                  ("host syncs per training step", xla["host_syncs_per_step"]),
                  ("CPU fallbacks (aten ops)", xla["aten_fallbacks"])]
     rows += [(f"time: {k}", f"{v:.1f} s") for k, v in time_split(metrics).items()]
+    if (metrics.get("goodput") or {}).get("startup"):  # runs before the split have none
+        rows += [("start-up by part", ", ".join(f"{STARTUP_NAMES[k]} {v:.1f} s"
+                                                for k, v in metrics["goodput"]["startup"].items()))]
     if metrics.get("goodput"):
         rows += [("goodput (training steps / wall)", f"{metrics['goodput']['ratio']} of "
                                                     f"{metrics['goodput']['seconds']['wall']:.1f} s")]

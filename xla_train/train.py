@@ -10,13 +10,14 @@
 
 import copy
 import dataclasses
+import functools
 
 import torch
 from tqdm.auto import tqdm
-from transformers import get_scheduler
 
 from . import STARTED
 from .core.batching import make_loader
+from .core.clock import Startup
 from .core.engine import Engine
 from .core.select import select_roles
 from .core.signals import StopRequest
@@ -37,15 +38,18 @@ from .run_state import RunState
 
 def run(cfg):
     """Runs the whole job: data in this process, then training on every local worker."""
+    startup = Startup(STARTED)
+    startup.lap("imports")  # this module's imports: torch, transformers, the package
     cfg.validate()
     backend = select_roles(cfg.backend, cfg.num_processes, cfg.strategy)
+    if cfg.compile:
+        backend.use_compile()  # refused before any work where it does not apply; --buckets auto counts its cost
     folder, resume, done = open_output(cfg, backend)
     if done:
         print(done)
         return None
-    job = prepare(cfg, backend, resume)
+    job = prepare(cfg, backend, resume, startup)
     job.run_id = folder.claim(resume) if folder else None  # every check passed: the folder is this run's
-    job.started = STARTED
     job.pod_marker = folder.pod_marker if folder else None
     launch(backend, job, train_worker)
 
@@ -78,11 +82,11 @@ def train_worker(job):
     cfg = job.cfg
     engine = Engine(cfg.backend, precision=cfg.precision, grad_accum=cfg.grad_accum,
                     max_grad_norm=cfg.max_grad_norm, num_processes=cfg.num_processes,
-                    compile_cache=cfg.compile_cache, strategy=cfg.strategy)
+                    compile_cache=cfg.compile_cache, strategy=cfg.strategy, compile=cfg.compile)
     engine.seed(cfg.seed)  # dropout
     shapes = dataclasses.replace(job.shapes, devices=engine.data_parallel_size)
     # TensorBoard, compilation log, explainer and the run's clock; before anything is compiled
-    monitor = Monitor(engine, cfg, shapes, job.started, job.run_id)
+    monitor = Monitor(engine, cfg, shapes, job.startup, job.run_id)
     t = set_up(engine, job, shapes, monitor)
     try:
         train_loop(engine, cfg, t, monitor)
@@ -108,8 +112,7 @@ def set_up(engine, job, shapes, monitor):
     memory, counts = plan_memory(engine, cfg, shapes, model, task.per_token_logits)  # before anything compiles
     steps_per_epoch = shapes.steps_per_epoch(len(job.data["train"]))
     total_steps = shapes.total_steps(len(job.data["train"]), cfg.epochs, cfg.max_steps)
-    scheduler = get_scheduler("linear", optimizer, num_warmup_steps=int(cfg.warmup_ratio * total_steps),
-                              num_training_steps=total_steps)
+    scheduler = linear_schedule(optimizer, int(cfg.warmup_ratio * total_steps), total_steps)
     state = RunState(engine, cfg, job.resume)  # where the run stands, and its stop and checkpoint decisions
     state.track(model, optimizer, scheduler, monitor.clock,
                 {"buckets": shapes.padding.bucket_list, "n_train": len(job.data["train"]), "run_id": job.run_id})
@@ -117,6 +120,19 @@ def set_up(engine, job, shapes, monitor):
     evaluate = Evaluator(engine, task, dict(zip(task.eval_splits, eval_dls)), state, monitor, samples)
     return Training(model, optimizer, scheduler, train_dl, evaluate, state, shapes, total_steps, steps_per_epoch,
                     task, memory, counts, Profile(engine, cfg.profile_steps, state.store))
+
+
+def linear_schedule(optimizer, warmup_steps, total_steps):
+    """transformers' `get_scheduler("linear", ...)`, the same LambdaLR (its state dict too): the rate
+    rises to the peak over `warmup_steps`, then falls linearly to 0 at `total_steps`. Written here
+    because importing transformers.optimization imports peft (trainer_utils): seconds of start-up."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(_linear, warmup_steps, total_steps))
+
+
+def _linear(warmup_steps, total_steps, step):
+    if step < warmup_steps:
+        return step / max(1, warmup_steps)
+    return max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
 
 
 def plan_memory(engine, cfg, shapes, model, logits=False):

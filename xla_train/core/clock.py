@@ -4,6 +4,30 @@ import time
 from contextlib import contextmanager
 
 
+class Startup:
+    """Start-up's parts, timed in the launching process as laps from the process's start:
+    `imports` (the package and its libraries, until the job begins), `data` (reading, tokenising,
+    the shapes), `model` (config, tokenizer, weights). What follows, up to the first training
+    step, is `device`: the workers' start (spawned ones import again), process groups, the model
+    on the device, loaders, optimizer (`split`). The parts add up to goodput's `startup`."""
+
+    PARTS = ("imports", "data", "model", "device")
+
+    def __init__(self, started=None):
+        self.started = self.last = started or time.time()
+        self.seconds = dict.fromkeys(self.PARTS[:-1], 0.0)
+
+    def lap(self, part):
+        """The time since the previous lap (or the start) was `part`'s."""
+        now = time.time()
+        self.seconds[part] += now - self.last
+        self.last = now
+
+    def split(self, first_step):
+        """Seconds by part, `first_step` (time.time()) ending the device's set-up."""
+        return {**self.seconds, "device": max(first_step - self.last, 0.0)}
+
+
 class RunClock:
     """Training-phase wall time and compilation counters, excluding evaluation.
 
@@ -13,9 +37,10 @@ class RunClock:
     queued step; `steady` rates start at the first log point after the last compilation.
     """
 
-    def __init__(self, engine, started=None):
+    def __init__(self, engine, startup=None):
         self.engine, self.seconds, self.marks = engine, 0.0, []
-        self.started = started or time.time()  # the run's start (the launching process's), for goodput
+        self.startup = startup or Startup()  # the run's start (the launching process's) and its parts, for goodput
+        self.started = self.startup.started
         self.first_start = None  # when the first training phase began: start-up ends there
         self.checkpoint_seconds = 0.0
         self.data_seconds = 0.0  # waiting in the training loader for the next batch
@@ -100,12 +125,14 @@ class RunClock:
         self.eval_compile_seconds += self._stats().get("compile_seconds", 0) - before
 
     def goodput(self):
-        """The run's wall time so far split into phases that add up to it, and the share that
-        trained: {"seconds": {phase: s, ..., "wall": s}, "ratio": training steps / wall}."""
-        wall = time.time() - self.started
+        """The run's wall time so far split into phases that add up to it, the share that trained,
+        and start-up's parts: {"seconds": {phase: s, ..., "wall": s}, "ratio": training steps /
+        wall, "startup": {"imports": s, "data": s, "model": s, "device": s}}."""
+        now = time.time()
+        wall, first_step = now - self.started, self.first_start or now
         compiling = self.train_compile_seconds + self.eval_compile_seconds
         parts = {
-            "startup": (self.first_start or time.time()) - self.started,  # imports, data, model, set-up
+            "startup": first_step - self.started,  # imports, data, model, device set-up: `startup` below
             "compile": compiling,
             "train_steps": max(self.seconds - self.train_compile_seconds - self.data_seconds, 0.0),
             "data": self.data_seconds,
@@ -115,7 +142,8 @@ class RunClock:
         parts["other"] = max(wall - sum(parts.values()), 0.0)  # the finish, between phases
         seconds = {**{k: round(v, 3) for k, v in parts.items()}, "wall": round(wall, 3)}
         # from the rounded seconds, so that the ratio is the one the written numbers give
-        return {"seconds": seconds, "ratio": round(seconds["train_steps"] / max(seconds["wall"], 1e-3), 4)}
+        return {"seconds": seconds, "ratio": round(seconds["train_steps"] / max(seconds["wall"], 1e-3), 4),
+                "startup": {k: round(v, 3) for k, v in self.startup.split(first_step).items()}}
 
     def end_of_epoch(self):
         if self.first_epoch_compiles is None:
@@ -125,7 +153,8 @@ class RunClock:
         """Rates over the steps this process ran (`first_step` < step <= `steps`)."""
         total = samples_per_step * (steps - first_step)
         if not total:  # nothing was left to train (a finished run resumed)
-            return {"train_seconds": 0.0, "train_samples_per_s": 0.0, "steady_samples_per_s": 0.0, "xla": None}
+            return {"train_seconds": 0.0, "train_samples_per_s": 0.0, "steady_samples_per_s": 0.0, "xla": None,
+                    "torch_compile": None}
         final_compiles = self.marks[-1][2]
         # steady: from the first mark with every compilation already done, to the end
         s0, t0 = next((s, t) for s, t, c in self.marks if c == final_compiles)
@@ -135,13 +164,17 @@ class RunClock:
             steady = total / self.seconds
         out = {"train_seconds": round(self.seconds, 3), "train_samples_per_s": round(total / self.seconds, 3),
                "steady_samples_per_s": round(steady, 3), "checkpoint_seconds": round(self.checkpoint_seconds, 3),
-               "xla": None}
+               "xla": None, "torch_compile": None}
         now, stats = self._stats(), self.counters()
-        if stats:
+        if not stats:
+            return out
+        compiled = {"compiles": stats["compiles"], "compile_seconds": round(stats["compile_seconds"], 3),
+                    "compiles_after_first_epoch": now["compiles"] - (self.first_epoch_compiles or now["compiles"])}
+        if "executions" not in stats:  # torch.compile's counters: graphs and seconds
+            out["torch_compile"] = compiled
+        else:
             out["xla"] = {
-                "compiles": stats["compiles"], "compile_seconds": round(stats["compile_seconds"], 3),
-                "compiles_after_first_epoch": now["compiles"] - (self.first_epoch_compiles or now["compiles"]),
-                "host_syncs_per_step": round(self.transfers / max(steps, 1), 4),
+                **compiled, "host_syncs_per_step": round(self.transfers / max(steps, 1), 4),
                 "aten_fallbacks": stats["aten_fallbacks"], "cache_hits": stats["cache_hits"],
                 "cache_misses": stats["cache_misses"], "cache_load_failures": stats["cache_load_failures"],
                 "executions": stats["executions"],

@@ -40,9 +40,11 @@ class Engine:
     to them. One per worker."""
 
     def __init__(self, backend="auto", precision="fp32", grad_accum=1, max_grad_norm=None,
-                 num_processes=None, compile_cache=None, strategy="ddp"):
+                 num_processes=None, compile_cache=None, strategy="ddp", compile=False):
         roles = _engine_roles(backend, num_processes, strategy)
         self.accelerator, self.strategy, self.launcher = roles.accelerator, roles.strategy, roles.launcher
+        if compile:
+            roles.use_compile()  # prepare compiles the model: torch.compile on the torch-native backends
         roles.start()  # process groups, SPMD mode: before anything touches the device
         if compile_cache:
             self.accelerator.use_compile_cache(compile_cache)  # before the first compilation
@@ -120,11 +122,12 @@ class Engine:
 
         Modules go to the device (wrapped in DDP on several fallback workers); optimizers are
         re-pointed at the moved parameters (on XLA, `.to(device)` makes new Parameter objects);
-        DataLoaders are sharded across replicas and yield batches already on the device.
+        DataLoaders are sharded across replicas and yield batches already on the device. With
+        `compile=True`, modules are then compiled in place (torch.compile, one graph per shape).
         """
         modules = [o for o in objects if isinstance(o, torch.nn.Module)]
         before = [list(m.parameters()) for m in modules]
-        moved = {id(m): self.strategy.wrap_model(self.accelerator.adapt_model(m)) for m in modules}
+        moved = {id(m): self._compiled(self.strategy.wrap_model(self.accelerator.adapt_model(m))) for m in modules}
         self._model = moved[id(modules[-1])] if modules else self._model  # for no_sync on micro-steps
         remap = {}
         for m, old in zip(modules, before):
@@ -142,6 +145,9 @@ class Engine:
             else:
                 out.append(o)
         return tuple(out) if len(out) > 1 else out[0]
+
+    def _compiled(self, model):
+        return self.accelerator.compile(model) if self.accelerator.compiling else model
 
     def _prepare_loader(self, loader):
         if (self.accelerator.static_shapes and isinstance(loader.collate_fn, DataCollatorWithPadding)

@@ -58,6 +58,10 @@ class Accelerator(ABC):
     # Whether every new input shape costs a compilation: DataLoaders padded per batch
     # (DataCollatorWithPadding) are then rebuilt with a few fixed shapes by `Engine.prepare`.
     static_shapes = False
+    # --compile (`Roles.use_compile`): why this device refuses it, or None where it compiles the
+    # model with torch.compile; `compiling` once a run asked for it
+    compile_refusal = "it applies to the torch-native backends (cuda, cpu)"
+    compiling = False
 
     @property
     @abstractmethod
@@ -73,6 +77,14 @@ class Accelerator(ABC):
     def adapt_model(self, model):
         """The model as this device runs it best, before a strategy places it (XLA: its attention)."""
         return model
+
+    def use_compile(self):
+        """--compile: from now on `compile` is applied to prepared models (see `Roles.use_compile`)."""
+        self.compiling = True
+
+    def compile(self, model):
+        """--compile: the model, already placed and wrapped by the strategy, compiled."""
+        raise NotImplementedError
 
     @abstractmethod
     def wrap_loader(self, loader, sharding=None):
@@ -192,6 +204,7 @@ class Strategy(ABC):
     # Checkpoints of this host's shards (XLA FSDPv2), instead of whole copies that one process
     # writes: on several hosts no host can read another's shards.
     writes_shards = False
+    compile_refusal = None  # why --compile does not run with this strategy, or None
 
     def __init__(self, accelerator):
         self.accelerator = accelerator
@@ -388,6 +401,14 @@ class Roles:
 
     def host_position(self):
         return self.launcher.host_position()
+
+    def use_compile(self):
+        """--compile, checked before any work: `Engine.prepare` compiles the model it places (one
+        line, a UserError, where the device or the strategy does not support it)."""
+        refusal = self.accelerator.compile_refusal or self.strategy.compile_refusal
+        if refusal:
+            raise UserError(f"--compile: {refusal}")
+        self.accelerator.use_compile()
 
     def launch(self, fn, args=(), start_method=None):
         """Runs `fn(*args)` on every local worker (see `Launcher.launch`)."""

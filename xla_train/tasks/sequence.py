@@ -205,10 +205,16 @@ def tokenize(ds, tokenizer, max_length):
 
     def encode(batch):
         texts = (batch["text1"], batch["text2"]) if "text2" in batch else (batch["text1"],)
-        full = tokenizer(*texts)["input_ids"]
-        enc = tokenizer(*texts, truncation=True, max_length=max_length)
+        enc = tokenizer(*texts)  # whole rows, tokenised once: their lengths say which ones are too long
+        truncated = [len(ids) > max_length for ids in enc["input_ids"]]
+        long = [i for i, cut in enumerate(truncated) if cut]
+        if long:  # only those again, cut as the tokenizer cuts them (a pair: the longer text first)
+            cut = tokenizer(*([text[i] for i in long] for text in texts), truncation=True, max_length=max_length)
+            for key in enc:
+                for j, i in enumerate(long):
+                    enc[key][i] = cut[key][j]
         enc["length"] = [len(ids) for ids in enc["input_ids"]]
-        enc["truncated"] = [len(ids) > max_length for ids in full]
+        enc["truncated"] = truncated
         return enc
 
     import datasets
