@@ -1,10 +1,7 @@
 """The gpu_fallback accelerator and strategies on the CPU with the bundled MiniLM (gloo processes: test_distributed.py)."""
 
-<<<<<<< HEAD
-=======
 import json
 
->>>>>>> compile35
 import pytest
 import torch
 from conftest import run_cli

@@ -41,12 +41,8 @@ class Job:
     truncated: dict = None  # rows cut to --max-length, per split
     resume: object = None  # checkpoint.Resume, or None
     pod_marker: str = None  # on several hosts: where a failing host tells the others (launchers.pod_marker)
-<<<<<<< HEAD
-    started: float = None  # time.time() when the launching process started (goodput's wall time)
-    samples: object = None  # --eval-samples: generation.Samples
-=======
     startup: object = None  # clock.Startup: the launching process's start and start-up's parts (goodput)
->>>>>>> compile35
+    samples: object = None  # --eval-samples: generation.Samples
 
     def report(self):
         """What the metrics JSON says of the job's preparation."""
@@ -96,11 +92,8 @@ def prepare(cfg, backend, resume=None, startup=None):
     if cfg.test_file:
         task.test = read_input(cfg.test_file, task)
     print(task.describe())
-<<<<<<< HEAD
     sample_rows = task.sample_rows(cfg.eval_samples) if cfg.eval_samples else None  # before tokenising drops the rows
-=======
     startup.lap("data")
->>>>>>> compile35
     config = load_pretrained(AutoConfig, cfg.model)
     task.check_model(config, cfg.model)
     tokenizer = load_tokenizer(cfg.model)
@@ -130,16 +123,13 @@ def prepare(cfg, backend, resume=None, startup=None):
         del weights
     if cfg.lora and cfg.precision == "bf16":
         hold_frozen_in_bf16(model)  # here, once: forked replicas share these pages
-<<<<<<< HEAD
-    samples = sample_rows and eval_samples(sample_rows, task.form, tokenizer, model, cfg.max_length,
-                                           backend.accelerator.static_shapes)
-    return Job(cfg, task, tokenizer, model_inputs_only(data, model), shapes, model, truncated=truncated,
-               resume=resume, samples=samples)
-=======
     data = model_inputs_only(data, model)
     startup.lap("model")
-    return Job(cfg, task, tokenizer, data, shapes, model, truncated=truncated, resume=resume, startup=startup)
->>>>>>> compile35
+    samples = sample_rows and eval_samples(sample_rows, task.form, tokenizer, model, cfg.max_length,
+                                           backend.accelerator.static_shapes)
+    startup.lap("data")  # the --eval-samples prompts
+    return Job(cfg, task, tokenizer, data, shapes, model, truncated=truncated, resume=resume, startup=startup,
+               samples=samples)
 
 
 def tokenize_task(cfg, task, tokenizer):
