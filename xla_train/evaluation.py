@@ -2,6 +2,7 @@
 exactly once, printed, logged and handed to the run state (best model, early stopping)."""
 
 from .core.inference import infer
+from .generation import sample_generator
 from .tasks import scores
 
 
@@ -27,7 +28,7 @@ class Evaluator:
     def __init__(self, engine, task, loaders, state, monitor, samples=None):
         self.engine, self.task, self.loaders, self.state, self.monitor = engine, task, loaders, state, monitor
         self.metric = task.load_metric()
-        self.samples = samples  # --eval-samples: generation.sample_generator's function of the model
+        self.samples = samples and sample_generator(engine, samples)  # --eval-samples: generation.Samples
 
     def __call__(self, model, where, mid_epoch=False):
         if mid_epoch:

@@ -142,9 +142,11 @@ class Samples:
     shown: list  # each sample as the files show it: its prompt (or messages) and its reference
     data: object  # the prompts tokenised (prompt_data)
     sampling: Sampling  # greedy, up to as many tokens as the longest reference takes
+    tokenizer: object  # decodes the completions; a left-padded copy pads the prompts
+    batch_size: int  # rows per replica and batch
 
 
-def eval_samples(rows, form, tokenizer, model, max_length, static):
+def eval_samples(rows, form, tokenizer, model, max_length, static, batch_size):
     """`Samples` of the task's `sample_rows`: a sample may write as many tokens as its reference
     answer takes in training's rendering (its end-of-turn markup included)."""
     ids, new = [], 1
@@ -158,20 +160,20 @@ def eval_samples(rows, form, tokenizer, model, max_length, static):
     eos = end_ids(tokenizer, model)
     pad = left_padded(tokenizer, eos).pad_token_id
     shown = [{**prompt, "reference": reference} for prompt, _, reference, _ in rows]
-    return Samples(shown, data, Sampling(new, eos, pad))
+    return Samples(shown, data, Sampling(new, eos, pad), tokenizer, min(batch_size, len(rows)))
 
 
-def sample_generator(engine, samples, tokenizer, batch_size):
+def sample_generator(engine, samples):
     """A function of the model that generates every sample (on every replica: each takes its
     share) and returns the samples with their `completion`, one bucket: the longest prompt."""
     longest = max(samples.data["length"])
     padding = padding_for("buckets", [longest], longest, [samples.data["length"]])
-    loader = predict_loader(engine, left_padded(tokenizer, samples.sampling.eos_ids), samples.data,
-                            min(batch_size, len(samples.data)), padding)
+    loader = predict_loader(engine, left_padded(samples.tokenizer, samples.sampling.eos_ids), samples.data,
+                            samples.batch_size, padding)
 
     def generate(model):
         tokens = generate_rows(engine, model, loader, samples.sampling)
-        texts, _ = completions(tokens, tokenizer, samples.sampling.eos_ids)
+        texts, _ = completions(tokens, samples.tokenizer, samples.sampling.eos_ids)
         return [{**shown, "completion": text} for shown, text in zip(samples.shown, texts)]
 
     return generate

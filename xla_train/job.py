@@ -126,7 +126,7 @@ def prepare(cfg, backend, resume=None, startup=None):
     data = model_inputs_only(data, model)
     startup.lap("model")
     samples = sample_rows and eval_samples(sample_rows, task.form, tokenizer, model, cfg.max_length,
-                                           backend.accelerator.static_shapes)
+                                           backend.accelerator.static_shapes, cfg.batch_size)
     startup.lap("data")  # the --eval-samples prompts
     return Job(cfg, task, tokenizer, data, shapes, model, truncated=truncated, resume=resume, startup=startup,
                samples=samples)

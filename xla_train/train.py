@@ -22,7 +22,6 @@ from .core.engine import Engine
 from .core.select import select_roles
 from .core.signals import StopRequest
 from .evaluation import Evaluator
-from .generation import sample_generator
 from .job import launch, open_output, prepare
 from .memory import check_fits, device_bytes
 from .memory import describe as describe_memory
@@ -116,8 +115,7 @@ def set_up(engine, job, shapes, monitor):
     state = RunState(engine, cfg, job.resume)  # where the run stands, and its stop and checkpoint decisions
     state.track(model, optimizer, scheduler, monitor.clock,
                 {"buckets": shapes.padding.bucket_list, "n_train": len(job.data["train"]), "run_id": job.run_id})
-    samples = job.samples and sample_generator(engine, job.samples, job.tokenizer, cfg.batch_size)
-    evaluate = Evaluator(engine, task, dict(zip(task.eval_splits, eval_dls)), state, monitor, samples)
+    evaluate = Evaluator(engine, task, dict(zip(task.eval_splits, eval_dls)), state, monitor, job.samples)
     return Training(model, optimizer, scheduler, train_dl, evaluate, state, shapes, total_steps, steps_per_epoch,
                     task, memory, counts, Profile(engine, cfg.profile_steps, state.store))
 
