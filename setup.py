@@ -34,6 +34,7 @@ setup(
         # writes its group into Node._nodeid: groups were ignored and shared runs made twice
         "dev": ["pytest<9.2", "pytest-xdist", "accelerate", "gcp-storage-emulator", "google-cloud-storage", "torch_xla==2.9.0",
                 "nbclient", "nbformat", "ipykernel",
+                "trl>=1.16,<2",  # benchmarks/bench_sft.py: TRL's SFTTrainer side by side
                 "build", "setuptools", "wheel"],  # make dist and tests/test_install.py build the wheel
     },
     entry_points={"console_scripts": ["xla-train=xla_train.cli:main"]},
