@@ -255,7 +255,8 @@ def tables(rows, commit, date, model, data, args):
           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |"]
     for r in rows:
         if "error" in r:
-            md.append(f"| {r['case']} | does not run: `{r['error']}` |" + " |" * 12)
+            error = r["error"].replace("`", "'")  # one code span
+            md.append(f"| {r['case']} | does not run: `{error}` |" + " |" * 12)
             continue
         compiles = f"{r['compiles']} ({r['compile_s']:.1f})" if r["compiles"] is not None else "-"
         md.append(f"| {r['case']} | {r['steps']} | {r['wall_s']} | {r['train_s']:.1f} | {r['tokens_per_s']:,.0f} | "
