@@ -43,7 +43,8 @@ setup(
         "trackers": ["mlflow==3.17.2", "wandb"],
         "profile": ["tensorboard-plugin-profile"],  # TensorBoard's Profile tab for --profile-steps
         "test": TEST,  # the tests without torch_xla (make test-torch)
-        "dev": TEST + ["torch_xla==2.9.0"],  # every test (make test)
+        # every test (make test), and TRL for benchmarks/bench_sft.py (TRL's SFTTrainer side by side)
+        "dev": TEST + ["torch_xla==2.9.0", "trl>=1.16,<2"],
     },
     entry_points={"console_scripts": ["xla-train=xla_train.cli:main"]},
 )

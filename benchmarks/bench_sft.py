@@ -1,10 +1,12 @@
 """`--problem causal-lm` packed (`--packing`, the default) against bucket-padded (`--no-packing`,
-`--buckets`) on the same model, data, steps and learning rate, on the CPU and on XLA:CPU, all runs
-in this one command, one after the other.
+`--buckets`) and against TRL's `SFTTrainer`, on the same model, data, steps, learning rate, batch
+and max length, on the CPU and on XLA:CPU, all runs in this one command, one after the other.
 
-    python benchmarks/bench_sft.py                         # 150 steps each, cpu and xla, packed and padded
+    python benchmarks/bench_sft.py                         # 150 steps each, cpu and xla, packed, padded, trl
     python benchmarks/bench_sft.py --max-steps 20          # a quick check
+    python benchmarks/bench_sft.py --backends cpu --modes packed,trl
     python benchmarks/bench_sft.py --backends cpu --same-documents
+    python benchmarks/bench_sft.py --backends cpu --modes packed,trl --seeds 42,1,2,3,4
     python benchmarks/bench_sft.py --model DIR --train-file T.jsonl --validation-file V.jsonl --max-length 512
 
 The default model and data are the tests' synthetic task (tests/tiny_decoders.py): a tiny random
@@ -15,12 +17,52 @@ shows both. With --same-documents the padded runs take as many more steps as a p
 documents on average, so both see about the same documents. The validation loss is scored once,
 at the last step.
 
-Reports, from each run's metrics JSON: the whole command's wall time, train_seconds, tokens/s
-(padding included), trained tokens/s (tokens in the loss), the padding share, the trained tokens
-(in all and per step), documents per step (mean), compilations and their seconds (XLA) and the
-final validation loss; train_seconds, and so the token rates, include XLA's compilations. Prints
-and writes OUT/sft.json and OUT/sft.md (OUT defaults to benchmarks/out/sft); each run's output is
-kept in OUT/CASE.log.
+TRL (`trl` mode; prompt/completion rows): `SFTConfig(packing=True, packing_strategy="bfd",
+completion_only_loss=True)`, TRL's match for ours: whole documents packed best-fit decreasing into
+rows of at most --max-length tokens, the loss on the completion and its end-of-sequence token
+(TRL appends the tokenizer's EOS to a completion, as ours does). "bfd" turns TRL's padding-free
+mode on: a batch's rows are concatenated into one sequence of 1 x (their tokens), with
+`position_ids` restarting at 0 in every document, which transformers' sdpa mask
+(`masking_utils.find_packed_sequence_indices`) turns into per-document attention, as our
+segments do; there is no padding, and the shape changes from batch to batch. The rest is set to
+what ours does: fp32 (TRL's default is bf16), no gradient checkpointing (TRL's default is on), no
+gradient clipping (max_grad_norm 0; ours clips only with --max-grad-norm), AdamW without weight
+decay, the linear schedule with int(warmup_ratio x steps) warm-up steps, the seed of ours, no
+checkpoints, and it saves the final model as ours does. TRL's other defaults stay (its per-step
+entropy and token-accuracy metrics, the loss logged every 10 steps). On the CPU TRL runs with
+`USE_TORCH_XLA=0`, and on XLA:CPU with `PJRT_DEVICE=CPU` (transformers' Trainer then trains on
+the XLA device); there, transformers' default optimizer (fused AdamW) raises, so the bench
+records that exception for `xla-trl-default` and runs `xla-trl` with `optim="adamw_torch"` (ours
+is unfused on XLA too). `xla-trl` compiles a graph for every new batch length; `xla-trl-static`
+adds TRL's `pad_to_multiple_of=batch x --max-length` (the option TRL sets for Neuron, which also
+compiles per shape), so every batch is one 1 x (batch x --max-length) sequence. The bench checks that TRL's packed training documents are token for
+token ours (sorted; its unshifted labels against our shifted ones) and records it as
+`same_documents`.
+
+One seed's validation loss is no comparison: on the default task the loss after 150 steps depends
+on the order of the batches far more than on the trainer (the drop from ~1.5 to ~0.2 comes
+earlier or later). The seed sets that order (ours: `--seed`; TRL: `SFTConfig.seed`, its sampler),
+and with seed 42 alone TRL scored 0.125 and ours 0.785; ours' seeds 1 to 8 gave 0.16 to 0.99 and
+TRL's 0.08 to 0.66. Checked by hand: a plain torch loop (AdamW, transformers' linear schedule) on
+ours' packed rows and collator reproduces ours' losses to 4 digits and on TRL's dataloader
+TRL's; TRL's packed rows through ours' loader, collator and forward (seed 42) end at 0.117. So
+`--seeds` trains the packed and trl cases once per seed (same steps, lr, batch), and the tables
+give the eval loss's mean, min and max over the seeds beside the first seed's figures; compare
+the means.
+
+The `eval loss` column is one function of the bench for every case: the saved model on the CPU in
+fp32, each validation document alone (tokenised as the package tokenises it), the cross-entropy
+summed over the trained tokens and divided by their number: our metrics' token-weighted loss.
+`own eval loss` is each trainer's own figure: ours from the metrics JSON, TRL's
+`trainer.evaluate()` on the same rows (a mean over its batches' means).
+
+Reports, from each run's metrics JSON (TRL: from its worker's JSON): the whole command's wall time,
+train_seconds (TRL: `train_runtime`), tokens/s (padding included), trained tokens/s (tokens in the
+loss), the padding share, the trained tokens (in all and per step), documents per step (mean),
+compilations and their seconds (XLA) and the final validation loss; train_seconds, and so the
+token rates, include XLA's compilations. A second table gives ours (packed) against TRL per
+backend. Prints and writes OUT/sft.json and OUT/sft.md (OUT defaults to benchmarks/out/sft);
+each run's output is kept in OUT/CASE.log, its model in OUT/CASE-model.
 """
 
 import argparse
@@ -34,7 +76,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MODES = ("packed", "padded")
+MODES = ("packed", "padded", "trl")
+ENV = {"PJRT_DEVICE": "CPU", "TOKENIZERS_PARALLELISM": "false"}
 
 
 def synthetic(out, args):
@@ -52,87 +95,279 @@ def synthetic(out, args):
             args.validation_file = str(td.write_jsonl(data / "validation.jsonl", td.reverse_rows(64, 2)))
 
 
-def run(backend, mode, steps, args, out):
-    name = f"{backend}-{mode}"
-    metrics, log = out / f"{name}.json", out / f"{name}.log"
+def launch(name, cmd, env, out):
+    """One case in a fresh process; returns (its wall seconds, its stdout, the error's last line or None)."""
+    print(f"== {name}", flush=True)
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, **ENV, **env})
+    wall = time.perf_counter() - start
+    (out / f"{name}.log").write_text(" ".join(cmd) + "\n\n" + proc.stdout + proc.stderr)
+    if not proc.returncode:
+        return wall, proc.stdout, None
+    raised = [line for line in proc.stderr.splitlines() if re.match(r"[\w.]+(Error|Exception): ", line)]
+    return wall, proc.stdout, (raised or proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
+
+
+def run(backend, mode, steps, args, out, seed):
+    name = f"{backend}-{mode}" + seeded(seed, args)
+    metrics = out / f"{name}.json"
     cmd = [sys.executable, "-m", "xla_train", "train", "--problem", "causal-lm", "--backend", backend,
            "--model", args.model, "--train-file", args.train_file, "--max-length", str(args.max_length),
            "--batch-size", str(args.batch_size), "--lr", str(args.lr), "--warmup-ratio", str(args.warmup_ratio),
-           "--max-steps", str(steps), "--eval-every", str(steps), "--metrics-out", str(metrics)]
+           "--max-steps", str(steps), "--eval-every", str(steps), "--seed", str(seed), "--metrics-out", str(metrics),
+           "--output-dir", str(out / f"{name}-model"), "--overwrite"]
     cmd += ["--validation-file", args.validation_file] if args.validation_file else []
     cmd += ["--packing"] if mode == "packed" else ["--no-packing", "--buckets", args.buckets]
-    print(f"== {name}: {steps} steps", flush=True)
     metrics.unlink(missing_ok=True)
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "PJRT_DEVICE": "CPU", "TOKENIZERS_PARALLELISM": "false"})
-    wall = time.perf_counter() - start
-    log.write_text(" ".join(cmd) + "\n\n" + proc.stdout + proc.stderr)
-    if proc.returncode:
-        sys.exit(f"{name} failed (see {log}): {proc.stderr.strip().splitlines()[-1]}")
+    wall, stdout, error = launch(name, cmd, {}, out)
+    if error:
+        sys.exit(f"{name} failed (see {out / name}.log): {error}")
     m = json.loads(metrics.read_text())
-    packed = re.search(r"packed (\d+) train documents into (\d+) rows", proc.stdout)
+    packed = re.search(r"packed (\d+) train documents into (\d+) rows", stdout)
     docs_per_row = int(packed[1]) / int(packed[2]) if packed else 1.0  # --no-packing: a row per document
     tokens = m["tokens"]
-    return {"case": name, "backend": backend, "mode": mode, "steps": m["steps"], "wall_s": round(wall, 1),
+    return {"case": name, "backend": backend, "mode": mode, "seed": seed, "steps": m["steps"], "wall_s": round(wall, 1),
             "train_s": m["train_seconds"], "tokens_per_s": tokens["per_s"], "trained_per_s": tokens["trained_per_s"],
             "padding_share": tokens["padding_share"], "tokens_padded": tokens["padded"], "tokens_real": tokens["real"],
             "tokens_trained": tokens["trained"], "trained_per_step": round(tokens["trained"] / m["steps"], 1),
             "docs_per_row": round(docs_per_row, 3),
             "docs_per_step": round(m["train_samples"] / m["steps"] * docs_per_row, 1), "buckets": m["buckets"],
             "compiles": (m["xla"] or {}).get("compiles"),
-            "compile_s": (m["xla"] or {}).get("compile_seconds"), "eval_loss": m["eval"]["loss"]}
+            "compile_s": (m["xla"] or {}).get("compile_seconds"), "own_eval_loss": m["eval"]["loss"]}
+
+
+def run_trl(name, backend, steps, args, out, optim=None, pad=None, seed=None):
+    """TRL's SFTTrainer in a fresh process (trl_worker); a row like run's, or one with its error."""
+    seed = args.seeds[0] if seed is None else seed
+    name += seeded(seed, args)
+    result = out / f"{name}.json"
+    result.unlink(missing_ok=True)
+    cmd = [sys.executable, __file__, "--trl-worker", json.dumps({**vars(args), "steps": steps, "optim": optim,
+                                                                  "pad": pad, "backend": backend, "seed": seed,
+                                                                  "out": str(out / name)})]
+    wall, _, error = launch(name, cmd, {"USE_TORCH_XLA": "0"} if backend == "cpu" else {}, out)
+    row = {"case": name, "backend": backend, "mode": "trl", "seed": seed, "optim": optim or "default (adamw_torch_fused)",
+           "pad_to_multiple_of": pad}
+    if error:
+        print(f"   {name} does not run: {error}", flush=True)
+        return {**row, "error": error, "wall_s": round(wall, 1)}
+    m = json.loads(result.read_text())
+    return {**row, "steps": m["steps"], "wall_s": round(wall - m["check_s"], 1), "train_s": m["train_s"],
+            "tokens_per_s": m["tokens"] / m["train_s"], "trained_per_s": m["trained"] / m["train_s"],
+            "padding_share": 1 - m["real"] / m["tokens"], "tokens_padded": m["tokens"], "tokens_real": m["real"],
+            "tokens_trained": m["trained"], "trained_per_step": round(m["trained"] / m["steps"], 1),
+            "docs_per_row": round(m["docs"] / m["rows"], 3), "docs_per_step": round(m["docs"] / m["steps"], 1),
+            "buckets": None, "shapes": m["shapes"], "compiles": m["compiles"], "compile_s": m["compile_s"],
+            "own_eval_loss": m["eval_loss"], "eval_s": m["eval_s"], "same_documents": m["same_documents"]}
+
+
+def trl_worker(spec):
+    """Trains with TRL's SFTTrainer as the docstring says, counting each batch's tokens as TRL's
+    collator makes it (the first `steps` batches: the loaders fetch ahead), saves the model into
+    OUT-model, then compares TRL's packed documents with the package's tokenisation; writes OUT.json."""
+    import datasets
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    s = argparse.Namespace(**spec)
+    tokenizer = AutoTokenizer.from_pretrained(s.model)
+    train = datasets.load_dataset("json", data_files=s.train_file, split="train")
+    validation = datasets.load_dataset("json", data_files=s.validation_file, split="train")
+    config = SFTConfig(output_dir=s.out + "-model", max_length=s.max_length, packing=True, packing_strategy="bfd",
+                       completion_only_loss=True, per_device_train_batch_size=s.batch_size,
+                       per_device_eval_batch_size=s.batch_size, learning_rate=s.lr, lr_scheduler_type="linear",
+                       warmup_steps=int(s.warmup_ratio * s.steps), max_steps=s.steps, weight_decay=0.0,
+                       max_grad_norm=0.0, bf16=False, gradient_checkpointing=False, seed=s.seed, report_to=[],
+                       save_strategy="no", use_cpu=s.backend == "cpu", pad_to_multiple_of=s.pad,
+                       **({"optim": s.optim} if s.optim else {}))
+    model = AutoModelForCausalLM.from_pretrained(s.model, dtype=torch.float32)
+    trainer = SFTTrainer(model=model, args=config, train_dataset=train, eval_dataset=validation,
+                         processing_class=tokenizer)
+    counts, collate = [], trainer.data_collator
+
+    def counting(examples):
+        batch = collate(examples)
+        counts.append((batch["input_ids"].numel(), sum(sum(e["seq_lengths"]) for e in examples),
+                       int((batch["labels"] != -100).sum()), sum(len(e["seq_lengths"]) for e in examples),
+                       len(examples), tuple(batch["input_ids"].shape)))
+        return batch
+
+    trainer.data_collator = counting
+    train_s = trainer.train().metrics["train_runtime"]
+    used, counts[:] = counts[: s.steps], []
+    start = time.perf_counter()
+    eval_loss = trainer.evaluate()["eval_loss"]
+    eval_s = time.perf_counter() - start
+    trainer.save_model(s.out + "-model")
+    compiles = compile_s = None
+    if s.backend == "xla":
+        import torch_xla.debug.metrics as met
+
+        compiles, ns = (met.metric_data("CompileTime") or (0, 0))[:2]
+        compile_s = round(ns / 1e9, 1)
+    start = time.perf_counter()
+    same = same_documents(trainer.train_dataset, train, tokenizer, s.max_length)
+    tokens, real, trained, docs, rows, shapes = zip(*used)
+    Path(s.out + ".json").write_text(json.dumps({
+        "steps": len(used), "train_s": train_s, "tokens": sum(tokens), "real": sum(real), "trained": sum(trained),
+        "docs": sum(docs), "rows": sum(rows), "shapes": len(set(shapes)), "compiles": compiles,
+        "compile_s": compile_s, "eval_loss": eval_loss, "eval_s": round(eval_s, 1), "same_documents": same,
+        "check_s": time.perf_counter() - start}))
+
+
+def same_documents(packed, rows, tokenizer, max_length):
+    """Whether TRL's packed rows hold, document for document, what the package makes of `rows`:
+    the same token ids, and TRL's labels (the model shifts them) one step behind ours."""
+    from xla_train.tasks.causal_lm import IGNORE, documents, form_of
+
+    ours, _, _ = documents(rows, form_of(rows, "train"), tokenizer, max_length, "train")
+    theirs = []
+    for row in packed:
+        start = 0
+        for n in row["seq_lengths"]:
+            ids, labels = row["input_ids"][start:start + n], row["labels"][start:start + n]
+            theirs.append((ids, labels[1:] + [IGNORE]))
+            start += n
+    return sorted(ours) == sorted(theirs)
+
+
+def validation_loss(folder, validation_file, max_length):
+    """A saved model's token-weighted validation loss, on the CPU in fp32: each document alone,
+    tokenised as the package tokenises it, the cross-entropy summed over the trained tokens and
+    divided by their number."""
+    import datasets
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from xla_train.tasks.causal_lm import IGNORE, documents, form_of
+
+    rows = datasets.load_dataset("json", data_files=validation_file, split="train")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    docs, _, _ = documents(rows, form_of(rows, validation_file), tokenizer, max_length, validation_file)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    total, n = 0.0, 0
+    with torch.no_grad():
+        for ids, labels in docs:
+            logits = model(torch.tensor([ids])).logits[0].float()
+            total += F.cross_entropy(logits, torch.tensor(labels), ignore_index=IGNORE, reduction="sum").item()
+            n += sum(label != IGNORE for label in labels)
+    return total / n
+
+
+def seeded(seed, args):
+    """A case's name suffix: none for the first of --seeds (the tables' rows), `-seedN` for the others."""
+    return "" if seed == args.seeds[0] else f"-seed{seed}"
+
+
+def over_seeds(rows):
+    """Each first-seed row gets `eval_losses` (every seed's eval loss of its case) and their mean."""
+    for r in rows:
+        if "error" not in r and "-seed" not in r["case"]:
+            r["eval_losses"] = [o["eval_loss"] for o in rows if "error" not in o and
+                                o["case"].split("-seed")[0] == r["case"]]
+            r["eval_mean"] = sum(r["eval_losses"]) / len(r["eval_losses"])
 
 
 def git(*args):
     return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
 
 
+def tables(rows, commit, date, model, data, args):
+    md = [f"Command: `python benchmarks/bench_sft.py {' '.join(sys.argv[1:])}` (commit {commit}, {date}; "
+          f"{model} on {data}, --max-length {args.max_length}, batch {args.batch_size}, lr {args.lr:g}, padded "
+          f"--buckets {args.buckets})\n",
+          "| case | steps | wall s | train s | tokens/s | trained tokens/s | padding share | trained tokens "
+          "| trained tokens/step | docs/step | buckets | compiles (s) | eval loss | own eval loss "
+          f"| eval loss over seeds {','.join(map(str, args.seeds))}: mean (min-max) |",
+          "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        if "error" in r:
+            error = r["error"].replace("`", "'")  # one code span
+            md.append(f"| {r['case']} | does not run: `{error}` |" + " |" * 13)
+            continue
+        if "-seed" in r["case"]:
+            continue  # in its case's last column
+        losses = r["eval_losses"]
+        compiles = f"{r['compiles']} ({r['compile_s']:.1f})" if r["compiles"] is not None else "-"
+        md.append(f"| {r['case']} | {r['steps']} | {r['wall_s']} | {r['train_s']:.1f} | {r['tokens_per_s']:,.0f} | "
+                  f"{r['trained_per_s']:,.0f} | {r['padding_share']:.3f} | {r['tokens_trained']:,} | "
+                  f"{r['trained_per_step']:,.1f} | {r['docs_per_step']} | "
+                  f"{','.join(map(str, r['buckets'])) if r['buckets'] else '-'} | "
+                  f"{compiles} | {r['eval_loss']:.4f} | {r['own_eval_loss']:.4f} | "
+                  f"{r['eval_mean']:.4f} ({min(losses):.4f}-{max(losses):.4f}) |")
+    by = {r["case"]: r for r in rows if "error" not in r}
+    pairs = [(b, by[f"{b}-packed"], by[f"{b}-trl"]) for b in args.backends.split(",")
+             if f"{b}-packed" in by and f"{b}-trl" in by]
+    if pairs:
+        md += ["", "| backend | trained tokens/s ours / TRL | train s TRL / ours | wall s TRL / ours | "
+                   "eval loss ours / TRL, mean over seeds | goal |", "| --- | ---: | ---: | ---: | ---: | --- |"]
+        for b, ours, trl in pairs:
+            md.append(f"| {b} | {ours['trained_per_s'] / trl['trained_per_s']:.2f}x | "
+                      f"{trl['train_s'] / ours['train_s']:.2f}x | {trl['wall_s'] / ours['wall_s']:.2f}x | "
+                      f"{ours['eval_mean']:.4f} / {trl['eval_mean']:.4f} | "
+                      f">= {'2' if b == 'xla' else '1.0'}x at equal or lower loss |")
+    return "\n".join(md)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--max-steps", type=int, default=150, help="optimizer steps of every run")
     p.add_argument("--backends", default="cpu,xla", help="comma-separated: cpu, xla (XLA:CPU)")
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated: packed, padded, trl")
     p.add_argument("--same-documents", action="store_true",
                    help="padded runs take --max-steps x the packed rows' mean documents per row steps")
     p.add_argument("--buckets", default="auto", help="the padded runs' --buckets")
     p.add_argument("--model", default=None, help="a causal LM's folder or hub name (default: the tiny Llama)")
     p.add_argument("--train-file", default=None, help="default: the synthetic task's 4,000 rows")
     p.add_argument("--validation-file", default=None, help="default: the synthetic task's 64 rows with the "
-                   "synthetic training rows, else the CLI's held-out share of --train-file")
+                   "synthetic training rows, else the CLI's held-out share of --train-file (trl needs it)")
     p.add_argument("--max-length", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup-ratio", type=float, default=0.05)
+    p.add_argument("--seeds", default="42", help="comma-separated --seed values (the data order; TRL's seed): the "
+                   "packed and trl cases train once per seed, the first seed's runs are the table's rows, and the "
+                   "eval loss is also given as the mean over the seeds")
     p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "out" / "sft"))
+    p.add_argument("--trl-worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.trl_worker:
+        return trl_worker(json.loads(args.trl_worker))
+    args.seeds = [int(x) for x in args.seeds.split(",")]
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model, data = args.model or "the tests' tiny Llama", args.train_file or "the synthetic reverse task"
     synthetic(out, args)
-    rows = []
+    modes, rows = args.modes.split(","), []
     for backend in args.backends.split(","):
-        packed = run(backend, "packed", args.max_steps, args, out)
-        steps = round(args.max_steps * packed["docs_per_row"]) if args.same_documents else args.max_steps
-        rows += [packed, run(backend, "padded", steps, args, out)]
+        first, *others = args.seeds
+        packed = run(backend, "packed", args.max_steps, args, out, first) if "packed" in modes else None
+        rows += [packed] if packed else []
+        rows += [run(backend, "packed", args.max_steps, args, out, seed) for seed in others if packed]
+        if "padded" in modes:
+            steps = round(args.max_steps * packed["docs_per_row"]) if args.same_documents and packed else args.max_steps
+            rows.append(run(backend, "padded", steps, args, out, first))
+        if "trl" in modes and backend == "cpu":
+            rows += [run_trl("cpu-trl", backend, args.max_steps, args, out, seed=seed) for seed in args.seeds]
+        elif "trl" in modes:  # transformers' default optimizer, then the unfused one, then one shape for every batch
+            rows += [run_trl("xla-trl-default", backend, args.max_steps, args, out),
+                     *[run_trl("xla-trl", backend, args.max_steps, args, out, "adamw_torch", seed=seed)
+                       for seed in args.seeds],
+                     run_trl("xla-trl-static", backend, args.max_steps, args, out, "adamw_torch",
+                             args.batch_size * args.max_length)]
+    for r in rows:
+        if "error" not in r:
+            r["eval_loss"] = validation_loss(out / f"{r['case']}-model", args.validation_file, args.max_length)
+    over_seeds(rows)
     dirty = git("status", "--porcelain", "--untracked-files=no")
     commit = git("rev-parse", "--short", "HEAD") + ("+dirty" if dirty else "")
     date = datetime.datetime.now().isoformat(timespec="seconds")
-    md = [f"Command: `python benchmarks/bench_sft.py {' '.join(sys.argv[1:])}` (commit {commit}, {date}; "
-          f"{model} on {data}, --max-length {args.max_length}, batch {args.batch_size}, lr {args.lr:g}, padded "
-          f"--buckets {args.buckets})\n",
-          "| case | steps | wall s | train s | tokens/s | trained tokens/s | padding share | trained tokens "
-          "| trained tokens/step | docs/step | buckets | compiles (s) | eval loss |",
-          "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |"]
-    for r in rows:
-        compiles = f"{r['compiles']} ({r['compile_s']:.1f})" if r["compiles"] is not None else "-"
-        md.append(f"| {r['case']} | {r['steps']} | {r['wall_s']} | {r['train_s']:.1f} | {r['tokens_per_s']:,.0f} | "
-                  f"{r['trained_per_s']:,.0f} | {r['padding_share']:.3f} | {r['tokens_trained']:,} | "
-                  f"{r['trained_per_step']:,.1f} | {r['docs_per_step']} | "
-                  f"{','.join(map(str, r['buckets'])) if r['buckets'] else '-'} | "
-                  f"{compiles} | {r['eval_loss']:.4f} |")
-    table = "\n".join(md)
+    load = os.getloadavg()
+    table = tables(rows, commit, date, model, data, args) + f"\n\nLoad average at the end (1, 5, 15 min): {load}"
     print(table)
-    (out / "sft.json").write_text(json.dumps({"commit": commit, "date": date, "command": sys.argv,
+    (out / "sft.json").write_text(json.dumps({"commit": commit, "date": date, "command": sys.argv, "load": load,
                                               "args": vars(args), "rows": rows}, indent=1) + "\n")
     (out / "sft.md").write_text(table + "\n")
 
