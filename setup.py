@@ -6,6 +6,8 @@ TEST = ["pytest<9.2", "pytest-xdist", "accelerate", "gcp-storage-emulator", "goo
         "nbclient", "nbformat", "ipykernel",
         "build", "setuptools", "wheel"]  # make dist and tests/test_install.py build the wheel
 
+XLA_TORCH = "torch==2.9.0"
+
 setup(
     name="xla-train",
     version="0.1.0",
@@ -32,9 +34,11 @@ setup(
         "peft",  # --lora: LoRA adapters
     ],
     extras_require={
-        # torch_xla's last release (2.9.0) with the torch it pins; --backend xla
-        "xla": ["torch_xla==2.9.0"],  # XLA on PJRT's CPU (or GPU) device
-        "tpu": ["torch_xla[tpu]==2.9.0"],  # adds libtpu, for Cloud TPU VMs and Colab TPU
+        # torch_xla's last release (2.9.0) and the torch its _XLAC is built against. Its wheel does not
+        # name that torch, so without the pin pip takes the newest torch install_requires admits, and
+        # `import torch_xla` fails on an undefined symbol (CI, 2026-11-25). --backend xla:
+        "xla": [XLA_TORCH, "torch_xla==2.9.0"],  # XLA on PJRT's CPU (or GPU) device
+        "tpu": [XLA_TORCH, "torch_xla[tpu]==2.9.0"],  # adds libtpu, for Cloud TPU VMs and Colab TPU
         # TorchTPU (--backend tpu): torch 2.11-2.15 and libtpu. It cannot share an environment with
         # the xla and tpu extras, which hold torch at 2.9.
         "torchtpu": ["torch-tpu==0.2.0"],
@@ -44,7 +48,7 @@ setup(
         "profile": ["tensorboard-plugin-profile"],  # TensorBoard's Profile tab for --profile-steps
         "test": TEST,  # the tests without torch_xla (make test-torch)
         # every test (make test), and TRL for benchmarks/bench_sft.py (TRL's SFTTrainer side by side)
-        "dev": TEST + ["torch_xla==2.9.0", "trl>=1.16,<2"],
+        "dev": TEST + [XLA_TORCH, "torch_xla==2.9.0", "trl>=1.16,<2"],
     },
     entry_points={"console_scripts": ["xla-train=xla_train.cli:main"]},
 )

@@ -156,6 +156,24 @@ def test_wheel_carries_every_module_the_bundled_data_and_the_metric(built):
     assert package_files | {"setup.py", "README.md"} <= in_sdist
 
 
+def test_every_extra_with_torch_xla_pins_the_torch_it_was_built_for(built):
+    """torch_xla's wheel names no torch, so an extra that brings it must pin torch itself: without
+    the pin pip took the newest torch that install_requires admits, and torch_xla failed to import
+    (CI, 2026-11-25)."""
+    _, wheel, _ = built
+    name, version = wheel.name.split("-")[:2]
+    meta = zipfile.ZipFile(wheel).read(f"{name}-{version}.dist-info/METADATA").decode()
+    by_extra = {}
+    for req, extra in re.findall(r'^Requires-Dist: (.+?); extra == "(.+?)"$', meta, re.M):
+        by_extra.setdefault(extra, set()).add(req.replace(" ", "").replace("_", "-"))  # torch_xla -> torch-xla
+    with_xla = {e: reqs for e, reqs in by_extra.items() if any(r.startswith("torch-xla") for r in reqs)}
+    assert set(with_xla) == {"xla", "tpu", "dev"}
+    for extra, reqs in with_xla.items():
+        xla = next(r for r in reqs if r.startswith("torch-xla"))
+        release = xla.split("==")[1]
+        assert f"torch=={release}" in reqs, (extra, sorted(reqs))
+
+
 def test_installed_copy_is_the_wheel_not_the_checkout(installed):
     venv, work, env = installed
     info = where(venv / "bin" / "python", work, env)

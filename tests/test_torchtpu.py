@@ -39,6 +39,14 @@ def test_backend_tpu_without_torch_tpu_is_one_line_naming_the_extra():
         "installed here: --backend xla, or auto, runs the TPU through it)")
 
 
+def test_torch_xla_beside_another_torch_is_one_line():
+    assert select.xla_torch_mismatch("2.9.0+cpu", "2.9.0") is None
+    assert select.xla_torch_mismatch("2.13.0", None) is None  # no torch_xla: nothing to say
+    assert select.xla_torch_mismatch("2.13.0+cpu", "2.9.0") == (
+        "torch_xla 2.9.0 needs torch 2.9, but this environment has torch 2.13.0+cpu: pip install "
+        "'xla-train[xla]' (or [tpu]), which pins it")
+
+
 def test_backend_tpu_from_the_cli_here(capsys):
     """Neither environment of the tests has torch_tpu: the line of this environment (with the
     torch_xla hint in .venv, without it in .venv-torch), exit 2, before any data or model is read."""

@@ -79,7 +79,7 @@ def cmd_env(args):
     import torch
     import transformers
 
-    from .core.select import auto_backend, torch_accelerator, tpu_runtimes
+    from .core.select import auto_backend, torch_accelerator, tpu_runtimes, xla_torch_mismatch
     from .core.xla import tpu_present
 
     runtimes, accelerator = tpu_runtimes(), torch_accelerator()
@@ -92,6 +92,9 @@ def cmd_env(args):
         print(f"accelerator   {accelerator} ({torch.accelerator.device_count()} device(s))")
     else:
         print("accelerator   none (torch sees the CPU only)")
+    mismatch = xla_torch_mismatch(torch.__version__, runtimes["torch_xla"])
+    if mismatch:
+        print(f"warning       {mismatch}")
     if runtimes["torch_xla"]:
         print(f"PJRT_DEVICE   {args.pjrt_device or '(unset: torch_xla picks TPU if present, else CPU)'}")
     print(f"--backend auto -> {choice}: {reason}")

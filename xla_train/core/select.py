@@ -48,6 +48,17 @@ def torch_accelerator():
     return accelerator.type if accelerator is not None else None
 
 
+def xla_torch_mismatch(torch_version, xla_version):
+    """The line saying why torch_xla cannot import next to this torch, or None. torch_xla's wheel
+    names no torch in its requirements (torch_xla-2.9.0.dist-info/METADATA), yet its _XLAC is built
+    against one torch release: beside another, `import torch_xla` fails on an undefined symbol."""
+    release = lambda v: tuple(v.split("+")[0].split(".")[:2])  # noqa: E731  2.9.0+cpu -> (2, 9)
+    if not xla_version or release(torch_version) == release(xla_version):
+        return None
+    return (f"torch_xla {xla_version} needs torch {'.'.join(release(xla_version))}, but this environment has "
+            f"torch {torch_version}: pip install 'xla-train[xla]' (or [tpu]), which pins it")
+
+
 def auto_backend(tpu_attached, accelerator, runtimes):
     """(backend name, reason) that `--backend auto` picks from what this host has: whether a TPU is
     attached, the accelerator torch sees (torch_accelerator) and the TPU runtimes installed
@@ -118,7 +129,10 @@ def _check_torchtpu():
 
 def _xla_roles(num_processes, strategy):
     if not xla_available():
-        raise UserError("--backend xla needs torch_xla: pip install 'xla-train[tpu]' (or torch_xla for CPU)")
+        raise UserError("--backend xla needs torch_xla: pip install 'xla-train[tpu]' (or [xla] for CPU)")
+    mismatch = xla_torch_mismatch(torch.__version__, installed_version("torch_xla"))
+    if mismatch:
+        raise UserError(mismatch)
     from . import launchers, xla
 
     # ddp: replicas under xmp.spawn; spmd and fsdp: one process per host on a virtual device
