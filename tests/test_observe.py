@@ -6,6 +6,7 @@ graphs and its upload."""
 
 import gzip
 import json
+import sys
 
 import pytest
 from conftest import run_cli
@@ -129,7 +130,8 @@ def test_bad_observer_options_are_one_line(args, message, capsys):
     assert err.count("\n") == 1 and message in err
 
 
-def test_a_tracker_that_cannot_start_stops_the_run_before_training(mrpc_slice, tiny_model, capsys, monkeypatch):
+def test_a_tracker_that_cannot_start_stops_the_run_before_training(mrpc_slice, tiny_model, capsys, monkeypatch,
+                                                                   tmp_path):
     from xla_train.cli import main
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
@@ -137,3 +139,10 @@ def test_a_tracker_that_cannot_start_stops_the_run_before_training(mrpc_slice, t
                  "--max-steps", "1", "--report-to", "mlflow"]) == 2
     assert capsys.readouterr().err == ("xla-train: error: --report-to mlflow needs MLFLOW_TRACKING_URI or a local "
                                        "--output-dir\n")
+    # without the trackers extra (make test-torch's environment): one line naming it
+    for module in ("mlflow", "wandb"):
+        monkeypatch.setitem(sys.modules, module, None)  # `import mlflow` then raises ModuleNotFoundError
+        assert main(["train", "--backend", "cpu", "--model", str(tiny_model), "--data-dir", str(mrpc_slice),
+                     "--max-steps", "1", "--report-to", module, "--output-dir", str(tmp_path / module)]) == 2
+        assert capsys.readouterr().err == (f"xla-train: error: --report-to {module} needs {module}, which is not "
+                                           "installed: pip install 'xla-train[trackers]'\n")

@@ -5,6 +5,7 @@ start and the final metrics once at the end. A tracker that cannot start stops t
 training (one line); one that fails mid-run is warned about once and dropped, and training goes on.
 """
 
+import importlib
 import json
 import netrc
 import os
@@ -22,12 +23,13 @@ class MLflow:
     beside it."""
 
     def __init__(self, cfg, out, name):
-        from mlflow import MlflowClient
-        from mlflow.entities import Param
-
         uri = os.environ.get("MLFLOW_TRACKING_URI")
         if not uri and out is None:
             raise UserError("--report-to mlflow needs MLFLOW_TRACKING_URI or a local --output-dir")
+        _installed("mlflow")
+        from mlflow import MlflowClient
+        from mlflow.entities import Param
+
         self.client = MlflowClient(tracking_uri=uri or f"sqlite:///{out.resolve() / 'mlflow.db'}")
         experiment = self.client.get_experiment_by_name("xla-train")
         artifacts = (out.resolve() / "mlflow_artifacts").as_uri() if out is not None else None
@@ -56,7 +58,7 @@ class Wandb:
     folder (WANDB_DIR) in the output folder."""
 
     def __init__(self, cfg, out, name):
-        import wandb
+        wandb = _installed("wandb")
 
         if "WANDB_MODE" not in os.environ and not _wandb_key():
             os.environ["WANDB_MODE"] = "offline"
@@ -81,6 +83,17 @@ class Wandb:
         self.run.finish()
         if os.environ.get("WANDB_MODE") == "offline":
             print(f"wandb: offline run in {Path(folder).parent} (upload it with `wandb sync`)")
+
+
+def _installed(module):
+    """The tracker's module, or one line naming the extra that installs it."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name != module:
+            raise
+        raise UserError(f"--report-to {module} needs {module}, which is not installed: pip install "
+                        "'xla-train[trackers]'") from None
 
 
 def _wandb_key():
