@@ -19,13 +19,13 @@ from xla_train.cli import main
 GENERATE = ["--max-new-tokens", 8, "--buckets", "6,8", "--batch-size", 4]
 
 
-def run_predict(args, tmp_path, name):
+def run_predict(args, tmp_path, name, env=None):
     """`python -m xla_train predict ARGS` in a fresh process (fresh compilation counters), into
-    tmp_path/NAME.jsonl; returns (the output's rows, the metrics)."""
+    tmp_path/NAME.jsonl, with `env` added; returns (the output's rows, the metrics)."""
     out, metrics = tmp_path / f"{name}.jsonl", tmp_path / f"{name}-metrics.json"
     proc = subprocess.run([sys.executable, "-m", "xla_train", "predict", *map(str, args), "--output", str(out),
                            "--metrics-out", str(metrics)], cwd=ROOT, capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "PJRT_DEVICE": "CPU", "TOKENIZERS_PARALLELISM": "false"})
+                          env={**os.environ, "PJRT_DEVICE": "CPU", "TOKENIZERS_PARALLELISM": "false", **(env or {})})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads(line) for line in out.read_text().splitlines()], json.loads(metrics.read_text())
 
@@ -43,16 +43,19 @@ def cpu_greedy(learned_run, reverse_task, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def xla_greedy(learned_run, reverse_task, tmp_path_factory):
-    """The 24 held-out prompts on XLA:CPU, and 8 of them (4 of each bucket: every graph of the
-    24 again), each run in a fresh process."""
+    """The 24 held-out prompts on XLA:CPU, 8 of them (4 of each bucket: every graph of the 24
+    again), and the 24 under --strategy spmd on 4 XLA:CPU devices, each run in a fresh process."""
     _, model = learned_run
     tmp = tmp_path_factory.mktemp("generate_xla")
     rows = rows_of(reverse_task["held_out"])
     short = [r for r in rows if len(r["prompt"].split()) == 5][:4]  # reverse, 3 letters, =
     long = [r for r in rows if len(r["prompt"].split()) > 5][:4]
     eight = td.write_jsonl(tmp / "eight.jsonl", short + long)
-    return {n: run_predict(["--backend", "xla", "--model", model, "--input", source, *GENERATE], tmp, n)
+    runs = {n: run_predict(["--backend", "xla", "--model", model, "--input", source, *GENERATE], tmp, n)
             for n, source in (("all", reverse_task["held_out"]), ("eight", eight))}
+    runs["spmd"] = run_predict(["--backend", "xla", "--strategy", "spmd", "--model", model, "--input",
+                                reverse_task["held_out"], *GENERATE], tmp, "spmd", {"CPU_NUM_DEVICES": "4"})
+    return runs
 
 
 def test_cpu_completions_reverse_the_held_out_lists(cpu_greedy, reverse_task):
@@ -74,11 +77,19 @@ def test_xla_greedy_completions_equal_the_cpus(cpu_greedy, xla_greedy):
     assert xla_greedy["all"][1]["tokens_generated"] == cpu_greedy[1]["tokens_generated"]
 
 
+def test_spmd_splits_the_rows_over_the_devices_and_writes_the_same_completions(xla_greedy):
+    """--strategy spmd: each batch's rows are split over the 4 devices (the engine's input
+    sharding), and the completions and the graph bound are the single device's."""
+    rows, m = xla_greedy["spmd"]
+    assert rows == xla_greedy["all"][0] and m["world_size"] == 4 and xla_greedy["all"][1]["world_size"] == 1
+    assert m["xla"]["compiles"] <= 2 * 2 + 1 and m["xla"]["aten_fallbacks"] == 0, m["xla"]
+
+
 def test_xla_compiles_two_graphs_per_bucket_whatever_the_prompts(xla_greedy):
     """Per bucket the prompt's pass and the one-token step, plus the one that gathers a batch's
     tokens (the same for every bucket): 5 graphs for 24 prompts (6 batches, 48 token steps) and
     for 8, the tokens copied to the host once."""
-    xla = {n: m["xla"] for n, (_, m) in xla_greedy.items()}
+    xla = {n: m["xla"] for n, (_, m) in xla_greedy.items() if n != "spmd"}
     assert xla["all"]["compiles"] == xla["eight"]["compiles"] <= 2 * 2 + 1, xla
     assert xla["all"]["executions"] == 6 * 8 + 6  # a graph per token, one gather per batch
     assert xla["all"]["transfers"] == 1 and xla["all"]["aten_fallbacks"] == 0

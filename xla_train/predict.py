@@ -93,7 +93,8 @@ def _write_metrics(cfg, engine, padding, metrics):
     if not cfg.metrics_out:
         return
     stats = engine.compile_stats()
-    metrics = {**metrics, "backend": engine.runtime, "buckets": padding.buckets, **({"xla": stats} if stats else {})}
+    metrics = {**metrics, "backend": engine.runtime, "world_size": engine.data_parallel_size, "buckets": padding.buckets,
+               **({"xla": stats} if stats else {})}
     atomic_write(Path(cfg.metrics_out), json.dumps(metrics, indent=1) + "\n")
 
 
