@@ -60,7 +60,7 @@ class Accelerator(ABC):
     static_shapes = False
     # --compile (`Roles.use_compile`): why this device refuses it, or None where it compiles the
     # model with torch.compile; `compiling` once a run asked for it
-    compile_refusal = "it applies to the torch-native backends (cuda, cpu)"
+    compile_refusal = "it applies to the torch-native backends (cuda, tpu, cpu)"
     compiling = False
 
     @property

@@ -86,7 +86,7 @@ class XlaAccelerator(Accelerator):
     compile_seconds = 12.0  # one training graph of the bundled model on XLA:CPU, measured here
     token_seconds = 2e-3  # XLA:CPU, training step, per padded token
     compile_refusal = ("the xla backend compiles every step already; it applies to the torch-native backends "
-                       "(cuda, cpu)")
+                       "(cuda, tpu, cpu)")
 
     def __init__(self, virtual=False):
         # virtual: SPMD's one device that stands for every device of the process
