@@ -6,7 +6,8 @@ TEST = ["pytest<9.2", "pytest-xdist", "accelerate", "gcp-storage-emulator", "goo
         "nbclient", "nbformat", "ipykernel",
         "build", "setuptools", "wheel"]  # make dist and tests/test_install.py build the wheel
 
-XLA_TORCH = "torch==2.9.0"
+XLA_VERSION = "2.9.0"  # torch_xla's last release, and the torch release it was built for (see the extras)
+XLA_TORCH = f"torch=={XLA_VERSION}"
 
 setup(
     name="xla-train",
@@ -19,7 +20,7 @@ setup(
     package_data={"xla_train": ["data/mrpc/*.tsv", "tasks/task_metric/*.py"]},
     install_requires=[
         # The newest torch, up to the newest the tests ran on (`make test-torch`, .venv-torch: 2.13.0);
-        # the xla and tpu extras hold it at 2.9.0, the torch that torch_xla 2.9.0 pins.
+        # the xla and tpu extras hold it at 2.9.0, the torch torch_xla 2.9.0 was built for.
         "torch>=2.9,<2.14",
         "transformers>=5.0,<6",
         "datasets>=3.0",
@@ -37,8 +38,8 @@ setup(
         # torch_xla's last release (2.9.0) and the torch its _XLAC is built against. Its wheel does not
         # name that torch, so without the pin pip takes the newest torch install_requires admits, and
         # `import torch_xla` fails on an undefined symbol (CI, 2026-11-25). --backend xla:
-        "xla": [XLA_TORCH, "torch_xla==2.9.0"],  # XLA on PJRT's CPU (or GPU) device
-        "tpu": [XLA_TORCH, "torch_xla[tpu]==2.9.0"],  # adds libtpu, for Cloud TPU VMs and Colab TPU
+        "xla": [XLA_TORCH, f"torch_xla=={XLA_VERSION}"],  # XLA on PJRT's CPU (or GPU) device
+        "tpu": [XLA_TORCH, f"torch_xla[tpu]=={XLA_VERSION}"],  # adds libtpu, for Cloud TPU VMs and Colab TPU
         # TorchTPU (--backend tpu): torch 2.11-2.15 and libtpu. It cannot share an environment with
         # the xla and tpu extras, which hold torch at 2.9.
         "torchtpu": ["torch-tpu==0.2.0"],
@@ -48,7 +49,7 @@ setup(
         "profile": ["tensorboard-plugin-profile"],  # TensorBoard's Profile tab for --profile-steps
         "test": TEST,  # the tests without torch_xla (make test-torch)
         # every test (make test), and TRL for benchmarks/bench_sft.py (TRL's SFTTrainer side by side)
-        "dev": TEST + [XLA_TORCH, "torch_xla==2.9.0", "trl>=1.16,<2"],
+        "dev": TEST + [XLA_TORCH, f"torch_xla=={XLA_VERSION}", "trl>=1.16,<2"],
     },
     entry_points={"console_scripts": ["xla-train=xla_train.cli:main"]},
 )

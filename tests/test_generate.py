@@ -77,9 +77,11 @@ def test_xla_greedy_completions_equal_the_cpus(cpu_greedy, xla_greedy):
     assert xla_greedy["all"][1]["tokens_generated"] == cpu_greedy[1]["tokens_generated"]
 
 
-def test_spmd_splits_the_rows_over_the_devices_and_writes_the_same_completions(xla_greedy):
-    """--strategy spmd: each batch's rows are split over the 4 devices (the engine's input
-    sharding), and the completions and the graph bound are the single device's."""
+def test_spmd_over_four_devices_writes_the_single_devices_completions(xla_greedy):
+    """--strategy spmd on 4 XLA:CPU devices: the run's data-parallel size is 4 and its completions
+    and graph bound are the single device's. (The rows are split by the engine's input sharding,
+    as a training run's and a classifier's predictions are; this test does not look inside the
+    compiled graph to see the split.)"""
     rows, m = xla_greedy["spmd"]
     assert rows == xla_greedy["all"][0] and m["world_size"] == 4 and xla_greedy["all"][1]["world_size"] == 1
     assert m["xla"]["compiles"] <= 2 * 2 + 1 and m["xla"]["aten_fallbacks"] == 0, m["xla"]

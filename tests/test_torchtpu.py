@@ -47,6 +47,32 @@ def test_torch_xla_beside_another_torch_is_one_line():
         "'xla-train[xla]' (or [tpu]), which pins it")
 
 
+def test_a_google_host_with_torch_xla_beside_another_torch_is_one_line(monkeypatch, capsys):
+    """On a v5e/v6e host (a Google PCI device) the TPU check is torch_xla's own, which cannot
+    import beside another torch: `train` with --backend auto stops with the mismatch line, and
+    `env` still prints its report with the warning instead of a traceback."""
+    import importlib.util
+
+    from xla_train.core import xla
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "torch_xla"
+                        else find_spec(name, *a))
+    monkeypatch.setattr(xla.glob, "glob", lambda pattern: ["/sys/bus/pci/devices/0000:00:04.0/vendor"])
+    monkeypatch.setattr(xla, "_read", lambda path: "0x1ae0")  # Google's vendor id
+    monkeypatch.setattr(select, "installed_version", lambda name: "2.8.0" if name == "torch_xla" else None)
+    monkeypatch.delenv("PJRT_DEVICE", raising=False)
+    line = select.xla_torch_mismatch(torch.__version__, "2.8.0")
+    with pytest.raises(select.UserError, match="needs torch 2.8"):
+        xla.tpu_present(select.xla_problem())
+    assert main(["train"]) == 2 and capsys.readouterr().err == f"xla-train: error: {line}\n"
+    monkeypatch.setattr(select, "tpu_runtimes", lambda: {**NONE, "torch_xla": "2.8.0"})
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert f"warning       {line}" in out
+    assert out[-1] == "--backend auto -> none: the TPU check needs torch_xla, which cannot import beside this torch"
+
+
 def test_backend_tpu_from_the_cli_here(capsys):
     """Neither environment of the tests has torch_tpu: the line of this environment (with the
     torch_xla hint in .venv, without it in .venv-torch), exit 2, before any data or model is read."""

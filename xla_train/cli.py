@@ -79,11 +79,14 @@ def cmd_env(args):
     import torch
     import transformers
 
-    from .core.select import auto_backend, torch_accelerator, tpu_runtimes, xla_torch_mismatch
+    from .core.select import auto_backend, torch_accelerator, tpu_runtimes, xla_problem
     from .core.xla import tpu_present
 
-    runtimes, accelerator = tpu_runtimes(), torch_accelerator()
-    choice, reason = auto_backend(tpu_present(), accelerator, runtimes)
+    runtimes, accelerator, mismatch = tpu_runtimes(), torch_accelerator(), xla_problem()
+    try:
+        choice, reason = auto_backend(tpu_present(mismatch), accelerator, runtimes)
+    except UserError:  # a Google host whose TPU check needs torch_xla, which cannot import: the warning says why
+        choice, reason = "none", "the TPU check needs torch_xla, which cannot import beside this torch"
     print(f"torch         {torch.__version__}")
     for name, version in runtimes.items():  # the TPU runtimes, from their metadata: no runtime starts
         print(f"{name:<14}{version or 'not installed'}")
@@ -92,7 +95,6 @@ def cmd_env(args):
         print(f"accelerator   {accelerator} ({torch.accelerator.device_count()} device(s))")
     else:
         print("accelerator   none (torch sees the CPU only)")
-    mismatch = xla_torch_mismatch(torch.__version__, runtimes["torch_xla"])
     if mismatch:
         print(f"warning       {mismatch}")
     if runtimes["torch_xla"]:

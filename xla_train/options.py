@@ -69,7 +69,8 @@ class TrainOptions:
                                 "on XLA:CPU)")
     strategy: str = strategy_option()
     compile: bool = option(False, "compile the model with torch.compile on the torch-native backends (cuda: with CUDA "
-                           "graphs; cpu), one graph per bucket length; xla compiles every step already")
+                           "graphs; tpu: TorchTPU's compiler; cpu), one graph per bucket length; xla compiles every "
+                           "step already")
     # hyperparameters (the course's: AdamW, linear schedule, 3 epochs, batch 8)
     epochs: int = option(3, "passes over the training data")
     batch_size: int = option(8, "per replica")

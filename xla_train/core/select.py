@@ -77,11 +77,16 @@ def auto_backend(tpu_attached, accelerator, runtimes):
     return "cpu", "no TPU or CUDA device found"
 
 
+def xla_problem():
+    """Why the installed torch_xla cannot be imported beside this torch, or None."""
+    return xla_torch_mismatch(torch.__version__, installed_version("torch_xla"))
+
+
 def auto_choice():
     """(backend name, reason) that `--backend auto` picks on this host."""
     from .xla import tpu_present  # imports no torch_xla
 
-    return auto_backend(tpu_present(), torch_accelerator(), tpu_runtimes())
+    return auto_backend(tpu_present(xla_problem()), torch_accelerator(), tpu_runtimes())
 
 
 def no_torchtpu_line(runtimes):
@@ -130,7 +135,7 @@ def _check_torchtpu():
 def _xla_roles(num_processes, strategy):
     if not xla_available():
         raise UserError("--backend xla needs torch_xla: pip install 'xla-train[tpu]' (or [xla] for CPU)")
-    mismatch = xla_torch_mismatch(torch.__version__, installed_version("torch_xla"))
+    mismatch = xla_problem()
     if mismatch:
         raise UserError(mismatch)
     from . import launchers, xla

@@ -44,8 +44,10 @@ def _register_attention():
     AttentionMaskInterface.register(XLA_ATTENTION, always_materialised_mask)
 
 
-def tpu_present():
-    """Whether this host has a TPU, checked without starting any runtime."""
+def tpu_present(xla_problem=None):
+    """Whether this host has a TPU, checked without starting any runtime. `xla_problem`: why
+    torch_xla cannot be imported here (select.xla_problem), raised as a UserError where the check
+    takes torch_xla."""
     # PJRT_DEVICE=TPU set by the user counts; a TPU VM exposes its v4 chips as /dev/accel*. Its
     # v5e/v6e chips sit behind /dev/vfio, which any host passing a PCI device through has too, so
     # those are told by torch_xla's own PCI check (Google's vendor id and the TPU device ids:
@@ -58,6 +60,8 @@ def tpu_present():
     google = any(_read(p) == "0x1ae0" for p in glob.glob("/sys/bus/pci/devices/*/vendor"))
     if not google or importlib.util.find_spec("torch_xla") is None:
         return False
+    if xla_problem:  # importing torch_xla would fail (an undefined symbol), so its check cannot run
+        raise UserError(xla_problem)
     from torch_xla._internal import tpu
 
     return tpu.num_available_chips() > 0
@@ -85,8 +89,7 @@ class XlaAccelerator(Accelerator):
     static_shapes = True
     compile_seconds = 12.0  # one training graph of the bundled model on XLA:CPU, measured here
     token_seconds = 2e-3  # XLA:CPU, training step, per padded token
-    compile_refusal = ("the xla backend compiles every step already; it applies to the torch-native backends "
-                       "(cuda, tpu, cpu)")
+    compile_refusal = f"the xla backend compiles every step already; {Accelerator.compile_refusal}"
 
     def __init__(self, virtual=False):
         # virtual: SPMD's one device that stands for every device of the process
