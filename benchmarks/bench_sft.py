@@ -48,9 +48,9 @@ ours' packed rows and collator reproduces ours' losses to 4 digits and on TRL's 
 TRL's; TRL's packed rows through ours' loader, collator and forward (seed 42) end at 0.117. So
 `--seeds` trains the packed and trl cases once per seed (same steps, lr, batch), and the tables
 give the eval loss's mean, min and max over the seeds beside the first seed's figures; compare
-the means. Over 20 seeds (42, 1 to 19; 2026-11-26) the means were 0.518 (ours) and 0.409 (TRL),
-not told apart (rank-sum p 0.29); with `--max-steps 306` (3 epochs) and 10 seeds, 0.0275 and
-0.0063 (p 0.08): a few of ours' seeds lag (RESULTS.md).
+the means. Over 20 seeds (42, 1 to 19; 2026-11-26) the means were 0.518 (ours) and 0.409 (TRL)
+at 150 steps (rank-sum p 0.29), and 0.0209 and 0.0161 with `--max-steps 306` (3 epochs; p 0.40):
+equal within what 20 seeds resolve, with lagging seeds in both trainers (RESULTS.md).
 
 The `eval loss` column is one function of the bench for every case: the saved model on the CPU in
 fp32, each validation document alone (tokenised as the package tokenises it), the cross-entropy
