@@ -50,7 +50,8 @@ def test_torch_xla_beside_another_torch_is_one_line():
 def test_a_google_host_with_torch_xla_beside_another_torch_is_one_line(monkeypatch, capsys):
     """On a v5e/v6e host (a Google PCI device) the TPU check is torch_xla's own, which cannot
     import beside another torch: `train` with --backend auto stops with the mismatch line, and
-    `env` still prints its report with the warning instead of a traceback."""
+    `env` still prints its report with the warning instead of a traceback; where torch sees CUDA
+    the check is not asked."""
     import importlib.util
 
     from xla_train.core import xla
@@ -71,6 +72,9 @@ def test_a_google_host_with_torch_xla_beside_another_torch_is_one_line(monkeypat
     out = capsys.readouterr().out.splitlines()
     assert f"warning       {line}" in out
     assert out[-1] == "--backend auto -> none: the TPU check needs torch_xla, which cannot import beside this torch"
+    # a Google GPU host: torch sees CUDA, so no TPU check runs and auto picks CUDA (no TPU VM has CUDA)
+    monkeypatch.setattr(select, "torch_accelerator", lambda: "cuda")
+    assert select.auto_choice() == ("cuda", "torch sees CUDA devices")
 
 
 def test_backend_tpu_from_the_cli_here(capsys):

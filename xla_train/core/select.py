@@ -82,11 +82,19 @@ def xla_problem():
     return xla_torch_mismatch(torch.__version__, installed_version("torch_xla"))
 
 
-def auto_choice():
-    """(backend name, reason) that `--backend auto` picks on this host."""
+def tpu_attached(accelerator):
+    """Whether a TPU is attached (xla.tpu_present), asked only where torch sees no accelerator (a
+    TPU VM has no CUDA device, and TorchTPU's tpu device is one): on a Google GPU host the check
+    would need torch_xla, which may be installed beside a torch it cannot import with."""
     from .xla import tpu_present  # imports no torch_xla
 
-    return auto_backend(tpu_present(xla_problem()), torch_accelerator(), tpu_runtimes())
+    return accelerator is None and tpu_present(xla_problem())
+
+
+def auto_choice():
+    """(backend name, reason) that `--backend auto` picks on this host."""
+    accelerator = torch_accelerator()
+    return auto_backend(tpu_attached(accelerator), accelerator, tpu_runtimes())
 
 
 def no_torchtpu_line(runtimes):
