@@ -79,11 +79,11 @@ def cmd_env(args):
     import torch
     import transformers
 
-    from .core.select import auto_backend, torch_accelerator, tpu_attached, tpu_runtimes, xla_problem
+    from .core.select import auto_choice, torch_accelerator, tpu_runtimes, xla_problem
 
     runtimes, accelerator, mismatch = tpu_runtimes(), torch_accelerator(), xla_problem()
     try:
-        choice, reason = auto_backend(tpu_attached(accelerator), accelerator, runtimes)
+        choice, reason = auto_choice()
     except UserError:  # a Google host whose TPU check needs torch_xla, which cannot import: the warning says why
         choice, reason = "none", "the TPU check needs torch_xla, which cannot import beside this torch"
     print(f"torch         {torch.__version__}")
