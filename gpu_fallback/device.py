@@ -14,6 +14,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from xla_train.core.errors import UserError, first_line
 from xla_train.core.roles import Accelerator
 
 from .launcher import launched_by_torchrun
@@ -38,8 +39,9 @@ COMPILE_TIMERS = ("_compile.compile_inner", "compile_fx.<locals>.bw_compiler")
 
 
 class TorchAccelerator(Accelerator):
-    """A device of plain torch: `device_type` "cuda" or "tpu" (one device per process, LOCAL_RANK's)
-    or "cpu" (the host, which `torch.accelerator` does not count as an accelerator).
+    """A device of plain torch: `device_type` "cuda" (one device per process, LOCAL_RANK's), "tpu"
+    (one chip per process, which the process sees as `tpu:0`) or "cpu" (the host, which
+    `torch.accelerator` does not count as an accelerator).
 
     TorchTPU (torch_tpu 0.2.0, read in its wheel; docs/torchtpu.md) makes "tpu" a device like
     CUDA's: PrivateUse1 renamed "tpu" and `torch.tpu` registered as its module
@@ -74,12 +76,24 @@ class TorchAccelerator(Accelerator):
     def device(self):
         if not self.accelerated:
             return torch.device("cpu")
+        if self.name == "tpu":
+            # TorchTPU makes LOCAL_RANK's chip the only one a worker sees (TPU_VISIBLE_CHIPS; torch_tpu
+            # common/environment.cc, InitializeDistributedEnvironment): index 0, whatever the rank
+            return torch.device("tpu", 0)
         return torch.device(self.name, int(os.environ.get("LOCAL_RANK", 0)))
+
+    @property
+    def _which(self):
+        """The device argument of the device module's and torch.accelerator's calls: CUDA's device of
+        this process; none on TorchTPU, whose calls take the current device and refuse any index but
+        the current one (torch.tpu.set_device: "Changing the active TPU device within a process is not
+        supported"; get_rng_state/set_rng_state: _rng_validate_device_index)."""
+        return () if self.name == "tpu" else (self.device,)
 
     def describe(self):
         if not self.accelerated:
             return f"cpu ({torch.get_num_threads()} threads)"
-        return self._module.get_device_name(self.device)
+        return self._module.get_device_name(*self._which)
 
     def default_processes(self):
         """Workers on this host when --num-processes is not given: one per device."""
@@ -88,14 +102,39 @@ class TorchAccelerator(Accelerator):
     def prepare_launch(self, processes):
         """In the launching process, before it starts `processes` workers on this host: TorchTPU's
         ranks must agree on addresses, topology and profiling session, which its
-        set_tpu_launch_env decides in the parent (torch_tpu/_internal/distributed/distributed.py:17-35,
-        :328; it sets only variables not already set, so an operator may pin them)."""
-        if self.name == "tpu":
+        set_tpu_launch_env decides in the parent (torch_tpu/_internal/distributed/distributed.py,
+        set_tpu_launch_env; it sets only variables not already set, so an operator may pin them). On a
+        slice of several hosts it also sets NNODES, NODE_RANK, MASTER_ADDR and MASTER_PORT, which the
+        launcher keeps (launcher.worker_environments). A process count that its topology table does
+        not know (torch_tpu/_internal/utils/hardware.py, get_tpu_topology: 1, 4 or 8 chips on v5e and
+        v6e; 1, 2, 4 or 8 on v4 and v5p; 2, 4 or 8 on v7) ends in one line."""
+        if self.name != "tpu":
+            return
+        try:
             self._module.distributed.set_tpu_launch_env(nproc_per_node=processes)
+        except (RuntimeError, ValueError) as e:  # its documented ValueErrors; get_tpu_topology's RuntimeError
+            line = f"--backend tpu: TorchTPU cannot start {processes} process(es) on this host: {first_line(e)}"
+            if isinstance(e, RuntimeError):
+                line += (" (its topology table knows 1, 4 or 8 chips on v5e and v6e, 1, 2, 4 or 8 on v4 and v5p, "
+                         "2, 4 or 8 devices on v7): give --num-processes one of those, or leave it out (one "
+                         "process per chip)")
+            raise UserError(line) from None
+
+    def fork_refusal(self):
+        """Why workers cannot be forked from this process now (None: they can). TorchTPU refuses the
+        TPU to a child forked after its runtime started in the parent (torch_tpu/_internal/device/
+        _device_module.py, _lazy_init and _init_runtime_options: "cannot access or re-initialize TPU
+        in a forked subprocess")."""
+        if self.name == "tpu" and self._module.is_initialized():
+            return ("--backend tpu: TorchTPU's runtime already started in this process, and a forked worker "
+                    "cannot use the TPU: call notebook_launcher before anything runs on the TPU (restart the "
+                    "notebook's kernel first), or start the job with xla-train train")
+        return None
 
     def setup(self):
-        if self.accelerated and launched_by_torchrun():
-            torch.accelerator.set_device_index(self.device)  # before the NCCL group, which binds to the current device
+        # before the NCCL group, which binds to the current device; TorchTPU's one chip is current already
+        if self.name == "cuda" and launched_by_torchrun():
+            torch.accelerator.set_device_index(self.device)
 
     def wrap_loader(self, loader, sharding=None):
         return _DeviceLoader(loader, self.device)
@@ -129,27 +168,27 @@ class TorchAccelerator(Accelerator):
     def rng_state(self):
         if not hasattr(self._module, "get_rng_state"):
             return super().rng_state()
-        return torch.cat([torch.get_rng_state(), self._module.get_rng_state(self.device)])
+        return torch.cat([torch.get_rng_state(), self._module.get_rng_state(*self._which)])
 
     def set_rng_state(self, state):
         super().set_rng_state(state)
         if hasattr(self._module, "set_rng_state"):
-            self._module.set_rng_state(state[len(torch.get_rng_state()):].clone(), self.device)
+            self._module.set_rng_state(state[len(torch.get_rng_state()):].clone(), *self._which)
 
     def synchronize(self):
         if self.accelerated:
-            torch.accelerator.synchronize(self.device)
+            torch.accelerator.synchronize(*self._which)
 
     def device_memory(self):
         # torch.cuda's and torch.tpu's device properties both carry total_memory (the HBM of one TPU
         # device: torch_tpu/_internal/device/_device_module.py:989, :1054)
-        return self._module.get_device_properties(self.device).total_memory if self.accelerated else None
+        return self._module.get_device_properties(*self._which).total_memory if self.accelerated else None
 
     def device_kind(self):
         return self.describe() if self.accelerated else None
 
     def peak_memory(self):
-        return torch.accelerator.max_memory_allocated(self.device) if self.accelerated else None
+        return torch.accelerator.max_memory_allocated(*self._which) if self.accelerated else None
 
 
 class _DeviceLoader:

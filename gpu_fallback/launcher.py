@@ -24,6 +24,35 @@ def _free_port():
         return s.getsockname()[1]
 
 
+def _hosts(several_hosts):
+    """The hosts a launch spans: NNODES where a TPU slice's hosts are read from the environment, else 1."""
+    return int(os.environ.get("NNODES", 1)) if several_hosts else 1
+
+
+def worker_environments(nprocs, several_hosts=False):
+    """The variables of each of this host's `nprocs` workers, as torchrun sets them (RANK,
+    LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT). One host: the workers are the world, on a free
+    port of the loopback. `several_hosts` (TorchTPU): where the environment says a slice of several
+    hosts, as set_tpu_launch_env leaves it (NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT: torch_tpu
+    0.2.0, _internal/distributed/distributed.py), every host's workers form one world, ranked host by
+    host (RANK = NODE_RANK * nprocs + LOCAL_RANK), as torchrun ranks them
+    (examples/distributed/tensor_parallel/manual/launch_multihost.sh in TorchTPU's repository)."""
+    nnodes = _hosts(several_hosts)
+    if nnodes > 1:
+        missing = [name for name in ("NODE_RANK", "MASTER_ADDR") if not os.environ.get(name)]
+        if missing:
+            raise UserError(f"NNODES={nnodes} (several hosts) needs {' and '.join(missing)} as well: set them, or "
+                            "let TorchTPU's set_tpu_launch_env set all of them (unset NNODES)")
+        node_rank = int(os.environ["NODE_RANK"])
+        if not 0 <= node_rank < nnodes:
+            raise UserError(f"NODE_RANK={node_rank} is not a host of NNODES={nnodes} (0 to {nnodes - 1})")
+        master = {"MASTER_ADDR": os.environ["MASTER_ADDR"], "MASTER_PORT": os.environ.get("MASTER_PORT", "29500")}
+    else:
+        node_rank, master = 0, {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    return [{**master, "WORLD_SIZE": str(nnodes * nprocs), "RANK": str(node_rank * nprocs + local_rank),
+             "LOCAL_RANK": str(local_rank)} for local_rank in range(nprocs)]
+
+
 class TorchLauncher(Launcher):
     """One process per device (`default_processes()`: the accelerator's count), `num_processes`
     gloo workers on the CPU, or the processes torchrun started."""
@@ -42,7 +71,8 @@ class TorchLauncher(Launcher):
             roles.run_worker(fn, args)  # torchrun started this process already
             return
         roles.accelerator.prepare_launch(nprocs)
-        if nprocs == 1:
+        several_hosts = roles.accelerator.name == "tpu"  # a TPU slice's hosts, from set_tpu_launch_env
+        if nprocs == 1 and _hosts(several_hosts) == 1:
             roles.run_worker(fn, args)
             return
         # spawn by default: a forked child of a process whose OpenMP pool already ran can hang.
@@ -50,7 +80,10 @@ class TorchLauncher(Launcher):
         # notebook_launcher forks before the notebook has run torch ops in parallel, as Accelerate's does.
         # A worker that fails leaves its one-line message in the launch's folder and this process
         # prints it: torch stops the other workers as soon as one exits, maybe before they could print.
-        env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(nprocs)}
+        refusal = start_method == "fork" and roles.accelerator.fork_refusal()
+        if refusal:
+            raise UserError(refusal)
+        envs = worker_environments(nprocs, several_hosts)
         # When one worker exits with an error, torch stops the others and logs each one it
         # terminates; the worker's own message says what happened.
         spawn_log = logging.getLogger("torch.multiprocessing.spawn")
@@ -59,7 +92,7 @@ class TorchLauncher(Launcher):
         try:
             with failure_channel() as errors:
                 try:
-                    torch.multiprocessing.start_processes(_worker, args=(roles, env, fn, args), nprocs=nprocs,
+                    torch.multiprocessing.start_processes(_worker, args=(roles, envs, fn, args), nprocs=nprocs,
                                                           start_method=start_method)
                 except torch.multiprocessing.ProcessExitedException as e:
                     if e.exit_code is None or e.exit_code < 0:  # killed by a signal it did not handle
@@ -85,8 +118,8 @@ class TorchLauncher(Launcher):
             raise Stopped(*stopped)
 
 
-def _worker(local_rank, roles, env, fn, args):
-    os.environ.update(env, RANK=str(local_rank), LOCAL_RANK=str(local_rank))
+def _worker(local_rank, roles, envs, fn, args):
+    os.environ.update(envs[local_rank])
     try:
         roles.launcher.run_worker(roles, fn, args, report_stop=True)
     except ExitError as e:

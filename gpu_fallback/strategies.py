@@ -64,8 +64,11 @@ class Ddp(TorchStrategy):
         device = self.accelerator.device
         model = model.to(device)
         if self.world_size > 1:
-            # DDP broadcasts rank 0's parameters, so every replica starts identical.
-            model = DistributedDataParallel(model, device_ids=[device.index] if device.index is not None else None)
+            # DDP broadcasts rank 0's parameters, so every replica starts identical. device_ids: CUDA's
+            # device of this process; none on the CPU, nor on TorchTPU, whose workers each see their one
+            # chip as the current device (its tutorial docs/notebooks/distributed_training_101.py: "we
+            # don't pass device_ids to DDP")
+            model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
         return model
 
     def unwrap_model(self, model):
@@ -102,6 +105,9 @@ class Fsdp2(TorchStrategy):
     def wrap_model(self, model):
         from torch.distributed.fsdp import fully_shard
 
+        # placed before the mesh: torch's DeviceMesh sets the device to LOCAL_RANK's only where the
+        # device's runtime has not started (device_mesh.py, _setup_world_group_and_device), which
+        # TorchTPU would refuse on every worker but the first
         model = model.to(self.accelerator.device)
         if not dist.is_initialized():
             return model  # one process: nothing to shard over

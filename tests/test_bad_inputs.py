@@ -4,6 +4,7 @@ they were."""
 
 import hashlib
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -166,6 +167,17 @@ def test_unknown_model_name_offline(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+def test_a_name_that_is_no_folder_where_the_hub_cannot_be_reached(tmp_path):
+    """An air-gapped host (the hub's address refuses here): one line at once, saying both, not
+    huggingface_hub's five retries printed over half a minute."""
+    proc, _ = run_cli(["--backend", "cpu", "--model", "some_name_that_is_no_folder"], tmp_path,
+                      env={"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "0"})
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "xla-train: error: cannot load model 'some_name_that_is_no_folder': no such folder, and it is not in the "
+        "hub's cache (http://127.0.0.1:9 cannot be reached from here)"]
+
+
 def test_harmless_encodings_are_accepted(tmp_path):
     """A byte-order mark and Windows line endings, as spreadsheet programs save files, read the
     same rows as plain UTF-8 (GLUE's TSV and own CSV)."""
@@ -269,11 +281,12 @@ def test_model_loading_tells_a_bad_model_from_a_bug(tmp_path):
     from xla_train.models import load_pretrained
     from xla_train.tasks import from_folder
 
+    name = str(tmp_path)  # a folder: no question to the hub
     for error in (OSError("no file named model.safetensors"), ValueError("Unrecognized model")):
-        with pytest.raises(UserError, match=f"^cannot load model 'm': {error}$"):
-            load_pretrained(_Loader(error), "m")
+        with pytest.raises(UserError, match=f"^cannot load model {re.escape(repr(name))}: {error}$"):
+            load_pretrained(_Loader(error), name)
     with pytest.raises(TypeError, match="unexpected keyword"):  # a bug: not a user's error
-        load_pretrained(_Loader(TypeError("unexpected keyword argument 'num_label'")), "m")
+        load_pretrained(_Loader(TypeError("unexpected keyword argument 'num_label'")), name)
     (tmp_path / "config.json").write_text("{}")  # no model_type: transformers raises ValueError
     with pytest.raises(UserError, match="not a transformers model folder .Unrecognized model"):
         from_folder(tmp_path)

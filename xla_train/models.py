@@ -4,7 +4,9 @@ the task's own (tasks/); torch and transformers are imported on first use (`--he
 bundled model's name from here)."""
 
 import contextlib
+import functools
 import io
+import os
 import warnings
 from pathlib import Path
 
@@ -36,11 +38,62 @@ def load_pretrained(cls, name, **kwargs):
     # OSError: missing files, an unknown or invalid hub name (huggingface_hub's errors, wrapped);
     # ValueError: no or unknown model_type, a broken tokenizer file (JSONDecodeError);
     # SafetensorError: damaged weights; RuntimeError: weights that do not fit their config.json
+    kwargs = {**kwargs, **_offline(name)}
     try:
         with quiet_transformers():
             return cls.from_pretrained(name, **kwargs)
     except (OSError, ValueError, SafetensorError, RuntimeError) as e:
         raise UserError(f"cannot load model {name!r}: {first_line(e)}")
+
+
+def _offline(name):
+    """For a name that is no folder here, where the model hub cannot be reached (an air-gapped TPU
+    VM): read it from the hub's cache (`local_files_only`), or stop in one line. huggingface_hub
+    would otherwise retry the connection five times, printing each, over half a minute."""
+    if Path(name).expanduser().exists() or hub_reachable():
+        return {}
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    try:
+        cached = isinstance(try_to_load_from_cache(str(name), "config.json"), str)
+    except ValueError:  # not a valid hub name either (HFValidationError)
+        cached = False
+    if cached:
+        return {"local_files_only": True}
+    why = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else f"{constants.ENDPOINT} cannot be reached from here"
+    raise UserError(f"cannot load model {name!r}: no such folder, and it is not in the hub's cache ({why})")
+
+
+@functools.lru_cache(maxsize=None)
+def hub_reachable(timeout=5.0):
+    """Whether a connection to the model hub opens (once per process). Behind a proxy (HTTPS_PROXY)
+    the hub's own client decides, as only it goes through the proxy."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return True
+    url = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout).close()
+        return True
+    except OSError:  # no name resolution, no route, refused, timed out
+        return False
+
+
+def seed_host(seed):
+    """Seeds the CPU's generator only, which draws a new head in the launching process.
+    `torch.manual_seed` would seed every device's too, and on TorchTPU that starts its runtime
+    here (torch/random.py, _seed_custom_device -> torch.tpu.manual_seed_all; torch_tpu's
+    device_gen_impl.cc, SetManualSeedAll) and claims the chips the workers need. Each worker
+    seeds its own device (Engine.seed)."""
+    import torch
+
+    torch.random.default_generator.manual_seed(seed)
 
 
 def position_limit(config, tokenizer):

@@ -87,9 +87,9 @@ class CausalLM(Task):
         (--precision bf16 is autocast), without a key/value cache (training reads each row once)."""
         import torch
 
-        from ..models import load_pretrained, no_cache, shown_name
+        from ..models import load_pretrained, no_cache, seed_host, shown_name
 
-        torch.manual_seed(seed)
+        seed_host(seed)
         model = load_pretrained(_causal_lm(), name, dtype=torch.float32)
         window = window_shorter_than(model.config, self.max_length)
         if window:

@@ -42,9 +42,9 @@ class SequenceTask(Task):
         import torch
         from transformers import AutoConfig
 
-        from ..models import load_pretrained, no_cache, shown_name
+        from ..models import load_pretrained, no_cache, seed_host, shown_name
 
-        torch.manual_seed(seed)
+        seed_host(seed)
         options = self.head_options()
         config = load_pretrained(AutoConfig, name)
         if config.pad_token_id is None and pad_token_id is not None:
