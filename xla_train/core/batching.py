@@ -42,6 +42,7 @@ class BatchPlan(torch.utils.data.Sampler):
 
     Every global batch holds `batch_size * num_replicas` rows padded to one length; replica r
     takes rows [r*batch_size, (r+1)*batch_size), so all replicas run the same shape at each step.
+    (Under SPMD a "replica" is a host's one process, and `batch_size` the rows of all its devices.)
     The last short global batch is filled: for training with repeats of other rows (like
     `DistributedSampler`), for evaluation with masked rows (`valid=0`) that metrics drop, so
     every evaluation row is scored exactly once.

@@ -2,16 +2,18 @@
 
 import torch
 
+from .ties import untied
+
 
 def trained_state(model, live=False):
     """What a checkpoint keeps of `model`: its whole state, or, when part of it is frozen (LoRA's
     base), the trained parameters only; the frozen ones come again from the model's own files.
     Which are trained is read from the state's own values (`keep_vars`), so the keys may differ
     from `named_parameters()`' (under FSDPv2 the state's keys lose the wrappers' `_orig_module.`,
-    core.xla._drop_wrapper_keys; the parameters' names keep it). A trained tied parameter
-    appears under each of its keys. `live`: the parameters and buffers themselves (to load into
-    in place), not detached views."""
-    state = model.state_dict(keep_vars=True)
+    core.xla._drop_wrapper_keys; the parameters' names keep it). A tied parameter (an output
+    projection that is the input embedding) appears once, under its first key (`core.ties.untied`).
+    `live`: the parameters and buffers themselves (to load into in place), not detached views."""
+    state = untied(model.state_dict(keep_vars=True))
     keep = (lambda v: v) if live else (lambda v: v.detach())
     if all(v.requires_grad for v in state.values() if isinstance(v, torch.nn.Parameter)):
         return {k: keep(v) for k, v in state.items()}

@@ -32,6 +32,7 @@ from .errors import UserError, describe
 from .hf import quiet_transformers
 from .roles import Roles, active_roles, optimizer_params
 from .select import select_roles
+from .ties import retie, ties, untied
 from .shapes import even_buckets
 
 
@@ -127,7 +128,7 @@ class Engine:
         """
         modules = [o for o in objects if isinstance(o, torch.nn.Module)]
         before = [list(m.parameters()) for m in modules]
-        moved = {id(m): self._compiled(self.strategy.wrap_model(self.accelerator.adapt_model(m))) for m in modules}
+        moved = {id(m): self._compiled(self._moved(self.accelerator.adapt_model(m))) for m in modules}
         self._model = moved[id(modules[-1])] if modules else self._model  # for no_sync on micro-steps
         remap = {}
         for m, old in zip(modules, before):
@@ -146,6 +147,14 @@ class Engine:
                 out.append(o)
         return tuple(out) if len(out) > 1 else out[0]
 
+    def _moved(self, model):
+        """`model` on the device and wrapped by the strategy, its tied parameters one again (XLA's
+        move unties them: core.ties)."""
+        groups = ties(model)
+        wrapped = self.strategy.wrap_model(model)
+        retie(groups)
+        return wrapped
+
     def _compiled(self, model):
         return self.accelerator.compile(model) if self.accelerator.compiling else model
 
@@ -153,12 +162,17 @@ class Engine:
         if (self.accelerator.static_shapes and isinstance(loader.collate_fn, DataCollatorWithPadding)
                 and hasattr(loader.dataset, "with_format")):
             loader = _static_shape_loader(loader)
+        # Each process that loads rows takes its own share of every global batch: a replica (ddp,
+        # FSDP2), or under SPMD each host's one process (`peers`: the hosts; `rank`: the process
+        # index), which loads the rows of every device it feeds (its part of the data-parallel
+        # devices) and hands them to torch_xla as its part of the global batch (XlaSpmd.input_sharding).
+        loaders = self.strategy.peers
         plan = loader.batch_sampler
         if isinstance(plan, BatchPlan):
-            plan.shard(self.world_size, self.rank)
-            plan.batch_size *= self.strategy.devices_per_process  # SPMD: one process feeds them all
-        elif self.world_size > 1:
-            sampler = torch.utils.data.DistributedSampler(loader.dataset, self.world_size, self.rank,
+            plan.shard(loaders, self.rank)
+            plan.batch_size *= self.data_parallel_size // loaders  # the devices this process feeds
+        elif loaders > 1:
+            sampler = torch.utils.data.DistributedSampler(loader.dataset, loaders, self.rank,
                                                           shuffle=not isinstance(loader.sampler,
                                                                                  torch.utils.data.SequentialSampler))
             loader = torch.utils.data.DataLoader(loader.dataset, batch_size=loader.batch_size, sampler=sampler,
@@ -290,7 +304,8 @@ class Engine:
         config beside it (its labels)."""
         model = self.unwrap_model(model)
         adapter = hasattr(model, "peft_config")
-        state = trained_state(model) if adapter else model.state_dict()
+        # a tied tensor once: transformers' save_pretrained writes it once and ties it on load
+        state = trained_state(model) if adapter else {k: v.detach() for k, v in untied(model.state_dict(keep_vars=True)).items()}
         weights = self.to_host(list(state.values()), main_only=True)
 
         def write():

@@ -40,7 +40,17 @@ def _register_attention():
         kwargs["allow_is_causal_skip"] = False
         return sdpa_mask(*args, **kwargs)
 
-    AttentionInterface.register(XLA_ATTENTION, sdpa_attention_forward)
+    def one_dtype_sdpa(module, query, key, value, *args, **kwargs):
+        # torch_xla's autocast casts linear, matmul and bmm, not scaled_dot_product_attention (CUDA's
+        # casts all three of its inputs): the rotary embedding hands q and k back in fp32 beside a
+        # bf16 v, which sdpa refuses. All three go in autocast's dtype, as CUDA's autocast does.
+        device = query.device.type
+        if torch.is_autocast_enabled(device):
+            dtype = torch.get_autocast_dtype(device)
+            query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+        return sdpa_attention_forward(module, query, key, value, *args, **kwargs)
+
+    AttentionInterface.register(XLA_ATTENTION, one_dtype_sdpa)
     AttentionMaskInterface.register(XLA_ATTENTION, always_materialised_mask)
 
 
@@ -115,7 +125,11 @@ class XlaAccelerator(Accelerator):
         return f"{self.device} ({xr.device_type()})"
 
     def adapt_model(self, model):
-        if hasattr(model, "set_attn_implementation") and model.config._attn_implementation in ("sdpa", "eager"):
+        # Only where the model's own sdpa path computes what its eager one does: Gemma 2's eager
+        # attention soft-caps the scores, which sdpa cannot (Gemma2PreTrainedModel._supports_sdpa is
+        # False), so such a model keeps its eager attention (whose causal mask reads nothing on the host).
+        if (hasattr(model, "set_attn_implementation") and model.config._attn_implementation in ("sdpa", "eager")
+                and getattr(model, "_supports_sdpa", True)):
             model.set_attn_implementation(XLA_ATTENTION)
         return model
 
@@ -372,7 +386,8 @@ class XlaDdp(Strategy):
 
 class XlaSpmd(XlaDdp):
     """SPMD: one process per host drives every device; each batch is split over the mesh's data
-    axes (2-D inputs; 1-D labels are small and stay replicated) and the partitioner inserts the
+    axes (on one host 2-D inputs, 1-D labels being small and replicated; on several, each host
+    loads its own rows and every tensor is split: `input_sharding`) and the partitioner inserts the
     collectives. The world size is 1, but every host has a process (`peers`). Its accelerator is
     virtual (one device for all of them)."""
 
@@ -431,8 +446,12 @@ class XlaSpmd(XlaDdp):
 
     def input_sharding(self):
         import torch_xla.distributed.spmd as xs
+        import torch_xla.runtime as xr
 
-        return xs.ShardingSpec(self.mesh(), self.batch_spec(2))
+        if xr.process_count() == 1:
+            # One host: its batch is the global batch, 2-D inputs split by rows, the rest replicated
+            return xs.ShardingSpec(self.mesh(), self.batch_spec(2))
+        return _HostRows(self)
 
     @property
     def peers(self):  # one replica (world_size 1), but a process on every host
@@ -733,3 +752,35 @@ def _shard_output(output, mesh, strategy):
         tensor = output[0] if isinstance(output, (tuple, list)) and isinstance(output[0], torch.Tensor) else None
     if tensor is not None and tensor.dim() > 0:
         xs.mark_sharding(tensor, mesh, strategy.batch_spec(tensor.dim()))
+
+
+class _HostRows:
+    """The input sharding under SPMD on several hosts: each host's process loads only its own
+    rows of the global batch (Engine._prepare_loader), and torch_xla takes them as that host's
+    part of it (`minibatch`: the global batch is the host's rows times the hosts; the host's
+    devices take consecutive slices of them: csrc/init_python_bindings.cpp, XlaShardingSpec's
+    constructor; csrc/xla_sharding_util.cpp, ShardTensor and GetShardIndicesForMinibatchTensor).
+    Every tensor of the batch with rows is split by rows, whatever its rank: one left whole would
+    be replicated from each host's own rows (a ShardingSpec applies only to tensors of its rank:
+    distributed/spmd/xla_sharding.py, ShardingSpec.xla_spec and can_apply), so 1-D labels, the
+    filler mask and row numbers would differ from host to host.
+
+    It offers what torch_xla reads of a ShardingSpec here: MpDeviceLoader hands an input
+    sharding that is not a dict to `xm.send_cpu_data_to_device` (distributed/parallel_loader.py,
+    ParallelLoader.send_cpu_data_to_device), which reads `minibatch` and `xla_spec(tensor)` only
+    (core/xla_model.py, send_cpu_data_to_device)."""
+
+    minibatch = True
+
+    def __init__(self, strategy):
+        self.strategy, self.specs = strategy, {}
+
+    def xla_spec(self, tensor):
+        import torch_xla.distributed.spmd as xs
+
+        if tensor.dim() == 0:  # no rows: replicated (the same on every host, or not its part of anything)
+            return None
+        if tensor.dim() not in self.specs:
+            self.specs[tensor.dim()] = xs.ShardingSpec(self.strategy.mesh(), self.strategy.batch_spec(tensor.dim()),
+                                                       minibatch=True)
+        return self.specs[tensor.dim()].xla_spec(tensor)
