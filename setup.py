@@ -22,9 +22,12 @@ setup(
         # The newest torch, up to the newest the tests ran on (`make test-torch`, .venv-torch: 2.13.0);
         # the xla and tpu extras hold it at 2.9.0, the torch torch_xla 2.9.0 was built for.
         "torch>=2.9,<2.14",
-        "transformers>=5.0,<6",
-        "datasets>=3.0",
-        "evaluate>=0.4",
+        # Floors are the releases the tests ran on (.venv and .venv-torch take the newest): generation
+        # passes the key/value cache as `cache=`, the name transformers 5.24 gave it (older 5.x ignore
+        # it, and the static cache stays empty)
+        "transformers>=5.24,<6",
+        "datasets>=5.2",
+        "evaluate>=0.4.6",
         "scikit-learn",  # F1 and Matthews correlation in the task metrics
         "scipy",  # Pearson and Spearman correlations (STS-B, regression)
         "tqdm",

@@ -17,12 +17,13 @@ from dataclasses import dataclass
 from .core.errors import UserError
 from .core.generate import Sampling, generate_rows
 from .core.inference import predict_loader
-from .core.shapes import padding_for
+from .core.shapes import forward_padding, padding_for
 from .predictions import write_rows
 from .tasks import read_table
 from .tasks.base import row_name
 from .tasks.causal_lm import encode, prompt_ids, window_shorter_than
 
+MAX_NEW_TOKENS = 64  # --max-new-tokens' default (xla-train predict; a causal-LM run's --test-file)
 FORMS = ("prompt", "messages")  # the columns a row's prompt may come in, in the order looked for
 
 
@@ -59,6 +60,41 @@ def prompt_data(ids, max_length):
     data = datasets.Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * len(x) for x in ids],
                                        "length": [len(x) for x in ids], "row": list(range(len(ids)))})
     return data, truncated
+
+
+@dataclass
+class Prompts:
+    """Prompts to complete, read and checked in the launching process: `xla-train predict`'s input
+    and a causal-LM run's --test-file alike (`prompts_to_complete`, then `complete`)."""
+
+    columns: dict  # the input's columns, as read, written back beside each completion
+    data: object  # the prompts tokenised (prompt_data)
+    padding: object  # shapes.Padding: the prompts' buckets
+    sampling: Sampling
+    tokenizer: object  # a left-padded copy (left_padded): pads the prompts, decodes the completions
+    truncated: int  # prompts cut to their last max_length tokens
+
+
+def prompts_to_complete(path, tokenizer, model, max_length, buckets, accelerator, max_new_tokens, temperature=0.0,
+                        top_p=1.0):
+    """The prompts of `path` for `model` (unwrapped, on the CPU) on `accelerator`: read, tokenised,
+    bucketed for generation (two graphs a bucket) and checked against the model's positions."""
+    columns, data, truncated = read_prompts(path, tokenizer, max_length)
+    padding = forward_padding(data["length"], accelerator, buckets, max_length, graphs=2)
+    check_lengths(model, tokenizer, max(data["length"]), padding.buckets[-1] + max_new_tokens, max_new_tokens,
+                  accelerator.static_shapes)
+    eos = end_ids(tokenizer, model)
+    tokenizer = left_padded(tokenizer, eos)
+    sampling = Sampling(max_new_tokens, eos, tokenizer.pad_token_id, temperature, top_p)
+    return Prompts(columns, data, padding, sampling, tokenizer, truncated)
+
+
+def complete(engine, model, prompts, batch_size):
+    """Every prompt's completion from a prepared `model`, in input order, on every replica (each
+    generates its share): (texts, tokens generated per row)."""
+    loader = predict_loader(engine, prompts.tokenizer, prompts.data, batch_size, prompts.padding)
+    tokens = generate_rows(engine, model, loader, prompts.sampling)
+    return completions(tokens, prompts.tokenizer, prompts.sampling.eos_ids)
 
 
 def _json(text, where):

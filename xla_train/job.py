@@ -14,7 +14,7 @@ from .core.launchers import pod_marker, watch_pod
 from .core.signals import StopRequest
 from .core.shapes import Shapes, check_steps, padding_for, settle_padding
 from .core.storage import is_remote, open_store
-from .generation import eval_samples
+from .generation import MAX_NEW_TOKENS, eval_samples, prompts_to_complete
 from .models import (
     add_adapters,
     hold_frozen_in_bf16,
@@ -43,6 +43,7 @@ class Job:
     pod_marker: str = None  # on several hosts: where a failing host tells the others (launchers.pod_marker)
     startup: object = None  # clock.Startup: the launching process's start and start-up's parts (goodput)
     samples: object = None  # --eval-samples: generation.Samples
+    prompts: object = None  # a causal LM's --test-file: generation.Prompts
 
     def report(self):
         """What the metrics JSON says of the job's preparation."""
@@ -89,7 +90,7 @@ def prepare(cfg, backend, resume=None, startup=None):
         raise UserError(f"--metric-for-best must be one of {task.name}'s metrics: {', '.join(task.metric_keys)}; "
                         f"not {cfg.metric_for_best!r}")
     task.max_length = cfg.max_length  # what the model folder records for predict
-    if cfg.test_file:
+    if cfg.test_file and not task.generates:  # a causal LM's prompts are read with its tokenizer, below
         task.test = read_input(cfg.test_file, task)
     print(task.describe())
     sample_rows = task.sample_rows(cfg.eval_samples) if cfg.eval_samples else None  # before tokenising drops the rows
@@ -125,11 +126,14 @@ def prepare(cfg, backend, resume=None, startup=None):
         hold_frozen_in_bf16(model)  # here, once: forked replicas share these pages
     data = model_inputs_only(data, model)
     startup.lap("model")
+    prompts = cfg.test_file and task.generates and prompts_to_complete(
+        cfg.test_file, tokenizer, model, cfg.max_length, cfg.buckets, backend.accelerator,
+        cfg.max_new_tokens or MAX_NEW_TOKENS)
     samples = sample_rows and eval_samples(sample_rows, task.form, tokenizer, model, cfg.max_length,
                                            backend.accelerator.static_shapes, cfg.batch_size)
-    startup.lap("data")  # the --eval-samples prompts
+    startup.lap("data")  # the --eval-samples and --test-file prompts
     return Job(cfg, task, tokenizer, data, shapes, model, truncated=truncated, resume=resume, startup=startup,
-               samples=samples)
+               samples=samples, prompts=prompts or None)
 
 
 def tokenize_task(cfg, task, tokenizer):

@@ -62,7 +62,10 @@ class TrainOptions:
                           "others a classification; causal-lm: instruction fine-tuning of a decoder on messages, "
                           "prompt/completion or text rows)")
     test_file: str = option(None, "rows to predict with the final (or best) model, written to "
-                            "OUTPUT_DIR/predictions.EXT (a GLUE test.tsv: GLUE's submission format)")
+                            "OUTPUT_DIR/predictions.EXT (a GLUE test.tsv: GLUE's submission format); causal-lm: "
+                            "prompt or messages rows, completed greedily as xla-train predict does, into "
+                            "OUTPUT_DIR/predictions.jsonl")
+    max_new_tokens: int = option(None, "causal-lm, --test-file: tokens to generate per row at most (default: 64)")
     # system
     backend: str = backend_option()
     num_processes: int = option(None, "workers on this host (default: one per TPU core or GPU; 1 on the CPU and "
@@ -146,7 +149,8 @@ class TrainOptions:
         """Every check of the options alone (files and data are checked when they are read)."""
         _check_choices(self, {"padding": PADDING_MODES, "precision": PRECISIONS})
         _at_least_one(self, ("epochs", "batch_size", "grad_accum", "log_every", "max_length"),
-                      ("max_steps", "save_every", "keep_last", "eval_every", "eval_samples", "early_stopping_patience"))
+                      ("max_steps", "save_every", "keep_last", "eval_every", "eval_samples", "early_stopping_patience",
+                       "max_new_tokens"))
         _check_numbers(self, {  # name: (allowed, what the message says)
             "lr": (lambda x: x > 0, "a positive number"),
             "weight_decay": (lambda x: x >= 0, "a number >= 0"),

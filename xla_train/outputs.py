@@ -9,6 +9,7 @@ import torch
 
 from .core.files import atomic_write
 from .core.inference import predict_loader, predict_rows
+from .generation import complete, write_completions
 from .models import add_adapters, save_merged
 from .predictions import write_output
 from .run_folder import write_finished
@@ -51,16 +52,21 @@ def save_outputs(engine, job, t, results):
         save_merged(engine, t.model, load_base, job.tokenizer, folder)
     else:
         engine.save_pretrained(t.model, job.tokenizer, folder)
-    predictions = scored = None
+    predictions = scored = texts = None
     if task.test is not None:  # padded like the training batches (buckets, max_length or dynamic)
         loader = predict_loader(engine, job.tokenizer, job.data["test"], cfg.batch_size, t.shapes.padding)
         scored = predict_rows(engine, t.model, loader, task.predict_columns)
         predictions = f"{state.store.url.rstrip('/')}/predictions{Path(cfg.test_file).suffix.lower()}"
+    elif job.prompts is not None:  # a causal LM's completions, as xla-train predict writes them
+        texts, _ = complete(engine, t.model, job.prompts, cfg.batch_size)
+        predictions = f"{state.store.url.rstrip('/')}/predictions.jsonl"
 
     def write_files():
         task.write_record(folder)
         if scored is not None:
             write_output(folder / Path(predictions).name, task.test, task, scored)
+        if texts is not None:
+            write_completions(folder / Path(predictions).name, job.prompts.columns, texts)
         write_finished(folder, job.run_id, cfg, state.step, results, state.best, state.stopped_early)
         state.store.publish()
 

@@ -19,37 +19,13 @@ from pathlib import Path
 from .core.batching import model_inputs_only
 from .core.engine import Engine
 from .core.files import atomic_write
-from .core.generate import Sampling, generate_rows
 from .core.inference import predict_loader, predict_rows
 from .core.select import select_roles
-from .core.shapes import CostModel, choose_buckets, padding_for
-from .generation import (
-    check_lengths,
-    completions,
-    end_ids,
-    generation_model,
-    left_padded,
-    read_prompts,
-    write_completions,
-)
+from .core.shapes import forward_padding
+from .generation import MAX_NEW_TOKENS, complete, generation_model, prompts_to_complete, write_completions
 from .models import load_pretrained
 from .predictions import read_input, tokenize_rows, write_output
 from .tasks import from_folder
-
-MAX_NEW_TOKENS = 64  # --max-new-tokens' default
-
-
-def forward_padding(lengths, roles, buckets, max_length, graphs=1):
-    """The padding of one forward pass over these rows: the given bucket lengths, or `--buckets
-    auto`'s for a forward pass (about a third of a training step's cost; `graphs` per bucket:
-    generation compiles two, the prompt's pass and the one-token step)."""
-    def choose():
-        cost = CostModel(compile_seconds=roles.accelerator.compile_seconds,
-                         token_seconds=roles.accelerator.token_seconds, graphs_per_bucket=graphs)
-        return choose_buckets(lengths, 1 / 3, max_length, cost)[0]
-
-    return padding_for("buckets", buckets, max_length, [lengths], choose)
-
 
 def predict_worker(cfg, task, table, model, tokenizer, data, padding):
     engine = Engine(cfg.backend, num_processes=cfg.num_processes, strategy=cfg.strategy)
@@ -64,24 +40,22 @@ def predict_worker(cfg, task, table, model, tokenizer, data, padding):
         _write_metrics(cfg, engine, padding, {"rows": len(scores), "seconds": round(time.perf_counter() - start, 3)})
 
 
-def generate_worker(cfg, columns, model, tokenizer, data, padding, sampling):
+def generate_worker(cfg, model, prompts):
     engine = Engine(cfg.backend, num_processes=cfg.num_processes, strategy=cfg.strategy)
     engine.seed(cfg.seed or 0)
-    loader = predict_loader(engine, tokenizer, data, cfg.batch_size, padding)
     model = engine.prepare(model)
     start = time.perf_counter()
-    tokens = generate_rows(engine, model, loader, sampling)
+    texts, counts = complete(engine, model, prompts, cfg.batch_size)
     seconds = time.perf_counter() - start
     if engine.is_main_process:
-        assert len(tokens) == len(data), (len(tokens), len(data))  # each row exactly once
-        texts, counts = completions(tokens, tokenizer, sampling.eos_ids)
-        write_completions(cfg.output, columns, texts)
+        assert len(texts) == len(prompts.data), (len(texts), len(prompts.data))  # each row exactly once
+        write_completions(cfg.output, prompts.columns, texts)
         rate = sum(counts) / seconds
         engine.print(f"generated {len(texts)} completions ({sum(counts)} tokens, {rate:.1f} tokens/s) into "
-                     f"{cfg.output}{_compiled(engine, padding)}")
-        _write_metrics(cfg, engine, padding, {"rows": len(texts), "max_new_tokens": sampling.max_new_tokens,
-                                              "tokens_generated": sum(counts), "seconds": round(seconds, 3),
-                                              "tokens_per_s": round(rate, 2)})
+                     f"{cfg.output}{_compiled(engine, prompts.padding)}")
+        _write_metrics(cfg, engine, prompts.padding, {"rows": len(texts), "max_new_tokens": prompts.sampling.max_new_tokens,
+                                                      "tokens_generated": sum(counts), "seconds": round(seconds, 3),
+                                                      "tokens_per_s": round(rate, 2)})
 
 
 def _compiled(engine, padding):
@@ -114,7 +88,7 @@ def run(cfg):
     data, truncated = tokenize_rows(table, task, tokenizer, cfg.max_length)
     if truncated:
         print(f"truncated to --max-length {cfg.max_length} tokens: {truncated} rows")
-    padding = forward_padding(data["length"], backend, cfg.buckets, cfg.max_length)
+    padding = forward_padding(data["length"], backend.accelerator, cfg.buckets, cfg.max_length)
     model = task.load_trained(cfg.model)  # a whole model, or an adapter (--lora) on its base
     data = model_inputs_only(data, model)
     backend.launch(predict_worker, (cfg, task, table, model, tokenizer, data, padding))
@@ -126,15 +100,9 @@ def run_generation(cfg, task):
 
     backend = select_roles(cfg.backend, cfg.num_processes, cfg.strategy)
     tokenizer = load_pretrained(AutoTokenizer, cfg.model)
-    columns, data, truncated = read_prompts(cfg.input, tokenizer, cfg.max_length)
-    if truncated:
-        print(f"truncated to their last --max-length {cfg.max_length} tokens: {truncated} prompts")
-    padding = forward_padding(data["length"], backend, cfg.buckets, cfg.max_length, graphs=2)
     model = generation_model(task.load_trained(cfg.model))  # a whole model, or an adapter (--lora) merged
-    max_new = cfg.max_new_tokens or MAX_NEW_TOKENS
-    check_lengths(model, tokenizer, max(data["length"]), padding.buckets[-1] + max_new, max_new,
-                  backend.accelerator.static_shapes)
-    eos = end_ids(tokenizer, model)
-    tokenizer = left_padded(tokenizer, eos)
-    sampling = Sampling(max_new, eos, tokenizer.pad_token_id, cfg.temperature or 0.0, cfg.top_p or 1.0)
-    backend.launch(generate_worker, (cfg, columns, model, tokenizer, data, padding, sampling))
+    prompts = prompts_to_complete(cfg.input, tokenizer, model, cfg.max_length, cfg.buckets, backend.accelerator,
+                                  cfg.max_new_tokens or MAX_NEW_TOKENS, cfg.temperature or 0.0, cfg.top_p or 1.0)
+    if prompts.truncated:
+        print(f"truncated to their last --max-length {cfg.max_length} tokens: {prompts.truncated} prompts")
+    backend.launch(generate_worker, (cfg, model, prompts))

@@ -223,6 +223,19 @@ def auto_buckets(train_lengths, eval_lengths, steps, rows_per_step, epochs, max_
     return choose_buckets(*job_rows(train_lengths, eval_lengths, steps, rows_per_step, epochs), max_length, cost)
 
 
+def forward_padding(lengths, accelerator, buckets, max_length, graphs=1):
+    """The padding of one forward pass over rows of these `lengths` (prediction, generation): the
+    given bucket lengths, or `--buckets auto`'s for a forward pass (about a third of a training
+    step's cost; `graphs` per bucket: generation compiles two, the prompt's pass and the one-token
+    step), priced by `accelerator`'s compile and token costs."""
+    def choose():
+        cost = CostModel(compile_seconds=accelerator.compile_seconds, token_seconds=accelerator.token_seconds,
+                         graphs_per_bucket=graphs)
+        return choose_buckets(lengths, 1 / 3, max_length, cost)[0]
+
+    return padding_for("buckets", buckets, max_length, [lengths], choose)
+
+
 def parse_buckets(spec, max_length):
     """`auto` or a comma-separated list of increasing lengths no longer than `max_length`."""
     if spec == "auto":
