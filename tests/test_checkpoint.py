@@ -206,6 +206,32 @@ def test_main_worker_failing_to_publish_stops_both_gloo_workers(mrpc_slice, tiny
     assert (out / "checkpoints" / "step-00000004" / "COMPLETE").exists()  # the last checkpoint stays
 
 
+def test_a_checkpoint_that_cannot_be_written_says_what_was_kept(mrpc_slice, tiny_model, tmp_path):
+    """The disk fills while checkpoint 4 is written: one line, which names the complete
+    checkpoint left in place (step 2) for --resume; nothing of step 4 appears."""
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(
+        "import safetensors.torch\n"
+        "calls, save_file = [], safetensors.torch.save_file\n"
+        "def failing(*args, **kwargs):\n"
+        "    calls.append(1)\n"
+        "    if len(calls) == 2:\n"
+        "        raise OSError(28, 'No space left on device')\n"
+        "    return save_file(*args, **kwargs)\n"
+        "safetensors.torch.save_file = failing\n")
+    out = tmp_path / "run"
+    proc, _ = run_cli(["--backend", "cpu", "--model", tiny_model, "--data-dir", mrpc_slice, "--max-steps", 6,
+                       "--save-every", 2, "--output-dir", out], tmp_path,
+                      env={"PYTHONPATH": os.pathsep.join([str(inject), str(ROOT), os.environ.get("PYTHONPATH", "")])})
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"xla-train: error: cannot write checkpoint {out}/checkpoints/step-00000004: No space left on device; the "
+        f"latest complete checkpoint, {out}/checkpoints/step-00000002, is kept: continue from it with --resume")
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000002"]
+    assert (out / "checkpoints" / "step-00000002" / "COMPLETE").exists()
+
+
 def test_pod_hosts_upload_their_shards_and_the_marker_comes_last(gcs_emulator, tmp_path):
     """A sharded checkpoint on Cloud Storage as two hosts write it (two stores, each with a local
     folder of its own, as each host's process has): what an interrupted save of the step left is

@@ -98,28 +98,50 @@ def save(engine, store, model, optimizer, scheduler, state, keep_last=None):
                 store.upload(folder, name)
                 shutil.rmtree(folder, ignore_errors=True)
 
-        engine.on_main(stage, what)
-        engine.on_every(write_shards, what)
+        _saving(engine.on_main, stage, what, store)
+        _saving(engine.on_every, write_shards, what, store)
 
     def write():
         if staging is None:
             stage()
         model_state, opt_state = host
-        if model_state is not None:
-            save_file({k: v.contiguous() for k, v in model_state.items()}, str(staging / "model.safetensors"))
-        torch.save(opt_state, staging / "optimizer.pt")
-        torch.save(scheduler.state_dict(), staging / "scheduler.pt")
-        torch.save({"rng": rng.to(torch.uint8)}, staging / "rng.pt")
-        (staging / "state.json").write_text(json.dumps(state, indent=1))
-        (staging / MARKER).write_text("")
+        try:
+            if model_state is not None:
+                save_file({k: v.contiguous() for k, v in model_state.items()}, str(staging / "model.safetensors"))
+            torch.save(opt_state, staging / "optimizer.pt")
+            torch.save(scheduler.state_dict(), staging / "scheduler.pt")
+            torch.save({"rng": rng.to(torch.uint8)}, staging / "rng.pt")
+            (staging / "state.json").write_text(json.dumps(state, indent=1))
+            (staging / MARKER).write_text("")
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)  # a part-written step: its space back
+            raise
         store.commit(staging, name)
         if keep_last:
             complete = sorted(s for s, ok in store.checkpoints().items() if ok)
             for old in complete[:-keep_last]:
                 store.delete(checkpoint_name(old))
 
-    engine.on_main(write, what)
+    _saving(engine.on_main, write, what, store)
     return store.checkpoint_url(name)
+
+
+def _saving(run, write, what, store):
+    """`run(write, what)` (Engine.on_main or on_every); a failure's line says what the output
+    folder still holds, on every replica."""
+    try:
+        run(write, what)
+    except UserError as e:
+        raise UserError(f"{e}; {kept(store)}", e.exit_code) from None
+
+
+def kept(store):
+    """What a failed save leaves: the latest complete checkpoint, untouched (a save writes into a
+    staging folder and appears whole or not at all)."""
+    complete = sorted(s for s, ok in store.checkpoints().items() if ok)
+    if not complete:
+        return "no complete checkpoint was written before it"
+    return f"the latest complete checkpoint, {store.checkpoint_url(checkpoint_name(complete[-1]))}, is kept: continue from it with --resume"
 
 
 def save_best(engine, store, model):
