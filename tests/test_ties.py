@@ -74,6 +74,23 @@ def test_checkpoints_the_final_model_and_resume_keep_the_tie(tied_task, tmp_path
     assert_same_weights(tmp_path / "part", tmp_path / "whole", atol=1e-6)
 
 
+@pytest.mark.parametrize("backend", [pytest.param("xla", marks=pytest.mark.xla), "cpu"])
+def test_sharded_checkpoints_keep_the_tie(backend, tied_task, tmp_path):
+    """--strategy fsdp: FSDPv2 over 4 XLA:CPU devices (each host writes its shards) or FSDP2 over
+    two gloo workers: the shards hold the tied tensor once, a resumed run reads them back into
+    the tied model, and its final model is tied."""
+    env = {"CPU_NUM_DEVICES": "4"} if backend == "xla" else None
+    args = ["--backend", backend, "--strategy", "fsdp", *(["--num-processes", 2] if backend == "cpu" else []),
+            *reverse_args(tied_task, "--save-every", 2, "--log-every", 1), "--output-dir", tmp_path / "run"]
+    proc, _ = run_cli([*args, "--max-steps", 4], tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc, resumed = run_cli([*args, "--max-steps", 6, "--resume"], tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert resumed["first_step"] == 4 and resumed["steps"] == 6
+    keys, tied = _tied_in_file(tmp_path / "run")
+    assert EMBED in keys and HEAD not in keys and tied, sorted(keys)
+
+
 XLA_STEP = """
 import sys, torch
 from transformers import AutoModelForCausalLM
