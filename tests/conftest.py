@@ -159,12 +159,13 @@ def reverse_args(task, *extra):
 @pytest.fixture(scope="session")
 def learned_run(reverse_task, tmp_path_factory):
     """The synthetic task learned on the CPU (about 10 s of training), evaluated every 100 steps
-    with 4 generated samples, reporting to MLflow; checkpoints every 50 steps. Returns (metrics,
-    output folder)."""
+    with 4 generated samples, reporting to MLflow; checkpoints every 50 steps; the held-out
+    prompts completed at the end (--test-file). Returns (metrics, output folder)."""
     out = tmp_path_factory.mktemp("learned")
     env = {"MLFLOW_TRACKING_URI": f"sqlite:///{out / 'tracking.db'}"}
     proc, m = run_cli(["--backend", "cpu", *reverse_args(reverse_task, "--eval-every", 100, "--save-every", 50,
-                                                         "--eval-samples", 4, "--report-to", "tensorboard,mlflow"),
+                                                         "--eval-samples", 4, "--report-to", "tensorboard,mlflow",
+                                                         "--test-file", reverse_task["held_out"], "--max-new-tokens", 8),
                        "--output-dir", out / "run"], out, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return m, out / "run"
@@ -352,3 +353,45 @@ def stop_and_resume(args, out, tmp_path, sig=signal.SIGTERM, env=None, stopped=N
     proc, resumed = run_cli([*args, "--output-dir", out, "--resume"], tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return last, stopped_at, resumed
+
+
+# ---------------------------------------------------------------------------------------------
+# XLA in pytest's own process (tests/test_matrix.py's XLA:CPU cells). torch's autograd engine sizes
+# its per-device queues once, at the process's first backward pass, from the devices it sees then;
+# XLA's count is 0 until its runtime has started, so an XLA backward after any CPU backward fails
+# ("device_ready_queues_ ... INTERNAL ASSERT FAILED", engine.cpp). The runtime is therefore started
+# right after collection, before any test runs, where tests that need it were collected.
+IN_PROCESS_XLA = "xla_in_process"  # the marker of such tests (test_matrix.py adds it)
+XLA_COMPILE_FLAGS = "--xla_backend_optimization_level=0"  # LLVM -O0: the same graphs, about 3x faster to compile
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", f"{IN_PROCESS_XLA}: runs torch_xla in pytest's own process (its runtime is "
+                            "started after collection: conftest.start_xla_in_process)")
+
+
+def pytest_collection_finish(session):
+    import importlib.util
+
+    if importlib.util.find_spec("torch_xla") is None:
+        return
+    if any(item.get_closest_marker(IN_PROCESS_XLA) for item in session.items):
+        start_xla_in_process()
+
+
+def start_xla_in_process():
+    """Starts XLA's runtime in this process on PJRT's CPU device, its compiler at -O0; XLA reads its
+    flags at the first compilation, made here, so the environment is restored at once (CLI runs
+    that tests start later do not inherit the flag). Idempotent."""
+    os.environ.setdefault("PJRT_DEVICE", "CPU")
+    import torch
+    import torch_xla  # appends its default flags to XLA_FLAGS
+
+    if torch_xla._XLAC._xla_runtime_is_initialized():
+        return
+    flags = os.environ.get("XLA_FLAGS", "")
+    os.environ["XLA_FLAGS"] = f"{flags} {XLA_COMPILE_FLAGS}".strip()
+    try:
+        (torch.ones(2, device=torch_xla.device()) + 1).cpu()
+    finally:
+        os.environ["XLA_FLAGS"] = flags

@@ -58,6 +58,15 @@ def xla_greedy(learned_run, reverse_task, tmp_path_factory):
     return runs
 
 
+def test_a_runs_test_file_is_completed_as_predict_completes_it(learned_run, cpu_greedy):
+    """--test-file on a causal LM: the final model's completions of the held-out prompts in
+    OUTPUT_DIR/predictions.jsonl, the rows predict writes from the same folder (the same entry,
+    generation.complete; the run's buckets are its own, the tokens the same)."""
+    m, out = learned_run
+    assert m["predictions"] == f"{out}/predictions.jsonl"
+    assert rows_of(out / "predictions.jsonl") == cpu_greedy[0]
+
+
 def test_cpu_completions_reverse_the_held_out_lists(cpu_greedy, reverse_task):
     """Each row's completion is its list reversed. Not every one: the tiny model (3 epochs, eval
     loss about 0.03) still swaps two letters of a few five-letter lists (2 of these 24 on the

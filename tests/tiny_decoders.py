@@ -1,7 +1,19 @@
-"""Tiny random decoders for the causal-LM tests and benchmarks: Llama, Qwen2, Gemma, Mistral and
-GPT-2 built from their configs, with the bundled WordPiece vocabulary as a decoder's tokenizer (a
-beginning token, an end-of-sequence token and no padding token; optionally a chat template), and
-a synthetic task a tiny model learns in minutes: reversing a short list of letters."""
+"""Tiny random decoders for the causal-LM tests and benchmarks, and a synthetic task a tiny model
+learns in minutes: reversing a short list of letters.
+
+The zoo (`ZOO`): each family's tiny decoder is written from the published config.json of the
+checkpoint users bring (named in its entry), with every flag kept (tied embeddings, grouped-query
+attention, attention biases, sliding windows, logit soft-capping, Llama 3's RoPE scaling, which
+tokens exist and which one pads) and shrunk in width and depth only (`shrunk`); transformers reads
+it as it reads that config.json (legacy keys such as `rope_scaling` and `rope_theta` included).
+The vocabulary and its token ids are the tokenizer's (Qwen2.5's embedding keeps its extra rows).
+
+Tokenizers: the bundled MiniLM WordPiece vocabulary as a decoder's (`tokenizer`: [CLS] begins a
+text, [SEP] ends it, no padding token), the synthetic task's 17 words (`letters_tokenizer`), or a
+tiny tokenizer of the family's own kind (byte-level or SentencePiece-style BPE learnt from the
+synthetic task) with its special tokens, padding, length limit and chat template
+(`family_tokenizer`: what `save(..., own_tokens=True)` writes beside the model, with the
+checkpoint's generation_config.json)."""
 
 import json
 import random
@@ -9,8 +21,188 @@ from pathlib import Path
 
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} [SEP] {% endfor %}"
                  "{% if add_generation_prompt %}assistant :{% endif %}")
-FAMILIES = ("llama", "qwen2", "gemma", "mistral", "gpt2")
+FAMILIES = ("llama", "qwen2", "gemma", "gemma2", "mistral", "gpt2")
 LETTERS = "abcdefgh"
+MODEL_MAX_LENGTH = 512  # `tokenizer` and `letters_tokenizer`: MiniLM's own limit (test_generate reads it)
+
+# The published chat templates' markup and their assistant's end-of-turn, without the default
+# system text some of them add (Llama 3.2's dates, Qwen's "You are Qwen..."): its words are not
+# in the tiny vocabulary.
+LLAMA3_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+                   "{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
+                   "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+CHATML_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                   "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+GEMMA_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% set role = 'model' if m['role'] == 'assistant' "
+                  "else m['role'] %}<start_of_turn>{{ role }}\n{{ m['content'] | trim }}<end_of_turn>\n{% endfor %}"
+                  "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
+_GEMMA_TOKENS = {  # gemma-2b's and gemma-2-2b's tokenizer: <pad> 0, <eos> 1, <bos> 2, <unk> 3 (turns: 106, 107)
+    "first": ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"], "last": [],
+    "bos": "<bos>", "eos": "<eos>", "pad": "<pad>", "unk": "<unk>", "adds_bos": True, "template": GEMMA_TEMPLATE,
+    "end_of_turn": "<end_of_turn>"}
+
+# family: the checkpoint it stands for, its config.json as published (sizes are replaced by
+# `shrunk`, token ids by those of the tokenizer in use), its tokenizer's special tokens (where in
+# the vocabulary, which begin, end, pad and stand for unknown text), whether it adds a beginning
+# token, its chat template and the token that ends an assistant turn, its model_max_length where
+# its tokenizer_config.json sets one, and its generation_config.json (token ids by name).
+ZOO = {
+    "llama": {
+        "checkpoint": "meta-llama/Llama-3.2-1B",
+        "config": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False,
+                   "attention_dropout": 0.0, "bos_token_id": "<|begin_of_text|>", "eos_token_id": "<|end_of_text|>",
+                   "head_dim": 64, "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02,
+                   "intermediate_size": 8192, "max_position_embeddings": 131072, "mlp_bias": False,
+                   "num_attention_heads": 32, "num_hidden_layers": 16, "num_key_value_heads": 8, "pretraining_tp": 1,
+                   "rms_norm_eps": 1e-05,
+                   "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                                    "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+                   "rope_theta": 500000.0, "tie_word_embeddings": True, "torch_dtype": "bfloat16", "use_cache": True,
+                   "vocab_size": 128256},
+        # Llama 3's tokenizer: specials after the 128,000 words; no padding token, no unknown one
+        # (byte-level); its chat template ends every turn with <|eot_id|>
+        "tokens": {"first": [], "last": ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
+                                         "<|end_header_id|>", "<|eot_id|>"],
+                   "bos": "<|begin_of_text|>", "eos": "<|end_of_text|>", "pad": None, "unk": None, "adds_bos": True,
+                   "template": LLAMA3_TEMPLATE, "end_of_turn": "<|eot_id|>", "limit": {"model_max_length": 131072}},
+        "generation": {"bos_token_id": "<|begin_of_text|>", "do_sample": True, "eos_token_id": "<|end_of_text|>",
+                       "temperature": 0.6, "top_p": 0.9},
+    },
+    "qwen2": {
+        "checkpoint": "Qwen/Qwen2.5-0.5B-Instruct",
+        "config": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "attention_dropout": 0.0,
+                   "bos_token_id": "<|endoftext|>", "eos_token_id": "<|im_end|>", "hidden_act": "silu",
+                   "hidden_size": 896, "initializer_range": 0.02, "intermediate_size": 4864,
+                   "max_position_embeddings": 32768, "max_window_layers": 21, "num_attention_heads": 14,
+                   "num_hidden_layers": 24, "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+                   "sliding_window": 32768, "tie_word_embeddings": True, "torch_dtype": "bfloat16", "use_cache": True,
+                   "use_sliding_window": False, "vocab_size": 151936},
+        # q, k and v projections with biases (Qwen2's attention has them whatever the config says);
+        # the embedding has more rows (151,936) than the tokenizer has tokens (151,665): `vocab_multiple`
+        "vocab_multiple": 64,
+        # no beginning token; <|endoftext|> pads; ChatML turns end with <|im_end|>
+        "tokens": {"first": [], "last": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], "bos": None,
+                   "eos": "<|im_end|>", "pad": "<|endoftext|>", "unk": None, "adds_bos": False,
+                   "template": CHATML_TEMPLATE, "end_of_turn": "<|im_end|>", "limit": {"model_max_length": 131072}},
+        "generation": {"bos_token_id": "<|endoftext|>", "do_sample": True,
+                       "eos_token_id": ["<|im_end|>", "<|endoftext|>"], "pad_token_id": "<|endoftext|>",
+                       "repetition_penalty": 1.1, "temperature": 0.7, "top_k": 20, "top_p": 0.8},
+    },
+    "gemma": {
+        "checkpoint": "google/gemma-2b",
+        "config": {"architectures": ["GemmaForCausalLM"], "model_type": "gemma", "attention_bias": False,
+                   "attention_dropout": 0.0, "bos_token_id": "<bos>", "eos_token_id": "<eos>", "head_dim": 256,
+                   "hidden_act": "gelu", "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 16384,
+                   "max_position_embeddings": 8192, "num_attention_heads": 8, "num_hidden_layers": 18,
+                   "num_key_value_heads": 1, "pad_token_id": "<pad>", "rms_norm_eps": 1e-06, "rope_scaling": None,
+                   "rope_theta": 10000.0, "torch_dtype": "bfloat16", "vocab_size": 256000},
+        # multi-query attention (one key/value head); embeddings tied (Gemma's default, not in the file)
+        "tokens": _GEMMA_TOKENS,
+        "generation": {"bos_token_id": "<bos>", "eos_token_id": "<eos>", "pad_token_id": "<pad>"},
+    },
+    "gemma2": {
+        "checkpoint": "google/gemma-2-2b",
+        "config": {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "attention_bias": False,
+                   "attention_dropout": 0.0, "attn_logit_softcapping": 50.0, "bos_token_id": "<bos>",
+                   "cache_implementation": "hybrid", "eos_token_id": "<eos>", "final_logit_softcapping": 30.0,
+                   "head_dim": 256, "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
+                   "hidden_size": 2304, "initializer_range": 0.02, "intermediate_size": 9216,
+                   "max_position_embeddings": 8192, "num_attention_heads": 8, "num_hidden_layers": 26,
+                   "num_key_value_heads": 4, "pad_token_id": "<pad>", "query_pre_attn_scalar": 256,
+                   "rms_norm_eps": 1e-06, "rope_theta": 10000.0, "sliding_window": 4096, "torch_dtype": "float32",
+                   "use_cache": True, "vocab_size": 256000},
+        # layers alternate sliding-window and global attention; heads x head_dim (2048) differs
+        # from the width (2304); eager attention (transformers' sdpa has no soft-capping)
+        "tokens": _GEMMA_TOKENS,
+        "generation": {"bos_token_id": "<bos>", "cache_implementation": "hybrid", "eos_token_id": "<eos>",
+                       "pad_token_id": "<pad>"},
+    },
+    "mistral": {
+        "checkpoint": "mistralai/Mistral-7B-v0.1",
+        "config": {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "bos_token_id": "<s>",
+                   "eos_token_id": "</s>", "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+                   "intermediate_size": 14336, "max_position_embeddings": 32768, "num_attention_heads": 32,
+                   "num_hidden_layers": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 10000.0,
+                   "sliding_window": 4096, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
+                   "vocab_size": 32000},
+        # <unk> 0, <s> 1, </s> 2; no padding token, no chat template (a base model)
+        "tokens": {"first": ["<unk>", "<s>", "</s>"], "last": [], "bos": "<s>", "eos": "</s>", "pad": None,
+                   "unk": "<unk>", "adds_bos": True, "template": None, "end_of_turn": None},
+        "generation": {"bos_token_id": "<s>", "eos_token_id": "</s>"},
+    },
+    "gpt2": {
+        "checkpoint": "openai-community/gpt2",
+        "config": {"activation_function": "gelu_new", "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+                   "attn_pdrop": 0.1, "bos_token_id": "<|endoftext|>", "embd_pdrop": 0.1,
+                   "eos_token_id": "<|endoftext|>", "initializer_range": 0.02, "layer_norm_epsilon": 1e-05,
+                   "n_ctx": 1024, "n_embd": 768, "n_head": 12, "n_layer": 12, "n_positions": 1024, "resid_pdrop": 0.1,
+                   "summary_activation": None, "summary_first_dropout": 0.1, "summary_proj_to_labels": True,
+                   "summary_type": "cls_index", "summary_use_proj": True, "vocab_size": 50257},
+        # dropout 0.1 everywhere; learned positions; embeddings tied (GPT-2's default); one special
+        # token, <|endoftext|> (50256, the last), for the beginning, the end and the unknown; nothing added
+        "tokens": {"first": [], "last": ["<|endoftext|>"], "bos": "<|endoftext|>", "eos": "<|endoftext|>", "pad": None,
+                   "unk": "<|endoftext|>", "adds_bos": False, "template": None, "end_of_turn": None,
+                   "limit": {"model_max_length": 1024}},
+        "generation": {"bos_token_id": "<|endoftext|>", "eos_token_id": "<|endoftext|>"},
+    },
+}
+
+
+def shrunk(family, size=64, layers=2):
+    """The published config's sizes, `size` wide and `layers` deep, in the published proportions:
+    as many query heads per key/value head, the MLP as many times the width, Gemma 2's heads x
+    head_dim a ninth narrower than the width (2048 of 2304). (`config` scales the random
+    initialisation's spread with the width too.)"""
+    if family == "gpt2":
+        return {"n_embd": size, "n_layer": layers, "n_head": 4}
+    heads, kv, head_dim, mlp = {
+        "llama": (4, 1, size // 4, 4),  # 32 heads over 8 key/value heads; MLP 4x
+        "qwen2": (4, 2, None, 5.4),  # 14 over 2 (7:1 does not divide a small width; 2:1 keeps GQA); MLP 5.4x
+        "gemma": (4, 1, size // 4, 8),  # 8 heads over 1 (multi-query); MLP 8x
+        "gemma2": (4, 2, (size * 8 // 9) // 4 // 2 * 2, 4),  # 8 over 4; heads x head_dim = 8/9 of the width
+        "mistral": (4, 1, None, 3.5),  # 32 over 8; MLP 3.5x
+    }[family]
+    out = {"hidden_size": size, "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv,
+           "intermediate_size": int(mlp * size)}
+    if head_dim:
+        out["head_dim"] = head_dim
+    return out
+
+
+def _token_ids(values, ids):
+    """A config's values with token names replaced by their ids in the tiny vocabulary (`ids`)."""
+    def one(v):
+        if isinstance(v, list):
+            return [ids[x] for x in v]
+        return ids[v] if isinstance(v, str) and v in ids else v
+
+    return {k: one(v) if k.endswith("token_id") else v for k, v in values.items()}
+
+
+def config(family, vocab, size=64, layers=2, bos=None, eos=None, pad=None, token_ids=None):
+    """`family`'s published config shrunk (`shrunk`) over a vocabulary of `vocab` tokens, read by
+    transformers as it reads a config.json (legacy keys included). Token ids: the published
+    config's tokens by name in `token_ids` (a family tokenizer's vocabulary), else `bos`, `eos`
+    and `pad` (None: no such token)."""
+    from transformers import CONFIG_MAPPING
+
+    entry = ZOO[family]
+    published = dict(entry["config"])
+    if token_ids is not None:
+        published = _token_ids(published, token_ids)
+    else:
+        published.update({k: v for k, v in (("bos_token_id", bos), ("eos_token_id", eos), ("pad_token_id", pad))
+                          if k in published or v is not None})
+    multiple = entry.get("vocab_multiple", 1)
+    published["vocab_size"] = -(-vocab // multiple) * multiple
+    published.update(shrunk(family, size, layers))
+    # The random initialisation shrinks with the width: the published 0.02 is about 1/sqrt(width)
+    # (2048 wide); at 64 wide it would leave a tied embedding too small to learn the task (the
+    # tiny Llama learnt nothing in 3 epochs). It sets only the random weights: checkpoints are trained.
+    width = entry["config"].get("hidden_size") or entry["config"]["n_embd"]
+    published["initializer_range"] = round(entry["config"]["initializer_range"] * (width / size) ** 0.5, 4)
+    return CONFIG_MAPPING[published["model_type"]].from_dict(published)
 
 
 def tokenizer(chat=False):
@@ -25,7 +217,8 @@ def tokenizer(chat=False):
     raw.no_padding()
     raw.no_truncation()
     raw.post_processor = processors.TemplateProcessing(single="[CLS] $A", special_tokens=[("[CLS]", 101)])
-    tok = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="[CLS]", eos_token="[SEP]", unk_token="[UNK]")
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="[CLS]", eos_token="[SEP]", unk_token="[UNK]",
+                                  model_max_length=MODEL_MAX_LENGTH)
     if chat:
         tok.chat_template = CHAT_TEMPLATE
     return tok
@@ -42,35 +235,103 @@ def letters_tokenizer(chat=False):
     raw = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
     raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     raw.post_processor = processors.TemplateProcessing(single="[CLS] $A", special_tokens=[("[CLS]", 1)])
-    tok = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="[CLS]", eos_token="[SEP]", unk_token="[UNK]")
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="[CLS]", eos_token="[SEP]", unk_token="[UNK]",
+                                  model_max_length=MODEL_MAX_LENGTH)
     if chat:
         tok.chat_template = CHAT_TEMPLATE
     return tok
 
 
-def config(family, vocab, size=64, layers=2, bos=None, eos=None):
-    from transformers import GemmaConfig, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
-
-    common = dict(vocab_size=vocab, hidden_size=size, num_hidden_layers=layers, num_attention_heads=4,
-                  num_key_value_heads=2, intermediate_size=2 * size, max_position_embeddings=512,
-                  pad_token_id=None, bos_token_id=bos, eos_token_id=eos)
-    if family == "gpt2":
-        return GPT2Config(vocab_size=vocab, n_embd=size, n_layer=layers, n_head=4, n_positions=512, bos_token_id=bos,
-                          eos_token_id=eos)
-    return {"llama": LlamaConfig, "qwen2": Qwen2Config, "gemma": GemmaConfig,
-            "mistral": MistralConfig}[family](**common, **({"head_dim": size // 4} if family == "gemma" else {}))
+# How each family's tokenizer splits text before its BPE merges: Llama 3's and Qwen2's regex then
+# bytes (byte-level BPE), GPT-2's bytes, Gemma's and Mistral's SentencePiece pieces ("▁" for a
+# space; Mistral's, like Llama 2's, with one before the text)
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                r"\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+               r"\s*[\r\n]+|\s+(?!\S)|\s+")  # transformers' Qwen2Tokenizer, which AutoTokenizer forces for qwen2
 
 
-def save(family, path, chat=False, seed=0, letters=False, **size):
-    """A tiny random `family` decoder and its tokenizer in `path` (the bundled vocabulary, or with
-    `letters` the synthetic task's); returns the path."""
+def _pipeline(family, raw):
+    """Sets `family`'s normalizer, pre-tokenizer and decoder on `raw`; returns the BPE's alphabet."""
+    import string
+
+    from tokenizers import Regex, decoders, normalizers, pre_tokenizers
+
+    chars = list(string.ascii_letters + string.digits + string.punctuation)
+    if family in ("llama", "qwen2", "gpt2"):
+        if family == "gpt2":
+            raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        else:
+            split = pre_tokenizers.Split(Regex(LLAMA3_SPLIT if family == "llama" else QWEN2_SPLIT), behavior="isolated")
+            raw.pre_tokenizer = pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                                                          use_regex=False)])
+            if family == "qwen2":
+                raw.normalizer = normalizers.NFC()
+        raw.decoder = decoders.ByteLevel()
+        return chars + ["\u0120", "\u010a"]  # a space and a newline as byte-level characters
+    prepend = "first" if family == "mistral" else "never"
+    raw.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split("\n", behavior="isolated"),
+                                                 pre_tokenizers.Metaspace(prepend_scheme=prepend)])
+    raw.decoder = decoders.Metaspace(prepend_scheme=prepend)
+    return chars + ["\u2581", "\n"]
+
+
+def _corpus():
+    """What the tiny tokenizers learn their merges from: the synthetic task's rows and the words
+    of the chat templates, each a token of its own once merged."""
+    lines = []
+    for row in reverse_rows(64, 0):
+        answer = row["completion"].strip()
+        lines += [row["prompt"] + row["completion"], f"user\n{row['prompt']}", f"user\n\n{row['prompt']}",
+                  f"assistant\n{answer}", f"assistant\n\n{answer}", f"model\n{answer}", "system\n:"]
+    return lines
+
+
+def family_tokenizer(family):
+    """A tiny tokenizer of `family`'s kind (byte-level BPE for Llama 3, Qwen2 and GPT-2; BPE over
+    SentencePiece pieces for Gemma and Mistral), its merges learnt from the synthetic task (each
+    of its words one token), with the family's special tokens at their ends of the vocabulary
+    (Gemma's and Mistral's first, Llama's, Qwen's and GPT-2's last), whether it adds a beginning
+    token, which tokens begin, end and pad, and its chat template, shaped like the published one."""
+    from tokenizers import AddedToken, Tokenizer, models, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    spec = ZOO[family]["tokens"]
+    raw = Tokenizer(models.BPE(unk_token=spec["unk"] if family in ("gemma", "gemma2", "mistral") else None))
+    alphabet = _pipeline(family, raw)
+    trainer = trainers.BpeTrainer(vocab_size=1000, special_tokens=spec["first"], initial_alphabet=alphabet,
+                                  show_progress=False)
+    raw.train_from_iterator(_corpus(), trainer)
+    raw.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in (*spec["first"], *spec["last"])])
+    if spec["adds_bos"]:
+        raw.post_processor = processors.TemplateProcessing(single=f"{spec['bos']} $A",
+                                                           special_tokens=[(spec["bos"], raw.token_to_id(spec["bos"]))])
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, **{f"{k}_token": spec[k] for k in ("bos", "eos", "pad", "unk")
+                                                           if spec[k]}, **spec.get("limit", {}))
+    if spec["template"]:
+        tok.chat_template = spec["template"]
+    return tok
+
+
+def save(family, path, chat=False, seed=0, letters=False, own_tokens=False, **size):
+    """A tiny random `family` decoder and its tokenizer in `path` (the bundled vocabulary, with
+    `letters` the synthetic task's, with `own_tokens` the task's words and the family's own
+    special tokens and chat template, and its generation_config.json); returns the path."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
-    tok = letters_tokenizer(chat) if letters else tokenizer(chat)
     torch.manual_seed(seed)
-    cfg = config(family, len(tok), bos=tok.bos_token_id, eos=tok.eos_token_id, **size)
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    if own_tokens:
+        tok = family_tokenizer(family)
+        ids = tok.get_vocab()
+        cfg = config(family, len(tok), token_ids=ids, **size)
+    else:
+        tok = letters_tokenizer(chat) if letters else tokenizer(chat)
+        cfg = config(family, len(tok), bos=tok.bos_token_id, eos=tok.eos_token_id, **size)
+    model = AutoModelForCausalLM.from_config(cfg)
+    if own_tokens:
+        model.generation_config = GenerationConfig(**_token_ids(ZOO[family]["generation"], ids))
+    model.save_pretrained(path)
     tok.save_pretrained(path)
     return Path(path)
 
