@@ -175,7 +175,7 @@ class XlaAccelerator(Accelerator):
         # Cut the graph first: the pending step runs once, with everything it computes, and the
         # copy below only transfers. Without the cut, .cpu() would run a pruned copy of it.
         torch_xla.sync()
-        return [t.detach().cpu() for t in tensors]
+        return self.read(tensors)  # one transfer for all (a .cpu() each was one transfer each)
 
     def read(self, tensors):
         import torch_xla
