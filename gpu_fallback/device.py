@@ -114,7 +114,7 @@ class TorchAccelerator(Accelerator):
             self._module.distributed.set_tpu_launch_env(nproc_per_node=processes)
         except (RuntimeError, ValueError) as e:  # its documented ValueErrors; get_tpu_topology's RuntimeError
             line = f"--backend tpu: TorchTPU cannot start {processes} process(es) on this host: {first_line(e)}"
-            if isinstance(e, RuntimeError):
+            if "topology" in str(e):  # get_tpu_topology's "No TPU topology found for count: N"
                 line += (" (its topology table knows 1, 4 or 8 chips on v5e and v6e, 1, 2, 4 or 8 on v4 and v5p, "
                          "2, 4 or 8 devices on v7): give --num-processes one of those, or leave it out (one "
                          "process per chip)")

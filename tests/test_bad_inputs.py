@@ -112,6 +112,8 @@ CASES = {
                             "--compile: not supported with --strategy fsdp yet; use --strategy ddp"),
     "--compile with dynamic padding": (lambda out, tmp: ["--padding", "dynamic", "--compile"],
                                        "--compile needs static shapes"),
+    "--max-new-tokens on a classifier": (lambda out, tmp: ["--max-new-tokens", 8],
+                                         "--max-new-tokens applies to a causal LM's --test-file"),
 }
 
 

@@ -42,6 +42,29 @@ def test_untied_keeps_each_tensor_under_its_first_key():
     assert list(untied({"embed": shared, "norm": other, "head": shared})) == ["embed", "norm"]
 
 
+def test_a_checkpoint_written_before_ties_were_kept_loads_its_trained_name(tied_task, capsys):
+    """An XLA run before the fix saved both names apart, the embedding trained and the head as it
+    started: loading both into the one tensor would let the stale head win. The first name's
+    values are loaded, and one line says so."""
+    from transformers import AutoModelForCausalLM
+
+    from xla_train.checkpoint import Resume
+    from xla_train.core.hf import quiet_transformers
+
+    with quiet_transformers():
+        model = AutoModelForCausalLM.from_pretrained(tied_task["model"])
+    old = {k: v.clone() for k, v in model.state_dict().items()}
+    old[EMBED] += 1  # trained
+    resume = Resume.__new__(Resume)
+    resume.url, resume.state = "OLD", {"config": {"model": "m"}}
+    resume.load_model(model, old)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert torch.equal(model.model.embed_tokens.weight, old[EMBED])
+    assert capsys.readouterr().out.strip() == (
+        f"checkpoint OLD holds {HEAD} apart from the tensor tied to it (written before tied weights were kept "
+        "one): the first name's trained values are loaded")
+
+
 def _tied_in_file(folder):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM

@@ -10,6 +10,7 @@ the rest, JSON for the run state (torch.distributed.checkpoint reads a sharded c
 `.metadata` with pickle: resume only from checkpoints your runs wrote).
 """
 
+import contextlib
 import json
 import pickle
 import shutil
@@ -20,7 +21,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .core.checkpoint_io import trained_state
 from .core.errors import UserError, first_line
 from .core.roles import optimizer_params, shaped_like
-from .core.storage import MARKER, SHARDS, checkpoint_name, open_store
+from .core.storage import MARKER, SHARDS, checkpoint_name, complete_steps, open_store
+from .core.ties import first_names_only
 from .run_folder import mismatch
 
 BEST = "best"  # checkpoints/best: the best evaluation's weights (--save-best)
@@ -92,10 +94,12 @@ def save(engine, store, model, optimizer, scheduler, state, keep_last=None):
         # others upload theirs, and the main one writes the rest once all have (on_every agrees)
         def write_shards():
             folder = staging if engine.is_main_process else store.staging(name)
-            strategy.save_shards({"model": model_state, "optimizer": moments},
-                                 folder / SHARDS / f"host-{strategy.rank}")
+            with _removed_on_failure(folder):
+                strategy.save_shards({"model": model_state, "optimizer": moments},
+                                     folder / SHARDS / f"host-{strategy.rank}")
+                if not engine.is_main_process:
+                    store.upload(folder, name)
             if not engine.is_main_process:
-                store.upload(folder, name)
                 shutil.rmtree(folder, ignore_errors=True)
 
         _saving(engine.on_main, stage, what, store)
@@ -105,7 +109,7 @@ def save(engine, store, model, optimizer, scheduler, state, keep_last=None):
         if staging is None:
             stage()
         model_state, opt_state = host
-        try:
+        with _removed_on_failure(staging):
             if model_state is not None:
                 save_file({k: v.contiguous() for k, v in model_state.items()}, str(staging / "model.safetensors"))
             torch.save(opt_state, staging / "optimizer.pt")
@@ -113,17 +117,23 @@ def save(engine, store, model, optimizer, scheduler, state, keep_last=None):
             torch.save({"rng": rng.to(torch.uint8)}, staging / "rng.pt")
             (staging / "state.json").write_text(json.dumps(state, indent=1))
             (staging / MARKER).write_text("")
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)  # a part-written step: its space back
-            raise
         store.commit(staging, name)
         if keep_last:
-            complete = sorted(s for s, ok in store.checkpoints().items() if ok)
-            for old in complete[:-keep_last]:
+            for old in complete_steps(store)[:-keep_last]:
                 store.delete(checkpoint_name(old))
 
     _saving(engine.on_main, write, what, store)
     return store.checkpoint_url(name)
+
+
+@contextlib.contextmanager
+def _removed_on_failure(folder):
+    """A part-written step's folder is removed when its writing fails (its space back)."""
+    try:
+        yield
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
 
 
 def _saving(run, write, what, store):
@@ -138,7 +148,10 @@ def _saving(run, write, what, store):
 def kept(store):
     """What a failed save leaves: the latest complete checkpoint, untouched (a save writes into a
     staging folder and appears whole or not at all)."""
-    complete = sorted(s for s, ok in store.checkpoints().items() if ok)
+    try:
+        complete = complete_steps(store)
+    except Exception:  # broad on purpose: the store that failed the save may fail its listing too
+        return "the complete checkpoints written before it are kept"
     if not complete:
         return "no complete checkpoint was written before it"
     return f"the latest complete checkpoint, {store.checkpoint_url(checkpoint_name(complete[-1]))}, is kept: continue from it with --resume"
@@ -191,7 +204,7 @@ def find(store, resume_from=None):
                             "while being written); resume from an earlier one")
         name = checkpoint_name(step)
         return store.fetch(name), store.checkpoint_url(name), store, name
-    complete = sorted(s for s, ok in store.checkpoints().items() if ok)
+    complete = complete_steps(store)
     if not complete:
         raise UserError(f"--resume: no complete checkpoint in {store.checkpoint_url('')[:-1]}")
     name = checkpoint_name(complete[-1])
@@ -247,6 +260,10 @@ class Resume:
         """Loads a checkpoint's weights into the freshly loaded (and adapted) model; a checkpoint
         of trained parameters only leaves the frozen ones and the buffers as they are."""
         kept = set(trained_state(model))
+        weights, stale = first_names_only(model, weights)
+        if stale:
+            print(f"checkpoint {self.url} holds {', '.join(stale)} apart from the tensor tied to it (written before "
+                  "tied weights were kept one): the first name's trained values are loaded")
         try:
             result = model.load_state_dict(weights, strict=False)
             absent = sorted(kept & set(result.missing_keys))

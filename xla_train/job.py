@@ -92,6 +92,8 @@ def prepare(cfg, backend, resume=None, startup=None):
     task.max_length = cfg.max_length  # what the model folder records for predict
     if cfg.test_file and not task.generates:  # a causal LM's prompts are read with its tokenizer, below
         task.test = read_input(cfg.test_file, task)
+    if cfg.max_new_tokens and not (cfg.test_file and task.generates):
+        raise UserError("--max-new-tokens applies to a causal LM's --test-file (--problem causal-lm)")
     print(task.describe())
     sample_rows = task.sample_rows(cfg.eval_samples) if cfg.eval_samples else None  # before tokenising drops the rows
     startup.lap("data")
@@ -129,6 +131,8 @@ def prepare(cfg, backend, resume=None, startup=None):
     prompts = cfg.test_file and task.generates and prompts_to_complete(
         cfg.test_file, tokenizer, model, cfg.max_length, cfg.buckets, backend.accelerator,
         cfg.max_new_tokens or MAX_NEW_TOKENS)
+    if prompts and prompts.truncated:
+        print(f"truncated to their last --max-length {cfg.max_length} tokens: {prompts.truncated} --test-file prompts")
     samples = sample_rows and eval_samples(sample_rows, task.form, tokenizer, model, cfg.max_length,
                                            backend.accelerator.static_shapes, cfg.batch_size)
     startup.lap("data")  # the --eval-samples and --test-file prompts

@@ -63,8 +63,8 @@ class TrainOptions:
                           "prompt/completion or text rows)")
     test_file: str = option(None, "rows to predict with the final (or best) model, written to "
                             "OUTPUT_DIR/predictions.EXT (a GLUE test.tsv: GLUE's submission format); causal-lm: "
-                            "prompt or messages rows, completed greedily as xla-train predict does, into "
-                            "OUTPUT_DIR/predictions.jsonl")
+                            "prompt or messages rows, completed greedily as xla-train predict does (in the run's "
+                            "--precision, the adapters unmerged), into OUTPUT_DIR/predictions.jsonl")
     max_new_tokens: int = option(None, "causal-lm, --test-file: tokens to generate per row at most (default: 64)")
     # system
     backend: str = backend_option()

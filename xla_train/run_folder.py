@@ -16,6 +16,7 @@ from dataclasses import asdict
 
 from .core.errors import UserError
 from .core.files import atomic_write
+from .core.storage import complete_steps
 from .tasks import scores
 
 RECORD = "xla_train_run.json"
@@ -68,7 +69,7 @@ class RunFolder:
     def describe(self):
         """What the folder holds, in a few words."""
         parts = []
-        steps = sorted(s for s, ok in self.store.checkpoints().items() if ok)
+        steps = complete_steps(self.store)
         if steps:
             parts.append(f"checkpoints at step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))}")
         if "model.safetensors" in self.found or "config.json" in self.found:

@@ -16,6 +16,7 @@ from . import checkpoint
 from .core.errors import Stopped
 from .core.signals import StopRequest
 from .core.storage import open_store
+from .core.ties import first_names_only
 from .tasks import MINIMISED
 
 
@@ -186,6 +187,7 @@ class RunState:
         if not (self.cfg.save_best and self.best) or self.best["step"] == self.evaluations[-1][0]:
             return self.results
         weights = self.best_weights if self.best_weights is not None else checkpoint.load_best(self.store)
+        weights, _ = first_names_only(self.engine.unwrap_model(model), weights)  # a tie by its first name (core.ties)
         self.engine.strategy.load_weights(model, weights)
         return next(r for s, r in self.evaluations if s == self.best["step"])
 

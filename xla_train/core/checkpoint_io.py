@@ -18,3 +18,9 @@ def trained_state(model, live=False):
     if all(v.requires_grad for v in state.values() if isinstance(v, torch.nn.Parameter)):
         return {k: keep(v) for k, v in state.items()}
     return {k: keep(v) for k, v in state.items() if isinstance(v, torch.nn.Parameter) and v.requires_grad}
+
+
+def whole_state(model):
+    """The model's whole state, detached, a tied tensor once under its first key (what a saved
+    model holds: transformers' save_pretrained writes a tie once and makes it again on load)."""
+    return {k: v.detach() for k, v in untied(model.state_dict(keep_vars=True)).items()}

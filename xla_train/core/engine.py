@@ -27,12 +27,12 @@ from tqdm.auto import tqdm
 from transformers import DataCollatorWithPadding
 
 from .batching import BatchPlan, make_loader
-from .checkpoint_io import trained_state
+from .checkpoint_io import trained_state, whole_state
 from .errors import UserError, describe
 from .hf import quiet_transformers
 from .roles import Roles, active_roles, optimizer_params
 from .select import select_roles
-from .ties import retie, ties, untied
+from .ties import retie, ties
 from .shapes import even_buckets
 
 
@@ -304,8 +304,7 @@ class Engine:
         config beside it (its labels)."""
         model = self.unwrap_model(model)
         adapter = hasattr(model, "peft_config")
-        # a tied tensor once: transformers' save_pretrained writes it once and ties it on load
-        state = trained_state(model) if adapter else {k: v.detach() for k, v in untied(model.state_dict(keep_vars=True)).items()}
+        state = trained_state(model) if adapter else whole_state(model)
         weights = self.to_host(list(state.values()), main_only=True)
 
         def write():

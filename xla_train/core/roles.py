@@ -246,7 +246,9 @@ class Strategy(ABC):
 
     @property
     def peers(self):
-        """How many processes must agree on a stop, each with its own signals: the replicas."""
+        """The processes of the job, each with its own signals and its own share of every batch's
+        rows: the replicas (under SPMD, one process per host). They agree on a stop, and
+        Engine's loaders split the rows over them."""
         return self.world_size
 
     def mesh_shape(self):

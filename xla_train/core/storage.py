@@ -43,6 +43,11 @@ def checkpoint_name(step):
     return f"step-{step:08d}"
 
 
+def complete_steps(store):
+    """The steps of the store's complete checkpoints, in order."""
+    return sorted(s for s, ok in store.checkpoints().items() if ok)
+
+
 class LocalStore:
     def __init__(self, path):
         self.root = Path(path)

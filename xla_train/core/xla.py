@@ -24,9 +24,10 @@ from .errors import UserError
 from .roles import Accelerator, Strategy, blocks_of, optimizer_params, shaped_like
 
 # Attention implementation registered below: transformers' own SDPA attention with a mask
-# function that never asks whether the padding mask is all ones. Stock "sdpa" evaluates
-# `padding_mask.all()` on every forward (masking_utils._ignore_bidirectional_mask_sdpa), which
-# on XLA is a device-to-host sync and cuts each step into two graphs.
+# function that never asks whether the padding mask is all ones (stock "sdpa" evaluates
+# `padding_mask.all()` on every forward, masking_utils._ignore_bidirectional_mask_sdpa, which
+# on XLA is a device-to-host sync and cuts each step into two graphs), its q, k and v cast to
+# autocast's dtype (torch_xla's autocast leaves sdpa's inputs apart).
 XLA_ATTENTION = "xla_sdpa"
 
 
@@ -552,7 +553,7 @@ class XlaFsdp(XlaSpmd):
 
         torch_xla.sync()
         # every host takes part: on several hosts the copies are collectives
-        copies = self._host_copies(tensors, lambda rest: [t.cpu() for t in rest])
+        copies = self._host_copies(tensors, self.accelerator.read)  # the rest in one transfer
         return copies if not main_only or self.is_main else None
 
     def read(self, tensors):
