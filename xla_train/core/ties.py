@@ -40,21 +40,16 @@ def untied(state):
     return out
 
 
-def later_names(model):
-    """The state-dict names of `model` under which a tied tensor appears again after its first."""
-    return set(model.state_dict(keep_vars=True)) - set(untied(model.state_dict(keep_vars=True)))
-
-
 def first_names_only(model, weights):
     """`weights` (a state dict read back) without `model`'s later names of a tied tensor, and those
     of them that held other values than the first name. A checkpoint written before ties were kept
     (an XLA run before 2026-11-26) holds both names apart, the first one trained: loaded whole,
     the later name's stale values would overwrite it in the one tensor."""
-    later = later_names(model) & set(weights)
-    if not later:
-        return weights, []
-    first = {id(v): k for k, v in reversed(list(model.state_dict(keep_vars=True).items()))}
     state = model.state_dict(keep_vars=True)
+    first = {}
+    for key, value in state.items():
+        first.setdefault(id(value), key)
+    later = {k for k, v in state.items() if first[id(v)] != k and k in weights}
     differing = [k for k in sorted(later) if first[id(state[k])] in weights
                  and not torch.equal(weights[k], weights[first[id(state[k])]])]
     return {k: v for k, v in weights.items() if k not in later}, differing
