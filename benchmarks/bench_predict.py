@@ -115,7 +115,8 @@ def main():
             agree = f"{sum(x == y for x, y in zip(a, b)) / len(b):.4f}"
             row.update(speedup=ratio, label_agreement=float(agree))
         status = "" if row["returncode"] == 0 else f" (exit {row['returncode']})"
-        md.append(f"| {row['label']}{status} | {row['wall_seconds']} | {ratio} | {row.get('compiles', '-')} | {agree} |")
+        compiles = row.get("compiles", "-")
+        md.append(f"| {row['label']}{status} | {row['wall_seconds']} | {ratio} | {compiles} | {agree} |")
     (out / "predict.json").write_text(json.dumps(results, indent=2) + "\n")
     (out / "predict.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))

@@ -35,9 +35,9 @@ the XLA device); there, transformers' default optimizer (fused AdamW) raises, so
 records that exception for `xla-trl-default` and runs `xla-trl` with `optim="adamw_torch"` (ours
 is unfused on XLA too). `xla-trl` compiles a graph for every new batch length; `xla-trl-static`
 adds TRL's `pad_to_multiple_of=batch x --max-length` (the option TRL sets for Neuron, which also
-compiles per shape), so every batch is one 1 x (batch x --max-length) sequence. The bench checks that TRL's packed training documents are token for
-token ours (sorted; its unshifted labels against our shifted ones) and records it as
-`same_documents`.
+compiles per shape), so every batch is one 1 x (batch x --max-length) sequence. The bench checks
+that TRL's packed training documents are token for token ours (sorted; its unshifted labels against
+our shifted ones) and records it as `same_documents`.
 
 One seed's validation loss is no comparison: on the default task the loss after 150 steps depends
 on the order of the batches far more than on the trainer (the drop from ~1.5 to ~0.2 comes
@@ -148,8 +148,8 @@ def run_trl(name, backend, steps, args, out, optim=None, pad=None, seed=None):
                                                                   "pad": pad, "backend": backend, "seed": seed,
                                                                   "out": str(out / name)})]
     wall, _, error = launch(name, cmd, {"USE_TORCH_XLA": "0"} if backend == "cpu" else {}, out)
-    row = {"case": name, "backend": backend, "mode": "trl", "seed": seed, "optim": optim or "default (adamw_torch_fused)",
-           "pad_to_multiple_of": pad}
+    row = {"case": name, "backend": backend, "mode": "trl", "seed": seed,
+           "optim": optim or "default (adamw_torch_fused)", "pad_to_multiple_of": pad}
     if error:
         print(f"   {name} does not run: {error}", flush=True)
         return {**row, "error": error, "wall_s": round(wall, 1)}

@@ -43,7 +43,7 @@ def main():
         model = AutoModelForSequenceClassification.from_pretrained(bundled_model_path(), num_labels=2).train()
         runs[fused] = (model, torch.optim.AdamW(model.parameters(), lr=5e-5, fused=fused or None), [])
     for i in range(args.steps + 3):  # 3 warm-up steps each
-        for fused, (model, optimizer, times) in runs.items():
+        for model, optimizer, times in runs.values():
             torch.manual_seed(i)  # the same dropout masks for both
             t0 = time.perf_counter()
             loss = model(**batch).loss

@@ -67,7 +67,7 @@ def main():
     bar = tqdm(range(steps), disable=not accelerator.is_main_process)
     model.train()
     t0, done = time.perf_counter(), 0
-    for epoch in range(args.epochs):
+    for _epoch in range(args.epochs):
         for batch in train_dl:
             loss = model(**batch).loss
             accelerator.backward(loss)

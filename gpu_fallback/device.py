@@ -9,7 +9,11 @@ Launch commands (the strategies and the launcher are in `strategies.py` and `lau
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-endpoint HOST:29500 -m xla_train train --backend cuda
 """
 
+from __future__ import annotations
+
 import os
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,8 +37,8 @@ ACCELERATOR_COMPILE_SECONDS = 30.0
 # runs eager): one per bucket length in training and one in evaluation, 2 x 4 by default
 RECOMPILE_LIMIT = 64
 # torch.compile's own timers (torch._dynamo.utils.compilation_time_metrics): a frame's compilation
-# (torch/_dynamo/convert_frame.py:1296) and its backward's, at the first backward
-# (torch/_inductor/compile_fx.py:2594)
+# (torch 2.9's torch._dynamo.convert_frame._compile, its compile_inner) and its backward's, at the
+# first backward (torch._inductor.compile_fx.compile_fx, its bw_compiler; the same names in torch 2.13)
 COMPILE_TIMERS = ("_compile.compile_inner", "compile_fx.<locals>.bw_compiler")
 
 
@@ -45,21 +49,22 @@ class TorchAccelerator(Accelerator):
 
     TorchTPU (torch_tpu 0.2.0, read in its wheel; docs/torchtpu.md) makes "tpu" a device like
     CUDA's: PrivateUse1 renamed "tpu" and `torch.tpu` registered as its module
-    (torch_tpu/_loader.py:256, :275), with the rng state (_internal/device/_device_module.py:680,
-    :702), the device name and total memory (:1015, :1035) and a c10 DeviceAllocator whose stats
+    (torch_tpu/_loader.py, _init_device_impl), with the rng state (_internal/device/_device_module.py,
+    get_rng_state and set_rng_state), the device name and total memory (get_device_name,
+    get_device_properties) and a c10 DeviceAllocator whose stats
     `torch.accelerator.max_memory_allocated` reads (TpuAllocator::getDeviceStats in its
     libpywrap_*_common.so; no Python memory API)."""
 
     fused_optimizer = True  # one fused AdamW kernel instead of a chain of multi-tensor ops
     compile_refusal = None  # --compile: torch.compile (see `compile`)
 
-    def __init__(self, device_type):
+    def __init__(self, device_type: str) -> None:
         self.name = device_type
         self.accelerated = device_type != "cpu"
         self.token_seconds = TOKEN_SECONDS.get(device_type, ACCELERATOR_TOKEN_SECONDS)
         # torch.distributed's process group for this device: "nccl" for CUDA, "gloo" for the CPU,
         # "tpu_dist" for TorchTPU's tpu, which torch_tpu registers first with devices=["tpu"]
-        # (torch_tpu/_loader.py:296-301), and torch maps a device to the first backend registered
+        # (torch_tpu/_loader.py, _init_device_impl), and torch maps a device to the first backend registered
         # for it (Backend.register_backend)
         self.process_group = dist.Backend.default_device_backend_map[device_type]
         # transformers and accelerate move work onto XLA when torch_xla is importable; this
@@ -67,13 +72,13 @@ class TorchAccelerator(Accelerator):
         os.environ.setdefault("USE_TORCH_XLA", "0")
 
     @property
-    def _module(self):
+    def _module(self) -> Any:
         """torch.cuda, torch.cpu...: the device's rng state and memory, where it has them (looked up
         each time: a module does not pickle, and spawned workers get this object pickled)."""
         return torch.get_device_module(self.name)
 
     @property
-    def device(self):
+    def device(self) -> torch.device:
         if not self.accelerated:
             return torch.device("cpu")
         if self.name == "tpu":
@@ -83,23 +88,23 @@ class TorchAccelerator(Accelerator):
         return torch.device(self.name, int(os.environ.get("LOCAL_RANK", 0)))
 
     @property
-    def _which(self):
+    def _which(self) -> tuple[torch.device, ...]:
         """The device argument of the device module's and torch.accelerator's calls: CUDA's device of
         this process; none on TorchTPU, whose calls take the current device and refuse any index but
         the current one (torch.tpu.set_device: "Changing the active TPU device within a process is not
         supported"; get_rng_state/set_rng_state: _rng_validate_device_index)."""
         return () if self.name == "tpu" else (self.device,)
 
-    def describe(self):
+    def describe(self) -> str:
         if not self.accelerated:
             return f"cpu ({torch.get_num_threads()} threads)"
         return self._module.get_device_name(*self._which)
 
-    def default_processes(self):
+    def default_processes(self) -> int:
         """Workers on this host when --num-processes is not given: one per device."""
         return torch.accelerator.device_count() if self.accelerated else 1
 
-    def prepare_launch(self, processes):
+    def prepare_launch(self, processes: int) -> None:
         """In the launching process, before it starts `processes` workers on this host: TorchTPU's
         ranks must agree on addresses, topology and profiling session, which its
         set_tpu_launch_env decides in the parent (torch_tpu/_internal/distributed/distributed.py,
@@ -113,37 +118,37 @@ class TorchAccelerator(Accelerator):
         try:
             self._module.distributed.set_tpu_launch_env(nproc_per_node=processes)
         except (RuntimeError, ValueError) as e:  # its documented ValueErrors; get_tpu_topology's RuntimeError
-            line = f"--backend tpu: TorchTPU cannot start {processes} process(es) on this host: {first_line(e)}"
+            line = f"`backend` tpu: TorchTPU cannot start {processes} process(es) on this host: {first_line(e)}"
             if "topology" in str(e):  # get_tpu_topology's "No TPU topology found for count: N"
                 line += (" (its topology table knows 1, 4 or 8 chips on v5e and v6e, 1, 2, 4 or 8 on v4 and v5p, "
-                         "2, 4 or 8 devices on v7): give --num-processes one of those, or leave it out (one "
+                         "2, 4 or 8 devices on v7): give `num_processes` one of those, or leave it out (one "
                          "process per chip)")
             raise UserError(line) from None
 
-    def fork_refusal(self):
+    def fork_refusal(self) -> str | None:
         """Why workers cannot be forked from this process now (None: they can). TorchTPU refuses the
         TPU to a child forked after its runtime started in the parent (torch_tpu/_internal/device/
         _device_module.py, _lazy_init and _init_runtime_options: "cannot access or re-initialize TPU
         in a forked subprocess")."""
         if self.name == "tpu" and self._module.is_initialized():
-            return ("--backend tpu: TorchTPU's runtime already started in this process, and a forked worker "
+            return ("`backend` tpu: TorchTPU's runtime already started in this process, and a forked worker "
                     "cannot use the TPU: call notebook_launcher before anything runs on the TPU (restart the "
                     "notebook's kernel first), or start the job with xla-train train")
         return None
 
-    def setup(self):
+    def setup(self) -> None:
         # before the NCCL group, which binds to the current device; TorchTPU's one chip is current already
         if self.name == "cuda" and launched_by_torchrun():
             torch.accelerator.set_device_index(self.device)
 
-    def wrap_loader(self, loader, sharding=None):
+    def wrap_loader(self, loader: torch.utils.data.DataLoader, sharding: Any = None) -> _DeviceLoader:
         return _DeviceLoader(loader, self.device)
 
-    def use_compile(self):
+    def use_compile(self) -> None:
         super().use_compile()
         self.compile_seconds = COMPILE_SECONDS.get(self.name, ACCELERATOR_COMPILE_SECONDS)
 
-    def compile(self, model):
+    def compile(self, model: torch.nn.Module) -> torch.nn.Module:
         """In place (`nn.Module.compile`: the same object, so DDP, state dicts and saving see no
         wrapper; DDP's forward is compiled through dynamo's DDPOptimizer). `dynamic=False`: every
         input shape is a graph of its own, specialised, never a dynamic-shape graph; the buckets
@@ -156,7 +161,7 @@ class TorchAccelerator(Accelerator):
         model.compile(mode=COMPILE_MODES.get(self.name), dynamic=False)
         return model
 
-    def compile_stats(self):
+    def compile_stats(self) -> dict[str, Any] | None:
         """--compile: torch.compile's graphs and seconds (process-wide counters); None without it."""
         if not self.compiling:
             return None
@@ -165,41 +170,41 @@ class TorchAccelerator(Accelerator):
         return {"compiles": counters["stats"]["unique_graphs"],
                 "compile_seconds": sum(sum(compilation_time_metrics.get(k, ())) for k in COMPILE_TIMERS)}
 
-    def rng_state(self):
+    def rng_state(self) -> torch.Tensor:
         if not hasattr(self._module, "get_rng_state"):
             return super().rng_state()
         return torch.cat([torch.get_rng_state(), self._module.get_rng_state(*self._which)])
 
-    def set_rng_state(self, state):
+    def set_rng_state(self, state: torch.Tensor) -> None:
         super().set_rng_state(state)
         if hasattr(self._module, "set_rng_state"):
             self._module.set_rng_state(state[len(torch.get_rng_state()):].clone(), *self._which)
 
-    def synchronize(self):
+    def synchronize(self) -> None:
         if self.accelerated:
             torch.accelerator.synchronize(*self._which)
 
-    def device_memory(self):
+    def device_memory(self) -> int | None:
         # torch.cuda's and torch.tpu's device properties both carry total_memory (the HBM of one TPU
-        # device: torch_tpu/_internal/device/_device_module.py:989, :1054)
+        # device: torch_tpu/_internal/device/_device_module.py, get_device_properties)
         return self._module.get_device_properties(*self._which).total_memory if self.accelerated else None
 
-    def device_kind(self):
+    def device_kind(self) -> str | None:
         return self.describe() if self.accelerated else None
 
-    def peak_memory(self):
+    def peak_memory(self) -> int | None:
         return torch.accelerator.max_memory_allocated(*self._which) if self.accelerated else None
 
 
 class _DeviceLoader:
     """Moves each batch of a DataLoader to the device."""
 
-    def __init__(self, loader, device):
+    def __init__(self, loader: torch.utils.data.DataLoader, device: torch.device) -> None:
         self.loader, self.device = loader, device
 
-    def __len__(self):
+    def __len__(self) -> int:
         return len(self.loader)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         for batch in self.loader:
             yield {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}

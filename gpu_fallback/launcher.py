@@ -1,11 +1,15 @@
 """The torch-native launcher: torchrun's processes as they are, one process, or workers started
 with torch.multiprocessing on this host (gloo on the CPU, NCCL on CUDA, tpu_dist on TorchTPU)."""
 
+from __future__ import annotations
+
 import gc
 import logging
 import os
 import socket
 import sys
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 
@@ -13,23 +17,37 @@ from xla_train.core.errors import ExitError, Stopped, UserError, tell, told
 from xla_train.core.launchers import failure_channel, worker_folder
 from xla_train.core.roles import Launcher
 
+if TYPE_CHECKING:
+    from xla_train.core.roles import Roles
 
-def launched_by_torchrun():
+
+class _Launched(Protocol):
+    """What `TorchLauncher.launch` asks of the accelerator (device.TorchAccelerator, which imports
+    this module: named by what it does, not imported)."""
+
+    name: str
+
+    def prepare_launch(self, processes: int) -> None: ...
+
+    def fork_refusal(self) -> str | None: ...
+
+
+def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def _free_port():
+def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _hosts(several_hosts):
+def _hosts(several_hosts: bool) -> int:
     """The hosts a launch spans: NNODES where a TPU slice's hosts are read from the environment, else 1."""
     return int(os.environ.get("NNODES", 1)) if several_hosts else 1
 
 
-def worker_environments(nprocs, several_hosts=False):
+def worker_environments(nprocs: int, several_hosts: bool = False) -> list[dict[str, str]]:
     """The variables of each of this host's `nprocs` workers, as torchrun sets them (RANK,
     LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT). One host: the workers are the world, on a free
     port of the loopback. `several_hosts` (TorchTPU): where the environment says a slice of several
@@ -57,21 +75,22 @@ class TorchLauncher(Launcher):
     """One process per device (`default_processes()`: the accelerator's count), `num_processes`
     gloo workers on the CPU, or the processes torchrun started."""
 
-    def __init__(self, num_processes, default_processes):
+    def __init__(self, num_processes: int | None, default_processes: Callable[[], int]) -> None:
         self.num_processes, self.default_processes = num_processes, default_processes
 
-    def planned_replicas(self):
+    def planned_replicas(self) -> int:
         if launched_by_torchrun():
             return int(os.environ["WORLD_SIZE"])
         return self.num_processes or self.default_processes()
 
-    def launch(self, roles, fn, args, start_method):
+    def launch(self, roles: Roles, fn: Callable[..., object], args: Sequence[Any], start_method: str) -> None:
         nprocs = self.num_processes or self.default_processes()
         if launched_by_torchrun():
             roles.run_worker(fn, args)  # torchrun started this process already
             return
-        roles.accelerator.prepare_launch(nprocs)
-        several_hosts = roles.accelerator.name == "tpu"  # a TPU slice's hosts, from set_tpu_launch_env
+        accelerator = cast(_Launched, roles.accelerator)  # select.py pairs this launcher with TorchAccelerator only
+        accelerator.prepare_launch(nprocs)
+        several_hosts = accelerator.name == "tpu"  # a TPU slice's hosts, from set_tpu_launch_env
         if nprocs == 1 and _hosts(several_hosts) == 1:
             roles.run_worker(fn, args)
             return
@@ -80,7 +99,7 @@ class TorchLauncher(Launcher):
         # notebook_launcher forks before the notebook has run torch ops in parallel, as Accelerate's does.
         # A worker that fails leaves its one-line message in the launch's folder and this process
         # prints it: torch stops the other workers as soon as one exits, maybe before they could print.
-        refusal = start_method == "fork" and roles.accelerator.fork_refusal()
+        refusal = start_method == "fork" and accelerator.fork_refusal()
         if refusal:
             raise UserError(refusal)
         envs = worker_environments(nprocs, several_hosts)
@@ -101,14 +120,16 @@ class TorchLauncher(Launcher):
         finally:
             spawn_log.setLevel(level)
 
-    def run_worker(self, roles, fn, args=(), report_stop=False):
+    def run_worker(self, roles: Roles, fn: Callable[..., object], args: Sequence[Any] = (),
+                   report_stop: bool = False) -> None:
         stopped = None
         with roles.activated():
             try:
                 fn(*args)
             except Stopped as e:  # every replica stopped at the same step: they leave together
                 stopped = e.args  # not the exception: its traceback holds fn's frames and DDP model
-                if report_stop and roles.strategy.is_main:  # a spawned worker: say it before the barrier lets others exit
+                # a spawned worker: say it before the barrier lets others exit
+                if report_stop and roles.strategy.is_main:
                     print(e.line(), file=sys.stderr, flush=True)
         # Only now, with fn's DDP model and its gradient reducer freed, may the process group go:
         # a reducer that outlives its group can hang in the group's destructor.

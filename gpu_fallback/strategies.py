@@ -5,8 +5,12 @@ process group (NCCL on CUDA, gloo on the CPU) or in one process.
     xla-train train --backend cpu --strategy fsdp --num-processes 2
 """
 
+from __future__ import annotations
+
 import os
-from contextlib import contextmanager, nullcontext
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -16,43 +20,51 @@ from xla_train.core.roles import Strategy, blocks_of, optimizer_params, shaped_l
 
 from .launcher import launched_by_torchrun
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from .device import TorchAccelerator
+
 
 class TorchStrategy(Strategy):
     """What DDP and FSDP2 share: the process group (one process per device), its collectives,
     and the step (gradients are reduced during backward)."""
 
-    def setup(self):
+    accelerator: TorchAccelerator  # select.py pairs these strategies with the torch-native accelerator only
+
+    def setup(self) -> None:
         if launched_by_torchrun() and int(os.environ["WORLD_SIZE"]) > 1 and not dist.is_initialized():
             dist.init_process_group(self.accelerator.process_group)
 
-    def teardown(self):
+    def teardown(self) -> None:
         if dist.is_initialized():
             dist.barrier()  # no replica leaves while another still talks to it
             dist.destroy_process_group()
 
     @property
-    def world_size(self):
+    def world_size(self) -> int:
         return dist.get_world_size() if dist.is_initialized() else 1
 
     @property
-    def rank(self):
+    def rank(self) -> int:
         return dist.get_rank() if dist.is_initialized() else 0
 
-    def optimizer_step(self, optimizer, max_grad_norm=None):
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, max_grad_norm: float | None = None
+                       ) -> torch.Tensor | None:
         norm = None  # DDP averaged the gradients during backward
         if max_grad_norm:
             norm = torch.nn.utils.clip_grad_norm_(optimizer_params(optimizer), max_grad_norm)
         optimizer.step()
         return norm
 
-    def gather(self, tensor):
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.world_size == 1:
             return tensor
         parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
         dist.all_gather(parts, tensor.contiguous())
         return torch.cat(parts)
 
-    def barrier(self):
+    def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier()
 
@@ -60,7 +72,7 @@ class TorchStrategy(Strategy):
 class Ddp(TorchStrategy):
     """Plain torch data parallel: DDP across processes (one per device), or one process."""
 
-    def wrap_model(self, model):
+    def wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
         device = self.accelerator.device
         model = model.to(device)
         if self.world_size > 1:
@@ -71,10 +83,10 @@ class Ddp(TorchStrategy):
             model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
         return model
 
-    def unwrap_model(self, model):
+    def unwrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
         return model.module if isinstance(model, DistributedDataParallel) else model
 
-    def no_sync(self, model):
+    def no_sync(self, model: torch.nn.Module) -> AbstractContextManager[Any]:
         return model.no_sync() if isinstance(model, DistributedDataParallel) else nullcontext()
 
 
@@ -85,16 +97,16 @@ class Fsdp2(TorchStrategy):
 
     data_axes = ("fsdp",)
     # not run here: FSDP2's hooks under torch.compile (dynamo skips them, one graph per block)
-    compile_refusal = "not supported with --strategy fsdp yet; use --strategy ddp"
+    compile_refusal = "not supported with `strategy` fsdp yet; use `strategy` ddp"
 
-    def mesh_shape(self):
+    def mesh_shape(self) -> tuple[tuple[str, int], ...]:
         return (("fsdp", self.world_size),)
 
     @property
-    def param_shards(self):
+    def param_shards(self) -> int:
         return self.world_size
 
-    def mesh(self):
+    def mesh(self) -> DeviceMesh:
         from torch.distributed.device_mesh import init_device_mesh
 
         # given explicitly: the default mesh of a GPU host is CUDA's even when the group is gloo
@@ -102,7 +114,7 @@ class Fsdp2(TorchStrategy):
         names, sizes = zip(*self.mesh_shape())
         return init_device_mesh(self.accelerator.device.type, sizes, mesh_dim_names=names)
 
-    def wrap_model(self, model):
+    def wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
         from torch.distributed.fsdp import fully_shard
 
         # placed before the mesh: torch's DeviceMesh sets the device to LOCAL_RANK's only where the
@@ -118,30 +130,31 @@ class Fsdp2(TorchStrategy):
         return model
 
     @contextmanager
-    def _gradient_sync_off(self, model):
+    def _gradient_sync_off(self, model: Any) -> Iterator[None]:
         model.set_requires_gradient_sync(False)  # micro-steps keep unsharded gradients, unreduced
         try:
             yield
         finally:
             model.set_requires_gradient_sync(True)
 
-    def no_sync(self, model):
+    def no_sync(self, model: torch.nn.Module) -> AbstractContextManager[Any]:
         return self._gradient_sync_off(model) if hasattr(model, "set_requires_gradient_sync") else nullcontext()
 
-    def optimizer_step(self, optimizer, max_grad_norm=None):
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, max_grad_norm: float | None = None
+                       ) -> torch.Tensor | None:
         norm = super().optimizer_step(optimizer, max_grad_norm)
         return self.whole(norm) if norm is not None else None  # the norm over every shard
 
-    def whole(self, tensor):
+    def whole(self, tensor: torch.Tensor) -> torch.Tensor:
         from torch.distributed.tensor import DTensor
 
         return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor  # a collective
 
-    def to_host(self, tensors, main_only=False):
+    def to_host(self, tensors: Sequence[torch.Tensor], main_only: bool = False) -> list[torch.Tensor] | None:
         whole = [self.whole(t) for t in tensors]  # every worker takes part in the gathers
         return self.accelerator.to_host(whole) if not main_only or self.is_main else None
 
-    def load_weights(self, model, weights):
+    def load_weights(self, model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             set_model_state_dict,
@@ -149,9 +162,11 @@ class Fsdp2(TorchStrategy):
 
         if not dist.is_initialized():
             return super().load_weights(model, weights)
-        set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
+        # torch's annotation asks for dict[str, ValueType], and dict is invariant: a dict[str, Tensor] is one
+        set_model_state_dict(model, weights,  # type: ignore[arg-type]
+                             options=StateDictOptions(full_state_dict=True, strict=False))
 
-    def place_optimizer_state(self, optimizer):
+    def place_optimizer_state(self, optimizer: torch.optim.Optimizer) -> None:
         from torch.distributed.tensor import DTensor, distribute_tensor
 
         # a checkpoint holds whole moments; each worker keeps its shard, laid out like the parameter

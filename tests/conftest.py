@@ -165,7 +165,8 @@ def learned_run(reverse_task, tmp_path_factory):
     env = {"MLFLOW_TRACKING_URI": f"sqlite:///{out / 'tracking.db'}"}
     proc, m = run_cli(["--backend", "cpu", *reverse_args(reverse_task, "--eval-every", 100, "--save-every", 50,
                                                          "--eval-samples", 4, "--report-to", "tensorboard,mlflow",
-                                                         "--test-file", reverse_task["held_out"], "--max-new-tokens", 8),
+                                                         "--test-file", reverse_task["held_out"],
+                                                         "--max-new-tokens", 8),
                        "--output-dir", out / "run"], out, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return m, out / "run"

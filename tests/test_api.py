@@ -57,8 +57,9 @@ def test_course_loop_ported_to_the_engine(backend, mrpc_slice, tiny_model, tmp_p
 def test_tpu_pod_dry_run_prints_the_gcloud_commands():
     """With a PyPI name; tests/test_install.py covers a local wheel (scp first) and git+URL."""
     proc = subprocess.run([sys.executable, "scripts/tpu_pod.py", "--tpu", "pod-1", "--zone", "us-central2-b",
-                           "--package", "xla-train", "--dry-run", "--run-id", "r1", "--launch-id", "l1", "--", "--model",
-                           "bert-base-uncased", "--data-dir", "hub"], cwd=ROOT, capture_output=True, text=True)
+                           "--package", "xla-train", "--dry-run", "--run-id", "r1", "--launch-id", "l1", "--",
+                           "--model", "bert-base-uncased", "--data-dir", "hub"],
+                          cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     install, train = proc.stdout.strip().splitlines()
     prefix = "gcloud compute tpus tpu-vm ssh pod-1 --zone=us-central2-b --worker=all --command "

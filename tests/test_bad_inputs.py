@@ -59,7 +59,7 @@ def no_model(tmp):
     return ["--model", tmp]
 
 
-ROW = "1\t1\t2\tOne sentence.\tAnother sentence.\r\n".encode()
+ROW = b"1\t1\t2\tOne sentence.\tAnother sentence.\r\n"
 # name: (extra arguments, given the run's copy and a scratch folder; expected message). Cases
 # without --resume pass --overwrite: a failed check must not remove the folder's run either.
 CASES = {

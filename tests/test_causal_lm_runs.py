@@ -18,7 +18,8 @@ def test_the_tiny_decoder_learns_the_task(learned_run):
     go below their share x ln 8 (about 0.7 here). 0.1 is reached after about 250 steps."""
     m, _ = learned_run
     assert m["problem"] == "causal-lm" and m["main_metric"] == "loss"
-    assert m["eval"]["loss"] < 0.1 and m["eval"]["perplexity"] == pytest.approx(torch.tensor(m["eval"]["loss"]).exp().item())
+    assert m["eval"]["loss"] < 0.1
+    assert m["eval"]["perplexity"] == pytest.approx(torch.tensor(m["eval"]["loss"]).exp().item())
     assert m["eval"]["n"] == 64 and m["best"]["metric"] == "loss"  # every validation document once; lower is better
     assert [s for s, _ in m["evaluations"]] == [100, 200, 300, m["steps"]]
     losses = [r["loss"] for _, r in m["evaluations"]]
@@ -133,7 +134,8 @@ def test_lora_with_fsdp_on_four_xla_devices(reverse_task, tmp_path):
     assert type(model).__name__ == "PeftModelForCausalLM"
     assert type(model.get_base_model()).__name__ == "LlamaForCausalLM"
     samples = [json.loads(line) for line in (tmp_path / "run" / "samples" / "step-12.jsonl").read_text().splitlines()]
-    assert [sorted(s) for s in samples] == [["completion", "prompt", "reference"]] * 3  # generated with the adapter, sharded
+    # generated with the adapter, sharded
+    assert [sorted(s) for s in samples] == [["completion", "prompt", "reference"]] * 3
 
 
 def test_merge_lora_saves_a_whole_causal_lm(reverse_task, tmp_path):

@@ -97,7 +97,7 @@ def test_parse_buckets():
     for bad in ("a,b", "0,64", ""):
         with pytest.raises(UserError):
             parse_buckets(bad, 128)
-    with pytest.raises(UserError, match="longer than --max-length"):
+    with pytest.raises(UserError, match="longer than `max_length`"):
         parse_buckets("64,256", 128)
 
 

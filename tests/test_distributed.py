@@ -24,8 +24,8 @@ def test_spmd_over_four_devices_matches_one_device(mrpc_slice, tiny_model, tiny_
     single, single_dir = tiny_bucketed_run
     assert spmd["world_size"] == 4 and single["world_size"] == 1
     assert spmd["train_samples"] == single["train_samples"] == 16 * 8
-    torch.testing.assert_close([l for _, l, _ in spmd["train_loss"]], [l for _, l, _ in single["train_loss"]],
-                               atol=1e-5, rtol=0)
+    torch.testing.assert_close([loss for _, loss, _ in spmd["train_loss"]],
+                               [loss for _, loss, _ in single["train_loss"]], atol=1e-5, rtol=0)
     assert_same_weights(tmp_path / "spmd", single_dir, atol=1e-6)
     assert spmd["eval"]["n"] == 48
     assert spmd["xla"]["aten_fallbacks"] == 0
@@ -315,7 +315,8 @@ def test_a_failure_in_any_process_reaches_every_one(tmp_path):
 
     notebook_launcher(fn, (str(tmp_path),), backend="cpu", num_processes=2)
     assert (tmp_path / "written").exists()
-    assert [(tmp_path / f"rank-{r}").read_text() for r in (0, 1)] == ["2 cannot write the shards: No space left on device"] * 2
+    told = [(tmp_path / f"rank-{r}").read_text() for r in (0, 1)]
+    assert told == ["2 cannot write the shards: No space left on device"] * 2
 
 
 def test_spmd_processes_agree_through_a_reduction_over_every_device(tmp_path):

@@ -1,4 +1,5 @@
-"""The gpu_fallback accelerator and strategies on the CPU with the bundled MiniLM (gloo processes: test_distributed.py)."""
+"""The gpu_fallback accelerator and strategies on the CPU with the bundled MiniLM (gloo processes:
+test_distributed.py)."""
 
 import json
 

@@ -33,8 +33,8 @@ def test_fsdp_over_four_devices_matches_one_device(xla_fsdp_run, tiny_bucketed_r
     proc, fsdp, out = xla_fsdp_run
     single, single_dir = tiny_bucketed_run
     assert fsdp["world_size"] == 4 and fsdp["train_samples"] == single["train_samples"] == 16 * 8
-    torch.testing.assert_close([l for _, l, _ in fsdp["train_loss"]], [l for _, l, _ in single["train_loss"]],
-                               atol=1e-5, rtol=0)
+    torch.testing.assert_close([loss for _, loss, _ in fsdp["train_loss"]],
+                               [loss for _, loss, _ in single["train_loss"]], atol=1e-5, rtol=0)
     assert_same_weights(out, single_dir, atol=1e-6)
     assert fsdp["eval"] == single["eval"]
     # each device holds a quarter of the weights, gradients and AdamW moments

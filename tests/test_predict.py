@@ -21,8 +21,9 @@ SELECT = ["--label-column", "score", "--eval-every", 1, "--metric-for-best", "ms
 
 
 def run_predict(args, env=None):
-    return subprocess.run([sys.executable, "-m", "xla_train", "predict", *map(str, args)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=900, env={**os.environ, "PJRT_DEVICE": "CPU", **(env or {})})
+    return subprocess.run([sys.executable, "-m", "xla_train", "predict", *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "PJRT_DEVICE": "CPU", **(env or {})})
 
 
 @pytest.fixture(scope="session")
@@ -33,7 +34,8 @@ def files(tmp_path_factory):
     for name, part in (("train", pairs[:64]), ("dev", pairs[64:84])):
         with open(root / f"sim_{name}.jsonl", "w") as f:
             for i, (a, b, label) in enumerate(part):
-                f.write(json.dumps({"sentence1": a, "sentence2": b, "score": round(i % 6 * 0.8 + label * 0.5, 2)}) + "\n")
+                score = round(i % 6 * 0.8 + label * 0.5, 2)
+                f.write(json.dumps({"sentence1": a, "sentence2": b, "score": score}) + "\n")
     with open(root / "pairs.csv", "w", newline="") as f:  # 21 rows: the last batch of 8 (or 2 x 8) is filled
         writer = csv.writer(f)
         writer.writerow(["id", "sentence1", "sentence2"])
@@ -213,8 +215,10 @@ def test_replicas_predict_each_row_once_in_input_order(args, env, classifier, fi
 
 BAD = {  # name: (arguments, given the classifier folder and a scratch folder; expected message)
     "not a classifier": (lambda model, tmp: ["--model", _bundled(), "--input", tmp / "in.csv", "--output",
-                                             tmp / "o.csv"], "neither a fine-tuned sequence classifier nor a causal LM"),
-    "input without the trained text columns": (lambda model, tmp: ["--model", model, "--input", _write(tmp, "x,y\n1,2\n"),
+                                             tmp / "o.csv"],
+                         "neither a fine-tuned sequence classifier nor a causal LM"),
+    "input without the trained text columns": (lambda model, tmp: ["--model", model,
+                                                                   "--input", _write(tmp, "x,y\n1,2\n"),
                                                                    "--output", tmp / "o.csv"],
                                                "no column 'sentence1', 'sentence2', which the model was trained on"),
     "output is a folder": (lambda model, tmp: ["--model", model, "--input", _write(tmp), "--output", tmp],

@@ -167,8 +167,8 @@ def test_ctrl_c_at_any_moment_is_one_line_and_130(when, mrpc_slice, tiny_model):
     out), or in the training loop (the progress bar has started)."""
     proc = subprocess.Popen([sys.executable, "-m", "xla_train", "train", "--backend", "cpu", "--model", str(tiny_model),
                              "--data-dir", str(mrpc_slice), "--max-steps", "500"], cwd=ROOT,
-                            env={**os.environ, "PJRT_DEVICE": "CPU", "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, bufsize=1)
+                            env={**os.environ, "PJRT_DEVICE": "CPU", "PYTHONUNBUFFERED": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
     if when == "importing":
         time.sleep(0.3)
     else:

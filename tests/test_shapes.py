@@ -8,15 +8,14 @@ import pytest
 
 from xla_train.core.batching import BatchPlan
 from xla_train.core.errors import UserError
-from xla_train.core.shapes import Padding, Shapes, check_steps, settle_padding
+from xla_train.core.shapes import Padding, PaddingRequest, Shapes, check_steps, settle_padding
 
 
 def _job(train_rows, grad_accum, padding="buckets", buckets="auto"):
     lengths = [20 + (i * 7) % 60 for i in range(train_rows)]
     data = datasets.DatasetDict(train=datasets.Dataset.from_dict({"length": lengths}),
                                 validation=datasets.Dataset.from_dict({"length": lengths[:16]}))
-    cfg = types.SimpleNamespace(buckets=buckets, max_length=128, padding=padding, epochs=3, max_steps=None,
-                                compile_seconds=None)
+    cfg = PaddingRequest(padding, buckets, max_length=128, epochs=3)
     backend = types.SimpleNamespace(compile_seconds=1.0, token_seconds=1e-4)
     return cfg, data, backend, lengths
 
@@ -26,7 +25,7 @@ def test_printed_steps_per_epoch_are_the_steps_an_epoch_runs(capsys):
     skipped); the --buckets auto line said 7 when it rounded rows / 24 up."""
     cfg, data, backend, lengths = _job(160, 3)
     shapes = Shapes(batch_size=8, devices=1, grad_accum=3)
-    settle_padding(cfg, shapes, data, ["validation"], backend)
+    shapes.padding = settle_padding(cfg, shapes, data, ["validation"], backend)
     line = capsys.readouterr().out
     loop = BatchPlan(lengths, 8, padding=shapes.padding, shuffle=True)  # the loader the loop iterates
     runs = len(loop) // 3
@@ -58,5 +57,5 @@ def test_a_plan_counts_every_device_and_refuses_an_epoch_without_a_step():
 def test_a_resumed_run_keeps_its_buckets(capsys):
     cfg, data, backend, _ = _job(160, 1)
     shapes = Shapes(batch_size=8, devices=1)
-    settle_padding(cfg, shapes, data, ["validation"], backend, types.SimpleNamespace(state={"buckets": [88]}))
+    shapes.padding = settle_padding(cfg, shapes, data, ["validation"], backend, resumed_buckets=[88])
     assert shapes.padding.bucket_list == [88] and shapes.estimate is None and capsys.readouterr().out == ""

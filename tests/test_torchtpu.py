@@ -18,7 +18,7 @@ import torch.distributed as dist
 from gpu_fallback import TorchAccelerator, TorchLauncher
 from gpu_fallback.launcher import worker_environments
 from xla_train import job
-from xla_train.cli import main
+from xla_train.cli import as_flags, main
 from xla_train.core import select
 from xla_train.core.errors import UserError
 from xla_train.options import TrainOptions
@@ -44,9 +44,10 @@ def test_auto_picks_the_tpu_runtime_that_is_installed(tpu_attached, accelerator,
 
 
 def test_backend_tpu_without_torch_tpu_is_one_line_naming_the_extra():
+    """The core names its parameter (`backend`); the command line shows it as the flag."""
     assert select.no_torchtpu_line(NONE) == \
-        "--backend tpu is TorchTPU, which is not installed: pip install 'xla-train[torchtpu]'"
-    assert select.no_torchtpu_line(XLA) == (
+        "`backend` tpu is TorchTPU, which is not installed: pip install 'xla-train[torchtpu]'"
+    assert as_flags(select.no_torchtpu_line(XLA)) == (
         "--backend tpu is TorchTPU, which is not installed: pip install 'xla-train[torchtpu]' (torch_xla 2.9.0 is "
         "installed here: --backend xla, or auto, runs the TPU through it)")
 
@@ -93,7 +94,7 @@ def test_backend_tpu_from_the_cli_here(capsys):
     """Neither environment of the tests has torch_tpu: the line of this environment (with the
     torch_xla hint in .venv, without it in .venv-torch), exit 2, before any data or model is read."""
     assert main(["train", "--backend", "tpu"]) == 2
-    assert capsys.readouterr().err == f"xla-train: error: {select.no_torchtpu_line(select.tpu_runtimes())}\n"
+    assert capsys.readouterr().err == f"xla-train: error: {as_flags(select.no_torchtpu_line(select.tpu_runtimes()))}\n"
 
 
 @pytest.fixture
@@ -108,7 +109,7 @@ def registry(monkeypatch):
 
 def test_the_tpu_device_takes_the_process_group_torch_tpu_registers(registry):
     """torch_tpu's load registers two names for the tpu device, "tpu_dist" then "tpu"
-    (torch_tpu/_loader.py:296-301); torch maps a device to the first registered for it, and
+    (torch_tpu 0.2.0's _loader.py, _init_device_impl); torch maps a device to the first registered for it, and
     TorchAccelerator("tpu") starts that group. Registered here as torch_tpu does it."""
 
     def create_process_group(*args):  # never called: the group is not started

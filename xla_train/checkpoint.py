@@ -154,7 +154,8 @@ def kept(store):
         return "the complete checkpoints written before it are kept"
     if not complete:
         return "no complete checkpoint was written before it"
-    return f"the latest complete checkpoint, {store.checkpoint_url(checkpoint_name(complete[-1]))}, is kept: continue from it with --resume"
+    latest = store.checkpoint_url(checkpoint_name(complete[-1]))
+    return f"the latest complete checkpoint, {latest}, is kept: continue from it with --resume"
 
 
 def save_best(engine, store, model):

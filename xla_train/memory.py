@@ -22,8 +22,8 @@ def activation_estimate(config, rows, length, precision, checkpointed=False):
     Models", eq. 1), s*b*h*(34 + 5*a*s/h) bytes per layer with 16-bit activations (twice that in
     fp32), for `rows` rows of `length` tokens. Checkpointed (full recomputation, their section 5):
     each layer keeps only its input, 4*s*b*h bytes (fp32: autocast keeps the residual stream in
-    fp32), and one layer's activations live again while it is recomputed. An estimate: attention implementations that do not keep the score matrix
-    (flash, XLA's fusions) keep less."""
+    fp32), and one layer's activations live again while it is recomputed. An estimate: attention
+    implementations that do not keep the score matrix (flash, XLA's fusions) keep less."""
     hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None) or getattr(config, "dim", 0)
     layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None) or 0
     heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None) or 1

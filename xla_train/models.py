@@ -64,7 +64,7 @@ def _offline(name):
     raise UserError(f"cannot load model {name!r}: no such folder, and it is not in the hub's cache ({why})")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def hub_reachable(timeout=5.0):
     """Whether a connection to the model hub opens (once per process). Behind a proxy (HTTPS_PROXY)
     the hub's own client decides, as only it goes through the proxy."""
@@ -146,8 +146,8 @@ def add_adapters(model, cfg, task):
     from peft import LoraConfig, get_peft_model
 
     targets = [t.strip() for t in cfg.lora_targets.split(",") if t.strip()] if cfg.lora_targets else None
-    config = LoraConfig(task_type=task.peft_task_type, r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                        target_modules=targets)
+    config = LoraConfig(task_type=task.peft_task_type, r=cfg.lora_r, lora_alpha=cfg.lora_alpha,
+                        lora_dropout=cfg.lora_dropout, target_modules=targets)
     try:
         with _peft_quiet():
             return get_peft_model(model, config)

@@ -160,5 +160,6 @@ def make_loader(ds, tokenizer, batch_size, padding, shuffle, seed, fill, lengths
                      seed=seed, fill=fill)
     # Its own generator: a DataLoader draws a seed for every iterator it starts, and drawing it
     # from the global generator would shift dropout masks (a resumed run starts one mid-epoch).
-    return torch.utils.data.DataLoader(PlannedRows(ds), batch_sampler=plan, collate_fn=collate or PadCollator(tokenizer),
+    return torch.utils.data.DataLoader(PlannedRows(ds), batch_sampler=plan,
+                                       collate_fn=collate or PadCollator(tokenizer),
                                        generator=torch.Generator().manual_seed(seed))

@@ -102,7 +102,7 @@ class RunClock:
     def timed(self, batches):
         """`batches`, with the time spent waiting for each counted as the data's (host time only:
         no device sync). An XLA loader compiles and dispatches the last step's graph inside
-        `next()` (torch_xla.sync(), torch_xla/distributed/parallel_loader.py:46): that
+        `next()` (torch_xla.sync(), in torch_xla 2.9's PerDeviceLoader.next): that
         compilation is the compile phase's, so it is taken out of the wait."""
         batches = iter(batches)
         while True:

@@ -19,8 +19,13 @@ profiles), `engine.strategy` (how work is split: mesh, data-parallel degree, mod
 collectives, sharded checkpoints) and `engine.launcher`. Code that needs one asks it directly.
 """
 
+from __future__ import annotations
+
 import traceback
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
+from typing import Any, Literal, overload
 
 import torch
 from tqdm.auto import tqdm
@@ -30,18 +35,22 @@ from .batching import BatchPlan, make_loader
 from .checkpoint_io import trained_state, whole_state
 from .errors import UserError, describe
 from .hf import quiet_transformers
-from .roles import Roles, active_roles, optimizer_params
+from .roles import Batch, PathLike, Roles, active_roles, optimizer_params
 from .select import select_roles
-from .ties import retie, ties
 from .shapes import even_buckets
+from .ties import retie, ties
 
 
 class Engine:
     """Picks the roles (accelerator, strategy, launcher) and adapts loaders, model and optimizer
     to them. One per worker."""
 
-    def __init__(self, backend="auto", precision="fp32", grad_accum=1, max_grad_norm=None,
-                 num_processes=None, compile_cache=None, strategy="ddp", compile=False):
+    # the norm of the last optimizer step's reduced gradients, a device tensor (see `optimizer_step`)
+    last_grad_norm: torch.Tensor
+
+    def __init__(self, backend: str | Roles = "auto", precision: str = "fp32", grad_accum: int = 1,
+                 max_grad_norm: float | None = None, num_processes: int | None = None,
+                 compile_cache: PathLike | None = None, strategy: str = "ddp", compile: bool = False) -> None:
         roles = _engine_roles(backend, num_processes, strategy)
         self.accelerator, self.strategy, self.launcher = roles.accelerator, roles.strategy, roles.launcher
         if compile:
@@ -51,74 +60,74 @@ class Engine:
             self.accelerator.use_compile_cache(compile_cache)  # before the first compilation
         self.precision, self.grad_accum, self.max_grad_norm = precision, grad_accum, max_grad_norm
         self._micro_steps = 0
-        self._model = None
-        self._valid = None  # filler mask of the last batch a prepared loader yielded
+        self._model: torch.nn.Module | None = None
+        self._valid: torch.Tensor | None = None  # filler mask of the last batch a prepared loader yielded
 
     # --- who am I -----------------------------------------------------------------------
     @property
-    def device(self):
+    def device(self) -> torch.device:
         """The torch.device this process computes on."""
         return self.accelerator.device
 
     @property
-    def world_size(self):
+    def world_size(self) -> int:
         return self.strategy.world_size
 
     @property
-    def rank(self):
+    def rank(self) -> int:
         return self.strategy.rank
 
     @property
-    def data_parallel_size(self):
+    def data_parallel_size(self) -> int:
         """Copies of the model that see different batches (the strategy's data axes; under SPMD,
         every device the processes feed). The metrics' and a checkpoint's `world_size`."""
         return self.strategy.data_parallel_size
 
     @property
-    def replicas_per_process(self):
+    def replicas_per_process(self) -> int:
         """Replicas sharing this process and its counters (threads on Colab's TPU v2-8/v3-8)."""
         return self.strategy.replicas_per_process
 
     @property
-    def is_main_process(self):
+    def is_main_process(self) -> bool:
         return self.strategy.is_main
 
     @property
-    def is_host_main(self):
+    def is_host_main(self) -> bool:
         """Whether this worker is its host's first (the main process, on one host)."""
         return self.strategy.is_host_main
 
     @property
-    def runtime(self):
+    def runtime(self) -> str:
         """The accelerator's name: "xla", "cuda" or "cpu"."""
         return self.accelerator.name
 
-    def describe_device(self):
+    def describe_device(self) -> str:
         return self.accelerator.describe()
 
     @property
-    def fused_optimizer(self):
+    def fused_optimizer(self) -> bool:
         """Whether torch.optim's fused kernels (`fused=True`) run on this device."""
         return self.accelerator.fused_optimizer
 
-    def seed(self, seed):
+    def seed(self, seed: int) -> None:
         """Seeds the host generator and the device's (dropout masks)."""
         self.accelerator.seed(seed)
 
-    def seed_micro_batch(self, seed, epoch, batch):
+    def seed_micro_batch(self, seed: int, epoch: int, batch: int) -> None:
         """Seeds the device's generator for micro-batch `batch` of `epoch` (XLA; elsewhere the
         generator's saved state resumes exactly). XLA's generator moves on at every graph cut,
         needed or not, so after a resume, whose cuts differ from the uninterrupted run's, its
         dropout masks would differ; seeded from the position they are the same."""
         self.accelerator.seed_micro_batch(seed, epoch, batch)
 
-    def print(self, *args, **kwargs):
+    def print(self, *args: object, **kwargs: Any) -> None:
         """print() on the main process only, without breaking progress bars."""
         if self.is_main_process:
             tqdm.write(" ".join(str(a) for a in args), **kwargs)
 
     # --- prepare ------------------------------------------------------------------------
-    def prepare(self, *objects):
+    def prepare(self, *objects: Any) -> Any:
         """Returns each object ready for the accelerator and strategy, in the order given.
 
         Modules go to the device (wrapped in DDP on several fallback workers); optimizers are
@@ -179,31 +188,31 @@ class Engine:
                                                  collate_fn=loader.collate_fn, drop_last=loader.drop_last)
         return PreparedLoader(loader, self.accelerator.wrap_loader(loader, self.strategy.input_sharding()), self)
 
-    def unwrap_model(self, model):
+    def unwrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
         return self.strategy.unwrap_model(model)
 
     # --- the step -----------------------------------------------------------------------
-    def autocast(self):
+    def autocast(self) -> AbstractContextManager[Any]:
         """bf16 autocast on the device with precision="bf16"; a no-op for fp32."""
         return self.accelerator.autocast(self.precision)
 
-    def checkpoint_activations(self, model):
+    def checkpoint_activations(self, model: Any) -> Any:
         """Gradient checkpointing for a transformers model, before `prepare`: each block's
         activations are recomputed in the backward pass instead of kept (on XLA with torch_xla's
         checkpoint, which XLA does not undo)."""
         checkpoint_activations(model, self.accelerator.activation_checkpoint())
         return model
 
-    def inference_mode(self):
+    def inference_mode(self) -> AbstractContextManager[Any]:
         """`torch.inference_mode()` where the device supports it, else `torch.no_grad()`."""
         return self.accelerator.inference_mode()
 
     @property
-    def sync_gradients(self):
+    def sync_gradients(self) -> bool:
         """True when the next `optimizer_step` will step (the last micro-step of an accumulation)."""
         return (self._micro_steps + 1) % self.grad_accum == 0
 
-    def backward(self, loss):
+    def backward(self, loss: torch.Tensor) -> None:
         """loss.backward(), scaled for gradient accumulation; gradients are all-reduced once per
         optimizer step (DDP's no_sync on micro-steps; XLA reduces inside optimizer_step)."""
         loss = loss / self.grad_accum if self.grad_accum > 1 else loss
@@ -213,7 +222,7 @@ class Engine:
             with self.strategy.no_sync(self._model):
                 loss.backward()
 
-    def optimizer_step(self, optimizer):
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Steps (all-reducing and clipping gradients) on accumulation boundaries.
 
         Returns True if it stepped. The norm of the all-reduced gradients (before clipping) is
@@ -232,7 +241,8 @@ class Engine:
         return True
 
     # --- across replicas ----------------------------------------------------------------
-    def gather_for_metrics(self, tensors, valid=None):
+    def gather_for_metrics(self, tensors: torch.Tensor | Sequence[torch.Tensor], valid: torch.Tensor | None = None
+                           ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """Gathers 1-D tensors of one dtype from every replica to the host, dropping the rows
         that `valid` marks 0: the filler of the last short batch, so every evaluation row is
         counted exactly once. `valid` defaults to that of the last batch a prepared loader gave.
@@ -244,7 +254,8 @@ class Engine:
         cols = self.rows_to_host([self.gather_on_device(tensors, valid)])
         return cols[0] if single else cols
 
-    def gather_on_device(self, tensors, valid=None):
+    def gather_on_device(self, tensors: torch.Tensor | Sequence[torch.Tensor], valid: torch.Tensor | None = None
+                         ) -> torch.Tensor:
         """`gather_for_metrics` without the transfer: every replica's rows of these 1-D tensors
         (and their `valid` mask) as one device tensor, for `rows_to_host`."""
         tensors = [tensors] if torch.is_tensor(tensors) else list(tensors)
@@ -252,75 +263,83 @@ class Engine:
             valid = self._valid if self._valid is not None else torch.ones_like(tensors[0])
         return self.strategy.gather(torch.stack([*tensors, valid.to(tensors[0].dtype)], dim=1))
 
-    def rows_to_host(self, parts):
+    def rows_to_host(self, parts: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """The columns of `gather_on_device`'s results, in one transfer, filler rows dropped."""
         self.accelerator.cut_graph()  # the last batch's graph, if its loader has not cut it
         host = torch.cat(self.strategy.read(parts))  # one device-to-host transfer on XLA
         host = host[host[:, -1] != 0]
         return tuple(host[:, i] for i in range(host.shape[1] - 1))
 
-    def to_host(self, tensors, main_only=False):
+    @overload
+    def to_host(self, tensors: Sequence[torch.Tensor], main_only: Literal[False] = False) -> list[torch.Tensor]: ...
+
+    @overload
+    def to_host(self, tensors: Sequence[torch.Tensor], main_only: bool) -> list[torch.Tensor] | None: ...
+
+    def to_host(self, tensors: Sequence[torch.Tensor], main_only: bool = False) -> list[torch.Tensor] | None:
         """Cuts the pending graph and copies device tensors to the CPU (one transfer on XLA).
         `main_only`: the main replica, which writes files, gets the copies; the others cut their
         graph at the same point, so every replica keeps running the same graphs, and get None."""
         return self.strategy.to_host(tensors, main_only)
 
-    def to_writer(self, tensors):
+    def to_writer(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
         """`to_host(tensors, main_only=True)` (kept for models.py)."""
         return self.strategy.to_host(tensors, main_only=True)
 
-    def step_closure(self, fn, args=()):
+    def step_closure(self, fn: Callable[..., object], args: Sequence[Any] = ()) -> None:
         """Runs `fn(*args)` on the host once the current step has run (at once when eager):
         logging that never makes the loop wait for the device."""
         self.accelerator.step_closure(fn, args)
 
-    def synchronize(self):
+    def synchronize(self) -> None:
         """Waits for all queued device work (for honest timings)."""
         self.accelerator.synchronize()
 
-    def cut_graph(self):
+    def cut_graph(self) -> None:
         """Ends the pending graph (XLA): what comes next compiles, and is cached, on its own."""
         self.accelerator.cut_graph()
 
-    def wait_for_everyone(self):
+    def wait_for_everyone(self) -> None:
         self.strategy.barrier()
 
     # --- observability ------------------------------------------------------------------
-    def compile_stats(self):
+    def compile_stats(self) -> dict[str, Any] | None:
         """A snapshot of the process's compilation counters, or None where nothing compiles."""
         return self.accelerator.compile_stats()
 
-    def peak_memory(self):
+    def peak_memory(self) -> int | None:
         """The most bytes the device held so far, or None where the device cannot measure it."""
         return self.accelerator.peak_memory()
 
-    def trace_compilations(self, path):
+    def trace_compilations(self, path: PathLike) -> str | None:
         """Sends the cause and Python frames of every compilation to `path` (see Accelerator)."""
         return self.accelerator.trace_compilations(path)
 
-    def save_pretrained(self, model, tokenizer, path):
+    def save_pretrained(self, model: torch.nn.Module, tokenizer: Any, path: PathLike) -> None:
         """`save_pretrained` of the unwrapped model (weights moved to the CPU) and tokenizer. A
         peft model saves its adapter (only the trained tensors are copied) and the classifier's
         config beside it (its labels)."""
         model = self.unwrap_model(model)
+        hf: Any = model  # a transformers PreTrainedModel, or a peft model around one
         adapter = hasattr(model, "peft_config")
         state = trained_state(model) if adapter else whole_state(model)
         weights = self.to_host(list(state.values()), main_only=True)
 
-        def write():
+        def write() -> None:
+            assert weights is not None  # on the main replica, which got the copies
             card = Path(path, "README.md")
             had_card = card.exists()
             with quiet_transformers(), self.strategy.plain_modules(model):
-                model.save_pretrained(path, state_dict=dict(zip(state, weights)))
+                hf.save_pretrained(path, state_dict=dict(zip(state, weights)))
                 if adapter:
-                    model.get_base_model().config.save_pretrained(path)
+                    hf.get_base_model().config.save_pretrained(path)
                 tokenizer.save_pretrained(path)
             if adapter and not had_card:
                 card.unlink(missing_ok=True)  # peft's model card: the folder holds the run's files and the user's only
 
         self.on_main(write, f"cannot save the model to {path}")
 
-    def on_main(self, write, what):
+    def on_main(self, write: Callable[[], object], what: str) -> None:
         """Runs `write()` on the main replica only; every replica learns whether it worked, and
         all raise a UserError if not (this keeps them together until the files are whole). Any
         error counts, not only OSError (a SafetensorError, a Cloud Storage transport error): a
@@ -329,12 +348,12 @@ class Engine:
         replica exits 1."""
         self._shared_outcome(write if self.is_main_process else None, what)
 
-    def on_every(self, write, what):
+    def on_every(self, write: Callable[[], object], what: str) -> None:
         """`on_main`, with `write()` run by every process (each writes its own part: a host's
         shards); the first failing process's error is every one's."""
         self._shared_outcome(write, what)
 
-    def _shared_outcome(self, write, what):
+    def _shared_outcome(self, write: Callable[[], object] | None, what: str) -> None:
         error, code = None, 2
         if write is not None:
             try:
@@ -377,22 +396,26 @@ class PreparedLoader:
     hold only model inputs, and kept on the Engine for `gather_for_metrics`.
     """
 
-    def __init__(self, loader, device_iterable, engine):
+    def __init__(self, loader: torch.utils.data.DataLoader, device_iterable: Iterable[Batch], engine: Engine
+                 ) -> None:
         self.loader, self._iterable, self._engine = loader, device_iterable, engine
 
-    def set_epoch(self, epoch, start=0):
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
         """Reshuffles for `epoch`; `start` > 0 skips that many batches (a `BatchPlan` loader only)."""
         if start:
-            self.loader.batch_sampler.set_epoch(epoch, start)
+            plan = self.loader.batch_sampler
+            assert isinstance(plan, BatchPlan), "set_epoch(start=...) needs a BatchPlan loader"
+            plan.set_epoch(epoch, start)
             return
         for s in (self.loader.batch_sampler, self.loader.sampler):
-            if hasattr(s, "set_epoch"):
-                s.set_epoch(epoch)
+            set_epoch = getattr(s, "set_epoch", None)
+            if set_epoch is not None:
+                set_epoch(epoch)
 
-    def __len__(self):
+    def __len__(self) -> int:
         return len(self.loader)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Batch]:
         for batch in self._iterable:
             self._engine._valid = batch.pop("valid", None)
             yield batch
@@ -421,24 +444,26 @@ def _engine_roles(backend, num_processes, strategy):
     return active
 
 
-def launch(fn, args=(), backend="auto", num_processes=None, strategy="ddp"):
+def launch(fn: Callable[..., object], args: Sequence[Any] = (), backend: str = "auto",
+           num_processes: int | None = None, strategy: str = "ddp") -> None:
     """Runs `fn(*args)` on every local worker of `backend` (xmp.spawn on TPU; one process per GPU
     or `num_processes` gloo workers on the fallback; in this process when there is one)."""
     select_roles(backend, num_processes, strategy).launch(fn, args)
 
 
-def notebook_launcher(fn, args=(), backend="auto", num_processes=None, strategy="ddp"):
+def notebook_launcher(fn: Callable[..., object], args: Sequence[Any] = (), backend: str = "auto",
+                      num_processes: int | None = None, strategy: str = "ddp") -> None:
     """`launch` for a notebook cell: workers are forked, so `fn` may be defined in the notebook.
     Call it before the notebook itself has put anything on an accelerator."""
     select_roles(backend, num_processes, strategy).launch(fn, args, start_method="fork")
 
 
-def checkpoint_activations(model, checkpoint=None):
+def checkpoint_activations(model: Any, checkpoint: Callable[..., Any] | None = None) -> None:
     """--gradient-checkpointing: transformers' own switch (every block checkpointed, the
     embeddings' output made to require grad so a frozen base still back-propagates), with
     `checkpoint` in place of torch.utils.checkpoint where the backend needs its own (XLA)."""
     if not model.supports_gradient_checkpointing:
-        raise UserError(f"--gradient-checkpointing: {type(model).__name__} does not support it")
+        raise UserError(f"`gradient_checkpointing`: {type(model).__name__} does not support it")
     # activation_checkpointing_enable from transformers 5.24; gradient_checkpointing_enable before
     enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
     enable()

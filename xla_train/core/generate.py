@@ -64,15 +64,15 @@ def static_generate(model, input_ids, attention_mask, sampling, cut_graph):
     device = input_ids.device
     slots = torch.arange(length + steps, device=device)  # the cache's: the prompt's, then one per new token
     # Which slots hold a real token, passed as a 4-D mask, which transformers uses as given
-    # (masking_utils.py:821, _preprocess_mask_arguments). In the prompt's pass a padding slot
+    # (transformers 5.24's masking_utils._preprocess_mask_arguments). In the prompt's pass a padding slot
     # attends to itself, so no row of the mask is empty: an empty one gives NaN, which would reach
     # the real tokens through the padding's keys and values.
     filled = torch.cat([attention_mask.bool(), torch.zeros(rows, steps, dtype=torch.bool, device=device)], 1)
     own = slots[:length, None] == slots[None, :]
     prompt_mask = (slots[:length, None] >= slots[None, :]) & (filled[:, None, :] | own)
     positions = (attention_mask.long().cumsum(1) - 1).clamp(min=0)  # from 0 at each prompt's first token
-    # Its layers write their slots in place at a device counter (cache_utils.py:462-494,
-    # StaticLayer.update), so a decode step's graph does not change from token to token.
+    # Its layers write their slots in place at a device counter (transformers 5.24's
+    # cache_utils.StaticLayer.update), so a decode step's graph does not change from token to token.
     cache = StaticCache(config=model.config, max_cache_len=length + steps)  # `model` unwrapped: generate_rows
     extra = {**_logits_to_keep(model), "cache": cache, "use_cache": True}
     logits = model(input_ids=input_ids, attention_mask=prompt_mask[:, None], position_ids=positions, **extra).logits
@@ -104,16 +104,19 @@ def eager_generate(model, input_ids, attention_mask, sampling):
     """transformers' `generate` on a batch of left-padded prompts, with these settings only: the
     folder's generation_config.json (a repetition penalty, top-k, its temperature) is set aside,
     as the static loop reads none of it (generate fills every setting left unset from it, then
-    from its own defaults, such as top-k 50: generation/utils.py:2113-2115)."""
+    from its own defaults, such as top-k 50: transformers 5.24's
+    GenerationMixin._prepare_generation_config)."""
     from transformers import GenerationConfig
 
     model.generation_config = GenerationConfig()
     sample = {} if sampling.greedy else {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": 0}
     config = GenerationConfig(max_new_tokens=sampling.max_new_tokens, do_sample=not sampling.greedy,
-                              eos_token_id=list(sampling.eos_ids), pad_token_id=sampling.pad_id, use_cache=True, **sample)
+                              eos_token_id=list(sampling.eos_ids), pad_token_id=sampling.pad_id, use_cache=True,
+                              **sample)
     # Several processes keep stepping together until every one's rows have ended: FSDP's forward
     # gathers weights from all of them. generate turns synced_gpus on by itself only for modules
-    # transformers sharded (distributed/fsdp.py:54-65), not for torch's own fully_shard.
+    # transformers sharded (transformers 5.24's distributed/fsdp.py, is_fsdp_managed_module), not for
+    # torch's own fully_shard.
     synced = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
     out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
                          synced_gpus=synced)

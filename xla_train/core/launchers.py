@@ -50,7 +50,8 @@ def worker_folder():
     return folder if folder and launcher == str(os.getppid()) else None
 
 
-_HANDED_OFF = {}  # the job forked replicas inherit (set before xmp.spawn, never pickled)
+# (roles, fn, args): the job forked replicas inherit (set before xmp.spawn, never pickled)
+_HANDED_OFF: dict[str, tuple] = {}
 
 
 class _XlaLauncher(Launcher):
@@ -61,11 +62,11 @@ class _XlaLauncher(Launcher):
     def __init__(self, num_processes=None):
         if num_processes not in (None, 1):
             # xmp.spawn under PJRT takes nprocs 1 or None (every local device) and raises
-            # ValueError for anything else (torch_xla/_internal/pjrt.py, spawn, lines 204-209)
+            # ValueError for anything else (torch_xla 2.9's _internal/pjrt.py, spawn)
             # TPU_VISIBLE_CHIPS set for the whole job would override what torch_xla sets for each
-            # replica (configure_topology: one chip each, torch_xla/_internal/tpu.py, line 298),
+            # replica (one chip each: torch_xla 2.9's _internal/tpu.py, configure_topology),
             # so every replica would claim the same chips: name only the process bounds
-            raise UserError(f"--num-processes {num_processes}: on XLA give 1 (one replica) or leave it out (one "
+            raise UserError(f"`num_processes` {num_processes}: on XLA give 1 (one replica) or leave it out (one "
                             "replica per local device); to use fewer chips, set TPU_PROCESS_BOUNDS")
         from .xla import pjrt_device
 
@@ -101,7 +102,7 @@ class XmpLauncher(_XlaLauncher):
                 return 1  # one replica (refused on several hosts: see __init__)
             # the processes xmp.spawn starts on a host (its chips, fewer where TPU_PROCESS_BOUNDS
             # says so) x devices per process (two cores a chip on v2/v3) x hosts; "safe to call
-            # before xmp.spawn" (torch_xla/_internal/tpu.py, num_local_processes, lines 142-148)
+            # before xmp.spawn" (torch_xla 2.9's _internal/tpu.py, num_local_processes)
             return tpu.num_local_processes() * tpu.num_logical_cores_per_chip() * tpu.num_tpu_workers()
         return 1 if device == "CPU" else int(os.environ.get("GPU_NUM_DEVICES", 1))  # see launch()
 
@@ -128,15 +129,15 @@ class HostLauncher(_XlaLauncher):
 
 def _refuse_one_process_per_pod(num_processes):
     """`--num-processes 1` on several TPU hosts would make each host a world of one: torch_xla's
-    single-process path sets TPU_PROCESS_BOUNDS=1,1,1 (torch_xla/_internal/pjrt.py,
-    initialize_singleprocess, line 106; tpu.py, configure_one_chip_topology), so the hosts would train
+    single-process path sets TPU_PROCESS_BOUNDS=1,1,1 (torch_xla 2.9's _internal/pjrt.py,
+    initialize_singleprocess; tpu.py, configure_one_chip_topology), so the hosts would train
     apart, each as rank 0, writing the same checkpoints."""
     from torch_xla._internal import tpu
 
     hosts = tpu.num_tpu_workers()
     if num_processes == 1 and hosts > 1:
-        raise UserError(f"--num-processes 1 on a TPU slice of {hosts} hosts would train {hosts} separate models; "
-                        "leave it out (one replica per chip), or use --strategy spmd")
+        raise UserError(f"`num_processes` 1 on a TPU slice of {hosts} hosts would train {hosts} separate models; "
+                        "leave it out (one replica per chip), or use `strategy` spmd")
 
 
 def spawn_replicas(roles, fn, args, nprocs, start_method="fork"):
@@ -171,7 +172,7 @@ def _run_handed_off(index, key):
 def _run_replica(index, roles, fn, args):
     """One replica of xmp.spawn (`index`: its global ordinal). Under PJRT, xmp.spawn runs the
     replicas in a ProcessPoolExecutor, collects their results in order, and leaving its `with`
-    block waits for every worker (torch_xla/_internal/pjrt.py, run_multiprocess, lines 159-168).
+    block waits for every worker (torch_xla 2.9's _internal/pjrt.py, run_multiprocess).
     So a replica that fails alone would leave the others waiting in their next collective, and
     the launcher waiting for them, for ever. Within `replica_failures()` a failing replica instead
     tells the launcher its line, kills its sibling replicas (they are stuck in, or bound for, a

@@ -10,35 +10,45 @@ files imports torch_xla or torch.distributed, and nothing else branches on a kin
 differ, the difference is an attribute or a method here.
 """
 
+from __future__ import annotations
+
 import math
+import os
 from abc import ABC, abstractmethod
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any
 
 import torch
 
 from .errors import UserError
 
-_active = None  # the roles `launch` started this worker process with (see `Roles.run_worker`)
+# A batch as a loader yields it: model inputs (and a prepared loader's `valid` mask) by name
+Batch = dict[str, Any]
+# What a checkpointed or profiled file's path may be given as
+PathLike = str | os.PathLike[str]
+
+_active: Roles | None = None  # the roles `launch` started this worker process with (see `Roles.run_worker`)
 
 
-def active_roles():
+def active_roles() -> Roles | None:
     """The roles of the launch this process is a worker of, or None outside `launch`."""
     return _active
 
 
-def optimizer_params(optimizer):
+def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """The optimizer's parameters, in the order `optimizer.state_dict()` numbers its states."""
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
-def blocks_of(model):
+def blocks_of(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The transformer blocks `model` declares (transformers' `_no_split_modules`): FSDP's units,
     each gathered for its own forward and backward only."""
     names = set(getattr(model, "_no_split_modules", None) or ())
     return [m for m in model.modules() if type(m).__name__ in names]
 
 
-def shaped_like(value, param):
+def shaped_like(value: object, param: torch.Tensor) -> bool:
     """Whether an optimizer state `value` is a moment of `param` (AdamW's two): a tensor of the
     parameter's shape, laid out like it when the parameter is sharded; steps and scalars are not."""
     return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == param.shape
@@ -50,109 +60,110 @@ class Accelerator(ABC):
 
     name: str  # "xla" | "cuda" | "cpu"
     # Rough costs for `--buckets auto` (see shapes.CostModel); accelerators override them.
-    compile_seconds = 0.0
-    token_seconds = 1e-5
+    compile_seconds: float = 0.0
+    token_seconds: float = 1e-5
     # torch.optim's fused kernels (`fused=True`) exist for the CPU and CUDA, not for XLA, which
     # traces the default multi-tensor update into the step's one graph anyway.
-    fused_optimizer = False
+    fused_optimizer: bool = False
     # Whether every new input shape costs a compilation: DataLoaders padded per batch
     # (DataCollatorWithPadding) are then rebuilt with a few fixed shapes by `Engine.prepare`.
-    static_shapes = False
+    static_shapes: bool = False
     # --compile (`Roles.use_compile`): why this device refuses it, or None where it compiles the
     # model with torch.compile; `compiling` once a run asked for it
-    compile_refusal = "it applies to the torch-native backends (cuda, tpu, cpu)"
-    compiling = False
+    compile_refusal: str | None = "it applies to the torch-native backends (cuda, tpu, cpu)"
+    compiling: bool = False
 
     @property
     @abstractmethod
-    def device(self):
+    def device(self) -> torch.device:
         """This process's torch.device."""
 
-    def describe(self):
+    def describe(self) -> str:
         return str(self.device)
 
-    def setup(self):
+    def setup(self) -> None:
         """Called in each worker before anything touches the device."""
 
-    def adapt_model(self, model):
+    def adapt_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """The model as this device runs it best, before a strategy places it (XLA: its attention)."""
         return model
 
-    def use_compile(self):
+    def use_compile(self) -> None:
         """--compile: from now on `compile` is applied to prepared models (see `Roles.use_compile`)."""
         self.compiling = True
 
-    def compile(self, model):
+    def compile(self, model: torch.nn.Module) -> torch.nn.Module:
         """--compile: the model, already placed and wrapped by the strategy, compiled."""
         raise NotImplementedError
 
     @abstractmethod
-    def wrap_loader(self, loader, sharding=None):
+    def wrap_loader(self, loader: torch.utils.data.DataLoader, sharding: Any = None) -> Iterable[Batch]:
         """An iterable over `loader`'s batches, already on the device (laid out by `sharding`,
         the strategy's input sharding, where the device takes one)."""
 
-    def use_compile_cache(self, path):
+    def use_compile_cache(self, path: PathLike) -> None:
         """Keeps compiled graphs in `path` across runs, where the device compiles anything."""
-        raise UserError(f"--compile-cache only applies to the xla backend, not {self.name}")
+        raise UserError(f"`compile_cache` only applies to the xla backend, not {self.name}")
 
-    def inference_mode(self):
+    def inference_mode(self) -> AbstractContextManager[Any]:
         """A context for forward passes whose results are never differentiated."""
         return torch.inference_mode()
 
-    def activation_checkpoint(self):
+    def activation_checkpoint(self) -> Callable[..., Any] | None:
         """The function that recomputes a checkpointed block in the backward pass, or None for
         transformers' own (torch.utils.checkpoint)."""
         return None
 
-    def autocast(self, precision):
+    def autocast(self, precision: str) -> AbstractContextManager[Any]:
         """A context for the forward pass: bf16 autocast, or a no-op for fp32."""
         if precision == "fp32":
             return nullcontext()
         return torch.autocast(self.device.type, dtype=torch.bfloat16)
 
     # --- to the host ------------------------------------------------------------------------
-    def to_host(self, tensors):
+    def to_host(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Copies a list of device tensors to the CPU (one device-to-host transfer on XLA)."""
         return [t.detach().cpu() for t in tensors]
 
-    def read(self, tensors):
+    def read(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Copies tensors that are already computed (e.g. in a step closure) to the CPU, in one
         device-to-host transfer on XLA, without cutting the graph."""
         return [t.detach().cpu() for t in tensors]
 
-    def step_closure(self, fn, args=()):
+    def step_closure(self, fn: Callable[..., object], args: Sequence[Any] = ()) -> None:
         """Runs `fn(*args)` once the current step's tensors are computed (at once when eager)."""
         fn(*args)
 
-    def synchronize(self):
+    def synchronize(self) -> None:
         """Waits until all queued device work is done (for honest timings)."""
 
-    def cut_graph(self):
+    def cut_graph(self) -> None:
         """Ends the pending lazy graph here, so what is built next is a graph of its own (XLA;
         nothing to do when eager)."""
 
     # --- random state -----------------------------------------------------------------------
-    def seed(self, seed):
+    def seed(self, seed: int) -> None:
         torch.manual_seed(seed)
 
-    def seed_micro_batch(self, seed, epoch, batch):
+    def seed_micro_batch(self, seed: int, epoch: int, batch: int) -> None:
         """See Engine.seed_micro_batch: nothing to do where the generator's state is restored exactly."""
 
-    def rng_state(self):
+    def rng_state(self) -> torch.Tensor:
         """This process's random state (host generator, plus the device's) as a 1-D uint8 tensor."""
         return torch.get_rng_state()
 
-    def set_rng_state(self, state):
+    def set_rng_state(self, state: torch.Tensor) -> None:
         torch.set_rng_state(state[: len(torch.get_rng_state())].clone())
 
     # --- observability ----------------------------------------------------------------------
-    def start_profile(self, folder, run):
+    def start_profile(self, folder: PathLike, run: str) -> Any:
         """Starts capturing a profile into local `folder`; returns the session for `stop_profile`.
         `run` names the capture alike on every host (XLA: the profile plugin's run folder)."""
         import torch.profiler as tp
 
         # the device's own Kineto activity: CUDA's, or PrivateUse1's for TorchTPU's tpu, whose Kineto
-        # backend torch_tpu registers at load (torch_tpu/_loader.py:305-307, _internal/profiler/_api.py:171)
+        # backend torch_tpu 0.2.0 registers at load (_loader.py's _init_device_impl calls its
+        # profiler's register_kineto_backend)
         device = {"cuda": tp.ProfilerActivity.CUDA, "tpu": tp.ProfilerActivity.PrivateUse1}.get(self.device.type)
         activities = [tp.ProfilerActivity.CPU] + ([device] if device else [])
         session = tp.profile(activities=activities, on_trace_ready=tp.tensorboard_trace_handler(str(folder)),
@@ -160,33 +171,33 @@ class Accelerator(ABC):
         session.start()
         return session
 
-    def stop_profile(self, session):
+    def stop_profile(self, session: Any) -> None:
         self.synchronize()  # the window's queued device work belongs in it
         session.stop()
 
-    def step_annotation(self, step):
+    def step_annotation(self, step: int) -> AbstractContextManager[Any]:
         """A context that marks a micro-batch of optimizer step `step` in the profile; it must
         change nothing the device runs."""
         return torch.profiler.record_function(f"train_step_{step}")
 
-    def device_memory(self):
+    def device_memory(self) -> int | None:
         """Bytes of memory of this process's device, or None where the device cannot tell."""
         return None
 
-    def device_kind(self):
+    def device_kind(self) -> str | None:
         """The device's model as its runtime names it ("TPU v5 lite", "NVIDIA H100 80GB HBM3"), or
         None (a CPU): what core.peaks looks its peak FLOP/s up by."""
         return None
 
-    def peak_memory(self):
+    def peak_memory(self) -> int | None:
         """The most bytes the device held so far, or None where the device cannot measure it."""
         return None
 
-    def compile_stats(self):
+    def compile_stats(self) -> dict[str, Any] | None:
         """A snapshot of compilation counters, or None where nothing is compiled."""
         return None
 
-    def trace_compilations(self, path):
+    def trace_compilations(self, path: PathLike) -> str | None:
         """Asks the runtime to append the cause and Python frames of every compilation to `path`.
         Returns the file the analyses go to, or None where nothing is compiled or it is too late
         (it must be called before the first compilation of the process)."""
@@ -200,128 +211,129 @@ class Strategy(ABC):
 
     # The device mesh as (axis name, size) pairs, and the axes a batch is split over. A strategy
     # of several axes (fsdp x tensor parallel) names them all and its data axes.
-    data_axes = ("data",)
+    data_axes: tuple[str, ...] = ("data",)
     # Checkpoints of this host's shards (XLA FSDPv2), instead of whole copies that one process
     # writes: on several hosts no host can read another's shards.
-    writes_shards = False
-    compile_refusal = None  # why --compile does not run with this strategy, or None
+    writes_shards: bool = False
+    compile_refusal: str | None = None  # why --compile does not run with this strategy, or None
 
-    def __init__(self, accelerator):
+    def __init__(self, accelerator: Accelerator) -> None:
         self.accelerator = accelerator
 
-    def setup(self):
+    def setup(self) -> None:
         """Called in each worker before anything touches the device (process groups and such)."""
 
-    def teardown(self):
+    def teardown(self) -> None:
         """Called in each worker once the function has returned (process groups go)."""
 
     # --- topology ---------------------------------------------------------------------------
     @property
-    def world_size(self):
+    def world_size(self) -> int:
         """Processes (XLA: replicas) that train together and exchange gradients."""
         return 1
 
     @property
-    def rank(self):
+    def rank(self) -> int:
         return 0
 
     @property
-    def is_main(self):
+    def is_main(self) -> bool:
         return self.rank == 0
 
     @property
-    def is_host_main(self):
+    def is_host_main(self) -> bool:
         """Whether this worker is its host's first (one per host: each host's profile)."""
         return self.is_main
 
     @property
-    def devices_per_process(self):
+    def devices_per_process(self) -> int:
         """Devices that one process feeds (more than 1 only for SPMD)."""
         return 1
 
     @property
-    def replicas_per_process(self):
+    def replicas_per_process(self) -> int:
         """Replicas sharing this process, and so its counters (Colab's threaded replicas)."""
         return 1
 
     @property
-    def peers(self):
+    def peers(self) -> int:
         """The processes of the job, each with its own signals and its own share of every batch's
         rows: the replicas (under SPMD, one process per host). They agree on a stop, and
         Engine's loaders split the rows over them."""
         return self.world_size
 
-    def mesh_shape(self):
+    def mesh_shape(self) -> tuple[tuple[str, int], ...]:
         """The mesh as ((axis name, size), ...): every device of the job."""
         return (("data", self.world_size * self.devices_per_process),)
 
     @property
-    def data_parallel_size(self):
+    def data_parallel_size(self) -> int:
         """Copies of the model that see different batches: the sizes of the data axes."""
         return math.prod(size for name, size in self.mesh_shape() if name in self.data_axes)
 
-    def planned_data_parallel_size(self, launcher):
+    def planned_data_parallel_size(self, launcher: Launcher) -> int:
         """`data_parallel_size` in the launching process, before `launch` and without starting any
         runtime (the parent must not start XLA's before xmp.spawn forks the replicas)."""
         return launcher.planned_replicas()
 
-    def input_sharding(self):
+    def input_sharding(self) -> Any:
         """How a batch is laid over the process's devices (None: the batch on its one device)."""
         return None
 
     # --- model ------------------------------------------------------------------------------
     @abstractmethod
-    def wrap_model(self, model):
+    def wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """Places `model` on the device(s) and wraps it for this strategy."""
 
-    def unwrap_model(self, model):
+    def unwrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
         return model
 
-    def plain_modules(self, model):
+    def plain_modules(self, model: torch.nn.Module) -> AbstractContextManager[Any]:
         """A context in which the unwrapped `model`'s module names are the model's own, for a
         library that reads them (peft's save of an adapter); only FSDPv2 renames them."""
         return nullcontext(model)
 
     @property
-    def param_shards(self):
+    def param_shards(self) -> int:
         """Devices each parameter, gradient and optimizer state is split over (FSDP: every one)."""
         return 1
 
-    def whole(self, tensor):
+    def whole(self, tensor: torch.Tensor) -> torch.Tensor:
         """A tensor computed from sharded parameters as the whole result (FSDP2: a collective that
         every replica calls); others as they are."""
         return tensor
 
-    def load_weights(self, model, weights):
+    def load_weights(self, model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
         """Puts weights (a state dict on the CPU: whole, or a model's trained tensors only, see
         checkpoint.trained_state) into a prepared model."""
         result = self.unwrap_model(model).load_state_dict(weights, strict=False)  # the frozen ones stay
         assert not result.unexpected_keys, result.unexpected_keys[:3]
 
     # --- the step ---------------------------------------------------------------------------
-    def no_sync(self, model):
+    def no_sync(self, model: torch.nn.Module) -> AbstractContextManager[Any]:
         """A context for micro-steps whose gradients must not be all-reduced yet."""
         return nullcontext()
 
     @abstractmethod
-    def optimizer_step(self, optimizer, max_grad_norm=None):
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, max_grad_norm: float | None = None
+                       ) -> torch.Tensor | None:
         """All-reduces gradients across replicas (once), optionally clips, then steps. Returns
         the norm of the reduced gradients when it clipped, else None."""
 
     # --- across replicas --------------------------------------------------------------------
-    def gather(self, tensor):
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Concatenates `tensor` (same shape on every replica) along dim 0 across replicas."""
         return tensor
 
-    def gather_rows(self, row):
+    def gather_rows(self, row: torch.Tensor) -> torch.Tensor:
         """Every peer's `row` (a 1-D host tensor) as rows of one device tensor, for a reduction
         over dim 0 on the device (under SPMD a process's row comes once per device it feeds)."""
         return self.gather(row[None].to(self.accelerator.device))
 
-    def barrier(self):
-        pass
+    def barrier(self) -> None:
+        """Waits until every replica reaches it (nothing to wait for with one)."""
 
-    def to_host(self, tensors, main_only=False):
+    def to_host(self, tensors: Sequence[torch.Tensor], main_only: bool = False) -> list[torch.Tensor] | None:
         """Cuts the pending graph and copies device tensors to the CPU (one transfer on XLA).
         `main_only`: only the main replica, which writes files, gets the copies; the others cut
         their graph at the same point, so every replica keeps running the same graphs, and get
@@ -331,24 +343,24 @@ class Strategy(ABC):
         self.accelerator.cut_graph()
         return None
 
-    def read(self, tensors):
+    def read(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """`Accelerator.read` of tensors laid out by this strategy."""
         return self.accelerator.read(tensors)
 
     # --- sharded checkpoints (writes_shards) ------------------------------------------------
-    def place_optimizer_state(self, optimizer):
+    def place_optimizer_state(self, optimizer: torch.optim.Optimizer) -> None:
         """Lays an optimizer state just loaded from a checkpoint out like its parameters (FSDP)."""
 
-    def save_shards(self, tensors, folder):
+    def save_shards(self, tensors: dict[str, torch.Tensor], folder: PathLike) -> None:
         """Writes this host's shards of `tensors` (a dict of device tensors) into `folder`."""
         raise NotImplementedError
 
-    def load_shards(self, tensors, folder):
+    def load_shards(self, tensors: dict[str, torch.Tensor], folder: PathLike) -> None:
         """Loads this host's shards from `folder` into `tensors` (a dict of device tensors laid
         out as when they were saved), in place."""
         raise NotImplementedError
 
-    def zeros_like_param(self, param):
+    def zeros_like_param(self, param: torch.Tensor) -> torch.Tensor:
         """Zeros of `param`'s shape and dtype on the device, laid out like it (a template that
         `load_shards` fills)."""
         raise NotImplementedError
@@ -357,25 +369,25 @@ class Strategy(ABC):
 class Launcher(ABC):
     """How the job's processes start on this host, and what runs in each."""
 
-    start_method = "spawn"  # torch.multiprocessing's, where processes are started
+    start_method: str = "spawn"  # torch.multiprocessing's, where processes are started
 
     @abstractmethod
-    def launch(self, roles, fn, args, start_method):
+    def launch(self, roles: Roles, fn: Callable[..., object], args: Sequence[Any], start_method: str) -> None:
         """Runs `fn(*args)` once on every local worker and waits for all of them, each worker
         through `roles.run_worker`. `start_method` "fork" lets a notebook's own functions run in
         the workers."""
 
     @abstractmethod
-    def planned_replicas(self):
+    def planned_replicas(self) -> int:
         """In the launching process, before `launch` and without starting any runtime: how many
         replicas (processes, or XLA's replica threads) the job will have on every host."""
 
-    def host_position(self):
+    def host_position(self) -> tuple[int, int]:
         """In the launching process, before `launch`: (this host's index, the number of hosts)
         that start the job together (a TPU pod's hosts); (0, 1) on one host."""
         return 0, 1
 
-    def run_worker(self, roles, fn, args=()):
+    def run_worker(self, roles: Roles, fn: Callable[..., object], args: Sequence[Any] = ()) -> None:
         """In each worker: `roles` become the process's (an `Engine` made inside `fn` uses them),
         are set up, run `fn(*args)` and are torn down."""
         with roles.activated():
@@ -389,38 +401,38 @@ class Roles:
 
     _started = False
 
-    def __init__(self, accelerator, strategy, launcher):
+    def __init__(self, accelerator: Accelerator, strategy: Strategy, launcher: Launcher) -> None:
         self.accelerator, self.strategy, self.launcher = accelerator, strategy, launcher
 
     @property
-    def name(self):
+    def name(self) -> str:
         return self.accelerator.name
 
-    def planned_data_parallel_size(self):
+    def planned_data_parallel_size(self) -> int:
         """In the launching process, before `launch` and without starting any runtime: how many
         devices will train in data parallel (every replica on every host, SPMD's devices too)."""
         return self.strategy.planned_data_parallel_size(self.launcher)
 
-    def host_position(self):
+    def host_position(self) -> tuple[int, int]:
         return self.launcher.host_position()
 
-    def use_compile(self):
+    def use_compile(self) -> None:
         """--compile, checked before any work: `Engine.prepare` compiles the model it places (one
         line, a UserError, where the device or the strategy does not support it)."""
         refusal = self.accelerator.compile_refusal or self.strategy.compile_refusal
         if refusal:
-            raise UserError(f"--compile: {refusal}")
+            raise UserError(f"`compile`: {refusal}")
         self.accelerator.use_compile()
 
-    def launch(self, fn, args=(), start_method=None):
+    def launch(self, fn: Callable[..., object], args: Sequence[Any] = (), start_method: str | None = None) -> None:
         """Runs `fn(*args)` on every local worker (see `Launcher.launch`)."""
         self.launcher.launch(self, fn, args, start_method or self.launcher.start_method)
 
-    def run_worker(self, fn, args=()):
+    def run_worker(self, fn: Callable[..., object], args: Sequence[Any] = ()) -> None:
         self.launcher.run_worker(self, fn, args)
 
     @contextmanager
-    def activated(self):
+    def activated(self) -> Iterator[Roles]:
         """These roles as the process's (`active_roles()`), set up, for the block."""
         global _active
         _active = self
@@ -430,7 +442,7 @@ class Roles:
         finally:
             _active = None
 
-    def start(self):
+    def start(self) -> None:
         """Sets the accelerator, then the strategy, up once per process (an Engine made outside
         `launch` calls it too)."""
         if not self._started:
@@ -438,5 +450,5 @@ class Roles:
             self.accelerator.setup()
             self.strategy.setup()
 
-    def teardown(self):
+    def teardown(self) -> None:
         self.strategy.teardown()

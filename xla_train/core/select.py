@@ -42,8 +42,8 @@ def tpu_runtimes():
 def torch_accelerator():
     """The accelerator torch itself sees ("cuda", "tpu"...), or None. TorchTPU's package is a torch
     device extension (entry point `torch.backends` -> torch_tpu._loader:load, which torch calls at
-    its import); load() registers "tpu" only when it finds TPU chips (torch_tpu/_loader.py:391-392,
-    the device renamed from PrivateUse1 at :256)."""
+    its import); load() registers "tpu" only when it finds TPU chips (torch_tpu 0.2.0's _loader.py,
+    load; the device renamed from PrivateUse1 in its _init_device_impl)."""
     accelerator = torch.accelerator.current_accelerator(check_available=True)  # a CUDA build sees no GPU
     return accelerator.type if accelerator is not None else None
 
@@ -99,9 +99,9 @@ def auto_choice():
 
 def no_torchtpu_line(runtimes):
     """Why `--backend tpu` cannot run here: TorchTPU is not installed."""
-    line = "--backend tpu is TorchTPU, which is not installed: pip install 'xla-train[torchtpu]'"
+    line = "`backend` tpu is TorchTPU, which is not installed: pip install 'xla-train[torchtpu]'"
     if runtimes.get("torch_xla"):
-        line += (f" (torch_xla {runtimes['torch_xla']} is installed here: --backend xla, or auto, runs the TPU "
+        line += (f" (torch_xla {runtimes['torch_xla']} is installed here: `backend` xla, or auto, runs the TPU "
                  "through it)")
     return line
 
@@ -109,18 +109,18 @@ def no_torchtpu_line(runtimes):
 def select_roles(name="auto", num_processes=None, strategy="ddp"):
     """The roles for `--backend NAME` and `--strategy`, not yet started (no runtime, no process
     group). The one place that maps the two names to implementations."""
-    check_choice("--backend", name or "", BACKENDS)  # "" for None: given, and not a name
-    check_choice("--strategy", strategy or "", STRATEGIES)
+    check_choice("`backend`", name or "", BACKENDS)  # "" for None: given, and not a name
+    check_choice("`strategy`", strategy or "", STRATEGIES)
     if num_processes is not None and num_processes < 1:
-        raise UserError(f"--num-processes must be at least 1, not {num_processes}")
+        raise UserError(f"`num_processes` must be at least 1, not {num_processes}")
     if name == "auto":
         name, _ = auto_choice()
     if name == "xla":
         return _xla_roles(num_processes, strategy)
     if strategy == "spmd":
-        raise UserError(f"--strategy spmd needs the xla backend, not {name}")
+        raise UserError(f"`strategy` spmd needs the xla backend, not {name}")
     if name == "cuda" and not torch.cuda.is_available():
-        raise UserError("--backend cuda: no CUDA device is visible")
+        raise UserError("`backend` cuda: no CUDA device is visible")
     if name == "tpu":
         _check_torchtpu()
     from gpu_fallback import Ddp, Fsdp2, TorchAccelerator, TorchLauncher
@@ -136,13 +136,13 @@ def _check_torchtpu():
     if not runtimes["torch_tpu"]:
         raise UserError(no_torchtpu_line(runtimes))
     if torch_accelerator() != "tpu":
-        raise UserError(f"--backend tpu: torch_tpu {runtimes['torch_tpu']} is installed but torch sees no tpu "
+        raise UserError(f"`backend` tpu: torch_tpu {runtimes['torch_tpu']} is installed but torch sees no tpu "
                         "device (no TPU chip found, or TORCH_DEVICE_BACKEND_AUTOLOAD=0 kept torch from loading it)")
 
 
 def _xla_roles(num_processes, strategy):
     if not xla_available():
-        raise UserError("--backend xla needs torch_xla: pip install 'xla-train[tpu]' (or [xla] for CPU)")
+        raise UserError("`backend` xla needs torch_xla: pip install 'xla-train[tpu]' (or [xla] for CPU)")
     mismatch = xla_problem()
     if mismatch:
         raise UserError(mismatch)

@@ -53,7 +53,7 @@ class Padding:
         longest = int(max(lengths)) if len(lengths) else 0
         if self.mode == "buckets" and longest > self.buckets[-1]:
             raise UserError(f"rows of up to {longest} tokens do not fit the longest bucket {self.buckets[-1]}; "
-                            "add a longer bucket or lower --max-length")
+                            "add a longer bucket or lower `max_length`")
 
 
 @dataclass
@@ -63,8 +63,8 @@ class Shapes:
     batch_size: int  # rows per device and micro-batch
     devices: int  # devices training in data parallel (replicas on every host, SPMD's devices)
     grad_accum: int = 1  # micro-batches per optimizer step
-    padding: Padding = None  # set once the rows' lengths are known (`settle_padding`)
-    estimate: dict = None  # what --buckets auto expected of its choice (None: buckets given)
+    padding: Padding | None = None  # set once the rows' lengths are known (the task's `padding`, `settle_padding`)
+    estimate: dict | None = None  # what --buckets auto expected of its choice (None: buckets given)
 
     @property
     def global_batch(self):
@@ -99,8 +99,8 @@ def check_steps(shapes, rows):
     batches = shapes.batches_per_epoch(rows)
     if batches < shapes.grad_accum:
         raise UserError(f"{rows} training rows make {batches} batch(es) of {shapes.batch_size} x {shapes.devices} "
-                        f"device(s), fewer than one optimizer step takes (--grad-accum {shapes.grad_accum}): give "
-                        "more rows, or a smaller --batch-size or --grad-accum")
+                        f"device(s), fewer than one optimizer step takes (`grad_accum` {shapes.grad_accum}): give "
+                        "more rows, or a smaller `batch_size` or `grad_accum`")
 
 
 def padding_for(mode, buckets, max_length, lengths, choose=None):
@@ -123,28 +123,43 @@ def even_buckets(lengths, step=32):
     return padding_for("buckets", list(range(step, top + 1, step)), top, [lengths])
 
 
-def settle_padding(cfg, shapes, data, eval_splits, accelerator, resume=None):
-    """Sets `shapes.padding`: the bucket lengths given, a resumed run's (the data order depends on
-    them), or `--buckets auto`'s choice for this job. Every row must fit them."""
-    given = (resume.state["buckets"] if resume else None) or cfg.buckets
-    shapes.padding = padding_for(cfg.padding, given, cfg.max_length, [split["length"] for split in data.values()],
-                                 lambda: _auto_buckets(cfg, shapes, data, eval_splits, accelerator))
+@dataclass(frozen=True)
+class PaddingRequest:
+    """What a job asks of its batches' padding: the mode, the bucket lengths ("auto": chosen for
+    the job), the longest row, and the job's length in epochs or steps and its compilation cost
+    (None: the accelerator's estimate), which `auto` weighs."""
+
+    mode: str = "buckets"  # buckets, max_length or dynamic (Padding.mode)
+    buckets: object = "auto"  # "auto", or bucket lengths ("32,64" or a list)
+    max_length: int = 128
+    epochs: int = 3
+    max_steps: int | None = None
+    compile_seconds: float | None = None
 
 
-def _auto_buckets(cfg, shapes, data, eval_splits, accelerator):
-    """`--buckets auto` for the job the run will really be: every device training in data
-    parallel (replicas on every host, SPMD's devices), counted before launch."""
+def settle_padding(request, shapes, data, eval_splits, accelerator, resumed_buckets=None):
+    """The padding of the batches: the bucket lengths asked for, a resumed run's
+    (`resumed_buckets`: the data order depends on them), or `auto`'s choice for this job. Every
+    row must fit them."""
+    given = resumed_buckets or request.buckets
+    return padding_for(request.mode, given, request.max_length, [split["length"] for split in data.values()],
+                       lambda: _auto_buckets(request, shapes, data, eval_splits, accelerator))
+
+
+def _auto_buckets(request, shapes, data, eval_splits, accelerator):
+    """`auto` buckets for the job the run will really be: every device training in data parallel
+    (replicas on every host, SPMD's devices), counted before launch."""
     rows = len(data["train"])
-    steps = shapes.total_steps(rows, cfg.epochs, cfg.max_steps)
-    compile_s = accelerator.compile_seconds if cfg.compile_seconds is None else cfg.compile_seconds
+    steps = shapes.total_steps(rows, request.epochs, request.max_steps)
+    compile_s = accelerator.compile_seconds if request.compile_seconds is None else request.compile_seconds
     cost = CostModel(compile_seconds=compile_s, token_seconds=accelerator.token_seconds)
     eval_lengths = [n for split in [*eval_splits, "test"] if split in data for n in data[split]["length"]]
-    buckets, estimate = auto_buckets(data["train"]["length"], eval_lengths, steps, shapes.rows_per_step, cfg.epochs,
-                                     cfg.max_length, cost)
+    buckets, estimate = auto_buckets(data["train"]["length"], eval_lengths, steps, shapes.rows_per_step, request.epochs,
+                                     request.max_length, cost)
     estimate.update(steps=steps, devices=shapes.devices, rows_per_step=shapes.rows_per_step,
                     steps_per_epoch=shapes.steps_per_epoch(rows))
     shapes.estimate = estimate
-    print(f"buckets auto: {buckets} for {steps} steps ({shapes.describe(rows, cfg.epochs)}; compile {compile_s:g} "
+    print(f"buckets auto: {buckets} for {steps} steps ({shapes.describe(rows, request.epochs)}; compile {compile_s:g} "
           f"s/graph, {cost.token_seconds:g} s/token): estimated {estimate['estimated_seconds']} s, padding "
           f"efficiency {estimate['padding_efficiency']}")
     return buckets
@@ -192,11 +207,11 @@ def choose_buckets(lengths, weights, max_length, cost, multiple=8):
     # best[j] = (cost, buckets) of covering every row up to cands[j], the last bucket being cands[j]
     best = []
     for j, length in enumerate(cands):
-        options = []
+        choices = []
         for i in range(-1, j):  # the previous bucket ends at cands[i] (none when i = -1)
             prev_cost, prev = (0.0, []) if i < 0 else best[i]
-            options.append((prev_cost + cost.total(1, load[i + 1 : j + 1].sum() * length), prev + [length]))
-        best.append(min(options, key=lambda o: o[0]))
+            choices.append((prev_cost + cost.total(1, load[i + 1 : j + 1].sum() * length), prev + [length]))
+        best.append(min(choices, key=lambda o: o[0]))
     total, buckets = best[-1]
     padded = np.asarray(buckets)[np.searchsorted(buckets, lengths)]
     estimate = {
@@ -243,9 +258,9 @@ def parse_buckets(spec, max_length):
     try:
         buckets = sorted({int(x) for x in spec.split(",") if x.strip()})
     except ValueError:
-        raise UserError(f"--buckets must be 'auto' or lengths like 32,64,96,128, not {spec!r}") from None
+        raise UserError(f"`buckets` must be 'auto' or lengths like 32,64,96,128, not {spec!r}") from None
     if not buckets or buckets[0] < 1:
-        raise UserError(f"--buckets must list positive lengths, not {spec!r}")
+        raise UserError(f"`buckets` must list positive lengths, not {spec!r}")
     if buckets[-1] > max_length:
-        raise UserError(f"bucket {buckets[-1]} is longer than --max-length {max_length}")
+        raise UserError(f"bucket {buckets[-1]} is longer than `max_length` {max_length}")
     return buckets

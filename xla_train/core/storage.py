@@ -254,8 +254,9 @@ class GCSStore:
     def remove(self, names):
         base = self._key() + "/" if self.prefix else ""
         for name in names:
-            for blob in self._call(f"listing {self.url}", lambda: list(self.bucket.list_blobs(prefix=base + name))):
-                if blob.name == base + name or blob.name.startswith(base + name + "/"):
+            key = base + name
+            for blob in self._call(f"listing {self.url}", lambda key=key: list(self.bucket.list_blobs(prefix=key))):
+                if blob.name == key or blob.name.startswith(key + "/"):
                     self._call(f"deleting {blob.name}", blob.delete)
 
     def local_folder(self):

@@ -10,18 +10,23 @@ Launch commands these serve:
     xla-train train --backend xla --strategy fsdp   # one process, the model sharded over every chip (FSDPv2)
 """
 
+from __future__ import annotations
+
 import contextlib
 import glob
 import importlib.util
 import math
 import os
 import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
+from typing import Any, Literal
 
 import torch
 
 from .errors import UserError
-from .roles import Accelerator, Strategy, blocks_of, optimizer_params, shaped_like
+from .roles import Accelerator, Batch, Launcher, PathLike, Strategy, blocks_of, optimizer_params, shaped_like
 
 # Attention implementation registered below: transformers' own SDPA attention with a mask
 # function that never asks whether the padding mask is all ones (stock "sdpa" evaluates
@@ -55,14 +60,14 @@ def _register_attention():
     AttentionMaskInterface.register(XLA_ATTENTION, always_materialised_mask)
 
 
-def tpu_present(xla_problem=None):
+def tpu_present(xla_problem: str | None = None) -> bool:
     """Whether this host has a TPU, checked without starting any runtime. `xla_problem`: why
     torch_xla cannot be imported here (select.xla_problem), raised as a UserError where the check
     takes torch_xla."""
     # PJRT_DEVICE=TPU set by the user counts; a TPU VM exposes its v4 chips as /dev/accel*. Its
     # v5e/v6e chips sit behind /dev/vfio, which any host passing a PCI device through has too, so
     # those are told by torch_xla's own PCI check (Google's vendor id and the TPU device ids:
-    # torch_xla/_internal/tpu.py, num_available_chips, lines 103-116), asked only on a host with
+    # torch_xla 2.9's _internal/tpu.py, num_available_chips), asked only on a host with
     # a Google PCI device, as importing torch_xla costs seconds.
     if os.environ.get("PJRT_DEVICE", "").upper() == "TPU":
         return True
@@ -78,7 +83,7 @@ def tpu_present(xla_problem=None):
     return tpu.num_available_chips() > 0
 
 
-def _read(path):
+def _read(path: str) -> str | None:
     try:
         with open(path) as f:
             return f.read().strip()
@@ -86,7 +91,7 @@ def _read(path):
         return None
 
 
-def pjrt_device():
+def pjrt_device() -> str:
     """The PJRT device, picked before torch_xla starts its runtime: without a TPU, the CPU."""
     os.environ.setdefault("PJRT_DEVICE", "TPU" if tpu_present() else "CPU")
     return os.environ["PJRT_DEVICE"].upper()
@@ -102,7 +107,7 @@ class XlaAccelerator(Accelerator):
     token_seconds = 2e-3  # XLA:CPU, training step, per padded token
     compile_refusal = f"the xla backend compiles every step already; {Accelerator.compile_refusal}"
 
-    def __init__(self, virtual=False):
+    def __init__(self, virtual: bool = False) -> None:
         # virtual: SPMD's one device that stands for every device of the process
         self.virtual = virtual
         if pjrt_device() == "TPU":
@@ -115,32 +120,33 @@ class XlaAccelerator(Accelerator):
         _register_attention()
 
     @property
-    def device(self):
+    def device(self) -> torch.device:
         import torch_xla
 
         return torch_xla.device()
 
-    def describe(self):
+    def describe(self) -> str:
         import torch_xla.runtime as xr
 
         return f"{self.device} ({xr.device_type()})"
 
-    def adapt_model(self, model):
+    def adapt_model(self, model: torch.nn.Module) -> torch.nn.Module:
         # Only where the model's own sdpa path computes what its eager one does: Gemma 2's eager
         # attention soft-caps the scores, which sdpa cannot (Gemma2PreTrainedModel._supports_sdpa is
         # False), so such a model keeps its eager attention (whose causal mask reads nothing on the host).
-        if (hasattr(model, "set_attn_implementation") and model.config._attn_implementation in ("sdpa", "eager")
-                and getattr(model, "_supports_sdpa", True)):
-            model.set_attn_implementation(XLA_ATTENTION)
+        hf: Any = model  # a transformers model, where it has set_attn_implementation
+        if (hasattr(hf, "set_attn_implementation") and hf.config._attn_implementation in ("sdpa", "eager")
+                and getattr(hf, "_supports_sdpa", True)):
+            hf.set_attn_implementation(XLA_ATTENTION)
         return model
 
-    def use_compile_cache(self, path):
+    def use_compile_cache(self, path: PathLike) -> None:
         import torch_xla.runtime as xr
 
         # XLA:CPU writes entries but cannot load them back (PersistentCacheDeserializeFailure);
         # TPU and GPU do load them, so a second identical run compiles nothing there.
         # The cache is the process's (environment variables), and a second call asserts that it
-        # is not initialised yet (torch_xla/runtime.py, initialize_cache, lines 258-264); on
+        # is not initialised yet (torch_xla 2.9's runtime.initialize_cache); on
         # Colab's TPU v2-8/v3-8 two replicas share a process as threads. So the first replica
         # of each process sets it. Each process gets a folder of its own, writable: shared, only
         # one process could write it, and graphs with collectives differ per ordinal, so the
@@ -151,26 +157,28 @@ class XlaAccelerator(Accelerator):
                 xr.initialize_cache(str(Path(path) / f"p{xr.process_index()}"), readonly=False)
                 _cache_set = True
 
-    def wrap_loader(self, loader, sharding=None):
+    def wrap_loader(self, loader: torch.utils.data.DataLoader, sharding: Any = None) -> Iterable[Batch]:
         import torch_xla.distributed.parallel_loader as pl
 
         # Uploads batches in a background thread and ends every step with a graph cut.
         return pl.MpDeviceLoader(loader, self.device, input_sharding=sharding)
 
-    def activation_checkpoint(self):
+    def activation_checkpoint(self) -> Callable[..., Any]:
         # torch_xla's checkpoint puts an optimization barrier on the saved inputs; plain
         # torch.utils.checkpoint is undone by XLA's common-subexpression pass and saves nothing
-        # (pytorch/xla #1571, #3455). It takes only use_reentrant=True
-        # (torch_xla/utils/checkpoint.py:303), and transformers passes it positional arguments only
-        # (transformers/modeling_layers.py:123).
+        # (pytorch/xla #1571, #3455). It takes only use_reentrant=True (torch_xla 2.9's
+        # torch_xla.utils.checkpoint.checkpoint), and transformers passes it positional arguments only
+        # (transformers 5.24's GradientCheckpointingLayer, the forward_with_checkpointing its
+        # __init_subclass__ installs).
         from torch_xla.utils.checkpoint import checkpoint
 
         return checkpoint
 
-    def inference_mode(self):
-        return torch.no_grad()  # inference tensors are a plain-torch optimisation; no_grad is what torch_xla's examples use
+    def inference_mode(self) -> AbstractContextManager[Any]:
+        # inference tensors are a plain-torch optimisation; no_grad is what torch_xla's examples use
+        return torch.no_grad()
 
-    def to_host(self, tensors):
+    def to_host(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         import torch_xla
 
         # Cut the graph first: the pending step runs once, with everything it computes, and the
@@ -178,33 +186,33 @@ class XlaAccelerator(Accelerator):
         torch_xla.sync()
         return self.read(tensors)  # one transfer for all (a .cpu() each was one transfer each)
 
-    def read(self, tensors):
+    def read(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         import torch_xla
 
         return torch_xla._XLAC._xla_get_cpu_tensors([t.detach() for t in tensors])  # one transfer for all
 
-    def step_closure(self, fn, args=()):
+    def step_closure(self, fn: Callable[..., object], args: Sequence[Any] = ()) -> None:
         import torch_xla.core.xla_model as xm
 
-        xm.add_step_closure(fn, args)
+        xm.add_step_closure(fn, tuple(args))
 
-    def synchronize(self):
+    def synchronize(self) -> None:
         import torch_xla.core.xla_model as xm
 
         xm.wait_device_ops()
 
-    def cut_graph(self):
+    def cut_graph(self) -> None:
         import torch_xla
 
         torch_xla.sync()  # asynchronous: queues the pending graph and returns
 
-    def seed(self, seed):
+    def seed(self, seed: int) -> None:
         import torch_xla.core.xla_model as xm
 
         torch.manual_seed(seed)
         xm.set_rng_state(seed)
 
-    def seed_micro_batch(self, seed, epoch, batch):
+    def seed_micro_batch(self, seed: int, epoch: int, batch: int) -> None:
         import torch_xla.core.xla_model as xm
 
         # Every sync advances the device seed, even with no graph to run (torch_xla's MarkStep:
@@ -213,21 +221,21 @@ class XlaAccelerator(Accelerator):
         # graph and no transfer is added. One value for every process (SPMD needs it the same).
         xm.set_rng_state(hash((seed, epoch, batch)) % 2**62)
 
-    def rng_state(self):
+    def rng_state(self) -> torch.Tensor:
         import numpy as np
         import torch_xla.core.xla_model as xm
 
         seed = np.array([xm.get_rng_state()], dtype=np.uint64).view(np.uint8)  # the device generator's seed
         return torch.cat([torch.get_rng_state(), torch.from_numpy(seed)])
 
-    def set_rng_state(self, state):
+    def set_rng_state(self, state: torch.Tensor) -> None:
         import numpy as np
         import torch_xla.core.xla_model as xm
 
         Accelerator.set_rng_state(self, state)
         xm.set_rng_state(int(state[-8:].numpy().view(np.uint64)[0]))
 
-    def compile_stats(self):
+    def compile_stats(self) -> dict[str, Any]:
         import torch_xla.debug.metrics as met
 
         def metric(name):
@@ -246,7 +254,7 @@ class XlaAccelerator(Accelerator):
             "cache_load_failures": met.counter_value("PersistentCacheDeserializeFailure") or 0,
         }
 
-    def start_profile(self, folder, run):
+    def start_profile(self, folder: PathLike, run: str) -> tuple[PathLike, str]:
         import torch_xla.debug.profiler as xp
 
         # no profiler server needed: the session runs in this process and its export writes
@@ -254,7 +262,7 @@ class XlaAccelerator(Accelerator):
         xp.start_trace(str(folder))
         return folder, run
 
-    def stop_profile(self, session):
+    def stop_profile(self, session: tuple[PathLike, str]) -> None:
         import torch_xla.debug.profiler as xp
 
         folder, run = session
@@ -265,22 +273,22 @@ class XlaAccelerator(Accelerator):
         (exported,) = Path(folder, "plugins", "profile").iterdir()
         exported.rename(exported.with_name(run))
 
-    def step_annotation(self, step):
+    def step_annotation(self, step: int) -> AbstractContextManager[Any]:
         import torch_xla.debug.profiler as xp
 
         # xp.StepTrace without its two side effects on the graphs: entering it sets the flag that makes
-        # the loader's next `next()` skip its graph cut (torch_xla/debug/profiler.py:170-180,
-        # distributed/parallel_loader.py:39-47; the flag is one per process, shared by Colab's
+        # the loader's next `next()` skip its graph cut (torch_xla 2.9's StepTrace.__enter__ and
+        # __exit__, and PerDeviceLoader.next; the flag is one per process, shared by Colab's
         # threaded replicas), and leaving it cuts the graph. The same event (`_r=1`, `step_num`)
         # around one micro-batch keeps every cut the loader's. Its IR scope must end before the
         # next cut: torch_xla.sync() checks that no scope is open (torch/csrc/lazy/core/ir_metadata.cpp,
         # ResetScopeContext), so an annotation spanning micro-batches would raise.
         return xp.Trace("train_step", _r=1, step_num=step)
 
-    def device_memory(self):
+    def device_memory(self) -> int | None:
         return self._memory_info("bytes_limit")
 
-    def device_kind(self):
+    def device_kind(self) -> str | None:
         import torch_xla.core.xla_model as xm
 
         try:
@@ -289,10 +297,10 @@ class XlaAccelerator(Accelerator):
             return None
         return None if kind.lower() == "cpu" else kind
 
-    def peak_memory(self):
+    def peak_memory(self) -> int | None:
         return self._memory_info("peak_bytes_used")
 
-    def _memory_info(self, key):
+    def _memory_info(self, key: Literal["bytes_limit", "peak_bytes_used"]) -> int | None:
         import torch_xla.core.xla_model as xm
 
         if self.virtual:
@@ -300,11 +308,13 @@ class XlaAccelerator(Accelerator):
         # a TPU or GPU device says (torch_xla/core/xla_model.py, get_memory_info); XLA:CPU raises
         # "GetAllocatorStats is not supported" (seen here)
         try:
-            return xm.get_memory_info(self.device)[key]
+            # torch_xla 2.9's MemoryInfo TypedDict names bytes_used and bytes_limit only, while the
+            # dict it returns (and its docstring's example) has peak_bytes_used too
+            return xm.get_memory_info(self.device)[key]  # type: ignore[typeddict-item]
         except RuntimeError:
             return None
 
-    def trace_compilations(self, path):
+    def trace_compilations(self, path: PathLike) -> str | None:
         import torch_xla.debug.metrics as met
 
         # torch_xla's own compilation analysis (PT_XLA_DEBUG_LEVEL=1: cause and Python frames, one
@@ -327,34 +337,35 @@ class XlaDdp(Strategy):
     `xm.optimizer_step`."""
 
     @property
-    def world_size(self):
+    def world_size(self) -> int:
         import torch_xla.runtime as xr
 
         return xr.world_size()
 
     @property
-    def rank(self):
+    def rank(self) -> int:
         import torch_xla.runtime as xr
 
         return xr.global_ordinal()
 
     @property
-    def is_host_main(self):
+    def is_host_main(self) -> bool:
         import torch_xla.runtime as xr
 
-        return xr.local_ordinal() == 0  # this host's first replica, thread or process (runtime.py:143-149)
+        # this host's first replica, thread or process (torch_xla 2.9's runtime.local_ordinal)
+        return xr.local_ordinal() == 0
 
     @property
-    def replicas_per_process(self):
+    def replicas_per_process(self) -> int:
         if self.world_size == 1:
             return 1
         import torch_xla.runtime as xr
 
-        # xmp.spawn runs a thread per device the process addresses (torch_xla/_internal/pjrt.py,
-        # _run_thread_per_device, lines 44-78): two on Colab's TPU v2-8/v3-8, one on v4 and later
+        # xmp.spawn runs a thread per device the process addresses (torch_xla 2.9's _internal/pjrt.py,
+        # _run_thread_per_device): two on Colab's TPU v2-8/v3-8, one on v4 and later
         return xr.addressable_device_count()
 
-    def wrap_model(self, model):
+    def wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
         import torch_xla.core.xla_model as xm
 
         model = model.to(self.accelerator.device)
@@ -362,7 +373,8 @@ class XlaDdp(Strategy):
             xm.broadcast_master_param(model)  # every replica starts from replica 0's weights
         return model
 
-    def optimizer_step(self, optimizer, max_grad_norm=None):
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, max_grad_norm: float | None = None
+                       ) -> torch.Tensor | None:
         import torch_xla.core.xla_model as xm
 
         if not max_grad_norm:
@@ -373,12 +385,12 @@ class XlaDdp(Strategy):
         optimizer.step()
         return norm
 
-    def gather(self, tensor):
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         import torch_xla.core.xla_model as xm
 
         return xm.all_gather(tensor, dim=0) if self.world_size > 1 else tensor
 
-    def barrier(self):
+    def barrier(self) -> None:
         import torch_xla.core.xla_model as xm
 
         if self.world_size > 1:  # a rendezvous runs a small graph and reads it back (an aten fallback)
@@ -394,7 +406,7 @@ class XlaSpmd(XlaDdp):
 
     data_axes = ("data",)  # the mesh's one axis, over every device of every host
 
-    def planned_data_parallel_size(self, launcher):
+    def planned_data_parallel_size(self, launcher: Launcher) -> int:
         if os.environ["PJRT_DEVICE"].upper() == "TPU":
             from torch_xla._internal import tpu
 
@@ -403,19 +415,19 @@ class XlaSpmd(XlaDdp):
         # one device when unset
         return int(os.environ.get(f"{os.environ['PJRT_DEVICE'].upper()}_NUM_DEVICES", 1))
 
-    def setup(self):
+    def setup(self) -> None:
         import torch_xla.runtime as xr
 
         xr.use_spmd()  # before any tensor reaches the device
 
     @property
-    def devices_per_process(self):
+    def devices_per_process(self) -> int:
         import torch_xla.runtime as xr
 
         return xr.global_runtime_device_count()
 
     @property
-    def rank(self):
+    def rank(self) -> int:
         import torch_xla.runtime as xr
 
         # one process per host drives all its devices: the main one is process 0. The default
@@ -423,29 +435,29 @@ class XlaSpmd(XlaDdp):
         return xr.process_index()
 
     @property
-    def is_host_main(self):
+    def is_host_main(self) -> bool:
         return True  # one process per host
 
     @property
-    def replicas_per_process(self):
+    def replicas_per_process(self) -> int:
         return 1
 
-    def mesh_shape(self):
+    def mesh_shape(self) -> tuple[tuple[str, int], ...]:
         return ((self.data_axes[0], self.devices_per_process),)
 
-    def mesh(self):
+    def mesh(self) -> Any:
         import numpy as np
         import torch_xla.distributed.spmd as xs
 
         names, sizes = zip(*self.mesh_shape())
         return xs.Mesh(np.arange(math.prod(sizes)), sizes, names)
 
-    def batch_spec(self, dims):
+    def batch_spec(self, dims: int) -> tuple[str | tuple[str, ...] | None, ...]:
         """The partition spec of a tensor of `dims` dimensions split by rows over the data axes."""
         rows = self.data_axes[0] if len(self.data_axes) == 1 else self.data_axes
         return (rows,) + (None,) * (dims - 1)
 
-    def input_sharding(self):
+    def input_sharding(self) -> Any:
         import torch_xla.distributed.spmd as xs
         import torch_xla.runtime as xr
 
@@ -455,34 +467,37 @@ class XlaSpmd(XlaDdp):
         return _HostRows(self)
 
     @property
-    def peers(self):  # one replica (world_size 1), but a process on every host
+    def peers(self) -> int:  # one replica (world_size 1), but a process on every host
         import torch_xla.runtime as xr
 
         return xr.process_count()
 
-    def gather_rows(self, row):
+    def gather_rows(self, row: torch.Tensor) -> torch.Tensor:
         import torch_xla.core.xla_model as xm
         import torch_xla.distributed.spmd as xs
         import torch_xla.runtime as xr
 
         # Each process gives its own rows (one per local device) of a tensor sharded over every
         # device: `minibatch` takes a process's data as its part of the global tensor
-        # (torch_xla/core/xla_model.py, send_cpu_data_to_device, lines 1279-1292, "per-host").
+        # (torch_xla 2.9's xla_model.send_cpu_data_to_device, its convert_fn: "per-host").
         # They are then gathered across the hosts on the device (`gather`); each process alone
         # would give one host's view of a stop.
         local = row[None].expand(xr.addressable_runtime_device_count(), -1).contiguous()
         sharding = xs.ShardingSpec(self.mesh(), self.batch_spec(2), minibatch=True)
-        (rows,) = xm.send_cpu_data_to_device([local], self.accelerator.device, sharding)
+        # torch_xla 2.9 annotates send_cpu_data_to_device's result as ToXlaTensorArena; it returns
+        # what ToXlaTensorArena.transfer returns: the list given, its tensors on the device
+        sent: Any = xm.send_cpu_data_to_device([local], self.accelerator.device, sharding)
+        (rows,) = sent
         return self.gather(rows)
 
-    def gather(self, tensor):
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         import torch_xla.distributed.spmd as xs
 
         # One replica (world size 1): every row is here, split over the devices. The result is
         # made whole on every device inside the graph that computes it (the partitioner adds an
         # all-gather), so its copy to the host compiles nothing. The copy of a split tensor builds
         # and compiles an identity program of its own on every host at every copy, uncached
-        # (csrc/runtime/pjrt_computation_client.cpp:341-398, ReplicateShardedData); a replicated
+        # (torch_xla 2.9's PjRtComputationClient::ReplicateShardedData, csrc/runtime); a replicated
         # one is read from its first device. `+ 0` makes a result of the graph: a tensor that is
         # device data already would be copied to the host and back to be marked.
         whole = tensor + 0
@@ -499,10 +514,10 @@ class XlaFsdp(XlaSpmd):
     data_axes = ("fsdp",)  # the name FSDPv2 requires (spmd_fully_sharded_data_parallel.py, __init__)
 
     @property
-    def param_shards(self):
+    def param_shards(self) -> int:
         return self.devices_per_process
 
-    def wrap_model(self, model):
+    def wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
         import functools
         import warnings
 
@@ -526,11 +541,11 @@ class XlaFsdp(XlaSpmd):
                 m.register_load_state_dict_pre_hook(_add_wrapper_keys)
         return wrapped
 
-    def unwrap_model(self, model):
+    def unwrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
         return getattr(model, "module", model)  # the model itself; its blocks stay wrapped, keys read as plain
 
     @contextlib.contextmanager
-    def plain_modules(self, model):
+    def plain_modules(self, model: torch.nn.Module) -> Iterator[torch.nn.Module]:
         # Each block's wrapper is swapped for the module it wraps, then put back: the same
         # parameters under the model's own names (peft finds an adapter's tensors by walking the
         # module names, which hold `_orig_module.` under the wrappers, while the state's keys do not).
@@ -548,7 +563,7 @@ class XlaFsdp(XlaSpmd):
             for parent, name, child in reversed(wrapped):
                 parent._modules[name] = child
 
-    def to_host(self, tensors, main_only=False):
+    def to_host(self, tensors: Sequence[torch.Tensor], main_only: bool = False) -> list[torch.Tensor] | None:
         import torch_xla
 
         torch_xla.sync()
@@ -556,10 +571,11 @@ class XlaFsdp(XlaSpmd):
         copies = self._host_copies(tensors, self.accelerator.read)  # the rest in one transfer
         return copies if not main_only or self.is_main else None
 
-    def read(self, tensors):
+    def read(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return self._host_copies(tensors, self.accelerator.read)
 
-    def _host_copies(self, tensors, copy):
+    def _host_copies(self, tensors: Sequence[torch.Tensor], copy: Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]
+                     ) -> list[torch.Tensor]:
         """Host copies of `tensors`: those split over the devices (weights, AdamW's moments) shard
         by shard, put together here; the others by `copy`. A `.cpu()` of a split tensor compiles
         and runs a graph that replicates it, one per tensor at every copy: 380 compilations in a
@@ -572,7 +588,7 @@ class XlaFsdp(XlaSpmd):
         tensors = [t.detach() for t in tensors]
         split = [_is_split(t) for t in tensors]
         picked, rest = [t for t, s in zip(tensors, split) if s], [t for t, s in zip(tensors, split) if not s]
-        wholes = []
+        wholes: list[torch.Tensor] = []
         if picked and xr.process_count() > 1:
             # Other hosts' shards cannot be read here. Each tensor is made whole on every device of
             # every host by a graph of its own (`gather`), one tensor at a time (never the whole
@@ -586,10 +602,10 @@ class XlaFsdp(XlaSpmd):
             wholes = [_from_shards(t.shape, [data for data, _ in pieces], [index for _, index in places])
                       for t, pieces, places in zip(picked, torch_xla._XLAC._get_local_shards(picked),
                                                    torch_xla._XLAC._get_local_shard_replica_and_indices(picked))]
-        wholes, rest = iter(wholes), iter(copy(rest) if rest else [])
-        return [next(wholes) if s else next(rest) for s in split]
+        made, copied = iter(wholes), iter(copy(rest) if rest else [])
+        return [next(made) if s else next(copied) for s in split]
 
-    def place_optimizer_state(self, optimizer):
+    def place_optimizer_state(self, optimizer: torch.optim.Optimizer) -> None:
         import torch_xla
         import torch_xla.distributed.spmd as xs
 
@@ -609,7 +625,7 @@ class XlaFsdp(XlaSpmd):
     # read). torch_xla's CheckpointManager would need a process group.
     writes_shards = True
 
-    def save_shards(self, tensors, folder):
+    def save_shards(self, tensors: dict[str, torch.Tensor], folder: PathLike) -> None:
         import torch.distributed.checkpoint as dcp
         from torch_xla.experimental.distributed_checkpoint import SPMDSavePlanner
 
@@ -619,7 +635,7 @@ class XlaFsdp(XlaSpmd):
             dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(folder)), planner=SPMDSavePlanner(),
                      no_dist=True)
 
-    def load_shards(self, tensors, folder):
+    def load_shards(self, tensors: dict[str, torch.Tensor], folder: PathLike) -> None:
         import torch.distributed.checkpoint as dcp
         from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner
 
@@ -630,10 +646,10 @@ class XlaFsdp(XlaSpmd):
         # to load. FSDPv2 splits every parameter over every device, a classifier's bias of 2 too:
         # the devices past a tensor's end get empty ranges (csrc/xla_sharding_util.cpp,
         # GetShardReplicaAndIndicesForDevices clamps each slice to the tensor). SPMDSavePlanner's
-        # dedup_tensors (experimental/distributed_checkpoint/_helpers.py:157-183) keys write items
+        # dedup_tensors (torch_xla 2.9's experimental/distributed_checkpoint/_helpers.py) keys write items
         # by name and offset (torch's MetadataIndex), so the empty shards, which share one offset,
         # are all dropped, and on a host holding none of the tensor (host 1 of 2 x 4 devices) its
-        # metadata lacks it: planners.py:380 would raise a KeyError. A host whose one local shard
+        # metadata lacks it: planners.py's _create_xla_read_items would raise a KeyError. A host whose one local shard
         # is empty wrote a chunk of 0 elements, which no read overlaps: the check below would
         # refuse it. The rest of the tensor is on other hosts, which load their shards of it.
         tensors = _held_here(tensors)
@@ -648,7 +664,7 @@ class XlaFsdp(XlaSpmd):
             raise UserError(f"{folder} does not hold all of this host's shards ({unread[0]}, {len(unread)} "
                             "tensor(s) in all): resume on the hosts and devices that wrote it")
 
-    def zeros_like_param(self, param):
+    def zeros_like_param(self, param: torch.Tensor) -> torch.Tensor:
         import torch_xla
         import torch_xla.core.xla_model as xm
         import torch_xla.distributed.spmd as xs
@@ -658,7 +674,9 @@ class XlaFsdp(XlaSpmd):
             return zeros.to(self.accelerator.device)
         # only this host's shards reach its devices (never the whole tensor on one device)
         sharding = xs.ShardingSpec(self.mesh(), _param_spec(param))
-        (placed,) = xm.send_cpu_data_to_device([zeros], self.accelerator.device, sharding)
+        # a list of the tensor on the device (not the ToXlaTensorArena torch_xla says: see gather_rows)
+        sent: Any = xm.send_cpu_data_to_device([zeros], self.accelerator.device, sharding)
+        (placed,) = sent
         return placed
 
 
