@@ -84,7 +84,8 @@ def markdown_files():
 
 def test_readme_is_short():
     lines = (ROOT / "README.md").read_text(encoding="utf-8").count("\n")
-    assert lines < README_MAX_LINES, f"README.md has {lines} lines; keep it under {README_MAX_LINES}: move topics to docs/"
+    assert lines < README_MAX_LINES, (f"README.md has {lines} lines; keep it under {README_MAX_LINES}: "
+                                      "move topics to docs/")
 
 
 def test_every_relative_link_resolves():

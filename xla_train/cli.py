@@ -4,8 +4,13 @@ import argparse
 import functools
 import os
 import sys
+from dataclasses import fields
+from typing import TYPE_CHECKING, Any
 
 from .core.errors import ExitError, Stopped, UserError
+
+if TYPE_CHECKING:
+    from .options import TrainOptions
 
 
 class _Parser(argparse.ArgumentParser):
@@ -24,42 +29,108 @@ class _Help(argparse.HelpFormatter):
         return f"{text} (default: %(default)s)".strip()
 
 
-def build_parser():
+def build_parser(given_only: bool = False) -> argparse.ArgumentParser:
+    """The parser of every command; `given_only`: train's options have no defaults, so that its
+    namespace holds the flags given (which override a recipe)."""
     from .options import PredictOptions, TrainOptions
 
     p = _Parser(prog="xla-train", description="Fine-tune Hugging Face transformers on TPU/XLA, GPU or CPU.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    sub.add_parser = functools.partial(sub.add_parser, formatter_class=_Help)
-    _add_options(sub.add_parser("train", help="fine-tune on a GLUE task or own data (default: GLUE MRPC)"),
-                 TrainOptions)
-    _add_options(sub.add_parser("predict", help="predict labels for a file with a fine-tuned classifier, or generate "
-                                           "completions with a fine-tuned causal LM"),
+    add = functools.partial(sub.add_parser, formatter_class=_Help)
+    train = add("train", help="fine-tune on a GLUE task or own data (default: GLUE MRPC)",
+                description="Options come from the flags below, over the YAML recipe of --config (docs/recipes.md).")
+    _add_config_help(train)
+    _add_options(train, TrainOptions, given_only)
+    _add_options(add("predict", help="predict labels for a file with a fine-tuned classifier, or generate "
+                                "completions with a fine-tuned causal LM"),
                  PredictOptions)
-    r = sub.add_parser("report", help="write RUN_DIR/report/ (Markdown and PNG plots) from a run's --output-dir")
+    r = add("report", help="write RUN_DIR/report/ (Markdown and PNG plots) from a run's --output-dir")
     r.add_argument("run_dir", help="the --output-dir of a training run")
-    sub.add_parser("env", help="show the detected backend, devices and versions")
+    add("env", help="show the detected backend, devices and versions")
     return p
 
 
-def _add_options(parser, options):
-    """One argument per field of the `options` dataclass, with its default, help and type."""
-    from .options import option_fields
+CONFIG = "--config"
 
+
+def _add_config_help(parser: argparse.ArgumentParser) -> None:
+    """--config in train's help, in a group of its own. It is read before argparse parses (main:
+    `_take_configs`), since the flags given must override it, so it is no action of the parser."""
+    from .options import SECTIONS
+
+    group = parser.add_argument_group("recipe")
+    group._group_actions.append(argparse.Action(
+        [CONFIG], dest="config", metavar="RECIPE.yaml",
+        help=f"read options from a YAML recipe: sections {', '.join(SECTIONS)} (the groups below), each holding "
+             "option: value lines (names with _ or -); a flag given here overrides the recipe; several: later "
+             "ones override earlier ones. OUTPUT_DIR/recipe.yaml reruns a run"))
+
+
+def _add_options(parser, options, given_only=False):
+    """One argument per field of the `options` dataclass, with its default, help and type;
+    training's in a group per section. `given_only`: no defaults (argparse.SUPPRESS)."""
+    from .options import SECTIONS, option_fields
+
+    groups = {}
     for flag, f in option_fields(options):
         meta = f.metadata
+        section = meta.get("section")
+        if section and section not in groups:
+            groups[section] = parser.add_argument_group(section, SECTIONS[section])
+        where = groups[section] if section else parser
+        default = argparse.SUPPRESS if given_only else f.default
         if f.type in (bool, "bool"):  # a default of None: --name and --no-name, else not given
             action = "store_true" if f.default is not None else argparse.BooleanOptionalAction
-            parser.add_argument(flag, action=action, default=f.default, help=meta["help"])
+            where.add_argument(flag, action=action, default=default, help=meta["help"])
             continue
         kind = {"int": int, "float": float}.get(f.type if isinstance(f.type, str) else f.type.__name__)
-        parser.add_argument(flag, type=kind, default=f.default, required=meta["required"], help=meta["help"])
+        where.add_argument(flag, type=kind, default=default, required=meta["required"], help=meta["help"])
+
+
+def _take_configs(argv: list[str]) -> tuple[list[str], list[str]]:
+    """`xla-train train`'s arguments without its --config options, and their recipes' paths."""
+    if not argv or argv[0] != "train":
+        return argv, []
+    rest, configs = argv[:1], []
+    items = iter(argv[1:])
+    for arg in items:
+        if arg == CONFIG or arg.startswith(CONFIG + "="):
+            path = arg.partition("=")[2] if "=" in arg else next(items, None)
+            if not path or path.startswith("--"):
+                raise UserError(f"argument {CONFIG}: expected one argument (a YAML recipe)")
+            configs.append(path)
+        else:
+            rest.append(arg)
+    return rest, configs
+
+
+def _read_recipes(configs: list[str]) -> dict[str, Any]:
+    """The options the recipes set, later ones over earlier ones ({name: value})."""
+    from .options import read_recipe
+
+    values: dict[str, Any] = {}
+    for path in configs:
+        values.update(read_recipe(path))
+    return values
+
+
+def _over_recipe(recipe: dict[str, Any], argv: list[str]) -> argparse.Namespace:
+    """train's arguments: the recipe's options, and over them the flags given in `argv`."""
+    given = vars(build_parser(given_only=True).parse_args(argv))
+    return argparse.Namespace(**{**recipe, **given})
+
+
+def train_options(args: argparse.Namespace) -> "TrainOptions":
+    """train's options from its parsed arguments (options missing from `args` keep their defaults)."""
+    from .options import TrainOptions
+
+    return TrainOptions(**{k: v for k, v in vars(args).items() if k != "command"})
 
 
 def cmd_train(args):
-    from .options import TrainOptions
     from .train import run
 
-    run(TrainOptions(**{k: v for k, v in vars(args).items() if k != "command"}))
+    run(train_options(args))
 
 
 def cmd_predict(args):
@@ -101,13 +172,13 @@ def cmd_env(args):
     print(f"--backend auto -> {choice}: {reason}")
 
 
-def _no_xla_unless_used(argv):
+def _no_xla_unless_used(argv, backend="auto"):
     """transformers imports torch_xla at its own import whenever it is installed (slow, and it
     prints `Defaulting to PJRT_DEVICE=CPU`) unless USE_TORCH_XLA, read once then, says no: say no
-    before anything imports transformers when this run will not use XLA."""
+    before anything imports transformers when this run will not use XLA. `backend`: a recipe's."""
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("command", nargs="?")
-    pre.add_argument("--backend", default="auto")
+    pre.add_argument("--backend", default=backend)
     known, _ = pre.parse_known_args(argv)
     if known.command not in ("train", "predict") or {"-h", "--help"} & set(argv):
         return  # --help starts no library (a test checks)
@@ -120,19 +191,35 @@ def _no_xla_unless_used(argv):
         os.environ.setdefault("USE_TORCH_XLA", "0")
 
 
+def as_flags(message: str) -> str:
+    """The core's messages name its parameters in backticks (`num_processes`), as a user of the
+    Engine passed them; on the command line each one is its flag (--num-processes)."""
+    import re
+
+    from .options import PredictOptions, TrainOptions, flag_name
+
+    names = {f.name for cls in (TrainOptions, PredictOptions) for f in fields(cls)}
+    return re.sub(r"`([a-z_]+)`", lambda m: flag_name(m[1]) if m[1] in names else m[0], message)
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     pjrt_device = os.environ.get("PJRT_DEVICE")  # as given: importing torch_xla sets a default
     try:
-        _no_xla_unless_used(argv)
-        args = build_parser().parse_args(argv)
+        argv, configs = _take_configs(argv)
+        helping = {"-h", "--help"} & set(argv)
+        recipe = _read_recipes(configs) if configs and not helping else {}  # --help reads no recipe (nor yaml)
+        _no_xla_unless_used(argv, recipe.get("backend") or "auto")
+        args = build_parser().parse_args(argv)  # every flag checked, with the defaults
+        if configs:
+            args = _over_recipe(recipe, argv)
         if args.command == "env":
             args.pjrt_device = pjrt_device
         {"train": cmd_train, "predict": cmd_predict, "report": cmd_report, "env": cmd_env}[args.command](args)
     except ExitError as e:
         # under torchrun every rank runs this; a stop (the same on every rank) is told once
         if str(e) and not (isinstance(e, Stopped) and os.environ.get("RANK", "0") != "0"):
-            print(e.line(), file=sys.stderr)
+            print(as_flags(e.line()), file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         print("xla-train: interrupted", file=sys.stderr)

@@ -1,40 +1,65 @@
-"""Every option of `xla-train train` and `xla-train predict`, declared once: default, help, choices.
+"""Every option of `xla-train train` and `xla-train predict`, declared once: default, help, choices
+and, for training, the section it belongs to.
 
 The CLI's parsers are built from these dataclasses (`cli.py`), and `validate()` is the one check
-of a whole set of options. This module imports no torch, transformers, datasets or torch_xla, so
+of a whole set of options. A YAML recipe (`xla-train train --config recipe.yaml`) holds training's
+options by section (`SECTIONS`): `read_recipe` checks one, `recipe_text` writes one. This module
+imports no torch, transformers, datasets or torch_xla (nor yaml until a recipe is read), so
 `--help` starts at once.
 """
 
+import difflib
 import math
-from dataclasses import dataclass, field, fields
+import re
+from collections.abc import Mapping
+from dataclasses import Field, dataclass, field, fields
 from pathlib import Path
+from types import MappingProxyType
+from typing import Any
 
 from .core.errors import UserError, check_choice
 from .core.shapes import parse_buckets
 from .models import BUNDLED_MODEL, bundled_model_path
-from .tasks import FILE_FORMATS, PROBLEMS, TASKS, check_choices
+from .tasks import FILE_FORMATS, PROBLEMS, TASKS, check_choices, kind_of
 from .trackers import TRACKERS, trackers
 
 PADDING_MODES = ("buckets", "max_length", "dynamic")
 PRECISIONS = ("fp32", "bf16")
 
+# The sections of training's options, in a recipe's order, each with what it holds (the
+# groups of `xla-train train --help`). Every TrainOptions field names one in its `section`.
+SECTIONS: Mapping[str, str] = MappingProxyType({
+    "data": "what to train on: the task, its files and columns",
+    "shapes": "static shapes: padding, buckets, lengths, packing",
+    "model": "the model, its precision and adapters",
+    "optimizer": "the optimizer and its schedule: AdamW, linear decay, epochs, batch, steps, seed",
+    "evaluation": "evaluations, choosing the best model, generated samples",
+    "checkpoints": "the output folder: checkpoints, resume, overwrite",
+    "system": "where it runs and what it reports: backend, processes, compilation, trackers, profiles",
+})
 
-def option(default, help, choices=None, required=False):
-    """A dataclass field that is also a command-line option (`--name-with-dashes`)."""
-    return field(default=default, metadata={"help": help, "choices": choices, "required": required})
+
+def option(default: Any, help: str, choices: tuple[str, ...] | None = None, required: bool = False,
+           section: str | None = None) -> Any:
+    """A dataclass field that is also a command-line option (`--name-with-dashes`); `section`:
+    where a recipe holds it (one of SECTIONS; training's options only)."""
+    if section is not None and section not in SECTIONS:
+        raise ValueError(f"unknown section {section!r}")
+    return field(default=default, metadata={"help": help, "choices": choices, "required": required,
+                                            "section": section})
 
 
-def backend_option():
+def backend_option(section: str | None = None) -> Any:
     """--backend, the same for train and predict (the names are checked where they are chosen:
     core/select.py)."""
     return option("auto", "auto | xla | tpu | cuda | cpu (xla: torch_xla; tpu: TorchTPU; auto: a TPU through "
-                  "whichever of the two is installed, then CUDA, then CPU)")
+                  "whichever of the two is installed, then CUDA, then CPU)", section=section)
 
 
-def strategy_option():
+def strategy_option(section: str | None = None) -> Any:
     return option("ddp", "ddp (a replica per device), spmd (XLA: one process shards each batch over all devices) or "
                   "fsdp (the model's weights, gradients and AdamW state sharded over all devices too: FSDPv2 on XLA, "
-                  "FSDP2 on CUDA and the CPU)")
+                  "FSDP2 on CUDA and the CPU)", section=section)
 
 
 def flag_name(name):
@@ -43,107 +68,121 @@ def flag_name(name):
 
 @dataclass
 class TrainOptions:
-    """`xla-train train`: what to train on, the course's hyperparameters, shapes and the system."""
+    """`xla-train train`: what to train on, the course's hyperparameters, shapes and the system.
 
-    # what to train on
-    model: str = option(None, f"model folder or hub name (default: {BUNDLED_MODEL})")
-    task: str = option(None, f"GLUE task: {', '.join(TASKS)} (default: mrpc; with own files: custom)")
+    Flat, as the code reads it (`cfg.lr`); every field belongs to one section of SECTIONS (its
+    `section` metadata), the top-level keys of a YAML recipe (`sections`, `from_sections`)."""
+
+    # data: what to train on
+    task: str = option(None, f"GLUE task: {', '.join(TASKS)} (default: mrpc; with own files: custom)", section="data")
     data_dir: str = option(None, "the task's folder in GLUE's layout (train.tsv, dev.tsv; MNLI: dev_matched.tsv, "
                            "dev_mismatched.tsv); 'hub' for load_dataset('glue', TASK); default: the MRPC copy "
-                           "bundled with the package")
+                           "bundled with the package", section="data")
     train_file: str = option(None, "own training data: .csv, .tsv, .json, .jsonl or .parquet (causal-lm also a "
-                             "save_to_disk folder or a hub data set's name)")
+                             "save_to_disk folder or a hub data set's name)", section="data")
     validation_file: str = option(None, "own validation data, same columns (causal-lm: optional, else one in 20 of the "
-                                  "training rows are held out)")
+                                  "training rows are held out)", section="data")
     text_columns: str = option(None, "own data: A or A,B (default: sentence1,sentence2 if present, else the first "
-                               "two text columns, else the first)")
-    label_column: str = option("label", "own data: the label's column (default: label)")
+                               "two text columns, else the first)", section="data")
+    label_column: str = option("label", "own data: the label's column (default: label)", section="data")
     problem: str = option(None, f"own data: {' | '.join(PROBLEMS)} (default: float labels make a regression, "
                           "others a classification; causal-lm: instruction fine-tuning of a decoder on messages, "
-                          "prompt/completion or text rows)")
+                          "prompt/completion or text rows)", section="data")
     test_file: str = option(None, "rows to predict with the final (or best) model, written to "
                             "OUTPUT_DIR/predictions.EXT (a GLUE test.tsv: GLUE's submission format); causal-lm: "
                             "prompt or messages rows, completed greedily as xla-train predict does (in the run's "
-                            "--precision, the adapters unmerged), into OUTPUT_DIR/predictions.jsonl")
-    max_new_tokens: int = option(None, "causal-lm, --test-file: tokens to generate per row at most (default: 64)")
-    # system
-    backend: str = backend_option()
-    num_processes: int = option(None, "workers on this host (default: one per TPU core or GPU; 1 on the CPU and "
-                                "on XLA:CPU)")
-    strategy: str = strategy_option()
-    compile: bool = option(False, "compile the model with torch.compile on the torch-native backends (cuda: with CUDA "
-                           "graphs; tpu: TorchTPU's compiler; cpu), one graph per bucket length; xla compiles every "
-                           "step already")
-    # hyperparameters (the course's: AdamW, linear schedule, 3 epochs, batch 8)
-    epochs: int = option(3, "passes over the training data")
-    batch_size: int = option(8, "per replica")
-    lr: float = option(5e-5, "AdamW's peak learning rate (linear decay to 0)")
-    weight_decay: float = option(0.0, "AdamW's weight decay")
-    warmup_ratio: float = option(0.0, "fraction of the steps with a rising learning rate, in [0, 1)")
-    seed: int = option(42, "the new head's weights, dropout and the data order")
-    max_steps: int = option(None, "stop after this many optimizer steps (default: all epochs)")
-    # shapes
+                            "--precision, the adapters unmerged), into OUTPUT_DIR/predictions.jsonl", section="data")
+    # shapes: static shapes on XLA
     padding: str = option("buckets", " | ".join(PADDING_MODES) + " (dynamic: a new graph per batch length on XLA)",
-                          PADDING_MODES)
-    buckets: str = option("auto", "auto, or lengths like 32,64,96,128")
-    max_length: int = option(128, "truncate rows to this length (causal-lm: documents; packed rows are this long)")
+                          PADDING_MODES, section="shapes")
+    buckets: str = option("auto", "auto, or lengths like 32,64,96,128", section="shapes")
+    max_length: int = option(128, "truncate rows to this length (causal-lm: documents; packed rows are this long)",
+                             section="shapes")
     packing: bool = option(None, "causal-lm: whole documents packed into rows of exactly --max-length tokens, each "
                            "attending to itself only (the default); --no-packing: a row per document, padded to "
-                           "--buckets")
+                           "--buckets", section="shapes")
     compile_seconds: float = option(None, "cost of one compilation for --buckets auto (default: the backend's "
-                                    "estimate)")
-    precision: str = option("fp32", " | ".join(PRECISIONS), PRECISIONS)
-    grad_accum: int = option(1, "micro-batches per optimizer step")
+                                    "estimate)", section="shapes")
+    # model: the model, its precision and adapters
+    model: str = option(None, f"model folder or hub name (default: {BUNDLED_MODEL})", section="model")
+    precision: str = option("fp32", " | ".join(PRECISIONS), PRECISIONS, section="model")
     gradient_checkpointing: bool = option(False, "recompute each transformer block's activations in the backward "
                                           "pass instead of keeping them: less memory, about a third more compute "
-                                          "(XLA: torch_xla's checkpoint)")
-    max_grad_norm: float = option(None, "clip gradients to this norm (default: no clipping)")
-    # adapters
+                                          "(XLA: torch_xla's checkpoint)", section="model")
     lora: bool = option(False, "train LoRA adapters (peft) and the classification head instead of every weight; "
-                        "OUTPUT_DIR holds the adapter")
-    lora_r: int = option(8, "--lora: the adapters' rank")
-    lora_alpha: float = option(16.0, "--lora: the adapters' scale numerator (scale alpha / r)")
-    lora_dropout: float = option(0.05, "--lora: dropout on the adapters' input")
+                        "OUTPUT_DIR holds the adapter", section="model")
+    lora_r: int = option(8, "--lora: the adapters' rank", section="model")
+    lora_alpha: float = option(16.0, "--lora: the adapters' scale numerator (scale alpha / r)", section="model")
+    lora_dropout: float = option(0.05, "--lora: dropout on the adapters' input", section="model")
     lora_targets: str = option(None, "--lora: module names to adapt, comma-separated (default: the attention "
-                               "projections peft knows for the architecture)")
+                               "projections peft knows for the architecture)", section="model")
     merge_lora: bool = option(False, "--lora: write the merged whole model to OUTPUT_DIR instead of the adapter "
-                              "(plain transformers loads it)")
-    log_every: int = option(10, "steps between reads of the loss from the device")
-    # the output folder
+                              "(plain transformers loads it)", section="model")
+    # optimizer: the course's hyperparameters (AdamW, linear schedule, 3 epochs, batch 8)
+    epochs: int = option(3, "passes over the training data", section="optimizer")
+    batch_size: int = option(8, "per replica", section="optimizer")
+    lr: float = option(5e-5, "AdamW's peak learning rate (linear decay to 0)", section="optimizer")
+    weight_decay: float = option(0.0, "AdamW's weight decay", section="optimizer")
+    warmup_ratio: float = option(0.0, "fraction of the steps with a rising learning rate, in [0, 1)",
+                                 section="optimizer")
+    grad_accum: int = option(1, "micro-batches per optimizer step", section="optimizer")
+    max_grad_norm: float = option(None, "clip gradients to this norm (default: no clipping)", section="optimizer")
+    max_steps: int = option(None, "stop after this many optimizer steps (default: all epochs)", section="optimizer")
+    seed: int = option(42, "the new head's weights, dropout and the data order", section="optimizer")
+    # evaluation: when to evaluate, model selection, generation
+    eval_every: int = option(None, "evaluate every N optimizer steps (default: at the end of each epoch)",
+                             section="evaluation")
+    eval_samples: int = option(None, "causal-lm: at every evaluation, complete the first N validation prompts "
+                               "greedily, up to their reference's length, into OUTPUT_DIR/samples/step-K.jsonl, "
+                               "TensorBoard's text tab and the trackers", section="evaluation")
+    metric_for_best: str = option(None, "the evaluation metric that ranks models (default: the task's main metric, "
+                                  "causal-lm's loss; mse, loss and perplexity are minimised, the others maximised)",
+                                  section="evaluation")
+    save_best: bool = option(False, "keep the best evaluation's weights: the final model (and --test-file's "
+                             "predictions) are the best one's", section="evaluation")
+    early_stopping_patience: int = option(None, "stop after this many evaluations without improvement",
+                                          section="evaluation")
+    max_new_tokens: int = option(None, "causal-lm, --test-file: tokens to generate per row at most (default: 64)",
+                                 section="evaluation")
+    # checkpoints: the output folder
     output_dir: str = option(None, "local folder or gs://bucket/prefix for checkpoints and the fine-tuned model and "
                              "tokenizer; locally also TensorBoard events (tensorboard/), metrics.json, "
-                             "compilations.json and report/")
-    save_every: int = option(None, "steps between checkpoints (default: every epoch)")
-    keep_last: int = option(2, "complete checkpoints to keep")
+                             "compilations.json, recipe.yaml and report/", section="checkpoints")
+    save_every: int = option(None, "steps between checkpoints (default: every epoch)", section="checkpoints")
+    keep_last: int = option(2, "complete checkpoints to keep", section="checkpoints")
     resume: bool = option(False, "continue from the latest complete checkpoint in --output-dir (starts from the "
-                          "beginning when there is none)")
+                          "beginning when there is none)", section="checkpoints")
     overwrite: bool = option(False, "replace the run --output-dir holds: its checkpoints, model and logs are removed "
-                             "once this run's checks pass (without it, a folder holding a run stops a new one)")
-    resume_from: str = option(None, "continue from this checkpoint (OUTPUT_DIR/checkpoints/step-N)")
-    compile_cache: str = option(None, "persistent XLA compilation cache folder (default: none)")
+                             "once this run's checks pass (without it, a folder holding a run stops a new one)",
+                             section="checkpoints")
+    resume_from: str = option(None, "continue from this checkpoint (OUTPUT_DIR/checkpoints/step-N)",
+                              section="checkpoints")
+    # system: where it runs, and what it tells
+    backend: str = backend_option(section="system")
+    num_processes: int = option(None, "workers on this host (default: one per TPU core or GPU; 1 on the CPU and "
+                                "on XLA:CPU)", section="system")
+    strategy: str = strategy_option(section="system")
+    compile: bool = option(False, "compile the model with torch.compile on the torch-native backends (cuda: with CUDA "
+                           "graphs; tpu: TorchTPU's compiler; cpu), one graph per bucket length; xla compiles every "
+                           "step already", section="system")
+    compile_cache: str = option(None, "persistent XLA compilation cache folder (default: none)", section="system")
+    log_every: int = option(10, "steps between reads of the loss from the device", section="system")
     metrics_out: str = option(None, "write the run's metrics JSON here; missing folders are made (default: none; "
-                              "OUTPUT_DIR/metrics.json is written in any case)")
-    # where the time goes
+                              "OUTPUT_DIR/metrics.json is written in any case)", section="system")
     profile_steps: str = option(None, "capture a profile of optimizer steps A to B (A:B, e.g. 12:16) into "
                                 "OUTPUT_DIR/profile/ (a local folder or gs://) for TensorBoard's profile plugin, "
-                                "one per host")
+                                "one per host", section="system")
     report_to: str = option("tensorboard", f"where the run's scalars go besides TensorBoard: {', '.join(TRACKERS)} "
                             "or none, comma-separated. TensorBoard's events are written to a local output folder "
                             "whatever this says (the report reads them): 'tensorboard' adds nothing, 'none' no "
-                            "other tracker")
-    # model selection
-    eval_every: int = option(None, "evaluate every N optimizer steps (default: at the end of each epoch)")
-    eval_samples: int = option(None, "causal-lm: at every evaluation, complete the first N validation prompts "
-                               "greedily, up to their reference's length, into OUTPUT_DIR/samples/step-K.jsonl, "
-                               "TensorBoard's text tab and the trackers")
-    metric_for_best: str = option(None, "the evaluation metric that ranks models (default: the task's main metric, "
-                                  "causal-lm's loss; mse, loss and perplexity are minimised, the others maximised)")
-    save_best: bool = option(False, "keep the best evaluation's weights: the final model (and --test-file's "
-                             "predictions) are the best one's")
-    early_stopping_patience: int = option(None, "stop after this many evaluations without improvement")
+                            "other tracker", section="system")
 
     def __post_init__(self):
         self.model = self.model or bundled_model_path()
+
+    def section(self, name: str) -> Mapping[str, Any]:
+        """One section's options and values, read-only: `cfg.section("optimizer")["lr"]`."""
+        return MappingProxyType({key: getattr(self, key) for key in section_names(type(self))[_section(name)]})
 
     def validate(self):
         """Every check of the options alone (files and data are checked when they are read)."""
@@ -164,6 +203,7 @@ class TrainOptions:
         if not 0 <= self.seed < 2**32:
             raise UserError(f"--seed must be in [0, 2**32), not {self.seed}")
         check_choices(self.task, self.problem)
+        kind_of(self.problem).check_options(self)  # the kind's own flags (--packing, --max-new-tokens, ...)
         if self.test_file and not self.output_dir:
             raise UserError("--test-file needs --output-dir, where predictions.EXT is written")
         if self.resume and not self.output_dir:
@@ -296,3 +336,254 @@ def check_output_file(name, option, formats=None):
 def option_fields(cls):
     """(flag, field) of every option of `cls`, in declaration order."""
     return [(flag_name(f.name), f) for f in fields(cls)]
+
+
+# --- sections and recipes ------------------------------------------------------------------------
+# A recipe is a YAML file of training's options by section:
+#     optimizer:
+#       lr: 2.0e-4
+#       epochs: 1
+# Names are the fields' (dashes accepted too); a flag given on the command line overrides the
+# recipe (cli.py). These say what a command does with the output folder, not what the job is: a
+# recorded recipe holds them at their defaults, so that it reruns the job.
+RUN_CONTROL = ("resume", "overwrite", "resume_from")
+# Options that are comma-separated lists: a recipe may give them as YAML lists.
+COMMA_LISTS = ("buckets", "text_columns", "lora_targets", "report_to")
+_KINDS: dict[Any, type] = {"str": str, "int": int, "float": float, "bool": bool}
+_WORDS: dict[type, str] = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+def section_names(cls: type = TrainOptions) -> dict[str, list[str]]:
+    """{section: its options' names, in declaration order}, every section of SECTIONS."""
+    out: dict[str, list[str]] = {name: [] for name in SECTIONS}
+    for f in fields(cls):
+        out[f.metadata["section"]].append(f.name)
+    return out
+
+
+def section_of(name: str) -> str:
+    """The section that holds training's option `name`."""
+    return _FIELDS[name].metadata["section"]
+
+
+def _section(name: str) -> str:
+    if name not in SECTIONS:
+        raise KeyError(f"no section {name!r}; the sections are {', '.join(SECTIONS)}")
+    return name
+
+
+def sections(cfg: TrainOptions) -> dict[str, dict[str, Any]]:
+    """{section: {option: value}}: every option of `cfg`, by section (SECTIONS' order)."""
+    return {name: {key: getattr(cfg, key) for key in keys} for name, keys in section_names(type(cfg)).items()}
+
+
+def from_sections(recipe: Mapping[str, Mapping[str, Any] | None], where: str = "recipe") -> TrainOptions:
+    """The reverse of `sections`: TrainOptions from {section: {option: value}} (options left out
+    keep their defaults); unknown names and wrong types are a UserError naming `where`."""
+    return TrainOptions(**recipe_values(recipe, where))
+
+
+def recipe_values(recipe: Mapping[str, Any], where: str = "recipe") -> dict[str, Any]:
+    """The options a sectioned recipe sets, flat ({name: value}), each checked: its section, its
+    name and its type (the CLI's conversions: 8 or "8" for an int, 5e-5 or "5e-5" for a float)."""
+    names = section_names()
+    owner = {key: name for name, keys in names.items() for key in keys}
+    values: dict[str, Any] = {}
+    for name, body in recipe.items():
+        name = str(name)
+        if name not in SECTIONS:
+            key = name.replace("-", "_")
+            if key in owner:
+                raise UserError(f"{where}: {name!r} is not a section but an option of the {owner[key]} section: "
+                                f"write it under '{owner[key]}:'")
+            raise UserError(f"{where}: no section {name!r}{_did_you_mean(name, SECTIONS)}; a recipe's sections "
+                            f"are: {', '.join(SECTIONS)}")
+        if body is None:  # `optimizer:` with nothing under it
+            continue
+        if not isinstance(body, Mapping):
+            raise UserError(f"{where}: section {name} must hold 'option: value' lines, not {body!r}")
+        for given, value in body.items():
+            key = str(given).replace("-", "_")
+            if key not in names[name]:
+                if key in owner:
+                    raise UserError(f"{where}: no option '{name}.{given}'; {key} is in the {owner[key]} section")
+                raise UserError(f"{where}: no option '{name}.{given}'{_did_you_mean(key, names[name])}; the {name} "
+                                f"section has: {', '.join(names[name])}")
+            if key in values:
+                raise UserError(f"{where}: {name}.{key} is given twice")
+            values[key] = _convert(f"{where}: {name}.{key}", _FIELDS[key], value)
+    return values
+
+
+def _did_you_mean(word: str, choices: Any) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _kind(f: Field) -> type:
+    return _KINDS[f.type] if isinstance(f.type, str) else f.type
+
+
+def _convert(what: str, f: Field, value: Any) -> Any:
+    """A recipe's value of option `f`, as the command line would have it, or one line saying what
+    it must be."""
+    kind = _kind(f)
+    if value is None:
+        if f.default is None:
+            return None
+        raise UserError(f"{what} must be {_WORDS[kind]}, not null (leave it out for its default, {f.default})")
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+    elif isinstance(value, bool):
+        pass  # true where a number or a string goes
+    elif kind is int:
+        if isinstance(value, int):
+            return value
+        if isinstance(value, str) and re.fullmatch(r"\s*[-+]?\d+\s*", value):
+            return int(value)
+    elif kind is float:
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif isinstance(value, str):
+        return value
+    elif isinstance(value, (int, float)):
+        return str(value)
+    elif f.name in COMMA_LISTS and isinstance(value, list) and value and \
+            all(isinstance(v, (str, int)) and not isinstance(v, bool) for v in value):
+        return ",".join(map(str, value))
+    words = _WORDS[kind] + (" or a list" if f.name in COMMA_LISTS else "")
+    shown = str(value).lower() if isinstance(value, bool) else repr(value)  # as YAML writes it
+    raise UserError(f"{what} must be {words}, not {shown}")
+
+
+def parse_recipe(text: str, where: str = "recipe") -> dict[str, Any]:
+    """A recipe's YAML text as {section: {option: value}}, unchecked; a file that is not YAML, or
+    not a mapping, is a UserError naming `where` (and the line)."""
+    yaml, loader, _ = _yaml()
+    try:
+        data = yaml.load(text, Loader=loader)  # a SafeLoader (yaml.safe_load's), YAML 1.2's numbers
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line = f":{mark.line + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise UserError(f"{where}{line}: not a YAML recipe ({problem})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UserError(f"{where}: a recipe is a mapping of sections ({', '.join(SECTIONS)}), not "
+                        f"{type(data).__name__} {data!r}"[:300])
+    return data
+
+
+def read_recipe(path: str) -> dict[str, Any]:
+    """The options recipe file `path` sets ({name: value}, checked); gs://bucket/file too."""
+    where = str(path)
+    text = None
+    if where.startswith("gs://"):
+        from .core.storage import open_store
+
+        folder, _, name = where.rpartition("/")
+        try:
+            text = open_store(folder).read_text(name)
+        except ImportError:
+            raise UserError(f"--config {where}: reading Cloud Storage needs google-cloud-storage (pip install "
+                            "'xla-train[gcs]')") from None
+    else:
+        file = Path(where).expanduser()
+        if file.is_dir():
+            raise UserError(f"--config {where} is a folder; name a YAML recipe")
+        try:
+            text = file.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            pass
+        except UnicodeDecodeError:
+            raise UserError(f"--config {where}: not a text file (UTF-8)") from None
+        except OSError as e:
+            raise UserError(f"--config {where}: cannot be read ({e.strerror})") from None
+    if text is None:
+        raise UserError(f"--config {where}: no such file")
+    return recipe_values(parse_recipe(text, where), where)
+
+
+def recipe_sections(cfg: TrainOptions) -> dict[str, dict[str, Any]]:
+    """`sections(cfg)` as a recorded recipe holds it: the bundled model as null (its path differs
+    from one environment to the next), RUN_CONTROL at the defaults."""
+    out = sections(cfg)
+    if cfg.model == bundled_model_path():
+        out["model"]["model"] = None
+    for name in RUN_CONTROL:
+        out[section_of(name)][name] = _FIELDS[name].default
+    return out
+
+
+def non_defaults(values: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """{section: {option: value}} of the options in `values` (flat) that differ from the defaults;
+    the bundled model is a default."""
+    defaults = {key: v for section in recipe_sections(TrainOptions()).values() for key, v in section.items()}
+    out: dict[str, dict[str, Any]] = {}
+    for key, value in values.items():
+        if key in defaults and value != defaults[key] and not (key == "model" and value == bundled_model_path()):
+            out.setdefault(section_of(key), {})[key] = value
+    return {name: out[name] for name in SECTIONS if name in out}
+
+
+def recipe_text(cfg: TrainOptions, header: tuple[str, ...] | list[str] = ()) -> str:
+    """`cfg` as a YAML recipe: every option, defaults included, by section (each headed by a
+    comment), after `header`'s lines as comments. `read_recipe` reads it back to `cfg` (but for
+    RUN_CONTROL)."""
+    yaml, _, dumper = _yaml()
+    lines = [f"# {line}".rstrip() for line in header]
+    for name, values in recipe_sections(cfg).items():
+        text = yaml.dump({name: values}, Dumper=dumper, sort_keys=False, default_flow_style=False, width=4096,
+                         allow_unicode=True)
+        if name == "model" and values["model"] is None:
+            text = text.replace("\n  model: null\n", f"\n  model: null  # {BUNDLED_MODEL}\n", 1)
+        lines += ["", f"# {SECTIONS[name]}", text.rstrip("\n")]
+    return "\n".join(lines).lstrip("\n") + "\n"
+
+
+_YAML: tuple[Any, Any, Any] | None = None
+_INT = r"^[-+]?[0-9]+$"
+_FLOAT = (r"^[-+]?(?:(?:[0-9]+\.[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?|[0-9]+[eE][-+]?[0-9]+)$"
+          r"|^[-+]?\.(?:inf|Inf|INF)$|^\.(?:nan|NaN|NAN)$")
+
+
+def _yaml() -> tuple[Any, Any, Any]:
+    """(yaml, loader, dumper): PyYAML's safe loader and dumper (imported here: `--help` starts
+    without it), numbers read as YAML 1.2 reads them: 5e-5 is a float (YAML 1.1: a string),
+    12:16 a string (YAML 1.1: 736), 012 is 12."""
+    global _YAML
+    if _YAML is None:
+        import yaml
+
+        int_tag, float_tag = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+
+        def numbers(cls):
+            cls.yaml_implicit_resolvers = {c: [(t, rx) for t, rx in rs if t not in (int_tag, float_tag)]
+                                           for c, rs in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+            cls.add_implicit_resolver(int_tag, re.compile(_INT), list("-+0123456789"))
+            cls.add_implicit_resolver(float_tag, re.compile(_FLOAT), list("-+0123456789."))
+            return cls
+
+        def to_float(loader, node):
+            return float(loader.construct_scalar(node).replace(".inf", "inf").replace(".Inf", "inf")
+                         .replace(".INF", "inf").replace(".nan", "nan").replace(".NaN", "nan").replace(".NAN", "nan"))
+
+        loader = numbers(type("RecipeLoader", (yaml.SafeLoader,), {}))
+        loader.add_constructor(int_tag, lambda loader, node: int(loader.construct_scalar(node)))
+        loader.add_constructor(float_tag, to_float)
+        dumper = numbers(type("RecipeDumper", (yaml.SafeDumper,), {}))
+        _YAML = (yaml, loader, dumper)
+    return _YAML
+
+
+_FIELDS: dict[str, Field] = {f.name: f for f in fields(TrainOptions)}
+_unplaced = [name for name, f in _FIELDS.items() if f.metadata["section"] not in SECTIONS]
+if _unplaced:  # declared once: a new option names its section
+    raise TypeError(f"TrainOptions fields without a section: {', '.join(_unplaced)}")

@@ -6,11 +6,13 @@ in `tensorboard/` (read back with tensorboard's EventAccumulator). Writes `RUN_D
     loss_lr.png      training loss and learning rate per step
     throughput.png   samples/s per log interval, compilations marked, and where the time went
     padding.png      padding efficiency per bucket (real tokens / padded tokens)
-    report.md        the numbers, the explainer's warning and every compilation
+    report.md        the numbers, the run's recipe (the options that differ from the defaults, and
+                     recipe.yaml whole), the explainer's warning and every compilation
 """
 
 import json
 from pathlib import Path
+from typing import Any
 
 from .core.errors import UserError
 from .core.files import atomic_write
@@ -61,8 +63,9 @@ def time_split(metrics):
 
 STARTUP_NAMES = {"imports": "imports", "data": "data (reading, tokenising)", "model": "model loading",
                  "device": "device set-up"}
-GOODPUT_NAMES = {"startup": "start-up (imports, data, model, device set-up)", "compile": "compiling", "train_steps": "training steps",
-                 "data": "waiting for data", "eval": "evaluation", "checkpoint": "checkpoints", "other": "other"}
+GOODPUT_NAMES = {"startup": "start-up (imports, data, model, device set-up)", "compile": "compiling",
+                 "train_steps": "training steps", "data": "waiting for data", "eval": "evaluation",
+                 "checkpoint": "checkpoints", "other": "other"}
 
 
 # --- panels: each draws on one matplotlib axis ---------------------------------------------------
@@ -104,7 +107,7 @@ def plot_time(ax, metrics, log):
     left = 0.0
     colors = ("tab:olive", "tab:red", "tab:green", "tab:cyan", "tab:pink", "tab:brown", "tab:gray") if len(parts) > 4 \
         else ("tab:red", "tab:green", "tab:pink", "tab:gray")
-    for (name, seconds), color in zip(parts.items(), colors):
+    for (name, seconds), color in zip(parts.items(), colors, strict=False):
         ax.barh(0, seconds, left=left, height=0.6, color=color, label=f"{name}: {seconds:.1f} s")
         left += seconds
     ax.set_ylim(-1.6, 0.5)
@@ -134,7 +137,7 @@ def plot_padding(ax, metrics):
     lengths = list(by_length)
     eff = [by_length[k]["efficiency"] for k in lengths]
     bars = ax.bar(range(len(lengths)), eff, color="tab:purple")
-    for bar, k in zip(bars, lengths if len(lengths) <= 12 else []):
+    for bar, k in zip(bars, lengths if len(lengths) <= 12 else [], strict=False):
         ax.annotate(f"{by_length[k]['batches']} batches", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                     ha="center", va="bottom", fontsize=7)
     ax.set_xticks(range(len(lengths)), lengths, fontsize=7 if len(lengths) > 12 else None,
@@ -167,14 +170,69 @@ def write_report(run_dir):
         fig.savefig(out / f"{name}.png", dpi=100)
         plt.close(fig)
     fig, axes = plt.subplots(2, 2, figsize=(15, 9), layout="constrained")
-    for ax, draw in zip(axes.flat, panels.values()):
+    for ax, draw in zip(axes.flat, panels.values(), strict=False):
         draw(ax)
     plot_time(axes[1, 1], metrics, log)
-    fig.suptitle(f"{shown_name(metrics['model'])} on {metrics['backend']} ({metrics['device']}): {metrics['steps']} steps")
+    fig.suptitle(f"{shown_name(metrics['model'])} on {metrics['backend']} ({metrics['device']}): "
+                 f"{metrics['steps']} steps")
     fig.savefig(out / "overview.png", dpi=100)
     plt.close(fig)
     path = out / "report.md"
-    return atomic_write(path, markdown(metrics, log))
+    return atomic_write(path, markdown(metrics, log, load_recipe(run_dir)))
+
+
+def load_recipe(run_dir: str | Path) -> dict[str, Any] | None:
+    """The run's recipe: {"text": recipe.yaml's text or None, "changed": {section: {option: value}}
+    that differ from the defaults, "error": a line or None}; from the run's record where an older
+    run has no recipe.yaml; None where the folder has neither."""
+    from .options import TrainOptions, non_defaults, parse_recipe, recipe_values
+    from .run_folder import RECIPE, RECORD
+
+    run_dir = Path(run_dir)
+    text, values, error = None, None, None
+    try:
+        if (run_dir / RECIPE).is_file():
+            text = (run_dir / RECIPE).read_text(encoding="utf-8")
+            values = recipe_values(parse_recipe(text, RECIPE), RECIPE)
+        elif (run_dir / RECORD).is_file():
+            config = json.loads((run_dir / RECORD).read_text(encoding="utf-8")).get("config") or {}
+            known = {f for f in TrainOptions.__dataclass_fields__}
+            values = {k: v for k, v in config.items() if k in known}
+        else:
+            return None
+    except (UserError, ValueError, OSError) as e:  # an edited or older file: the report still gets written
+        error = str(e)
+    return {"text": text, "changed": non_defaults(values) if values is not None else {}, "error": error}
+
+
+def _shown(key: str, value: Any) -> str:
+    """A recipe's value as YAML writes it (the bundled model by its name)."""
+    if key == "model":
+        return shown_name(value)
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _recipe_lines(recipe: dict[str, Any] | None) -> list[str]:
+    if recipe is None:  # a folder with neither recipe.yaml nor a record
+        return []
+    lines = ["## Recipe", ""]
+    if recipe["text"] is not None:
+        lines += ["`recipe.yaml` in the run folder holds every option; `xla-train train --config RUN_DIR/recipe.yaml` "
+                  "runs the job again.", ""]
+    else:
+        lines += ["From the run's record (a run from before recipe.yaml).", ""]
+    if recipe["error"]:
+        lines += [f"It cannot be read: {recipe['error']}", ""]
+    lines += ["| section | option | value (others: the defaults) |", "| --- | --- | --- |"]
+    changed = recipe["changed"]
+    lines += [f"| {section} | {key} | {_shown(key, value)} |" for section, values in changed.items()
+              for key, value in values.items()]
+    if not changed:
+        lines += ["| | | every option at its default |"]
+    if recipe["text"] is not None:
+        lines += ["", "<details><summary>recipe.yaml</summary>", "", "```yaml", recipe["text"].rstrip("\n"), "```", "",
+                  "</details>"]
+    return lines + [""]
 
 
 def _token_rows(tokens):
@@ -190,7 +248,7 @@ def _token_rows(tokens):
     return rows
 
 
-def markdown(metrics, log):
+def markdown(metrics, log, recipe=None):
     ev, xla = metrics.get("eval") or {}, metrics.get("xla")
     rows = [("backend / device", f"{metrics['backend']} / {metrics['device']} x {metrics['world_size']}"),
             ("model", shown_name(metrics["model"])), ("steps / epochs", f"{metrics['steps']} / {metrics['epochs']}"),
@@ -199,7 +257,7 @@ def markdown(metrics, log):
              f"{metrics['train_samples_per_s']} / {metrics['steady_samples_per_s']}"),
             ("padding efficiency", metrics["padding_efficiency"]),
             *_token_rows(metrics.get("tokens")),
-            ("task", f"{metrics.get('task', 'mrpc')} ({metrics.get('problem', 'classification')})")]
+            ("task", metrics.get("task", "mrpc") + (f" ({metrics['problem']})" if metrics.get("problem") else ""))]
     main = metrics.get("main_metric")
     rows += [(f"dev {k}" + (" (main metric)" if k == main else ""), v if k == "n" or k.startswith("n_") else
               f"{v:.4f}") for k, v in ev.items()]
@@ -219,6 +277,7 @@ def markdown(metrics, log):
         rows += [("goodput (training steps / wall)", f"{metrics['goodput']['ratio']} of "
                                                     f"{metrics['goodput']['seconds']['wall']:.1f} s")]
     lines = ["# Run report", "", "| | |", "| --- | --- |", *(f"| {k} | {v} |" for k, v in rows), ""]
+    lines += _recipe_lines(recipe)
     lines += ["## Recompilation warning", "", log.get("warning") or "none: every graph was expected", ""]
     lines += ["## Pictures", "", "![overview](overview.png)", "", "![loss and learning rate](loss_lr.png)",
               "![throughput](throughput.png)", "![padding per bucket](padding.png)",

@@ -5,7 +5,9 @@ else is written; once it has finished, the record also holds the final step and 
 into a folder that holds another run stops with one line unless `--overwrite` is given, which
 removes the old run's files (checkpoints, model, logs) before the new run writes anything.
 `--resume` continues only the recorded run; a finished run resumed with the same length does
-nothing and says so.
+nothing and says so. Beside the record, `OUTPUT_DIR/recipe.yaml` holds the run's options as a
+sectioned recipe (every option, defaults included): `xla-train train --config OUTPUT_DIR/recipe.yaml`
+runs the job again.
 """
 
 import fnmatch
@@ -17,12 +19,14 @@ from dataclasses import asdict
 from .core.errors import UserError
 from .core.files import atomic_write
 from .core.storage import complete_steps
+from .options import recipe_text
 from .tasks import scores
 
 RECORD = "xla_train_run.json"
+RECIPE = "recipe.yaml"  # the run's options, as `xla-train train --config` reads them
 # What a run writes at the top of its folder: its own files and save_pretrained's (model and
 # tokenizer files of any model family); --overwrite removes these and nothing else.
-RUN_FILES = (RECORD, "checkpoints", "tensorboard", "report", "metrics.json", "compilations.json",
+RUN_FILES = (RECORD, RECIPE, "checkpoints", "tensorboard", "report", "metrics.json", "compilations.json",
              "xla_train_task.json", "predictions.*", "config.json", "generation_config.json", "model*.safetensors",
              "model.safetensors.index.json", "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*",
              "merges.txt", "*.model", "chat_template.jinja", "xla_train_failed-*",
@@ -139,7 +143,22 @@ class RunFolder:
         self.run_id = old or given or uuid.uuid4().hex[:12]
         self.store.write_text(RECORD, json.dumps({"run_id": self.run_id, "config": asdict(self.cfg),
                                                   "finished": None}, indent=1) + "\n")
+        recipe = self.write_recipe()
+        if resume is not None:
+            print(f"resuming run {self.run_id} with the recipe {recipe}")
         return self.run_id
+
+    def write_recipe(self) -> str:
+        """Writes the run's options as OUTPUT_DIR/recipe.yaml (a resumed run's: its longer
+        --max-steps or --epochs too); returns its path or URL."""
+        url = f"{self.store.url.rstrip('/')}/{RECIPE}"
+        header = [f"xla-train's recipe of run {self.run_id}: every option, defaults included, by section.",
+                  f"Run it again: xla-train train --config {url} --output-dir NEW_DIR",
+                  "(into this folder: add --overwrite to start over, or --resume to go on; a flag given overrides",
+                  "the recipe). resume, overwrite and resume_from say what a command does with the folder: they",
+                  "are recorded at their defaults. Relative paths are relative to where the command runs."]
+        self.store.write_text(RECIPE, recipe_text(self.cfg, header))
+        return url
 
 
 def write_finished(folder, run_id, cfg, step, results, best, stopped_early):
