@@ -56,7 +56,7 @@ def reference_worker(spec):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from xla_train.generation import completions, end_ids
+    from xla_train.tasks.completion import completions, end_ids
 
     s = argparse.Namespace(**spec)
     rows = [json.loads(line) for line in Path(s.input).read_text().splitlines()]

@@ -178,7 +178,8 @@ BAD = {
                    "bert is not a decoder with a causal LM head"),
     "--task with causal-lm": (lambda tmp, m: ["--train-file", rows_file(tmp, td.reverse_rows(4, 0)), "--task", "rte"],
                               "--problem causal-lm trains on own rows (--train-file), not on a GLUE task"),
-    "--buckets with packing": (lambda tmp, m: ["--train-file", rows_file(tmp, td.reverse_rows(4, 0)), "--buckets", "32"],
+    "--buckets with packing": (lambda tmp, m: ["--train-file", rows_file(tmp, td.reverse_rows(4, 0)),
+                                               "--buckets", "32"],
                                "--buckets and --padding apply to --no-packing"),
     "--packing for a classifier": (lambda tmp, m: ["MRPC", "--packing"],
                                    "--packing applies to --problem causal-lm"),
@@ -197,7 +198,8 @@ BAD = {
 def test_bad_causal_input(case, families, tmp_path, capsys):
     make, message = BAD[case]
     extra = make(tmp_path, families)
-    args = ["train", "--backend", "cpu", "--problem", "causal-lm", "--model", str(families["llama"]), "--max-steps", "1"]
+    args = ["train", "--backend", "cpu", "--problem", "causal-lm", "--model", str(families["llama"]),
+            "--max-steps", "1"]
     if "--model" in extra and extra[extra.index("--model") + 1] is None:
         del extra[extra.index("--model"):extra.index("--model") + 2]
         args = [a for a in args if a not in ("--model", str(families["llama"]))]  # the bundled MiniLM
@@ -248,7 +250,7 @@ def test_eval_samples_prompt_with_the_turns_before_the_last_answer(families, tmp
     included), and its reference is that turn's text."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from xla_train.generation import eval_samples
+    from xla_train.tasks.completion import eval_samples
 
     chat = [{"role": "user", "content": "reverse a b ="}, {"role": "assistant", "content": "b a"},
             {"role": "user", "content": "reverse c d e ="}, {"role": "assistant", "content": "e d c"}]
@@ -262,7 +264,8 @@ def test_eval_samples_prompt_with_the_turns_before_the_last_answer(families, tmp
     samples = eval_samples(picked[:1], task.form, tok, model, 64, static=True, batch_size=8)
     rendered = tok.apply_chat_template(chat, tokenize=False)
     prompt = tok.apply_chat_template(chat[:3], tokenize=False, add_generation_prompt=True)
-    answer = len(tok(rendered, add_special_tokens=False)["input_ids"]) - len(tok(prompt, add_special_tokens=False)["input_ids"])
+    answer = (len(tok(rendered, add_special_tokens=False)["input_ids"])
+              - len(tok(prompt, add_special_tokens=False)["input_ids"]))
     assert samples.sampling.max_new_tokens == answer > len(tok("e d c", add_special_tokens=False)["input_ids"])
     assert samples.sampling.greedy and samples.shown[0] == {"messages": chat[:3], "reference": "e d c"}
     assert samples.data["input_ids"][0] == tok(prompt, add_special_tokens=False)["input_ids"]
@@ -271,7 +274,7 @@ def test_eval_samples_prompt_with_the_turns_before_the_last_answer(families, tmp
 def test_eval_samples_of_prompt_rows_write_up_to_the_completion_and_its_eos(families, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from xla_train.generation import eval_samples
+    from xla_train.tasks.completion import eval_samples
 
     path = rows_file(tmp_path, td.reverse_rows(5, 0))
     task = load_task(train_file=str(path), validation_file=str(path), problem="causal-lm")
@@ -280,4 +283,5 @@ def test_eval_samples_of_prompt_rows_write_up_to_the_completion_and_its_eos(fami
                            64, static=False, batch_size=8)
     longest = max(len(tok(r["completion"], add_special_tokens=False)["input_ids"]) for r in td.reverse_rows(5, 0))
     assert len(samples.shown) == 5 and samples.sampling.max_new_tokens == longest + 1  # all 5 rows; plus the EOS
-    assert samples.shown[0] == {"prompt": td.reverse_rows(5, 0)[0]["prompt"], "reference": td.reverse_rows(5, 0)[0]["completion"]}
+    first = td.reverse_rows(5, 0)[0]
+    assert samples.shown[0] == {"prompt": first["prompt"], "reference": first["completion"]}

@@ -189,7 +189,8 @@ def bad(tmp_path, name, text):
 
 BAD = {  # name: (load_task arguments given a scratch folder, expected message)
     "missing named column": (lambda t: dict(train_file=bad(t, "a.csv", "text,label\nx,1\ny,0\n"),
-                                            validation_file=bad(t, "b.csv", "text,label\nx,1\n"), text_columns="review"),
+                                            validation_file=bad(t, "b.csv", "text,label\nx,1\n"),
+                                            text_columns="review"),
                              "no column 'review' (columns: text, label)"),
     "missing label column": (lambda t: dict(train_file=bad(t, "a.csv", "text,y\nx,1\ny,0\n"),
                                             validation_file=bad(t, "b.csv", "text,y\nx,1\n")),
@@ -224,7 +225,8 @@ BAD = {  # name: (load_task arguments given a scratch folder, expected message)
     "csv of blank lines": (lambda t: dict(train_file=bad(t, "a.csv", "\n\n\n"),
                                           validation_file=bad(t, "b.csv", "text,label\nx,1\n")),
                            "a.csv: cannot read it as CSV: No columns to parse from file"),
-    "jsonl that is not JSON": (lambda t: dict(train_file=bad(t, "a.jsonl", '{"text": "x", "label": 1}\n{"text": oops}\n'),
+    "jsonl that is not JSON": (lambda t: dict(train_file=bad(t, "a.jsonl",
+                                                             '{"text": "x", "label": 1}\n{"text": oops}\n'),
                                               validation_file=bad(t, "b.jsonl", '{"text": "x", "label": 1}\n')),
                                "a.jsonl: cannot read it as JSONL: "),
     "json that is a number": (lambda t: dict(train_file=bad(t, "a.json", "42"),
@@ -266,7 +268,8 @@ def test_task_and_problem_names_have_one_check():
     with pytest.raises(UserError, match=r"^--task must be one of cola, sst2, mrpc, qqp, stsb, mnli, qnli, rte, wnli, "
                                         r"not 'squad'$"):
         check_choices(task="squad")
-    with pytest.raises(UserError, match=r"^--problem must be one of classification, regression, causal-lm, not 'ranking'$"):
+    expected = r"^--problem must be one of classification, regression, causal-lm, not 'ranking'$"
+    with pytest.raises(UserError, match=expected):
         check_choices(problem="ranking")
 
 

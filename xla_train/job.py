@@ -1,8 +1,11 @@
 """The prepared job: what the parent process reads, checks and loads once (the output folder's
 run, the data, the shapes, the model), and hands to every worker and to the finish as one value."""
 
+from __future__ import annotations
+
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from transformers import AutoConfig
 
@@ -11,10 +14,9 @@ from .core.batching import model_inputs_only
 from .core.clock import Startup
 from .core.errors import UserError
 from .core.launchers import pod_marker, watch_pod
+from .core.shapes import PaddingRequest, Shapes, check_steps, settle_padding
 from .core.signals import StopRequest
-from .core.shapes import Shapes, check_steps, padding_for, settle_padding
 from .core.storage import is_remote, open_store
-from .generation import MAX_NEW_TOKENS, eval_samples, prompts_to_complete
 from .models import (
     add_adapters,
     hold_frozen_in_bf16,
@@ -22,30 +24,32 @@ from .models import (
     load_tokenizer,
     position_limit,
 )
-from .predictions import read_input, tokenize_rows
 from .run_folder import RunFolder
-from .tasks import load_task
+from .tasks import PredictSettings, Task, load_task
+
+if TYPE_CHECKING:
+    from .options import TrainOptions
 
 LAUNCH_ID = "XLA_TRAIN_LAUNCH_ID"  # one start of the job on every host of a pod (scripts/tpu_pod.py)
 
 
 @dataclass
 class Job:
-    cfg: object  # the run's TrainOptions
-    task: object  # tasks.Task: labels, metric, evaluation splits, test rows
-    tokenizer: object
-    data: object  # the tokenised DatasetDict: train, the evaluation splits, test
-    shapes: object  # shapes.Shapes: padding, global batch, steps per epoch
-    model: object  # the pretrained model with its new head (and a resumed run's weights)
-    run_id: str = None  # the output folder's run
-    truncated: dict = None  # rows cut to --max-length, per split
-    resume: object = None  # checkpoint.Resume, or None
-    pod_marker: str = None  # on several hosts: where a failing host tells the others (launchers.pod_marker)
-    startup: object = None  # clock.Startup: the launching process's start and start-up's parts (goodput)
-    samples: object = None  # --eval-samples: generation.Samples
-    prompts: object = None  # a causal LM's --test-file: generation.Prompts
+    cfg: TrainOptions  # the run's options
+    task: Task  # labels, metric, evaluation splits, prediction
+    tokenizer: Any
+    data: Any  # the tokenised DatasetDict: train and the evaluation splits
+    shapes: Shapes  # padding, global batch, steps per epoch
+    model: Any  # the pretrained model with its new head (and a resumed run's weights)
+    run_id: str | None = None  # the output folder's run
+    truncated: dict[str, int] | None = None  # rows cut to --max-length, per split
+    resume: checkpoint.Resume | None = None
+    pod_marker: str | None = None  # on several hosts: where a failing host tells the others (launchers.pod_marker)
+    startup: Startup | None = None  # the launching process's start and start-up's parts (goodput)
+    samples: Any = None  # --eval-samples: what the task's `samples` made (tasks.completion.Samples)
+    test: Any = None  # --test-file's rows, as the task's prediction part read them
 
-    def report(self):
+    def report(self) -> dict[str, Any]:
         """What the metrics JSON says of the job's preparation."""
         return {"run_id": self.run_id, "truncated": self.truncated, "buckets_auto": self.shapes.estimate}
 
@@ -84,16 +88,10 @@ def prepare(cfg, backend, resume=None, startup=None):
     times the data's parts and the model's."""
     startup = startup or Startup()
     task = load_task(cfg.task, cfg.data_dir, cfg.train_file, cfg.validation_file, cfg.text_columns,
-                     cfg.label_column, cfg.problem, cfg.seed)
-    task.set_packing(cfg.packing)
+                     cfg.label_column, cfg.problem, cfg.seed, cfg.max_length, cfg.packing)
     if cfg.metric_for_best and cfg.metric_for_best not in task.metric_keys:
         raise UserError(f"--metric-for-best must be one of {task.name}'s metrics: {', '.join(task.metric_keys)}; "
                         f"not {cfg.metric_for_best!r}")
-    task.max_length = cfg.max_length  # what the model folder records for predict
-    if cfg.test_file and not task.generates:  # a causal LM's prompts are read with its tokenizer, below
-        task.test = read_input(cfg.test_file, task)
-    if cfg.max_new_tokens and not (cfg.test_file and task.generates):
-        raise UserError("--max-new-tokens applies to a causal LM's --test-file (--problem causal-lm)")
     print(task.describe())
     sample_rows = task.sample_rows(cfg.eval_samples) if cfg.eval_samples else None  # before tokenising drops the rows
     startup.lap("data")
@@ -109,13 +107,10 @@ def prepare(cfg, backend, resume=None, startup=None):
     data, truncated = tokenize_task(cfg, task, tokenizer)
     if resume:
         resume.check(cfg, len(data["train"]), backend)
-    if task.packing:  # rows of exactly --max-length tokens: one shape
-        if cfg.buckets != "auto" or cfg.padding != "buckets":
-            raise UserError("--packing makes every row --max-length tokens long: --buckets and --padding apply to "
-                            "--no-packing")
-        shapes.padding = padding_for("max_length", None, cfg.max_length, [split["length"] for split in data.values()])
-    else:
-        settle_padding(cfg, shapes, data, task.eval_splits, backend.accelerator, resume)
+    request = PaddingRequest(cfg.padding, cfg.buckets, cfg.max_length, cfg.epochs, cfg.max_steps, cfg.compile_seconds)
+    resumed = resume.state["buckets"] if resume else None
+    shapes.padding = task.padding(lambda: settle_padding(request, shapes, data, task.eval_splits, backend.accelerator,
+                                                         resumed), cfg.max_length, data)
     startup.lap("data")
     weights = resume.model_weights() if resume else None  # a corrupt file fails before any loading
     model = task.load_model(cfg.model, cfg.seed, tokenizer.pad_token_id)
@@ -128,23 +123,29 @@ def prepare(cfg, backend, resume=None, startup=None):
         hold_frozen_in_bf16(model)  # here, once: forked replicas share these pages
     data = model_inputs_only(data, model)
     startup.lap("model")
-    prompts = cfg.test_file and task.generates and prompts_to_complete(
-        cfg.test_file, tokenizer, model, cfg.max_length, cfg.buckets, backend.accelerator,
-        cfg.max_new_tokens or MAX_NEW_TOKENS)
-    if prompts and prompts.truncated:
-        print(f"truncated to their last --max-length {cfg.max_length} tokens: {prompts.truncated} --test-file prompts")
-    samples = sample_rows and eval_samples(sample_rows, task.form, tokenizer, model, cfg.max_length,
-                                           backend.accelerator.static_shapes, cfg.batch_size)
-    startup.lap("data")  # the --eval-samples and --test-file prompts
+    test = cfg.test_file and read_test(cfg, task, tokenizer, model, backend.accelerator)
+    if test:
+        truncated["test"] = test.truncated
+    samples = sample_rows and task.samples(sample_rows, tokenizer, model, backend.accelerator.static_shapes,
+                                           cfg.batch_size)
+    startup.lap("data")  # the --eval-samples and --test-file rows
     return Job(cfg, task, tokenizer, data, shapes, model, truncated=truncated, resume=resume, startup=startup,
-               samples=samples, prompts=prompts or None)
+               samples=samples, test=test or None)
+
+
+def read_test(cfg, task, tokenizer, model, accelerator):
+    """--test-file's rows, read as `xla-train predict` reads its input, for the final model."""
+    settings = PredictSettings(cfg.model, cfg.max_length, cfg.buckets, max_new_tokens=cfg.max_new_tokens)
+    test = task.prediction.read(cfg.test_file, tokenizer, model, accelerator, settings)
+    if test.truncated:
+        print(f"truncated to --max-length {cfg.max_length} tokens: {test.truncated} --test-file "
+              f"{task.prediction.unit}")
+    return test
 
 
 def tokenize_task(cfg, task, tokenizer):
-    """Every split (and the test rows) tokenised once; the workers get this copy."""
+    """Every split tokenised once; the workers get this copy."""
     data, truncated = task.tokenize(task.splits, tokenizer, cfg.max_length)
-    if task.test is not None:
-        data["test"], truncated["test"] = tokenize_rows(task.test, task, tokenizer, cfg.max_length)
     task.splits = None
     if any(truncated.values()):
         print(f"truncated to --max-length {cfg.max_length} tokens: "

@@ -2,23 +2,22 @@
 predictions, the run folder's record and the metrics JSON."""
 
 import json
+import time
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from .core.files import atomic_write
-from .core.inference import predict_loader, predict_rows
-from .generation import complete, write_completions
 from .models import add_adapters, save_merged
-from .predictions import write_output
 from .run_folder import write_finished
 from .tasks import scores
 
 
 def finish(engine, job, t, monitor):
     """After the loop: the final (or best) model, its predictions for --test-file, the metrics
-    JSON and the run folder's files."""
+    JSON and the run folder's files. `t` is the worker's train.Trainer (its model, run state,
+    shapes, loaders and memory plan)."""
     cfg, state = job.cfg, t.state
     timing = monitor.clock.summary(state.step, t.shapes.rows_per_step, state.first_step)  # before the graphs below
     results = state.restore_best(t.model)  # --save-best: the best evaluation's weights
@@ -52,21 +51,17 @@ def save_outputs(engine, job, t, results):
         save_merged(engine, t.model, load_base, job.tokenizer, folder)
     else:
         engine.save_pretrained(t.model, job.tokenizer, folder)
-    predictions = scored = texts = None
-    if task.test is not None:  # padded like the training batches (buckets, max_length or dynamic)
-        loader = predict_loader(engine, job.tokenizer, job.data["test"], cfg.batch_size, t.shapes.padding)
-        scored = predict_rows(engine, t.model, loader, task.predict_columns)
-        predictions = f"{state.store.url.rstrip('/')}/predictions{Path(cfg.test_file).suffix.lower()}"
-    elif job.prompts is not None:  # a causal LM's completions, as xla-train predict writes them
-        texts, _ = complete(engine, t.model, job.prompts, cfg.batch_size)
-        predictions = f"{state.store.url.rstrip('/')}/predictions.jsonl"
+    predictions = result = None
+    if job.test is not None:  # the final (or best) model's predictions, as xla-train predict writes them
+        start = time.perf_counter()
+        result = task.prediction.predict(engine, t.model, job.test, cfg.batch_size)
+        seconds = time.perf_counter() - start
+        predictions = f"{state.store.url.rstrip('/')}/{task.prediction.output_name(cfg.test_file)}"
 
     def write_files():
         task.write_record(folder)
-        if scored is not None:
-            write_output(folder / Path(predictions).name, task.test, task, scored)
-        if texts is not None:
-            write_completions(folder / Path(predictions).name, job.prompts.columns, texts)
+        if result is not None:
+            task.prediction.write(folder / Path(predictions).name, job.test, result, seconds)
         write_finished(folder, job.run_id, cfg, state.step, results, state.best, state.stopped_early)
         state.store.publish()
 

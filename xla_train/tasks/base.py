@@ -1,105 +1,190 @@
-"""The task protocol: what one kind of training job says about its model, its batches, its loss,
-its evaluation, its predictions and its output folder.
+"""The task protocol: what one kind of training job says about its options, its data, its model,
+its batches and loss, its evaluation, its predictions and its output folder.
 
-The loop, evaluation, predict, LoRA and the memory plan ask a `Task` and never branch on its kind.
-A new kind is one module with a `Task` subclass and one line in `tasks.KINDS`. Kinds today:
-`sequence.Classification`, `sequence.Regression` and `causal_lm.CausalLM`.
+The job, the loop, evaluation, predict, LoRA and the memory plan ask a `Task` and never branch on
+its kind or read its flags. A kind is one module with a `Task` subclass and one registration
+(`tasks.kinds.register`); it is made of parts:
+
+    options     check_options: the kind's own flags, checked with the rest of the options
+    rows        load (source to splits), tokenize, collator, padding
+    objective   forward, loss, eval_columns, load_metric, score, metric_keys
+    model       check_model, load_model, load_trained, claims, peft_task_type
+    prediction  `prediction`: read, predict, write (table.Scores, completion.Completions), which
+                `xla-train predict` and a training run's --test-file both use
+    samples     sample_rows, samples: --eval-samples' prompts (kinds that generate)
+
+Kinds today: `sequence.Classification`, `sequence.Regression` and `causal_lm.CausalLM`.
 """
+
+from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, ClassVar, Protocol
 
 from ..core.errors import UserError, first_line
 from ..core.files import atomic_write
 
 METRICS = Path(__file__).resolve().parent / "task_metric"  # the `evaluate` module, shipped in the package
 RECORD = "xla_train_task.json"  # what training saves beside the model, read back by `xla-train predict`
-MINIMISED = ("mse", "loss", "perplexity")  # metrics where lower is better
-GENERATION = ("max_new_tokens", "temperature", "top_p", "seed")  # predict's options for a model that generates
+MINIMISED = ("mse", "mae", "loss", "perplexity")  # metrics where lower is better
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a kind's rows come from and how they are cut: the data options, as a kind's `load`
+    takes them (the command line's names: --task, --data-dir, --train-file, ...)."""
+
+    task: str | None = None  # a GLUE task
+    data_dir: str | None = None
+    train_file: str | None = None
+    validation_file: str | None = None
+    text_columns: str | None = None
+    label_column: str = "label"
+    problem: str | None = None
+    seed: int = 0  # the held-out split's draw
+    max_length: int = 128
+    packing: bool | None = None  # None: the kind's default
+
+
+@dataclass(frozen=True)
+class PredictSettings:
+    """How rows are predicted: `xla-train predict`'s options, or a training run's for --test-file."""
+
+    model: str  # the model's name, for messages
+    max_length: int
+    buckets: object = "auto"  # "auto" or bucket lengths
+    max_new_tokens: int | None = None  # a generating kind's options (None: not given)
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    text_columns: str | None = None  # a scoring kind's options
+    glue_task: str | None = None
+
+
+class Prediction(Protocol):
+    """A kind's prediction part: rows of a file read in the launching process, predicted on every
+    replica (each its share, put back in input order), written by the main process."""
+
+    unit: str  # what `read` may truncate, in console lines
+
+    def check(self, settings: PredictSettings) -> None:
+        """Stops with one line if `settings` ask what this kind's model cannot do."""
+
+    def load(self, folder: str) -> Any:
+        """The model a folder holds, as it predicts."""
+
+    def read(self, path: str, tokenizer: Any, model: Any, accelerator: Any, settings: PredictSettings) -> Any:
+        """The rows of `path`, tokenised and bucketed (with `.padding` and `.truncated`)."""
+
+    def predict(self, engine: Any, model: Any, rows: Any, batch_size: int) -> Any:
+        """Every row's result, in input order, on every replica."""
+
+    def output_name(self, test_file: str) -> str:
+        """The file a training run's --test-file writes into its output folder."""
+
+    def write(self, path: str | Path, rows: Any, result: Any, seconds: float) -> tuple[str, dict[str, Any]]:
+        """Writes the rows' results; returns (what was written, for a console line; its metrics)."""
 
 
 @dataclass
 class Task:
     """What to train on and how it is scored. A task read back from a model folder
-    (`from_folder`) has no splits; one made from data (tasks.load_task) has them."""
+    (`from_folder`) has no splits; one made from data (`load`) has them."""
 
-    name: str  # a GLUE task, "custom", or None (a folder not trained by xla-train)
-    labels: list  # label names in id order; None where there are none
-    splits: object = None  # datasets.DatasetDict: train and the evaluation splits
-    text_columns: list = None  # the source's own names of the texts the model reads
-    metric_name: str = None  # the task_metric config
-    main: str = None  # the main metric's key
-    eval_splits: list = field(default_factory=lambda: ["validation"])
-    test: object = None  # predict.Table of --test-file's rows, if any
+    name: str | None  # a GLUE task, "custom", or None (a folder not trained by xla-train)
+    labels: list[str] | None  # label names in id order; None where there are none
+    splits: Any = None  # datasets.DatasetDict: train and the evaluation splits
+    text_columns: list[str] | None = None  # the source's own names of the texts the model reads
+    metric_name: str | None = None  # the task_metric config
+    main: str | None = None  # the main metric's key
+    eval_splits: list[str] = field(default_factory=lambda: ["validation"])
     max_length: int = 128  # the rows' length in training (a folder's record says it to predict)
 
-    kind = None  # the --problem name of the subclass (its registration in tasks.KINDS)
-    peft_task_type = None  # peft's task type for --lora
+    kind: ClassVar[str | None] = None  # the --problem name of the subclass (its registration in tasks.kinds)
+    peft_task_type: ClassVar[str | None] = None  # peft's task type for --lora
     per_token_logits = False  # logits per token (vocabulary-wide), which the memory plan counts
     unit = "rows"  # what --max-length truncates, in console lines
-    packing = False  # rows of several documents, each exactly --max-length tokens long (causal-lm's)
 
     @property
-    def problem(self):
+    def problem(self) -> str | None:
         return self.kind
 
     @property
-    def num_labels(self):
+    def num_labels(self) -> int:
         return len(self.labels) if self.labels else 1
 
-    # --- the model ------------------------------------------------------------------------
-    def check_model(self, config, name):
-        """Stops with one line if the model `name` (its transformers `config`) cannot do this task."""
-
-    def load_model(self, name, seed, pad_token_id=None):
-        """The pretrained model with what this task trains on top (a new head), from `seed`."""
-        raise NotImplementedError
-
-    def load_trained(self, folder):
-        """A model this task fine-tuned, from its output folder (whole, or an adapter's)."""
-        raise NotImplementedError
-
+    # --- options ----------------------------------------------------------------------------
     @classmethod
-    def claims(cls, config):
-        """Whether a saved model's config is one this kind fine-tuned (predict reads it back)."""
-        return False
+    def check_options(cls, opts: Any) -> None:
+        """Stops with one line if training's options (`opts`, options.TrainOptions) ask this kind
+        for what it does not do. These kinds pack, generate and sample nothing."""
+        if opts.packing is not None:
+            raise UserError(f"--{'' if opts.packing else 'no-'}packing applies to --problem causal-lm")
+        if opts.max_new_tokens:
+            raise UserError("--max-new-tokens applies to a causal LM's --test-file (--problem causal-lm)")
+        if opts.eval_samples:
+            raise UserError("--eval-samples generates text from evaluation prompts: it needs --problem causal-lm")
 
-    # --- batches and the loss -------------------------------------------------------------
-    def tokenize(self, splits, tokenizer, max_length):
+    # --- rows ---------------------------------------------------------------------------------
+    @classmethod
+    def load(cls, source: Source) -> Task:
+        """The task of `source` (a `Source`): its splits read and checked."""
+        raise NotImplementedError
+
+    def tokenize(self, splits: Any, tokenizer: Any, max_length: int) -> tuple[Any, dict[str, int]]:
         """The splits (a DatasetDict) as token ids; returns (data, rows truncated per split)."""
         raise NotImplementedError
 
-    def set_packing(self, packing):
-        """--packing / --no-packing (None: not given): this kind packs no rows."""
-        if packing is not None:
-            raise UserError(f"--{'' if packing else 'no-'}packing applies to --problem causal-lm")
-
-    def collator(self, tokenizer):
+    def collator(self, tokenizer: Any) -> Callable[[list], dict]:
         """What pads a planned batch of this task's rows (core.batching.make_loader)."""
         from ..core.batching import PadCollator
 
         return PadCollator(tokenizer)
 
-    def forward(self, model, inputs):
+    def padding(self, settle: Callable[[], Any], max_length: int, data: Any) -> Any:
+        """The batches' padding (shapes.Padding) of the tokenised `data`: `settle()` chooses it
+        from the padding options (lengths in buckets)."""
+        return settle()
+
+    # --- the model ------------------------------------------------------------------------
+    def check_model(self, config: Any, name: str) -> None:
+        """Stops with one line if the model `name` (its transformers `config`) cannot do this task."""
+
+    def load_model(self, name: str, seed: int, pad_token_id: int | None = None) -> Any:
+        """The pretrained model with what this task trains on top (a new head), from `seed`."""
+        raise NotImplementedError
+
+    def load_trained(self, folder: str) -> Any:
+        """A model this task fine-tuned, from its output folder (whole, or an adapter's)."""
+        raise NotImplementedError
+
+    @classmethod
+    def claims(cls, config: Any) -> bool:
+        """Whether a saved model's config is one this kind fine-tuned (predict reads it back)."""
+        return False
+
+    # --- the objective ----------------------------------------------------------------------
+    def forward(self, model: Any, inputs: dict[str, Any]) -> Any:
         """The model on a batch's inputs (labels taken out)."""
         return model(**inputs)
 
-    def loss(self, output, labels):
+    def loss(self, output: Any, labels: Any) -> Any:
         """The training loss of a batch from the model's output."""
         raise NotImplementedError
 
-    # --- evaluation -----------------------------------------------------------------------
-    def eval_columns(self, batch, output):
+    def eval_columns(self, batch: dict[str, Any], output: Any) -> tuple:
         """What evaluation gathers of a batch: 1-D device tensors of one dtype, a value per row."""
         raise NotImplementedError
 
-    def load_metric(self):
+    def load_metric(self) -> Any:
         """The `evaluate` metric that scores this task (the module inside the package: no hub)."""
         return load_metric(self.metric_name)
 
-    def score(self, metric, columns):
+    def score(self, metric: Any, columns: tuple) -> dict[str, float]:
         """The metrics over every gathered row (`columns`: eval_columns' host tensors)."""
         predictions, references = columns
         metric.add_batch(predictions=predictions, references=references)
@@ -107,59 +192,47 @@ class Task:
         return {**metric.compute(), "n": n}
 
     @property
-    def metric_keys(self):
+    def metric_keys(self) -> list[str]:
         """Every key an evaluation reports (besides the row counts), the main one first."""
         from .task_metric.task_metric import keys
 
         return [k + self.eval_suffix(split) for split in self.eval_splits for k in keys(self.metric_name)]
 
-    def eval_suffix(self, split):
+    def eval_suffix(self, split: str) -> str:
         """The metrics' key suffix of an evaluation split ("" for the first, "_mm" for MNLI's second)."""
         return "" if split == self.eval_splits[0] else "_mm"
 
-    def sample_rows(self, n):
-        """--eval-samples: up to `n` evaluation rows to generate from, as (the row's prompt, its
-        form for generation.prompt_ids, the reference answer, the row as training reads it)."""
-        raise UserError("--eval-samples generates text from evaluation prompts: it needs --problem causal-lm")
+    # --- --eval-samples ---------------------------------------------------------------------
+    def sample_rows(self, n: int) -> list:
+        """--eval-samples: up to `n` evaluation rows to generate from (read before tokenising)."""
+        raise NotImplementedError  # check_options refused --eval-samples
+
+    def samples(self, rows: list, tokenizer: Any, model: Any, static: bool, batch_size: int) -> Any:
+        """What every evaluation generates from `sample_rows`' rows (completion.Samples)."""
+        raise NotImplementedError
 
     # --- predictions ----------------------------------------------------------------------
-    generates = False  # predict writes completions (text), not a prediction and a score per row
-
-    def check_predict(self, cfg):
-        """Stops with one line if `xla-train predict`'s options (`cfg`) do not fit this task's model."""
-        given = [name for name in GENERATION if getattr(cfg, name) is not None]
-        if given:
-            flag = "--" + given[0].replace("_", "-")
-            raise UserError(f"{flag} applies to a causal LM's folder (predict generates text there); --model "
-                            f"{cfg.model} is a {self.kind or 'classification'} model")
-
-    def predict_columns(self, output):
-        """A batch's predictions as 1-D float device tensors (rows' scores)."""
-        raise NotImplementedError
-
-    def predictions(self, scores):
-        """(each row's prediction, its score) from predict_columns' rows in input order."""
-        raise NotImplementedError
-
-    def glue_predictions(self, scores, file_labels):
-        """Each row's prediction as GLUE's submission file writes it."""
+    @property
+    def prediction(self) -> Prediction:
+        """The part that predicts rows of a file with a model of this kind (table.Scores: a
+        prediction and a score per row; completion.Completions: a completion per prompt)."""
         raise NotImplementedError
 
     # --- what the output folder records ---------------------------------------------------
-    def record(self):
+    def record(self) -> dict[str, Any]:
         """What the output folder's record says of the task (read back by `from_config`)."""
         return {"task": self.name, "problem": self.problem, "labels": self.labels, "text_columns": self.text_columns,
                 "max_length": self.max_length}
 
-    def write_record(self, folder):
+    def write_record(self, folder: str | Path) -> None:
         atomic_write(Path(folder) / RECORD, json.dumps(self.record(), indent=1) + "\n")
 
     @classmethod
-    def from_config(cls, config, saved):
+    def from_config(cls, config: Any, saved: dict[str, Any]) -> Task:
         """The task of a saved model: its config and its record (`saved`, {} if there is none)."""
         raise NotImplementedError
 
-    def describe(self):
+    def describe(self) -> str:
         raise NotImplementedError
 
 

@@ -21,13 +21,27 @@ from dataclasses import dataclass
 
 from ..core.errors import UserError
 from .base import Task, row_name
+from .completion import Completions, eval_samples
+from .documents import (
+    FORMS,
+    IGNORE,
+    SOURCE_ROW,
+    _turns,
+    chat,
+    documents,
+    encode,
+    form_of,
+    prompt_ids,
+    window_shorter_than,
+)
+from .kinds import register
 from .sequence import is_classifier_config
 
-FORMS = {"messages": ("messages",), "prompt/completion": ("prompt", "completion"), "text": ("text",)}
-IGNORE = -100  # labels the loss skips (torch's cross_entropy ignore_index, transformers' convention)
+__all__ = ["FORMS", "IGNORE", "CausalLM", "PackCollator", "chat", "documents", "encode", "form_of", "join",
+           "load_causal", "pack", "prompt_ids", "window_shorter_than"]
+
 COLUMNS = ("input_ids", "labels", "position_ids", "segments")  # a row's token columns (the collator pads them)
 HELD_OUT = 0.05  # without --validation-file: the share of the training rows held out (transformers' run_clm)
-SOURCE_ROW = "_source_row"  # a held-out split's rows: their position in the file, for messages
 
 
 def _causal_lm():
@@ -48,16 +62,11 @@ def is_decoder_config(config):
         return False
     if any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in config.architectures or ()):
         return True
-    return config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and config.model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES
+    return (config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+            and config.model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES)
 
 
-def window_shorter_than(config, length):
-    """The model's sliding attention window where it is shorter than `length` tokens, else None: a
-    4-D mask is used as given in every layer, so such a window would be lost."""
-    window = getattr(config, "sliding_window", None)
-    return window if window and window < length and getattr(config, "use_sliding_window", True) else None
-
-
+@register
 @dataclass
 class CausalLM(Task):
     """Next-token prediction on documents; token-weighted loss and perplexity."""
@@ -67,11 +76,46 @@ class CausalLM(Task):
     per_token_logits = True  # the memory plan counts vocabulary x tokens of logits
     unit = "documents"
     packing: bool = True
-    form: str = None  # which of FORMS the rows have
-    files: dict = None  # split: where its rows came from (for messages)
+    form: str | None = None  # which of FORMS the rows have
+    files: dict[str, str] | None = None  # split: where its rows came from (for messages)
 
     def __post_init__(self):
         self.metric_name, self.main = None, "loss"
+
+    # --- options ----------------------------------------------------------------------------
+    @classmethod
+    def check_options(cls, opts):
+        """Rows are told by their columns, packed unless --no-packing (then in length buckets);
+        --max-new-tokens is --test-file's."""
+        if opts.packing is not False and (opts.buckets != "auto" or opts.padding != "buckets"):
+            raise UserError("--packing makes every row --max-length tokens long: --buckets and --padding apply to "
+                            "--no-packing")
+        if opts.max_new_tokens and not opts.test_file:
+            raise UserError("--max-new-tokens applies to a causal LM's --test-file (--problem causal-lm)")
+
+    # --- rows ---------------------------------------------------------------------------------
+    @classmethod
+    def load(cls, source):
+        if source.task or source.data_dir:
+            raise UserError("--problem causal-lm trains on own rows (--train-file), not on a GLUE task: leave out "
+                            "--task and --data-dir")
+        if source.text_columns:
+            raise UserError("--text-columns applies to classification and regression; causal-lm rows are told by "
+                            "their columns (messages, prompt/completion or text)")
+        if not source.train_file:
+            raise UserError("--problem causal-lm needs --train-file (and optionally --validation-file)")
+        task = load_causal(source.train_file, source.validation_file, source.seed)
+        task.max_length = source.max_length
+        task.packing = source.packing is not False
+        return task
+
+    def padding(self, settle, max_length, data):
+        """Packed rows are exactly `max_length` tokens long: one shape."""
+        from ..core.shapes import padding_for
+
+        if not self.packing:
+            return settle()
+        return padding_for("max_length", None, max_length, [split["length"] for split in data.values()])
 
     # --- the model ------------------------------------------------------------------------
     def check_model(self, config, name):
@@ -106,13 +150,9 @@ class CausalLM(Task):
     def claims(cls, config):
         return not is_classifier_config(config) and is_decoder_config(config)
 
-    generates = True  # predict writes each prompt's completion (generation.py)
-
-    def check_predict(self, cfg):
-        given = [flag for flag, value in (("--task", cfg.task), ("--text-columns", cfg.text_columns)) if value]
-        if given:
-            raise UserError(f"{given[0]} applies to classifiers; a causal LM's rows are told by their columns "
-                            "(prompt or messages)")
+    @property
+    def prediction(self):
+        return Completions(self)
 
     @classmethod
     def from_config(cls, config, saved):
@@ -138,19 +178,17 @@ class CausalLM(Task):
                 print(f"{self.files[split]}: {empty} document(s) have no trained token within --max-length "
                       f"{max_length}; left out")
             if not docs:
-                raise UserError(f"{self.files[split]}: no document has a trained token within --max-length {max_length}")
+                raise UserError(f"{self.files[split]}: no document has a trained token within --max-length "
+                                f"{max_length}")
             rows = pack([len(ids) for ids, _ in docs], max_length) if self.packing else [[i] for i in range(len(docs))]
             data[split] = datasets.Dataset.from_dict(join(docs, rows))
             self.documents[split] = len(docs)
         if self.packing:
-            print("packed " + ", ".join(f"{self.documents[s]} {s} documents into {len(d)} rows" for s, d in data.items())
+            counts = ", ".join(f"{self.documents[s]} {s} documents into {len(d)} rows" for s, d in data.items())
+            print(f"packed {counts}"
                   + f" of {max_length} tokens (" + ", ".join(
                       f"{s} {sum(d['length']) / (len(d) * max_length):.1%} full" for s, d in data.items()) + ")")
         return datasets.DatasetDict(data), truncated
-
-    def set_packing(self, packing):
-        if packing is not None:
-            self.packing = packing
 
     def collator(self, tokenizer):
         return PackCollator(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
@@ -223,6 +261,9 @@ class CausalLM(Task):
                             {"messages": turns[:last + 1]}))
         return samples
 
+    def samples(self, rows, tokenizer, model, static, batch_size):
+        return eval_samples(rows, self.form, tokenizer, model, self.max_length, static, batch_size)
+
     def describe(self):
         sizes = ", ".join(f"{len(ds)} {split}" for split, ds in self.splits.items())
         return f"task {self.name}: causal-lm on {self.form} rows; {sizes} documents"
@@ -233,109 +274,6 @@ def _attention(model):
     while not hasattr(model, "config") and hasattr(model, "module"):
         model = model.module
     return getattr(getattr(model, "config", None), "_attn_implementation", None)
-
-
-# ---------------------------------------------------------------------------------------------
-# Rows to documents
-
-
-def form_of(ds, path):
-    """Which of FORMS a split's columns make; one line naming the forms if none."""
-    for form, columns in FORMS.items():
-        if all(c in ds.column_names for c in columns):
-            return form
-    raise UserError(f"{path}: rows need a 'messages' column (chat turns), 'prompt' and 'completion' columns, or a "
-                    f"'text' column (columns: {', '.join(ds.column_names)})")
-
-
-def documents(ds, form, tokenizer, max_length, path):
-    """Each row as (input_ids, labels): labels shifted (a token's label is the next token, where
-    that one is trained; IGNORE elsewhere), truncated to `max_length` tokens. Returns (documents,
-    truncated count, count left out for having no trained token within the length)."""
-    from tqdm.auto import tqdm
-
-    if form == "messages" and not tokenizer.chat_template:
-        raise UserError(f"{path}: messages need a chat template, and the model's tokenizer has none; use "
-                        "prompt/completion or text rows, or a model whose tokenizer has a chat_template")
-    rows = ds.to_list() if len(ds) < 2_000 else ds  # a large split is read row by row
-    docs, truncated, empty = [], 0, 0
-    for i, row in enumerate(tqdm(rows, desc="Tokenising", disable=len(ds) < 50_000, leave=False)):
-        where = f"{path}: {row_name(path, row.get(SOURCE_ROW, i))}"
-        ids, trained = encode(row, form, tokenizer, where)
-        if len(ids) > max_length:
-            ids, trained, truncated = ids[:max_length], trained[:max_length], truncated + 1
-        labels = [t if keep else IGNORE for t, keep in zip(ids[1:], trained[1:])] + [IGNORE]
-        if all(label == IGNORE for label in labels):
-            empty += 1
-            continue
-        docs.append((ids, labels))
-    return docs, truncated, empty
-
-
-def encode(row, form, tokenizer, where):
-    """A row's token ids and, per token, whether the loss covers it."""
-    eos = tokenizer.eos_token_id
-    if form == "text":
-        ids = tokenizer(_string(row["text"], "text", where))["input_ids"]
-        ids = ids if ids and ids[-1] == eos else ids + [eos]
-        return ids, [True] * len(ids)
-    if form == "prompt/completion":
-        prompt = tokenizer(_string(row["prompt"], "prompt", where))["input_ids"]
-        completion = _string(row["completion"], "completion", where)
-        if not completion.strip():
-            raise UserError(f"{where}: empty completion")
-        answer = tokenizer(completion, add_special_tokens=False)["input_ids"] + [eos]
-        return prompt + answer, [False] * len(prompt) + [True] * len(answer)
-    return chat(row["messages"], tokenizer, where)
-
-
-def prompt_ids(row, form, tokenizer, where):
-    """A prompt's token ids for generation (`form`: "prompt" or "messages"), tokenised as training
-    tokenised its prompts: a prompt with the tokenizer's special tokens (encode), a conversation
-    rendered by the chat template with the generation prompt after its last turn (chat)."""
-    if form == "prompt":
-        return tokenizer(_string(row["prompt"], "prompt", where))["input_ids"]
-    text = tokenizer.apply_chat_template(_turns(row["messages"], where), tokenize=False, add_generation_prompt=True)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
-def _turns(messages, where):
-    if not (isinstance(messages, list) and messages and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in messages)):
-        raise UserError(f"{where}: 'messages' must be a list of turns, each {{\"role\": ..., \"content\": ...}} "
-                        f"with text content; found {str(messages)[:80]!r}")
-    return messages
-
-
-def chat(messages, tokenizer, where):
-    """A conversation rendered with the chat template; the assistant turns are the characters
-    each one adds to the rendering of the turns before it with the generation prompt (so their
-    end-of-turn markup is trained, and the prompt's markup is not)."""
-    messages = _turns(messages, where)
-    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    if not turns:
-        raise UserError(f"{where}: no assistant turn (roles: {', '.join(m['role'] for m in messages)})")
-
-    def render(upto, prompt=False):
-        return tokenizer.apply_chat_template(messages[:upto], tokenize=False, add_generation_prompt=prompt) if upto else ""
-
-    text, spans = render(len(messages)), []
-    for i in turns:
-        start, end = render(i, prompt=True), render(i + 1)
-        if not (text.startswith(start) and text.startswith(end) and len(end) > len(start)):
-            raise UserError(f"{where}: the chat template does not render earlier turns as the start of later ones, "
-                            "so the assistant turns cannot be found in it")
-        spans.append((len(start), len(end)))
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    trained = [any(s <= a < e for s, e in spans) for a, _ in enc["offset_mapping"]]
-    return enc["input_ids"], trained
-
-
-def _string(value, column, where):
-    if not isinstance(value, str):
-        raise UserError(f"{where}: '{column}' must be text, found {type(value).__name__} {str(value)[:40]!r}")
-    return value
 
 
 # ---------------------------------------------------------------------------------------------

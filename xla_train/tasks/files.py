@@ -103,17 +103,18 @@ def split_of(loaded, split, spec):
     return ds
 
 
-def load_files(train_file, validation_file, kinds, text_columns=None, label_column="label", problem=None):
-    """Own training and validation files: text columns, labels and problem type (of `kinds`,
-    tasks.KINDS) settled here."""
+def load_files(train_file, validation_file, kinds, text_columns=None, label_column="label", problem=None,
+               max_length=128):
+    """Own training and validation files: text columns, labels and problem type (of `kinds`, the
+    sequence kinds by name, each with `encode_labels` and `own_main`) settled here."""
     import datasets
 
     files = {"train": Path(train_file), "validation": Path(validation_file)}
     raw = {split: read_table(path) for split, path in files.items()}
     for split, ds in raw.items():
         if label_column not in ds.column_names:
-            raise UserError(f"{files[split]}: no label column {label_column!r} (columns: {', '.join(ds.column_names)}); "
-                            "name it with --label-column")
+            raise UserError(f"{files[split]}: no label column {label_column!r} (columns: "
+                            f"{', '.join(ds.column_names)}); name it with --label-column")
     texts = text_columns_of(raw["train"], label_column, text_columns, files["train"])
     for split, ds in raw.items():
         missing = [c for c in texts if c not in ds.column_names]
@@ -132,7 +133,8 @@ def load_files(train_file, validation_file, kinds, text_columns=None, label_colu
     for split, ds in raw.items():
         cols = {f"text{i + 1}": [_text(v) for v in ds[c]] for i, c in enumerate(texts)}
         splits[split] = datasets.Dataset.from_dict({**cols, "label": targets[split]})
-    return kind("custom", labels, datasets.DatasetDict(splits), list(texts), kind.kind, kind.own_main)
+    return kind("custom", labels, datasets.DatasetDict(splits), list(texts), kind.kind, kind.own_main,
+                max_length=max_length)
 
 
 def text_columns_of(ds, label_column, given, path, what=None):

@@ -13,7 +13,6 @@ from pathlib import Path
 from ..core.errors import UserError, describe
 from .base import number
 from .files import check_text
-from .sequence import Classification, Regression
 
 BUNDLED_MRPC = Path(__file__).resolve().parents[1] / "data" / "mrpc"
 
@@ -54,12 +53,13 @@ GLUE = {
 TASKS = tuple(GLUE)
 
 
-def glue_task(name, splits, text_columns):
-    """The task of GLUE's `name` over `splits` (columns text1 [text2] and label)."""
+def submission(name, scores):
+    """Each row's prediction as GLUE's submission file for task `name` writes it (`scores`: the
+    rows' predict columns): the label as GLUE's files spell it, or STS-B's score to 3 places."""
     spec = GLUE[name]
-    kind = Classification if spec.labels else Regression
-    eval_splits = [s for s in splits if s != "train"]
-    return kind(name, list(spec.labels) or None, splits, list(text_columns), name, spec.main, eval_splits)
+    if spec.labels:
+        return [spec.file_labels[i] for i in scores.max(1).indices.tolist()]
+    return [f"{v:.3f}" for v in scores[:, 0].tolist()]
 
 
 def glue_rows(path):
@@ -132,9 +132,9 @@ def read_glue_tsv(path, task="mrpc"):
     return out
 
 
-def load_glue_folder(task, folder):
-    """A GLUE task's folder in GLUE's own layout: train.tsv and dev.tsv (MNLI: dev_matched.tsv and
-    dev_mismatched.tsv, both scored)."""
+def glue_folder_splits(task, folder):
+    """The splits of a GLUE task's folder in GLUE's own layout: train.tsv and dev.tsv (MNLI:
+    dev_matched.tsv and dev_mismatched.tsv, both scored)."""
     import datasets
 
     if not folder.is_dir():
@@ -143,9 +143,8 @@ def load_glue_folder(task, folder):
     files = {"train": "train.tsv", "validation": spec.dev_files[0]}
     if len(spec.dev_files) > 1:
         files["validation_mismatched"] = spec.dev_files[1]
-    splits = datasets.DatasetDict(
+    return datasets.DatasetDict(
         {split: datasets.Dataset.from_dict(read_glue_tsv(folder / name, task)) for split, name in files.items()})
-    return glue_task(task, splits, spec.texts)
 
 
 def load_mrpc(data_dir=None):
@@ -157,14 +156,14 @@ def load_mrpc(data_dir=None):
     if data_dir == "hub":
         ds = _hub("mrpc")
         return datasets.DatasetDict(train=ds["train"], validation=ds["validation"])
-    splits = load_glue_folder("mrpc", Path(data_dir) if data_dir else BUNDLED_MRPC).splits
+    splits = glue_folder_splits("mrpc", Path(data_dir) if data_dir else BUNDLED_MRPC)
     return datasets.DatasetDict({
-        name: split.rename_columns({"text1": "sentence1", "text2": "sentence2"}).add_column("idx", list(range(len(split))))
-        for name, split in splits.items()})
+        name: split.rename_columns({"text1": "sentence1", "text2": "sentence2"}).add_column(
+            "idx", list(range(len(split)))) for name, split in splits.items()})
 
 
-def load_glue_hub(task):
-    """`load_dataset("glue", task)`, where the Hugging Face hub is reachable."""
+def glue_hub_splits(task):
+    """The splits of `load_dataset("glue", task)`, where the Hugging Face hub is reachable."""
     import datasets
 
     ds = _hub(task)
@@ -175,7 +174,7 @@ def load_glue_hub(task):
         split = ds[name].rename_columns({c: f"text{i + 1}" for i, c in enumerate(spec.texts)})
         keep = [c for c in split.column_names if c.startswith("text") or c == "label"]
         splits["validation" if name == "validation_matched" else name] = split.select_columns(keep)
-    return glue_task(task, datasets.DatasetDict(splits), spec.texts)
+    return datasets.DatasetDict(splits)
 
 
 def _hub(task):

@@ -6,9 +6,15 @@ task registry and must start at once.
 """
 
 from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
 
 from ..core.errors import UserError
 from .base import Task
+from .files import load_files
+from .glue import BUNDLED_MRPC, GLUE, glue_folder_splits, glue_hub_splits
+from .kinds import register
+from .table import Scores
 
 
 def _classifier():
@@ -32,6 +38,40 @@ class SequenceTask(Task):
     [`text2`], the head's config, and how a saved classifier folder is read back."""
 
     peft_task_type = "SEQ_CLS"  # peft keeps the head ("classifier", "score") trainable in full
+    own_main: ClassVar[str | None] = None  # own data's main metric (its metric config is the kind's name)
+
+    @classmethod
+    def load(cls, source):
+        """GLUE's task (the bundled MRPC by default, a GLUE folder, or the hub's) or own files,
+        whose labels say classification or regression unless --problem does."""
+        if source.train_file or source.validation_file:
+            if not (source.train_file and source.validation_file):
+                raise UserError("own data needs both --train-file and --validation-file")
+            if source.task or source.data_dir:
+                raise UserError("give either --task/--data-dir or --train-file/--validation-file, not both")
+            kinds = {k.kind: k for k in (Classification, Regression, cls) if k.kind}  # cls: a kind built on these
+            return load_files(source.train_file, source.validation_file, kinds, source.text_columns,
+                              source.label_column, source.problem, source.max_length)
+        task = source.task or "mrpc"
+        if source.text_columns or source.problem:
+            raise UserError("--text-columns and --problem apply to own files; a GLUE task has its own")
+        if source.data_dir == "hub":
+            return glue_task(task, glue_hub_splits(task), source.max_length)
+        if source.data_dir is None and task != "mrpc":
+            raise UserError(f"the bundled data is MRPC only: give --data-dir, a folder of {task}'s GLUE files "
+                            "(or 'hub' to download them)")
+        return glue_task(task, glue_folder_splits(task, Path(source.data_dir) if source.data_dir else BUNDLED_MRPC),
+                         source.max_length)
+
+    @staticmethod
+    def encode_labels(values, files):
+        """Own files' label values per split (`values`), as the kind's targets: returns (label
+        names or None, {split: targets})."""
+        raise NotImplementedError
+
+    @property
+    def prediction(self):
+        return Scores(self)
 
     def head_options(self):
         """The config of the new head (its label names too, so pipelines print them)."""
@@ -88,6 +128,7 @@ class SequenceTask(Task):
         return f"task {self.name}: {texts} -> {self.describe_target()}; {sizes} rows"
 
 
+@register
 @dataclass
 class Classification(SequenceTask):
     """One label of a few: cross-entropy; evaluation gathers the argmax; predict writes the label's
@@ -128,9 +169,6 @@ class Classification(SequenceTask):
         best = scores.max(1)
         return [self.labels[i] for i in best.indices.tolist()], best.values.tolist()
 
-    def glue_predictions(self, scores, file_labels):
-        return [file_labels[i] for i in scores.max(1).indices.tolist()]
-
     def describe_target(self):
         return f"{self.num_labels} labels ({', '.join(self.labels)})"
 
@@ -148,6 +186,7 @@ class Classification(SequenceTask):
         return [str(v) for v in labels], {split: [index[v] for v in column] for split, column in values.items()}
 
 
+@register
 @dataclass
 class Regression(SequenceTask):
     """One number: mean squared error; evaluation gathers the value; predict writes it."""
@@ -181,9 +220,6 @@ class Regression(SequenceTask):
         values = scores[:, 0].tolist()
         return [round(v, 6) for v in values], values
 
-    def glue_predictions(self, scores, file_labels):
-        return [f"{v:.3f}" for v in scores[:, 0].tolist()]
-
     def describe_target(self):
         return "a regression"
 
@@ -194,6 +230,24 @@ class Regression(SequenceTask):
 
         return None, {split: [number(v, files[split], row_name(files[split], i)) for i, v in enumerate(column)]
                       for split, column in values.items()}
+
+
+def glue_task(name, splits, max_length=128):
+    """The task of GLUE's `name` over `splits` (columns text1 [text2] and label)."""
+    spec = GLUE[name]
+    kind = Classification if spec.labels else Regression
+    eval_splits = [s for s in splits if s != "train"]
+    return kind(name, list(spec.labels) or None, splits, list(spec.texts), name, spec.main, eval_splits, max_length)
+
+
+def load_glue_folder(task, folder):
+    """A GLUE task from its folder in GLUE's own layout (glue.glue_folder_splits)."""
+    return glue_task(task, glue_folder_splits(task, Path(folder)))
+
+
+def load_glue_hub(task):
+    """A GLUE task from `load_dataset("glue", task)`, where the Hugging Face hub is reachable."""
+    return glue_task(task, glue_hub_splits(task))
 
 
 def tokenize(ds, tokenizer, max_length):

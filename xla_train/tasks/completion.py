@@ -1,4 +1,4 @@
-"""`xla-train predict` on a causal LM's folder: a completion for every prompt of a file.
+"""The prediction part of a kind that generates (causal-lm): a completion for every prompt of a file.
 
     xla-train predict --model runs/chat --input questions.jsonl --output answers.jsonl
 
@@ -10,18 +10,27 @@ generation prompt; in a .csv, the turns as JSON). The output holds the input's c
 How the tokens are generated (static shapes on XLA): core/generate.py.
 """
 
+from __future__ import annotations
+
 import copy
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from .core.errors import UserError
-from .core.generate import Sampling, generate_rows
-from .core.inference import predict_loader
-from .core.shapes import forward_padding, padding_for
-from .predictions import write_rows
-from .tasks import read_table
-from .tasks.base import row_name
-from .tasks.causal_lm import encode, prompt_ids, window_shorter_than
+from ..core.errors import UserError
+from ..core.shapes import forward_padding, padding_for
+from .base import row_name
+from .documents import encode, prompt_ids, window_shorter_than
+from .files import read_table
+from .table import write_rows
+
+if TYPE_CHECKING:
+    from ..core.engine import Engine
+    from ..core.generate import Sampling
+    from ..core.shapes import Padding
+    from .base import PredictSettings, Task
 
 MAX_NEW_TOKENS = 64  # --max-new-tokens' default (xla-train predict; a causal-LM run's --test-file)
 FORMS = ("prompt", "messages")  # the columns a row's prompt may come in, in the order looked for
@@ -67,11 +76,11 @@ class Prompts:
     """Prompts to complete, read and checked in the launching process: `xla-train predict`'s input
     and a causal-LM run's --test-file alike (`prompts_to_complete`, then `complete`)."""
 
-    columns: dict  # the input's columns, as read, written back beside each completion
-    data: object  # the prompts tokenised (prompt_data)
-    padding: object  # shapes.Padding: the prompts' buckets
+    columns: dict[str, list]  # the input's columns, as read, written back beside each completion
+    data: Any  # the prompts tokenised (prompt_data)
+    padding: Padding  # the prompts' buckets
     sampling: Sampling
-    tokenizer: object  # a left-padded copy (left_padded): pads the prompts, decodes the completions
+    tokenizer: Any  # a left-padded copy (left_padded): pads the prompts, decodes the completions
     truncated: int  # prompts cut to their last max_length tokens
 
 
@@ -85,6 +94,8 @@ def prompts_to_complete(path, tokenizer, model, max_length, buckets, accelerator
                   accelerator.static_shapes)
     eos = end_ids(tokenizer, model)
     tokenizer = left_padded(tokenizer, eos)
+    from ..core.generate import Sampling
+
     sampling = Sampling(max_new_tokens, eos, tokenizer.pad_token_id, temperature, top_p)
     return Prompts(columns, data, padding, sampling, tokenizer, truncated)
 
@@ -92,9 +103,57 @@ def prompts_to_complete(path, tokenizer, model, max_length, buckets, accelerator
 def complete(engine, model, prompts, batch_size):
     """Every prompt's completion from a prepared `model`, in input order, on every replica (each
     generates its share): (texts, tokens generated per row)."""
+    from ..core.generate import generate_rows
+    from ..core.inference import predict_loader
+
     loader = predict_loader(engine, prompts.tokenizer, prompts.data, batch_size, prompts.padding)
     tokens = generate_rows(engine, model, loader, prompts.sampling)
     return completions(tokens, prompts.tokenizer, prompts.sampling.eos_ids)
+
+
+class Completions:
+    """A kind's prediction that generates: each prompt's completion (greedy unless --temperature),
+    up to its first end-of-sequence token. `xla-train predict` and a training run's --test-file
+    both go through `read`, `predict` and `write`."""
+
+    unit = "prompts (each keeps its last tokens)"
+
+    def __init__(self, task: Task):
+        self.task = task
+
+    def check(self, settings: PredictSettings) -> None:
+        given = [flag for flag, value in (("--task", settings.glue_task), ("--text-columns", settings.text_columns))
+                 if value]
+        if given:
+            raise UserError(f"{given[0]} applies to classifiers; a causal LM's rows are told by their columns "
+                            "(prompt or messages)")
+
+    def load(self, folder: str) -> Any:
+        """The model to generate with: a whole model, or an adapter (--lora) merged into its base."""
+        return generation_model(self.task.load_trained(folder))
+
+    def read(self, path: str, tokenizer: Any, model: Any, accelerator: Any, settings: PredictSettings) -> Prompts:
+        return prompts_to_complete(path, tokenizer, model, settings.max_length, settings.buckets, accelerator,
+                                   settings.max_new_tokens or MAX_NEW_TOKENS, settings.temperature or 0.0,
+                                   settings.top_p or 1.0)
+
+    def predict(self, engine: Engine, model: Any, rows: Prompts, batch_size: int) -> tuple[list[str], list[int]]:
+        """Every prompt's (text, tokens generated), in input order, each replica its share."""
+        return complete(engine, model, rows, batch_size)
+
+    def output_name(self, test_file: str) -> str:
+        return "predictions.jsonl"
+
+    def write(self, path: str | Path, rows: Prompts, result: tuple[list[str], list[int]],
+              seconds: float) -> tuple[str, dict[str, Any]]:
+        """Writes the completions; returns (what was written, for a console line; its metrics)."""
+        texts, counts = result
+        assert len(texts) == len(rows.data), (len(texts), len(rows.data))  # each row exactly once
+        write_completions(path, rows.columns, texts)
+        rate = sum(counts) / max(seconds, 1e-9)
+        return (f"generated {len(texts)} completions ({sum(counts)} tokens, {rate:.1f} tokens/s)",
+                {"rows": len(texts), "max_new_tokens": rows.sampling.max_new_tokens, "tokens_generated": sum(counts),
+                 "seconds": round(seconds, 3), "tokens_per_s": round(rate, 2)})
 
 
 def _json(text, where):
@@ -145,7 +204,7 @@ def check_lengths(model, tokenizer, longest, cache_length, max_new_tokens, stati
     """The positions a row reaches (its prompt's `longest` tokens plus the new ones) fit the model;
     with `static` shapes, the cache's `cache_length` slots fit its sliding attention window (one
     mask serves every layer)."""
-    from .models import position_limit
+    from ..models import position_limit
 
     limit = position_limit(model.config, tokenizer)
     if longest + max_new_tokens > limit:
@@ -175,11 +234,29 @@ def left_padded(tokenizer, eos_ids):
 class Samples:
     """Evaluation prompts, made once in the launching process; every worker generates from them."""
 
-    shown: list  # each sample as the files show it: its prompt (or messages) and its reference
-    data: object  # the prompts tokenised (prompt_data)
+    shown: list[dict]  # each sample as the files show it: its prompt (or messages) and its reference
+    data: Any  # the prompts tokenised (prompt_data)
     sampling: Sampling  # greedy, up to as many tokens as the longest reference takes
-    tokenizer: object  # decodes the completions; a left-padded copy pads the prompts
+    tokenizer: Any  # decodes the completions; a left-padded copy pads the prompts
     batch_size: int  # rows per replica and batch
+
+    def generator(self, engine: Engine) -> Callable[[Any], list[dict]]:
+        """A function of the model that generates every sample (on every replica: each takes its
+        share) and returns the samples with their `completion`, one bucket: the longest prompt."""
+        from ..core.generate import generate_rows
+        from ..core.inference import predict_loader
+
+        longest = max(self.data["length"])
+        padding = padding_for("buckets", [longest], longest, [self.data["length"]])
+        loader = predict_loader(engine, left_padded(self.tokenizer, self.sampling.eos_ids), self.data,
+                                self.batch_size, padding)
+
+        def generate(model):
+            tokens = generate_rows(engine, model, loader, self.sampling)
+            texts, _ = completions(tokens, self.tokenizer, self.sampling.eos_ids)
+            return [{**shown, "completion": text} for shown, text in zip(self.shown, texts)]
+
+        return generate
 
 
 def eval_samples(rows, form, tokenizer, model, max_length, static, batch_size):
@@ -196,20 +273,6 @@ def eval_samples(rows, form, tokenizer, model, max_length, static, batch_size):
     eos = end_ids(tokenizer, model)
     pad = left_padded(tokenizer, eos).pad_token_id
     shown = [{**prompt, "reference": reference} for prompt, _, reference, _ in rows]
+    from ..core.generate import Sampling
+
     return Samples(shown, data, Sampling(new, eos, pad), tokenizer, min(batch_size, len(rows)))
-
-
-def sample_generator(engine, samples):
-    """A function of the model that generates every sample (on every replica: each takes its
-    share) and returns the samples with their `completion`, one bucket: the longest prompt."""
-    longest = max(samples.data["length"])
-    padding = padding_for("buckets", [longest], longest, [samples.data["length"]])
-    loader = predict_loader(engine, left_padded(samples.tokenizer, samples.sampling.eos_ids), samples.data,
-                            samples.batch_size, padding)
-
-    def generate(model):
-        tokens = generate_rows(engine, model, loader, samples.sampling)
-        texts, _ = completions(tokens, samples.tokenizer, samples.sampling.eos_ids)
-        return [{**shown, "completion": text} for shown, text in zip(samples.shown, texts)]
-
-    return generate
