@@ -3,7 +3,7 @@ flags of Llama-3.2-1B, Qwen2.5-0.5B-Instruct, gemma-2b, gemma-2-2b, Mistral-7B-v
 x {fp32, bf16} x {full, LoRA} x {CPU, XLA:CPU} trains, evaluates, saves and reloads, and generates,
 in pytest's own process through the package's own functions (what `xla-train train` and
 `xla-train predict` call): Engine, the causal-LM task, checkpoint.save and Resume,
-Engine.save_pretrained and load_trained, generation.py's prompts and core/generate.py's loop.
+Engine.save_pretrained and load_trained, tasks/completion.py's prompts and core/generate.py's loop.
 
 Each cell (`run_cell`):
   train     3 epochs of 4 steps (16 documents, batch 4, the family's chat rows where it has a chat
@@ -175,14 +175,14 @@ def run_cell(z, device, precision, mode, out):
         return make_loader(data[split], tok, BATCH, z.padding, shuffle=train, seed=0,
                            fill="repeat" if train else "mask", collate=task.collator(tok))
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, fused=engine.fused_optimizer or None)  # as train.set_up
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, fused=engine.fused_optimizer or None)  # as Trainer.setup
     train_dl, eval_dl, model, optimizer = engine.prepare(loader("train", True), loader("validation", False), model,
                                                          optimizer)
     steps = EPOCHS * len(train_dl)
     scheduler = linear_schedule(optimizer, 0, steps)
     assert_tied(model, "prepared")
 
-    # --- train and evaluate (train.train_loop's step) ---------------------------------------------
+    # --- train and evaluate (train.Trainer.train's step) ---------------------------------------------
     losses, evaluations, syncs = [], [], 0
     for epoch in range(EPOCHS):
         train_dl.set_epoch(epoch)
@@ -287,7 +287,7 @@ def generate(z, device, folder, counters):
     from xla_train.core.generate import Sampling, generate_rows
     from xla_train.core.inference import predict_loader
     from xla_train.core.shapes import padding_for
-    from xla_train.generation import (
+    from xla_train.tasks.completion import (
         check_lengths,
         completions,
         end_ids,

@@ -1,5 +1,6 @@
-"""RunState's decisions, one by one, without a run: when to evaluate, when to save, whether steps
-are left, what counts as an improvement, when patience runs out, which results the final model has."""
+"""The loop's decisions and RunState's records, one by one, without a run: when to evaluate, when
+to save, whether steps are left (train.Trainer), what counts as an improvement, when patience runs
+out, which results the final model has (RunState)."""
 
 import math
 
@@ -8,6 +9,7 @@ import pytest
 from xla_train.core.engine import Engine
 from xla_train.options import TrainOptions
 from xla_train.run_state import RunState, _improves
+from xla_train.train import Trainer
 
 
 @pytest.fixture(scope="module")
@@ -19,48 +21,67 @@ def state(engine, **options):
     return RunState(engine, TrainOptions(backend="cpu", **options))
 
 
+def trainer(engine, total_steps=10, **options):
+    """A Trainer without a job: its decisions read only the options, the run state and the step count."""
+    t = Trainer.__new__(Trainer)
+    t.cfg = TrainOptions(backend="cpu", **options)
+    t.state, t.total_steps = RunState(engine, t.cfg), total_steps
+    return t
+
+
 def test_evaluations_every_n_steps_and_at_the_last(engine):
-    s = state(engine, eval_every=3)
+    t = trainer(engine, eval_every=3)
     due = []
-    for s.step in range(1, 11):
-        due.append(s.eval_due(total_steps=10))
+    for t.state.step in range(1, 11):
+        due.append(t.eval_due())
     assert [step for step, d in zip(range(1, 11), due) if d] == [3, 6, 9, 10]
-    assert not state(engine).eval_due(total_steps=10)  # without --eval-every: at epoch ends
-    plain = state(engine)
-    plain.step = 4
-    assert plain.eval_at_epoch_end(total_steps=10)
-    s.step, s.evaluations = 10, [[9, {}]]
-    assert s.eval_at_epoch_end(total_steps=10)  # the last step was not evaluated yet
-    s.evaluations.append([10, {}])
-    assert not s.eval_at_epoch_end(total_steps=10)
+    assert not trainer(engine).eval_due()  # without --eval-every: at epoch ends
+    plain = trainer(engine)
+    plain.state.step = 4
+    assert plain.eval_at_epoch_end()
+    t.state.step, t.state.evaluations = 10, [[9, {}]]
+    assert t.eval_at_epoch_end()  # the last step was not evaluated yet
+    t.state.evaluations.append([10, {}])
+    assert not t.eval_at_epoch_end()
 
 
 def test_checkpoints_every_n_steps_each_epoch_and_at_the_end(engine, tmp_path):
-    assert not state(engine).save_due(10, end_of_epoch=True)  # no output folder: never
-    every = state(engine, output_dir=str(tmp_path), save_every=4)
+    assert not trainer(engine).save_due(end_of_epoch=True)  # no output folder: never
+    every = trainer(engine, output_dir=str(tmp_path), save_every=4)
     saves = []
-    for every.step in range(1, 11):
-        saves.append(every.save_due(10))
+    for every.state.step in range(1, 11):
+        saves.append(every.save_due())
     assert [step for step, d in zip(range(1, 11), saves) if d] == [4, 8]
-    every.step = 6
-    assert not every.save_due(10, end_of_epoch=True) and every.save_due(10) is False
-    every.step = 10
-    assert every.save_due(10, end_of_epoch=True)  # the end of the run, whatever --save-every says
-    epochs = state(engine, output_dir=str(tmp_path))
-    epochs.step = 3
-    assert epochs.save_due(10, end_of_epoch=True) and not epochs.save_due(10)
+    every.state.step = 6
+    assert not every.save_due(end_of_epoch=True) and every.save_due() is False
+    every.state.step = 10
+    assert every.save_due(end_of_epoch=True)  # the end of the run, whatever --save-every says
+    epochs = trainer(engine, output_dir=str(tmp_path))
+    epochs.state.step = 3
+    assert epochs.save_due(end_of_epoch=True) and not epochs.save_due()
 
 
 def test_unfinished_while_steps_are_left_or_an_epoch_was_cut(engine):
-    s = state(engine)
-    s.step, s.batch = 5, 0
-    assert s.unfinished(10)
-    s.step = 10
-    assert not s.unfinished(10)
-    s.batch = 3  # stopped at its last step mid-epoch: the epoch's evaluation is still due
-    assert s.unfinished(10)
-    s.stopped_early = True
-    assert not s.unfinished(10)
+    t = trainer(engine)
+    t.state.step, t.state.batch = 5, 0
+    assert t.unfinished()
+    t.state.step = 10
+    assert not t.unfinished()
+    t.state.batch = 3  # stopped at its last step mid-epoch: the epoch's evaluation is still due
+    assert t.unfinished()
+    t.state.stopped_early = True
+    assert not t.unfinished()
+
+
+def test_a_log_point_records_the_mean_loss_since_the_previous_one(engine):
+    """RunState.logged: from the tracker's running sum on the host, the mean loss per step since
+    the previous log point; the first non-finite micro-step's optimizer step is noted."""
+    s = state(engine, grad_accum=2)
+    assert s.logged(2, 1e-3, [3.0, 4.0, 0.0]) == 1.5 and s.bad_step is None
+    assert s.logged(6, 5e-4, [5.0, 12.0, 0.0]) == 0.5
+    assert s.history == [[2, 1.5, 1e-3, 3.0], [6, 0.5, 5e-4, 5.0]]
+    s.logged(7, 5e-4, [math.nan, 14.0, 13.0])  # micro-step 13: optimizer step 7
+    assert s.bad_step == 7 and s.agree(None) == (None, 7)  # one replica: its own flags
 
 
 def test_what_counts_as_an_improvement():

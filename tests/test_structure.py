@@ -1,11 +1,18 @@
-"""The package's shape: no import circle among the modules of xla_train and gpu_fallback.
+"""The package's shape, as rules that say what matters (not how long things are):
+
+- no import circle among the modules of xla_train and gpu_fallback;
+- layers: the core (xla_train/core/) imports only the core and gpu_fallback, never the job's
+  modules; gpu_fallback imports only the core's roles, errors and launchers;
+- a kind (`--problem`) is named only in xla_train/tasks/; a strategy only where it is selected;
+- the core knows no command-line flag: the CLI's words stay in the job and command layers.
 
 Every import counts, the ones inside functions too (a lazy import is still an arrow). Run as a
-script to print each module's imports and the longest functions:
+script to print each module's imports and the longest functions (a report, not a rule):
     python tests/test_structure.py
 """
 
 import ast
+import re
 import sys
 from pathlib import Path
 
@@ -87,8 +94,8 @@ def test_the_interface_imports_no_implementation():
     # the launchers (xmp.spawn's and torch.multiprocessing's, one failure channel) are shared too;
     # on several hosts a failure travels through the job's gs:// output (storage); the XLA ones
     # pick the PJRT device (core.xla, which imports no torch_xla at its top)
-    assert graph["xla_train.core.launchers"] <= {"xla_train.core.errors", "xla_train.core.storage", "xla_train.core.roles",
-                                            "xla_train.core.xla"}
+    assert graph["xla_train.core.launchers"] <= {"xla_train.core.errors", "xla_train.core.storage",
+                                                 "xla_train.core.roles", "xla_train.core.xla"}
     # the implementations import the roles, never each other
     assert graph["xla_train.core.xla"] <= {"xla_train.core.errors", "xla_train.core.roles"}
     fallback = [m for m in graph if m.startswith("gpu_fallback")]
@@ -118,8 +125,98 @@ def _compares_a_strategy_name(node):
     return bool({"ddp", "spmd", "fsdp"} & literals) or any(o.endswith("strategy") for o in operands)
 
 
-def test_no_long_functions():
-    assert [f for n, f in longest_functions(1000) if n > 60] == []
+def test_the_core_imports_nothing_from_the_job():
+    """The core (Engine, roles, devices, strategies, launchers, batching, storage) is a library the
+    job is written on: it imports the core and gpu_fallback (the torch-native roles) only."""
+    graph = import_graph()
+    core = [m for m in graph if m.startswith("xla_train.core")]
+    assert {"xla_train.core.engine", "xla_train.core.roles", "xla_train.core.select"} <= set(core)
+    upward = [f"{m} -> {t}" for m in core for t in sorted(graph[m])
+              if not t.startswith(("xla_train.core", "gpu_fallback"))]
+    assert upward == [], upward
+
+
+PROBLEMS = {"classification", "regression", "causal-lm", "dpo"}  # --problem's kinds
+KIND_ATTRIBUTES = {"problem", "generates", "packing", "kind"}  # a task's kind, asked as it is
+
+
+def test_kinds_are_named_only_in_the_tasks():
+    """Outside xla_train/tasks/, nothing names a kind or branches on one: no kind's name as a
+    literal, and no test of a task's kind (`task.generates`, `task.packing`, `task.problem == ...`):
+    the code asks the task to do the kind's part."""
+    found = []
+    for name, path in modules().items():
+        if not name.startswith("xla_train") or name.startswith("xla_train.tasks"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if _names_a_kind(node):
+                found.append(f"{name}:{node.lineno}: {ast.unparse(node)}")
+    assert not found, found
+
+
+def _names_a_kind(node):
+    """A kind's name as a literal, or a test (if, while, x if c else y, and/or, not, assert, a
+    comparison) that reads a task's kind attribute."""
+    if isinstance(node, ast.Constant) and node.value in PROBLEMS:
+        return True
+    tests = []
+    if isinstance(node, (ast.If, ast.While, ast.IfExp, ast.Assert)):
+        tests = [node.test]
+    elif isinstance(node, ast.BoolOp):
+        tests = node.values
+    elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+        tests = [node.operand]
+    elif isinstance(node, ast.Compare):
+        tests = [node.left, *node.comparators]
+    return any(_task_kind(t) for t in tests)
+
+
+def _task_kind(node):
+    """`task.generates`, `self.task.packing`, `job.task.problem`: a kind attribute of a task."""
+    return (isinstance(node, ast.Attribute) and node.attr in KIND_ATTRIBUTES
+            and ast.unparse(node.value).split(".")[-1].endswith("task"))
+
+
+FLAG = re.compile(r"--[A-Za-z]")
+
+
+def test_the_core_names_no_command_line_flag():
+    """No string in xla_train/core/ or gpu_fallback/ names a flag (`--` and a letter): the core is
+    used from the API and from other commands too, so its errors name its parameters in backticks
+    (`num_processes`), and the command line shows each as its flag (cli.as_flags). Docstrings are
+    documentation, not behaviour: left out."""
+    found = []
+    for name, path in modules().items():
+        if name.startswith(("xla_train.core", "gpu_fallback")):
+            found += [f"{name}:{line}: {text!r}" for line, text in flag_strings(path)]
+    assert not found, "\n".join(found)
+
+
+def flag_strings(path):
+    """(line, text) of every string literal in `path` that names a flag, docstrings left out."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    docstrings = {id(body[0].value) for n in ast.walk(tree)
+                  if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  for body in [n.body] if body and isinstance(body[0], ast.Expr)
+                  and isinstance(body[0].value, ast.Constant)}
+    return [(n.lineno, n.value) for n in ast.walk(tree) if isinstance(n, ast.Constant)
+            and isinstance(n.value, str) and id(n) not in docstrings and FLAG.search(n.value)]
+
+
+def test_the_rules_see_what_they_look_for(tmp_path):
+    """The walkers catch what they forbid, and pass what they allow."""
+    def nodes(code):
+        return list(ast.walk(ast.parse(code)))
+
+    assert any(_names_a_kind(n) for n in nodes("if cfg.problem == 'causal-lm': pass"))
+    assert any(_names_a_kind(n) for n in nodes("x = 1 if job.task.generates else 2"))
+    assert any(_names_a_kind(n) for n in nodes("if self.task.packing and x: pass"))
+    assert not any(_names_a_kind(n) for n in nodes("if cfg.packing: pass\ntask.loss(out, labels)"))
+    assert not any(_names_a_kind(n) for n in nodes("help = 'causal-lm: the documents'"))
+    code = tmp_path / "m.py"
+    code.write_text('"""--lr in a docstring."""\ndef f():\n    """--epochs too."""\n'
+                    '    raise ValueError(f"try a lower --lr than {1}")\nx = "a -- b --2"\n')
+    assert [line for line, _ in flag_strings(code)] == [4]
 
 
 def longest_functions(n=8):
@@ -138,4 +235,7 @@ if __name__ == "__main__":
         print(f"{name:28s} {lines:4d}  -> {', '.join(sorted(graph[name])) or '-'}")
     print("circle:", find_cycle(graph))
     print("longest functions:", ", ".join(f"{f} {n}" for n, f in longest_functions()))
+    print("flags named in the core:", *(f"{p.relative_to(ROOT)}:{line}: {text!r}" for name, p in modules().items()
+                                        if name.startswith("xla_train.core") for line, text in flag_strings(p)),
+          sep="\n  ")
     sys.exit(0)

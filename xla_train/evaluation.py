@@ -1,9 +1,7 @@
 """Evaluation during training: every evaluation split scored by the task's metric, every row
-exactly once, printed, logged and handed to the run state (best model, early stopping)."""
+exactly once (the trainer prints, logs and records the scores: train.Trainer.evaluate)."""
 
 from .core.inference import infer
-from .generation import sample_generator
-from .tasks import scores
 
 
 def evaluate_model(engine, model, eval_dl, task, metric):
@@ -22,25 +20,16 @@ def evaluate_all(engine, model, task, eval_dls, metric):
 
 
 class Evaluator:
-    """Scores every evaluation split, prints and logs the scores, and hands them to the run state
-    (best model, early stopping). Mid-epoch (--eval-every) it pauses the training clock."""
+    """Scores every evaluation split with the task's metric (and writes --eval-samples' completions);
+    the trainer prints, logs and records the scores."""
 
-    def __init__(self, engine, task, loaders, state, monitor, samples=None):
-        self.engine, self.task, self.loaders, self.state, self.monitor = engine, task, loaders, state, monitor
+    def __init__(self, engine, task, loaders, samples=None):
+        self.engine, self.task, self.loaders = engine, task, loaders
+        self.main = task.main  # the metric the best model is chosen by, unless --metric-for-best
         self.metric = task.load_metric()
-        self.samples = samples and sample_generator(engine, samples)  # --eval-samples: generation.Samples
+        self.samples = samples and samples.generator(engine)  # --eval-samples: the task's samples
 
-    def __call__(self, model, where, mid_epoch=False):
-        if mid_epoch:
-            self.monitor.clock.stop(self.state.step)
-        with self.monitor.clock.evaluating():
-            results = evaluate_all(self.engine, model, self.task, self.loaders, self.metric)
-            written = self.samples(model) if self.samples else None
-        self.engine.print(f"{where}: {scores(results)}")
-        if written:
-            self.monitor.samples(self.state.step, written)
-        self.monitor.evaluated(self.state.step, results)
-        self.state.evaluated(results, model, self.task.main)
-        if mid_epoch:
-            model.train()
-            self.monitor.clock.start()
+    def __call__(self, model):
+        """(the scores of every split, the sample completions written or None)."""
+        results = evaluate_all(self.engine, model, self.task, self.loaders, self.metric)
+        return results, (self.samples(model) if self.samples else None)

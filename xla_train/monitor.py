@@ -1,9 +1,10 @@
 """What the run is doing: TensorBoard scalars, a compilation log, and a recompilation explainer.
 
-The training loop calls a few hooks (`step`, `log`, `evaluated`, `close`). Nothing here reads
-the device inside a step: per-step hooks only run host work in a step closure (compilation and
-transfer counters, the input shape); values that live on the device (loss, gradient norm) are
-read by the run's state at `--log-every` points and handed to `log`. The monitor owns the
+The trainer (train.Trainer) calls a few hooks at named points of its loop (`step`, `log`,
+`evaluated`, `samples`, `close`). Nothing here reads the device inside a step: per-step hooks only
+run host work in a step closure (compilation and transfer counters, the input shape); values that
+live on the device (loss, gradient norm) are read by the trainer at `--log-every` points and
+handed to `log`. The monitor owns the
 `RunClock`, the one place that reads and diffs the compilation counters.
 
 Files, on the main replica and only for a local --output-dir:
@@ -29,7 +30,8 @@ from .report import tag, write_report
 from .trackers import Trackers
 
 ANALYSIS = re.compile(r"Compilation Cause\n\s*(.*?)\n.*?Python Frame Triggered Execution: *\n(.*?)\n-{10}", re.S)
-LIBRARY_FRAME = re.compile(r"[/\\](torch|torch_xla)[/\\]|xla_train[/\\](core[/\\](engine|roles|xla|clock)|monitor|run_state)\.py")  # plumbing
+LIBRARY_FRAME = re.compile(  # plumbing: a compilation's cause is named by the first frame outside it
+    r"[/\\](torch|torch_xla)[/\\]|xla_train[/\\](core[/\\](engine|roles|xla|clock)|monitor|run_state)\.py")
 
 
 class Monitor:

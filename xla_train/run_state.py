@@ -1,10 +1,11 @@
-"""Where a run stands, and the decisions that depend on it.
+"""Where a run stands, and its checkpoints.
 
 `RunState` holds the position (optimizer steps, epoch, micro-batches taken from the epoch), the
 loss tracker, the loss history, the evaluations and the best one, and the latest checkpoint. It
-reads the loss at log points without stalling the device, makes every replica agree on stopping
-(a signal or a non-finite loss on any of them), keeps the best model (--save-best), stops early
-(--early-stopping-patience), and decides when a checkpoint is written and what it holds.
+records log points, makes every replica agree on stopping (a signal or a non-finite loss on any of
+them), keeps the best model (--save-best), counts evaluations for early stopping
+(--early-stopping-patience), and writes, resumes and restores checkpoints. When each of these
+happens is the loop's decision (train.Trainer).
 """
 
 import math
@@ -14,7 +15,6 @@ import torch
 
 from . import checkpoint
 from .core.errors import Stopped
-from .core.signals import StopRequest
 from .core.storage import open_store
 from .core.ties import first_names_only
 from .tasks import MINIMISED
@@ -43,7 +43,7 @@ class LossTracker:
 
 
 class RunState:
-    """One per worker: the run's position and its log, stop and checkpoint decisions."""
+    """One per worker: the run's position, loss, evaluations and checkpoints."""
 
     def __init__(self, engine, cfg, resume=None):
         run = resume.state["run"] if resume else {}
@@ -68,39 +68,16 @@ class RunState:
     def position(self):
         return self.step, self.epoch, self.batch
 
-    def unfinished(self, total_steps):
-        """Steps are left, or an epoch was cut short (a run stopped at its last step resumes
-        for the evaluation it had not run); never after early stopping."""
-        return not self.stopped_early and (self.step < total_steps or self.batch > 0)
-
-    def next_micro_batch(self):
-        self.batch += 1
-
-    def stepped(self):
-        """An optimizer step was taken."""
-        self.step += 1
-
-    def end_epoch(self):
-        self.epoch, self.batch = self.epoch + 1, 0
-
     # --- the loss ---------------------------------------------------------------------------
-    def log_point(self, lr, bar, monitor):
-        """Reads the loss once the step has run (a step closure on XLA): the host never waits
-        for the device inside the loop."""
-        self.engine.step_closure(self._log, (self.step, lr, bar, monitor, self.engine.last_grad_norm))
-        monitor.clock.mark(self.step)
-
-    def _log(self, step, lr, bar, monitor, grad_norm):
-        """Logs the mean loss since the previous log point, from the running sum (one transfer)."""
-        host = self.engine.strategy.read([self.tracker.t] + ([grad_norm] if grad_norm is not None else []))
-        total, bad = self.tracker.parse(host[0])
+    def logged(self, step, lr, tracker):
+        """Records a log point from the loss tracker's values on the host (`LossTracker.t`): the mean
+        loss since the previous log point, in the history and returned; a non-finite loss noted."""
+        total, bad = self.tracker.parse(tracker)
         self.bad_step = self.bad_step or bad
-        grad_norm = float(host[1]) if len(host) > 1 else None
         prev_step, prev_total = (self.history[-1][0], self.history[-1][3]) if self.history else (0, 0.0)
         loss = (total - prev_total) / (step - prev_step)
         self.history.append([step, round(loss, 6), lr, total])
-        bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", refresh=False)
-        monitor.log(step, loss, lr, grad_norm)
+        return loss
 
     def check_finite(self):
         """Reads the loss tracker (a sync) and stops every replica if any saw a non-finite loss.
@@ -109,23 +86,16 @@ class RunState:
         total, bad = self.tracker.parse(host)
         (self.bad_step,) = self._agree([self.bad_step or bad or 0])
         if self.bad_step:
-            raise self._diverged()
+            raise self.diverged()
         return total
 
     # --- stopping -----------------------------------------------------------------------------
-    def check_stop(self, stop, at_log_point):
-        """Raises `Stopped` on every replica at once if any replica got a signal (after saving a
-        checkpoint) or saw a non-finite loss (without saving)."""
-        if self.engine.strategy.peers > 1 and not at_log_point:  # agreeing needs a collective
-            return
-        flags = self._agree([stop.signum or 0, self.bad_step or 0])
-        StopRequest.signum, self.bad_step = flags[0] or None, flags[1] or None
-        if self.bad_step:
-            raise self._diverged()
-        if stop.signum:
-            where = f"checkpoint saved to {self.save()}" if self.store else "nothing saved (no --output-dir)"
-            raise Stopped(f"stopped by {stop.name} after step {self.step}: {where}"
-                          + ("; continue with --resume" if self.store else ""), 128 + stop.signum)
+    def agree(self, signum):
+        """(signal, first bad step): the largest of each any replica has (None for none), so that
+        every replica stops alike (a collective every replica reaches)."""
+        flags = self._agree([signum or 0, self.bad_step or 0])
+        self.bad_step = flags[1] or None
+        return flags[0] or None, self.bad_step
 
     def _agree(self, flags):
         """Per position, the largest value any replica has (a collective every replica reaches)."""
@@ -141,28 +111,16 @@ class RunState:
         self.engine.cut_graph()
         # int32: 64-bit integer collectives may not lower on TPU (pytorch/xla#1952). The largest
         # is taken on the device: under SPMD the rows are sharded over several hosts' devices.
-        (agreed,) = self.engine.to_host([self.engine.strategy.gather_rows(torch.tensor(flags, dtype=torch.int32)).amax(0)])
+        rows = self.engine.strategy.gather_rows(torch.tensor(flags, dtype=torch.int32))
+        (agreed,) = self.engine.to_host([rows.amax(0)])
         return agreed.tolist()
 
-    def _diverged(self):
+    def diverged(self):
+        """The `Stopped` error of a non-finite loss (exit 3)."""
         return Stopped(f"the training loss was not finite at step {self.bad_step}; stopped without saving "
                        f"(last good checkpoint: {self.saved or 'none'}); try a lower --lr or --max-grad-norm", 3)
 
     # --- evaluations and the best model -------------------------------------------------------
-    def eval_due(self, total_steps):
-        """With --eval-every N: every N steps and at the last one (else the loop evaluates at
-        each epoch's end)."""
-        every = self.cfg.eval_every
-        return bool(every) and (self.step % every == 0 or self.step == total_steps)
-
-    def eval_at_epoch_end(self, total_steps):
-        """Without --eval-every, at every epoch's end; with it, only if the run's last step has not
-        been evaluated (a run stopped by a signal right at its end)."""
-        if not self.cfg.eval_every:
-            return True
-        last = self.evaluations[-1][0] if self.evaluations else None
-        return self.step == total_steps and last != self.step and not self.stopped_early
-
     def evaluated(self, results, model, main_metric):
         """Records an evaluation: the best so far (its weights kept with --save-best) and the
         early-stopping count. Every replica has the same results, so all decide alike."""
@@ -199,15 +157,6 @@ class RunState:
         if self.resume:
             self.resume.load_training_state(self.engine, model, optimizer, scheduler, self.engine.data_parallel_size)
             self.engine.print(f"resumed from {self.resume.url} at step {self.step}")
-
-    def save_due(self, total_steps, end_of_epoch=False):
-        """Whether a checkpoint is due now: every --save-every steps, else at each epoch's end;
-        the end of the run in any case."""
-        if not self.store:
-            return False
-        if end_of_epoch:
-            return not self.cfg.save_every or self.step == total_steps or self.stopped_early
-        return bool(self.cfg.save_every) and self.step % self.cfg.save_every == 0
 
     def save(self):
         """Writes a checkpoint of this position (once; every replica calls it). Returns its URL."""

@@ -5,7 +5,8 @@
     xla-train train --backend cpu --num-processes 2  # two gloo workers
 
 `run` prepares the job once in this process (data, shapes, model: `Job`), then every worker runs
-`train_worker`: set-up, the loop, the finish.
+`train_worker`: a `Trainer`'s set-up, its loop (`Trainer.train`, the step read top to bottom),
+its finish.
 """
 
 import copy
@@ -15,21 +16,22 @@ import functools
 import torch
 from tqdm.auto import tqdm
 
-from . import STARTED
+from . import STARTED, outputs
 from .core.batching import make_loader
 from .core.clock import Startup
 from .core.engine import Engine
+from .core.errors import Stopped
 from .core.select import select_roles
 from .core.signals import StopRequest
 from .evaluation import Evaluator
-from .job import launch, open_output, prepare
+from .job import Job, launch, open_output, prepare
 from .memory import check_fits, device_bytes
 from .memory import describe as describe_memory
 from .memory import plan as plan_of
 from .monitor import Monitor
-from .outputs import finish
 from .profile import Profile
 from .run_state import RunState
+from .tasks import scores
 
 # ---------------------------------------------------------------------------------------------
 # In the launching process: every check, then the job, then the workers
@@ -57,67 +59,201 @@ def run(cfg):
 # In every worker: set-up, the loop, the finish
 
 
-@dataclasses.dataclass
-class Training:
-    """A worker's training objects, made by `set_up`."""
-
-    model: object
-    optimizer: object
-    scheduler: object
-    train_dl: object
-    evaluate: object  # Evaluator
-    state: RunState
-    shapes: object  # shapes.Shapes: the job's, with this run's device count
-    total_steps: int
-    steps_per_epoch: int
-    task: object  # tasks.Task: the loss
-    memory: dict  # the memory plan (memory.plan), and the parameter counts
-    counts: dict
-    profile: Profile  # --profile-steps
-
-
-def train_worker(job):
-    """The training function each worker runs: the course's loop on the Engine API."""
-    cfg = job.cfg
-    engine = Engine(cfg.backend, precision=cfg.precision, grad_accum=cfg.grad_accum,
-                    max_grad_norm=cfg.max_grad_norm, num_processes=cfg.num_processes,
-                    compile_cache=cfg.compile_cache, strategy=cfg.strategy, compile=cfg.compile)
-    engine.seed(cfg.seed)  # dropout
-    shapes = dataclasses.replace(job.shapes, devices=engine.data_parallel_size)
-    # TensorBoard, compilation log, explainer and the run's clock; before anything is compiled
-    monitor = Monitor(engine, cfg, shapes, job.startup, job.run_id)
-    t = set_up(engine, job, shapes, monitor)
+def train_worker(job: Job) -> dict:
+    """The training function each worker runs (the launchers call it): the course's loop on the
+    Engine API. Returns the run's metrics."""
+    trainer = Trainer(job)
+    trainer.setup()
     try:
-        train_loop(engine, cfg, t, monitor)
+        trainer.train()
     finally:
-        t.profile.close()  # a run stopped inside the window keeps what was captured
-    t.state.check_finite()  # the last log interval's loss, which no closure has read yet on XLA
-    return finish(engine, job, t, monitor)
+        trainer.profile.close()  # a run stopped inside the window keeps what was captured
+    return trainer.finish()
 
 
-def set_up(engine, job, shapes, monitor):
-    """Loaders, model, optimizer and scheduler on the device; the run state (resumed if asked)."""
-    cfg, task = job.cfg, job.task
-    model = _private_copy(job.model)
-    if cfg.gradient_checkpointing:
-        engine.checkpoint_activations(model)
-    loaders = [make_loader(job.data[split], job.tokenizer, cfg.batch_size, shapes.padding, shuffle=split == "train",
-                           seed=cfg.seed, fill="repeat" if split == "train" else "mask",
-                           collate=task.collator(job.tokenizer))
-               for split in ("train", *task.eval_splits)]  # filler: repeats to train on, masked rows to score
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                  fused=engine.fused_optimizer or None)
-    train_dl, *eval_dls, model, optimizer = engine.prepare(*loaders, model, optimizer)
-    memory, counts = plan_memory(engine, cfg, shapes, model, task.per_token_logits)  # before anything compiles
-    steps_per_epoch = shapes.steps_per_epoch(len(job.data["train"]))
-    total_steps = shapes.total_steps(len(job.data["train"]), cfg.epochs, cfg.max_steps)
-    scheduler = linear_schedule(optimizer, int(cfg.warmup_ratio * total_steps), total_steps)
-    state = RunState(engine, cfg, job.resume)  # where the run stands, and its stop and checkpoint decisions
-    state.track(model, optimizer, scheduler, monitor.clock,
-                {"buckets": shapes.padding.bucket_list, "n_train": len(job.data["train"]), "run_id": job.run_id})
-    evaluate = Evaluator(engine, task, dict(zip(task.eval_splits, eval_dls)), state, monitor, job.samples)
-    return Training(model, optimizer, scheduler, train_dl, evaluate, state, shapes, total_steps, steps_per_epoch,
-                    task, memory, counts, Profile(engine, cfg.profile_steps, state.store))
+class Trainer:
+    """One worker's training, as a torchtune recipe: `setup` puts the model, optimizer, schedule,
+    loaders and run state on the device; `train` is the loop, each step read top to bottom;
+    `finish` writes what the run leaves.
+
+    Observers are called at named points of the loop and never change what it computes: the
+    monitor (TensorBoard, trackers, the compilation log) at each step, log point and evaluation;
+    its clock (training-phase time, goodput) around the loader and each training phase; the
+    profile (--profile-steps) around each micro-batch. `RunState` keeps where the run stands (the
+    position, the loss, evaluations, the best model) and writes and restores checkpoints."""
+
+    def __init__(self, job: Job) -> None:
+        """The engine (seeded for dropout) and the observers, before anything is compiled."""
+        cfg = self.cfg = job.cfg
+        self.job, self.task = job, job.task
+        self.engine = Engine(cfg.backend, precision=cfg.precision, grad_accum=cfg.grad_accum,
+                             max_grad_norm=cfg.max_grad_norm, num_processes=cfg.num_processes,
+                             compile_cache=cfg.compile_cache, strategy=cfg.strategy, compile=cfg.compile)
+        self.engine.seed(cfg.seed)  # dropout
+        self.shapes = dataclasses.replace(job.shapes, devices=self.engine.data_parallel_size)  # shapes.Shapes
+        # TensorBoard, compilation log, explainer and the run's clock; before anything is compiled
+        self.monitor = Monitor(self.engine, cfg, self.shapes, job.startup, job.run_id)
+        self.clock = self.monitor.clock  # core.clock.RunClock
+        self.bar: tqdm | None = None  # the progress bar, while `train` runs
+
+    def setup(self) -> None:
+        """Loaders, model, optimizer and schedule on the device; the run state (resumed if asked)."""
+        engine, job, cfg, task = self.engine, self.job, self.cfg, self.task
+        model = _private_copy(job.model)
+        if cfg.gradient_checkpointing:
+            engine.checkpoint_activations(model)
+        loaders = [make_loader(job.data[split], job.tokenizer, cfg.batch_size, self.shapes.padding,
+                               shuffle=split == "train", seed=cfg.seed, fill="repeat" if split == "train" else "mask",
+                               collate=task.collator(job.tokenizer))
+                   for split in ("train", *task.eval_splits)]  # filler: repeats to train on, masked rows to score
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                      fused=engine.fused_optimizer or None)
+        self.train_dl, *eval_dls, self.model, self.optimizer = engine.prepare(*loaders, model, optimizer)
+        # the memory plan and the parameter counts, before anything compiles
+        self.memory, self.counts = plan_memory(engine, cfg, self.shapes, self.model, task.per_token_logits)
+        n_train = len(job.data["train"])
+        self.steps_per_epoch = self.shapes.steps_per_epoch(n_train)
+        self.total_steps = self.shapes.total_steps(n_train, cfg.epochs, cfg.max_steps)
+        self.scheduler = linear_schedule(self.optimizer, int(cfg.warmup_ratio * self.total_steps), self.total_steps)
+        self.state = RunState(engine, cfg, job.resume)  # where the run stands; its checkpoints
+        padding = self.shapes.padding
+        assert padding is not None  # the job settled it (job.prepare)
+        self.state.track(self.model, self.optimizer, self.scheduler, self.clock,
+                         {"buckets": padding.bucket_list, "n_train": n_train, "run_id": job.run_id})
+        self.evaluator = Evaluator(engine, task, dict(zip(task.eval_splits, eval_dls)), job.samples)
+        self.profile = Profile(engine, cfg.profile_steps, self.state.store)  # --profile-steps
+
+    def train(self) -> None:
+        """The course's loop: fetch, forward, backward, optimizer step, schedule; then the log point,
+        the stop check, evaluation and checkpoint at their steps. Every replica stops at the same
+        step, on a signal or a non-finite loss. Nothing here reads the device (rule 4): the loss is
+        read in a step closure at log points, and replicas agree on stopping at log points only."""
+        engine, cfg, state, clock, model, total = \
+            self.engine, self.cfg, self.state, self.clock, self.model, self.total_steps
+        bar = self.bar = tqdm(total=total, initial=state.step, desc="Training", disable=not engine.is_main_process,
+                              dynamic_ncols=True)
+        with StopRequest() as stop, bar:  # the bar is closed (its line ended) before any message
+            while self.unfinished():
+                self.train_dl.set_epoch(state.epoch, start=state.batch)
+                model.train()
+                clock.start()  # a training phase begins
+                for batch in clock.timed(self.train_dl):  # fetch: its waits are the data's, not the step's
+                    if state.step >= total or state.batch == self.steps_per_epoch * cfg.grad_accum:
+                        break  # done, or the epoch's last micro-batches would not fill an optimizer step
+                    state.batch += 1
+                    engine.seed_micro_batch(cfg.seed, state.epoch, state.batch)  # dropout: from the position
+                    with self.profile.micro_batch(state.step + 1):  # inside --profile-steps' window: annotated
+                        labels = batch.pop("labels")  # the loss is the job's own: no model head can add a host sync
+                        with engine.autocast():
+                            loss = self.task.loss(self.task.forward(model, batch), labels)  # forward, loss
+                        engine.backward(loss)
+                        state.tracker.add(loss)  # on the device: read at log points
+                        stepped = engine.optimizer_step(self.optimizer)  # at the last micro-batch of a step
+                    if not stepped:
+                        continue
+                    lr = self.scheduler.get_last_lr()[0]  # the rate this step used
+                    self.scheduler.step()
+                    self.optimizer.zero_grad(set_to_none=True)
+                    state.step += 1
+                    bar.update(1)
+                    self.monitor.step(state.step, batch)
+                    log_point = state.step % cfg.log_every == 0 or state.step == total
+                    if log_point:  # the loss is read once the step has run (a step closure on XLA)
+                        engine.step_closure(self._log, (state.step, lr, engine.last_grad_norm))
+                        clock.mark(state.step)
+                    self.check_stop(stop, log_point)  # a signal or a non-finite loss on any replica
+                    if self.eval_due():  # --eval-every
+                        self.evaluate(f"step {state.step}", mid_epoch=True)
+                    if self.save_due():  # --save-every
+                        state.save()
+                    if state.step == total or state.stopped_early:
+                        break
+                clock.stop(state.step)  # the training phase's time ends here, before evaluation
+                self.profile.ended(state.step)  # after the cut that ran the loop's last step
+                state.epoch, state.batch = state.epoch + 1, 0
+                if self.eval_at_epoch_end():
+                    self.evaluate(f"epoch {state.epoch}")
+                clock.end_of_epoch()
+                if self.save_due(end_of_epoch=True):
+                    state.save()  # every epoch by default; the end of the run in any case
+
+    # --- the loop's decisions ---------------------------------------------------------------
+    def unfinished(self) -> bool:
+        """Steps are left, or an epoch was cut short (a run stopped at its last step resumes
+        for the evaluation it had not run); never after early stopping."""
+        state = self.state
+        return not state.stopped_early and (state.step < self.total_steps or state.batch > 0)
+
+    def eval_due(self) -> bool:
+        """With --eval-every N: every N steps and at the last one (else at each epoch's end)."""
+        every, step = self.cfg.eval_every, self.state.step
+        return bool(every) and (step % every == 0 or step == self.total_steps)
+
+    def eval_at_epoch_end(self) -> bool:
+        """Without --eval-every, at every epoch's end; with it, only if the run's last step has not
+        been evaluated (a run stopped by a signal right at its end)."""
+        if not self.cfg.eval_every:
+            return True
+        state = self.state
+        last = state.evaluations[-1][0] if state.evaluations else None
+        return state.step == self.total_steps and last != state.step and not state.stopped_early
+
+    def save_due(self, end_of_epoch: bool = False) -> bool:
+        """Whether a checkpoint is due now: every --save-every steps, else at each epoch's end; the
+        end of the run in any case; never without an output folder."""
+        every, state = self.cfg.save_every, self.state
+        if not state.store:
+            return False
+        if end_of_epoch:
+            return not every or state.step == self.total_steps or state.stopped_early
+        return bool(every) and state.step % every == 0
+
+    # --- the loop's named points --------------------------------------------------------------
+    def _log(self, step, lr, grad_norm):
+        """A log point, once its step has run: the mean loss since the previous one, from the
+        running sum and the gradient norm (one transfer), to the bar and the monitor."""
+        host = self.engine.strategy.read([self.state.tracker.t] + ([grad_norm] if grad_norm is not None else []))
+        loss = self.state.logged(step, lr, host[0])
+        grad_norm = float(host[1]) if len(host) > 1 else None
+        self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", refresh=False)
+        self.monitor.log(step, loss, lr, grad_norm)
+
+    def check_stop(self, stop: StopRequest, at_log_point: bool) -> None:
+        """Raises `Stopped` on every replica at once if any replica got a signal (after saving a
+        checkpoint) or saw a non-finite loss (without saving)."""
+        if self.engine.strategy.peers > 1 and not at_log_point:  # agreeing needs a collective
+            return
+        state = self.state
+        StopRequest.signum, bad_step = state.agree(stop.signum)
+        if bad_step:
+            raise state.diverged()
+        if stop.signum:
+            where = f"checkpoint saved to {state.save()}" if state.store else "nothing saved (no --output-dir)"
+            raise Stopped(f"stopped by {stop.name} after step {state.step}: {where}"
+                          + ("; continue with --resume" if state.store else ""), 128 + stop.signum)
+
+    def evaluate(self, where: str, mid_epoch: bool = False) -> None:
+        """Scores every evaluation split, prints and logs the scores, and records them in the run
+        state (best model, early stopping). Mid-epoch (--eval-every) the training clock pauses."""
+        step = self.state.step
+        if mid_epoch:
+            self.clock.stop(step)
+        with self.clock.evaluating():
+            results, samples = self.evaluator(self.model)
+        self.engine.print(f"{where}: {scores(results)}")
+        if samples:
+            self.monitor.samples(step, samples)
+        self.monitor.evaluated(step, results)
+        self.state.evaluated(results, self.model, self.evaluator.main)
+        if mid_epoch:
+            self.model.train()
+            self.clock.start()
+
+    def finish(self) -> dict:
+        """After the loop: the last log interval's loss checked (no closure has read it yet on XLA),
+        then the final (or best) model, predictions, the metrics JSON and the run folder's files."""
+        self.state.check_finite()
+        return outputs.finish(self.engine, self.job, self, self.monitor)
 
 
 def linear_schedule(optimizer, warmup_steps, total_steps):
@@ -144,69 +280,9 @@ def plan_memory(engine, cfg, shapes, model, logits=False):
     return memory, counts
 
 
-def train_loop(engine, cfg, t, monitor):
-    """The course's loop: forward, backward, optimizer step; logs, evaluations and checkpoints
-    at their steps; every replica stops at the same step on a signal or a non-finite loss."""
-    model, optimizer, scheduler, state, total = t.model, t.optimizer, t.scheduler, t.state, t.total_steps
-    bar = tqdm(total=total, initial=state.step, desc="Training", disable=not engine.is_main_process,
-               dynamic_ncols=True)
-    with StopRequest() as stop, bar:  # the bar is closed (its line ended) before any message
-        while state.unfinished(total):
-            t.train_dl.set_epoch(state.epoch, start=state.batch)
-            model.train()
-            monitor.clock.start()
-            for batch in monitor.clock.timed(t.train_dl):  # its waits are the data's, not the steps
-                if state.step >= total or state.batch == t.steps_per_epoch * cfg.grad_accum:
-                    break  # done, or the epoch's last micro-batches would not fill an optimizer step
-                state.next_micro_batch()
-                engine.seed_micro_batch(cfg.seed, state.epoch, state.batch)  # dropout: from the position
-                with t.profile.micro_batch(state.step + 1):  # inside --profile-steps' window: annotated
-                    labels = batch.pop("labels")  # the loss is the job's own: no model head can add a host sync
-                    with engine.autocast():
-                        loss = t.task.loss(t.task.forward(model, batch), labels)
-                    engine.backward(loss)
-                    state.tracker.add(loss)
-                    stepped = engine.optimizer_step(optimizer)
-                if not stepped:
-                    continue
-                lr = scheduler.get_last_lr()[0]  # the rate this step used
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-                state.stepped()
-                bar.update(1)
-                monitor.step(state.step, batch)
-                if after_step(cfg, t, lr, bar, monitor, stop):
-                    break
-            monitor.clock.stop(state.step)  # the training phase's time ends here, before evaluation
-            t.profile.ended(state.step)  # after the cut that ran the loop's last step
-            state.end_epoch()
-            if state.eval_at_epoch_end(total):
-                t.evaluate(model, f"epoch {state.epoch}")
-            monitor.clock.end_of_epoch()
-            if state.save_due(total, end_of_epoch=True):
-                state.save()  # every epoch by default; the end of the run in any case
-
-
-def after_step(cfg, t, lr, bar, monitor, stop):
-    """A step's log point, stop check, evaluation and checkpoint. Returns True when the epoch's
-    loop must end (the last step, or early stopping)."""
-    state, total = t.state, t.total_steps
-    log_point = state.step % cfg.log_every == 0 or state.step == total
-    if log_point:
-        state.log_point(lr, bar, monitor)
-    state.check_stop(stop, log_point)  # a signal or a non-finite loss on any replica
-    if state.eval_due(total):  # --eval-every
-        t.evaluate(t.model, f"step {state.step}", mid_epoch=True)
-    if state.save_due(total):
-        state.save()
-    return state.step == total or state.stopped_early
-
-
 def _private_copy(model):
     if any(p.is_shared() for p in model.parameters()):
         # Spawned workers receive the parent's tensors in shared memory (torch.multiprocessing
         # pickling): every worker would update the same storage. Train a private copy.
         return copy.deepcopy(model)
     return model
-
-
