@@ -59,8 +59,8 @@ def replica(job, started, folder, n):
     """Stands for train_worker up to the first step: what a replica does with the handed job."""
     import torch
 
+    from xla_train.commands.train import _private_copy
     from xla_train.core.batching import make_loader
-    from xla_train.train import _private_copy
 
     arrived = time.time() - started
     model = _private_copy(job.model)

@@ -8,7 +8,7 @@
 
 import sys
 
-from xla_train.cli import main
+from xla_train.commands.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(["train", *sys.argv[1:]]))

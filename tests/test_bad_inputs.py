@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from conftest import run_cli, write_slice
 
-from xla_train.cli import main
+from xla_train.commands.cli import main
 
 HEADER = "Quality\t#1 ID\t#2 ID\t#1 String\t#2 String\n"
 
@@ -244,8 +244,8 @@ DAMAGE = {  # file: (new content given the old bytes, expected message)
 
 @pytest.mark.parametrize("name", DAMAGE)
 def test_damaged_checkpoint_file_is_one_line(name, tmp_path):
-    from xla_train.checkpoint import Resume
     from xla_train.core.errors import UserError
+    from xla_train.run.checkpoint import Resume
 
     folder = _checkpoint_folder(tmp_path / "step-00000002")
     damage, message = DAMAGE[name]
@@ -257,8 +257,8 @@ def test_damaged_checkpoint_file_is_one_line(name, tmp_path):
 
 
 def test_damaged_weights_are_one_line(tmp_path):
-    from xla_train.checkpoint import Resume
     from xla_train.core.errors import UserError
+    from xla_train.run.checkpoint import Resume
 
     folder = _checkpoint_folder(tmp_path / "step-00000002")
     resume = Resume(folder, "URL")

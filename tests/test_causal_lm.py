@@ -8,7 +8,7 @@ import pytest
 import tiny_decoders as td
 import torch
 
-from xla_train.cli import main
+from xla_train.commands.cli import main
 from xla_train.core.errors import UserError
 from xla_train.tasks import load_task
 from xla_train.tasks.causal_lm import IGNORE, CausalLM, PackCollator, documents, join, pack

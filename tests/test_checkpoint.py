@@ -278,7 +278,7 @@ def test_every_spmd_host_resumes_from_the_one_saved_random_state():
     replicas read their own row. (Several hosts cannot run here: the engine is described.)"""
     from types import SimpleNamespace
 
-    from xla_train.checkpoint import replica_row
+    from xla_train.run.checkpoint import replica_row
 
     one = torch.arange(5)[None]
     assert replica_row(one, SimpleNamespace(rank=1, world_size=1)).tolist() == [0, 1, 2, 3, 4]

@@ -7,7 +7,7 @@ import sys
 import pytest
 from conftest import ROOT
 
-from xla_train.cli import main
+from xla_train.commands.cli import main
 
 
 @pytest.mark.parametrize("args, message", [
@@ -86,7 +86,7 @@ def test_env_and_a_default_run_print_no_library_warning(mrpc_slice, tmp_path):
 def test_help_starts_no_library():
     """`--help` of the tool and of both commands imports neither torch, transformers, datasets
     nor torch_xla (it printed in 4-12 s when the parser imported the training module)."""
-    code = ("import sys\nfrom xla_train.cli import main\n"
+    code = ("import sys\nfrom xla_train.commands.cli import main\n"
             "for args in (['--help'], ['train', '--help'], ['predict', '--help']):\n"
             "    try:\n        main(args)\n    except SystemExit:\n        pass\n"
             "print('loaded:', [m for m in ('torch', 'transformers', 'datasets', 'torch_xla') if m in sys.modules])")
@@ -101,7 +101,7 @@ def test_every_option_is_declared_once(command):
     """The parser is built from the options' dataclass: the same names, defaults and help."""
     from dataclasses import MISSING, fields
 
-    from xla_train.cli import build_parser
+    from xla_train.commands.cli import build_parser
     from xla_train.options import PredictOptions, TrainOptions
 
     parser = build_parser()._subparsers._group_actions[0].choices[command]

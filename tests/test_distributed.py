@@ -124,7 +124,7 @@ def test_a_pod_host_with_a_local_output_folder_stops(tmp_path):
 def test_only_the_first_host_writes_the_run_record(tmp_path):
     from xla_train.core.storage import open_store
     from xla_train.options import TrainOptions
-    from xla_train.run_folder import RECORD, RunFolder
+    from xla_train.run.folder import RECORD, RunFolder
 
     cfg = TrainOptions(output_dir=str(tmp_path / "run"))
     assert RunFolder(open_store(cfg.output_dir), cfg, writer=False).claim() is None
@@ -139,7 +139,7 @@ def test_a_slower_pod_host_accepts_the_record_host_0_just_wrote(tmp_path, monkey
     refusing a folder that "already holds a run" (the others would wait in the TPU's start-up)."""
     from xla_train.core.storage import open_store
     from xla_train.options import TrainOptions
-    from xla_train.run_folder import RUN_ID_VARIABLE, RunFolder
+    from xla_train.run.folder import RUN_ID_VARIABLE, RunFolder
 
     cfg = TrainOptions(output_dir=str(tmp_path / "run"))
     monkeypatch.delenv(RUN_ID_VARIABLE, raising=False)
@@ -354,7 +354,7 @@ def test_one_process_per_host_of_a_pod_is_refused(monkeypatch, capsys):
     """torch_xla's single-process path makes every host a world of one (TPU_PROCESS_BOUNDS=1,1,1):
     `--num-processes 1` on host 1 of 2 (described with torch_xla's variables) stops in one line;
     the refusal of other counts names TPU_PROCESS_BOUNDS, not TPU_VISIBLE_CHIPS."""
-    from xla_train.cli import main
+    from xla_train.commands.cli import main
 
     for name, value in POD_HOST_1.items():
         monkeypatch.setenv(name, value)

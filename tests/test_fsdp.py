@@ -145,7 +145,7 @@ import torch_xla.runtime as xr
 xr.use_spmd()
 import torch.distributed.checkpoint as dcp
 
-from xla_train.checkpoint import split_moments
+from xla_train.run.checkpoint import split_moments
 from xla_train.core.checkpoint_io import trained_state
 from xla_train.core.roles import optimizer_params
 from xla_train.core.select import select_roles

@@ -12,7 +12,7 @@ import pytest
 import tiny_decoders as td
 from conftest import ROOT, reverse_args, run_cli
 
-from xla_train.cli import main
+from xla_train.commands.cli import main
 
 # Prompts are 6 to 8 tokens ([CLS] reverse, 3 to 5 letters, =); an answer is at most 5 letters and
 # [SEP]. Two buckets, batches of 4: 24 prompts make 2 batches of 6 tokens and 4 of 8.

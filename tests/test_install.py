@@ -143,12 +143,12 @@ def test_wheel_carries_every_module_the_bundled_data_and_the_metric(built):
     package_files = {str(p.relative_to(src)) for top in ("xla_train", "gpu_fallback") for p in (src / top).rglob("*")
                      if p.is_file() and "__pycache__" not in p.parts}
     assert {"xla_train/data/mrpc/train.tsv", "xla_train/data/mrpc/dev.tsv", "xla_train/data/mrpc/test.tsv",
-            "xla_train/tasks/task_metric/task_metric.py", "xla_train/cli.py", "xla_train/core/roles.py",
+            "xla_train/tasks/task_metric/task_metric.py", "xla_train/commands/cli.py", "xla_train/core/roles.py",
             "gpu_fallback/strategies.py"} <= package_files
     assert {n for n in names if ".dist-info/" not in n} == package_files  # all of them, and nothing else
     info = wheel.name.split("-")[0] + "-" + wheel.name.split("-")[1] + ".dist-info/"
     entry_points = zipfile.ZipFile(wheel).read(info + "entry_points.txt").decode()
-    assert "xla-train = xla_train.cli:main" in entry_points
+    assert "xla-train = xla_train.commands.cli:main" in entry_points
     import tarfile
 
     with tarfile.open(sdist) as tar:

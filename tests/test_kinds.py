@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from xla_train.cli import main
-from xla_train.tasks import KINDS, Regression, problems, register
+from xla_train.commands.cli import main
+from xla_train.tasks import KINDS, Regression, from_folder, problems, register
 
 
 @dataclass
@@ -77,7 +77,8 @@ def test_a_kind_defined_outside_the_package_trains_and_predicts(absolute_error, 
     with open(out / "predictions.csv", newline="", encoding="utf-8") as f:
         predicted = list(csv.DictReader(f))
     assert [r["sentence"] for r in predicted] == [f"a sentence with {i % 7} words more or less" for i in range(9, 14)]
-    # xla-train predict reads the folder back (a regression's head: the kind that claims it) and agrees
+    # xla-train predict reads the folder back as the kind that trained it (its record's) and agrees
+    assert type(from_folder(out)) is AbsoluteError
     again = tmp_path / "again.csv"
     assert main(["predict", "--backend", "cpu", "--model", str(out), "--input", str(test), "--output", str(again)]) == 0
     with open(again, newline="", encoding="utf-8") as f:

@@ -14,7 +14,7 @@ import sys
 
 from test_structure import import_graph
 
-COMMANDS = {"xla_train.cli", "xla_train.train", "xla_train.predict", "xla_train.__main__"}
+COMMANDS = {"xla_train.commands.cli", "xla_train.commands.train", "xla_train.commands.predict", "xla_train.__main__"}
 ORDER = {"core": 0, "job": 1, "commands": 2}
 
 
@@ -33,12 +33,12 @@ def upward(graph):
 def test_the_walker_sees_an_upward_import():
     assert upward({"xla_train.core.engine": {"xla_train.tasks"}, "xla_train.tasks": set()}) == [
         "xla_train.core.engine (core) -> xla_train.tasks (job)"]
-    assert upward({"xla_train.train": {"xla_train.core.engine"}, "xla_train.core.engine": set()}) == []
+    assert upward({"xla_train.commands.train": {"xla_train.core.engine"}, "xla_train.core.engine": set()}) == []
 
 
 def test_no_import_goes_up_a_layer():
     graph = import_graph()
-    assert {"xla_train.core.engine", "xla_train.tasks.base", "xla_train.train"} <= graph.keys()  # the layout
+    assert {"xla_train.core.engine", "xla_train.tasks.base", "xla_train.commands.train"} <= graph.keys()  # the layout
     assert upward(graph) == []
 
 

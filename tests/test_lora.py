@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import run_cli
 
-from xla_train.cli import main
+from xla_train.commands.cli import main
 
 
 def _decoder(path, family):

@@ -155,13 +155,13 @@ class Counters:
 
 
 def run_cell(z, device, precision, mode, out):
-    from xla_train import checkpoint
+    from xla_train.commands.train import linear_schedule
     from xla_train.core.batching import make_loader, model_inputs_only
     from xla_train.core.engine import Engine
     from xla_train.core.inference import infer
     from xla_train.core.storage import open_store
     from xla_train.evaluation import evaluate_model
-    from xla_train.train import linear_schedule
+    from xla_train.run import checkpoint
 
     engine = Engine(device, precision=precision)
     engine.seed(0)
@@ -299,7 +299,8 @@ def generate(z, device, folder, counters):
     engine = Engine(device)
     engine.seed(0)
     model = generation_model(z.task.load_trained(folder))
-    columns, data, _ = read_prompts(z.prompts, z.tok, MAX_LENGTH)
+    prompts = read_prompts(z.prompts, z.tok, MAX_LENGTH)
+    columns, data = prompts.columns, prompts.data
     longest = max(data["length"])
     padding = padding_for("buckets", [longest], longest, [data["length"]])
     check_lengths(model, z.tok, longest, longest + MAX_NEW_TOKENS, MAX_NEW_TOKENS, engine.accelerator.static_shapes)

@@ -4,7 +4,7 @@ fit its device stops before anything compiles (in-process, the tiny BERT)."""
 import torch
 from transformers import BertConfig, BertForSequenceClassification
 
-from xla_train.cli import main
+from xla_train.commands.cli import main
 from xla_train.core.engine import checkpoint_activations
 from xla_train.memory import DEVICE_BYTES, activation_estimate, needed, plan
 

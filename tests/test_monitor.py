@@ -8,14 +8,15 @@ import sys
 import pytest
 from conftest import ROOT, run_cli, write_slice
 
-from xla_train.report import TAGS, read_scalars
+from xla_train.observe.report import TAGS, read_scalars
 
 WARNING = "xla-train: warning: recompilation:"
 
 
 def run_patched(patch, args):
     """`xla-train train ARGS` in a fresh process on XLA:CPU, after running `patch` (Python) in it."""
-    script = f"{patch}\nimport sys\nfrom xla_train import cli\nsys.exit(cli.main({['train', *map(str, args)]!r}))\n"
+    script = (f"{patch}\nimport sys\nfrom xla_train.commands import cli\n"
+              f"sys.exit(cli.main({['train', *map(str, args)]!r}))\n")
     return subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PJRT_DEVICE": "CPU", "TOKENIZERS_PARALLELISM": "false"})
 
@@ -94,7 +95,7 @@ def test_report_command_rebuilds_the_report(xla_run, tmp_path):
 def test_report_says_when_threaded_replicas_share_the_counters(xla_run):
     """Colab's TPU v2-8/v3-8 run two replicas as threads of one process; torch_xla's counters are
     the process's, so the report says whose they are (not runnable here: one replica per process)."""
-    from xla_train.report import markdown
+    from xla_train.observe.report import markdown
 
     _, m, out = xla_run
     log = json.loads((out / "compilations.json").read_text())
@@ -207,7 +208,7 @@ def test_replicas_agreeing_at_a_log_point_compile_no_new_step_graph(xla_run, sho
     out = tmp_path / "out"
     patch = """
 import torch_xla.core.xla_model as xm
-from xla_train.run_state import RunState
+from xla_train.run.state import RunState
 from xla_train.core.xla import XlaDdp
 RunState._agree = RunState._agree_across  # the path several replicas take
 XlaDdp.gather = lambda self, tensor: xm.all_gather(tensor, dim=0)  # a real collective on one replica

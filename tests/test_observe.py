@@ -123,7 +123,7 @@ def test_a_cpu_run_leaves_a_torch_profiler_trace(mrpc_slice, tiny_model, tmp_pat
     (["--report-to", "comet"], "--report-to takes tensorboard, mlflow, wandb or none, comma-separated; not 'comet'"),
 ])
 def test_bad_observer_options_are_one_line(args, message, capsys):
-    from xla_train.cli import main
+    from xla_train.commands.cli import main
 
     assert main(["train", "--backend", "cpu", *args]) == 2
     err = capsys.readouterr().err
@@ -132,7 +132,7 @@ def test_bad_observer_options_are_one_line(args, message, capsys):
 
 def test_a_tracker_that_cannot_start_stops_the_run_before_training(mrpc_slice, tiny_model, capsys, monkeypatch,
                                                                    tmp_path):
-    from xla_train.cli import main
+    from xla_train.commands.cli import main
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     assert main(["train", "--backend", "cpu", "--model", str(tiny_model), "--data-dir", str(mrpc_slice),

@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import ROOT, assert_same_weights, run_cli
 
-from xla_train.cli import main
+from xla_train.commands.cli import main
 from xla_train.tasks import BUNDLED_MRPC, read_glue_tsv
 
 # A regression on MRPC's sentences whose dev MSE, at --lr 5e-2 with the tiny BERT, falls to its

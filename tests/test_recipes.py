@@ -15,10 +15,12 @@ from dataclasses import fields, replace
 from types import SimpleNamespace
 
 import pytest
+import torch
 from conftest import ROOT, run_cli
+from test_fallback import PINNED_LOSSES
 
-from xla_train import cli
-from xla_train.cli import main, train_options
+from xla_train.commands import cli
+from xla_train.commands.cli import main, train_options
 from xla_train.options import (
     RUN_CONTROL,
     SECTIONS,
@@ -84,7 +86,7 @@ def test_the_help_groups_options_by_section(capsys):
 def test_help_with_a_recipe_reads_no_recipe_nor_yaml():
     """`--help` stays fast: the recipe is not read and PyYAML not imported (tests/test_cli.py
     checks torch and the other libraries)."""
-    code = ("import sys\nfrom xla_train.cli import main\n"
+    code = ("import sys\nfrom xla_train.commands.cli import main\n"
             "try:\n    main(['train', '--config', 'no-such-recipe.yaml', '--help'])\nexcept SystemExit:\n    pass\n"
             "print('yaml loaded:', 'yaml' in sys.modules)")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -113,6 +115,9 @@ def test_later_recipes_override_earlier_ones(tmp_path, trained):
     assert main(["train", "--config", base, "--config", tpu, "--epochs", "5"]) == 0
     cfg = trained[-1]
     assert (cfg.lr, cfg.epochs, cfg.lora, cfg.strategy) == (3e-4, 5, True, "fsdp")
+    # a recipe's `true` is turned off by the flag's --no- form (the shipped TPU recipes hold lora: true)
+    assert main(["train", "--config", base, "--no-lora", "--no-save-best"]) == 0
+    assert trained[-1].lora is False and trained[-1].save_best is False and trained[-1].lr == 1e-3
 
 
 def test_a_recipes_backend_keeps_torch_xla_out(tmp_path, trained):
@@ -228,7 +233,7 @@ def test_the_recipes_are_the_command_lines_of_the_docs():
 # --- the recipe the run folder records -----------------------------------------------------------
 def test_the_recorded_recipe_runs_the_same_job(tmp_path, capsys):
     from xla_train.core.storage import open_store
-    from xla_train.run_folder import RECIPE, RunFolder
+    from xla_train.run.folder import RECIPE, RunFolder
 
     cfg = TrainOptions(output_dir=str(tmp_path / "run"), lr=3e-4, warmup_ratio=0.1, lora=True, lora_targets="query",
                        buckets="32,64", backend="cpu", profile_steps="3:5", report_to="none", max_steps=7,
@@ -254,7 +259,7 @@ def test_the_recorded_recipe_runs_the_same_job(tmp_path, capsys):
 
 def test_a_folder_holding_only_a_recipe_holds_a_run(tmp_path):
     from xla_train.core.storage import open_store
-    from xla_train.run_folder import RECIPE, RunFolder
+    from xla_train.run.folder import RECIPE, RunFolder
 
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / RECIPE).write_text(recipe_text(TrainOptions()))
@@ -263,7 +268,7 @@ def test_a_folder_holding_only_a_recipe_holds_a_run(tmp_path):
 
 
 def test_the_report_shows_the_recipe(tmp_path):
-    from xla_train.report import _recipe_lines, load_recipe
+    from xla_train.observe.report import _recipe_lines, load_recipe
 
     cfg = TrainOptions(lr=1e-3, lora=True, backend="cpu", output_dir=str(tmp_path))
     (tmp_path / "recipe.yaml").write_text(recipe_text(cfg, ["a header"]), encoding="utf-8")
@@ -285,19 +290,27 @@ def test_the_report_shows_the_recipe(tmp_path):
         _recipe_lines(load_recipe(tmp_path)))
 
 
+@pytest.mark.torch_native
 def test_the_mrpc_recipe_runs_with_flags_over_it(mrpc_slice, tmp_path):
-    """The course's recipe, on the CPU for 2 steps of the MRPC slice: the run folder's recipe.yaml
-    holds the recipe with the flags over it, runs the same job again, and the report shows it."""
+    """The course's recipe, on the CPU for 6 steps of the MRPC slice: its first losses are the
+    pinned ones (test_fallback.PINNED_LOSSES: the defaults' data order, padding, head, dropout and
+    optimizer); the run folder's recipe.yaml holds the recipe with the flags over it, runs the same
+    job again, and the report shows it."""
     out = tmp_path / "run"
-    proc, m = run_cli(["--config", ROOT / "recipes" / "mrpc.yaml", "--backend", "cpu", "--max-steps", 2,
-                       "--data-dir", mrpc_slice, "--output-dir", out], tmp_path)
+    proc, m = run_cli(["--config", ROOT / "recipes" / "mrpc.yaml", "--backend", "cpu", "--max-steps", 6,
+                       "--buckets", "64,128", "--log-every", 1, "--data-dir", mrpc_slice, "--output-dir", out],
+                      tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert (m["backend"], m["steps"], m["task"]) == ("cpu", 2, "mrpc")
+    assert (m["backend"], m["steps"], m["task"], m["world_size"], m["xla"]) == ("cpu", 6, "mrpc", 1, None)
+    assert m["train_samples"] == 48 and m["eval"]["n"] == 48
+    assert [s for s, _, _ in m["train_loss"]] == [1, 2, 3, 4, 5, 6]
+    torch.testing.assert_close([loss for _, loss, _ in m["train_loss"]], PINNED_LOSSES, atol=1e-4, rtol=0)
     values = read_recipe(str(out / "recipe.yaml"))
-    expected = {**read_recipe(str(ROOT / "recipes" / "mrpc.yaml")), "backend": "cpu", "max_steps": 2,
-                "data_dir": str(mrpc_slice), "output_dir": str(out), "metrics_out": values["metrics_out"]}
+    expected = {**read_recipe(str(ROOT / "recipes" / "mrpc.yaml")), "backend": "cpu", "max_steps": 6,
+                "buckets": "64,128", "log_every": 1, "data_dir": str(mrpc_slice), "output_dir": str(out),
+                "metrics_out": values["metrics_out"]}
     assert values == expected
     record = json.loads((out / "xla_train_run.json").read_text())["config"]
     assert TrainOptions(**values) == TrainOptions(**record)  # the same job as the record's
     report = (out / "report" / "report.md").read_text()
-    assert re.search(r"\| optimizer \| max_steps \| 2 \|", report) and "| system | backend | cpu |" in report
+    assert re.search(r"\| optimizer \| max_steps \| 6 \|", report) and "| system | backend | cpu |" in report

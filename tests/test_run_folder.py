@@ -16,7 +16,7 @@ import time
 import pytest
 from conftest import ROOT, write_slice
 
-from xla_train.cli import main
+from xla_train.commands.cli import main
 
 
 def put(where, previous_run, tmp_path):

@@ -6,10 +6,10 @@ import math
 
 import pytest
 
+from xla_train.commands.train import Trainer
 from xla_train.core.engine import Engine
 from xla_train.options import TrainOptions
-from xla_train.run_state import RunState, _improves
-from xla_train.train import Trainer
+from xla_train.run.state import RunState, _improves
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +120,7 @@ def test_the_linear_schedule_is_transformers_own(warmup, total):
     import torch
     from transformers import get_scheduler
 
-    from xla_train.train import linear_schedule
+    from xla_train.commands.train import linear_schedule
 
     def rates(make):
         optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.5)

@@ -7,7 +7,7 @@ import json
 import pytest
 from conftest import run_cli
 
-from xla_train.cli import main
+from xla_train.commands.cli import main
 from xla_train.core.errors import UserError
 from xla_train.tasks import (
     BUNDLED_MRPC,

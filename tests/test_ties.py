@@ -48,8 +48,8 @@ def test_a_checkpoint_written_before_ties_were_kept_loads_its_trained_name(tied_
     values are loaded, and one line says so."""
     from transformers import AutoModelForCausalLM
 
-    from xla_train.checkpoint import Resume
     from xla_train.core.hf import quiet_transformers
+    from xla_train.run.checkpoint import Resume
 
     with quiet_transformers():
         model = AutoModelForCausalLM.from_pretrained(tied_task["model"])

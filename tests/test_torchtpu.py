@@ -18,7 +18,7 @@ import torch.distributed as dist
 from gpu_fallback import TorchAccelerator, TorchLauncher
 from gpu_fallback.launcher import worker_environments
 from xla_train import job
-from xla_train.cli import as_flags, main
+from xla_train.commands.cli import as_flags, main
 from xla_train.core import select
 from xla_train.core.errors import UserError
 from xla_train.options import TrainOptions
@@ -234,8 +234,9 @@ def test_a_chip_count_the_topology_table_does_not_know_is_one_line(torch_tpu_mod
     torch_tpu_module.distributed.set_tpu_launch_env = set_tpu_launch_env
     with pytest.raises(UserError) as e:
         TorchAccelerator("tpu").prepare_launch(2)
-    assert str(e.value).startswith("--backend tpu: TorchTPU cannot start 2 process(es) on this host: No TPU "
-                                   "topology found for count: 2 (its topology table knows 1, 4 or 8 chips on v5e")
+    line = as_flags(str(e.value))  # the core names its parameter (`backend`); the command line, the flag
+    assert line.startswith("--backend tpu: TorchTPU cannot start 2 process(es) on this host: No TPU topology found "
+                           "for count: 2 (its topology table knows 1, 4 or 8 chips on v5e")
     assert "\n" not in str(e.value) and e.value.exit_code == 2
 
 
@@ -245,7 +246,7 @@ def test_forking_tpu_workers_after_the_runtime_started_is_one_line(torch_tpu_mod
     torch_tpu_module.is_initialized = lambda: True
     monkeypatch.setattr(torch.multiprocessing, "start_processes", lambda *a, **k: pytest.fail("workers started"))
     roles = SimpleNamespace(accelerator=TorchAccelerator("tpu"), launcher=TorchLauncher(2, None))
-    with pytest.raises(UserError, match="^--backend tpu: TorchTPU's runtime already started in this process, and a "
+    with pytest.raises(UserError, match="^`backend` tpu: TorchTPU's runtime already started in this process, and a "
                                         "forked worker cannot use the TPU: call notebook_launcher before"):
         roles.launcher.launch(roles, None, (), "fork")
 

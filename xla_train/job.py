@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING, Any
 
 from transformers import AutoConfig
 
-from . import checkpoint
 from .core.batching import model_inputs_only
 from .core.clock import Startup
 from .core.errors import UserError
@@ -24,7 +23,8 @@ from .models import (
     load_tokenizer,
     position_limit,
 )
-from .run_folder import RunFolder
+from .run import checkpoint
+from .run.folder import RunFolder
 from .tasks import PredictSettings, Task, load_task
 
 if TYPE_CHECKING:
@@ -102,15 +102,19 @@ def prepare(cfg, backend, resume=None, startup=None):
     if cfg.max_length > limit:
         raise UserError(f"--max-length {cfg.max_length} is longer than model {cfg.model} takes ({limit} tokens)")
     startup.lap("model")
+    settings = PredictSettings(cfg.model, cfg.max_length, cfg.buckets, max_new_tokens=cfg.max_new_tokens)
+    test = task.prediction.read(cfg.test_file, tokenizer, settings) if cfg.test_file else None  # before the model
     shapes = Shapes(cfg.batch_size, backend.planned_data_parallel_size(), cfg.grad_accum)
     check_steps(shapes, len(task.splits["train"]))
-    data, truncated = tokenize_task(cfg, task, tokenizer)
+    data, truncated = tokenize_task(cfg, task, tokenizer, test)
     if resume:
         resume.check(cfg, len(data["train"]), backend)
     request = PaddingRequest(cfg.padding, cfg.buckets, cfg.max_length, cfg.epochs, cfg.max_steps, cfg.compile_seconds)
     resumed = resume.state["buckets"] if resume else None
-    shapes.padding = task.padding(lambda: settle_padding(request, shapes, data, task.eval_splits, backend.accelerator,
-                                                         resumed), cfg.max_length, data)
+    # --test-file's rows padded like the batches count where the padding is chosen and checked
+    sized = {**data, "test": test.data} if test and task.prediction.pads_like_training else data
+    shapes.padding = task.padding(lambda: settle_padding(request, shapes, sized, task.eval_splits, backend.accelerator,
+                                                         resumed), cfg.max_length, sized)
     startup.lap("data")
     weights = resume.model_weights() if resume else None  # a corrupt file fails before any loading
     model = task.load_model(cfg.model, cfg.seed, tokenizer.pad_token_id)
@@ -123,33 +127,26 @@ def prepare(cfg, backend, resume=None, startup=None):
         hold_frozen_in_bf16(model)  # here, once: forked replicas share these pages
     data = model_inputs_only(data, model)
     startup.lap("model")
-    test = cfg.test_file and read_test(cfg, task, tokenizer, model, backend.accelerator)
     if test:
-        truncated["test"] = test.truncated
+        test = task.prediction.fit(test, model, backend.accelerator, settings, shapes.padding)
     samples = sample_rows and task.samples(sample_rows, tokenizer, model, backend.accelerator.static_shapes,
                                            cfg.batch_size)
     startup.lap("data")  # the --eval-samples and --test-file rows
     return Job(cfg, task, tokenizer, data, shapes, model, truncated=truncated, resume=resume, startup=startup,
-               samples=samples, test=test or None)
+               samples=samples, test=test)
 
 
-def read_test(cfg, task, tokenizer, model, accelerator):
-    """--test-file's rows, read as `xla-train predict` reads its input, for the final model."""
-    settings = PredictSettings(cfg.model, cfg.max_length, cfg.buckets, max_new_tokens=cfg.max_new_tokens)
-    test = task.prediction.read(cfg.test_file, tokenizer, model, accelerator, settings)
-    if test.truncated:
-        print(f"truncated to --max-length {cfg.max_length} tokens: {test.truncated} --test-file "
-              f"{task.prediction.unit}")
-    return test
-
-
-def tokenize_task(cfg, task, tokenizer):
-    """Every split tokenised once; the workers get this copy."""
+def tokenize_task(cfg, task, tokenizer, test=None):
+    """Every split tokenised once; the workers get this copy. `test`: --test-file's rows, read
+    (and tokenised) by the task's prediction part, counted here."""
     data, truncated = task.tokenize(task.splits, tokenizer, cfg.max_length)
     task.splits = None
+    units = dict.fromkeys(truncated, task.unit)
+    if test is not None:
+        truncated["test"], units["test"] = test.truncated, task.prediction.unit
     if any(truncated.values()):
         print(f"truncated to --max-length {cfg.max_length} tokens: "
-              + ", ".join(f"{n} {split} {task.unit}" for split, n in truncated.items()))
+              + ", ".join(f"{n} {split} {units[split]}" for split, n in truncated.items()))
     return data, truncated
 
 

@@ -20,8 +20,8 @@ from typing import Any
 from .core.errors import UserError, check_choice
 from .core.shapes import parse_buckets
 from .models import BUNDLED_MODEL, bundled_model_path
+from .observe.trackers import TRACKERS, trackers
 from .tasks import FILE_FORMATS, PROBLEMS, TASKS, check_choices, kind_of
-from .trackers import TRACKERS, trackers
 
 PADDING_MODES = ("buckets", "max_length", "dynamic")
 PRECISIONS = ("fp32", "bf16")
@@ -227,7 +227,7 @@ class TrainOptions:
 
     def _check_observers(self):
         if self.profile_steps:
-            from .profile import parse_steps
+            from .observe.profile import parse_steps
 
             parse_steps(self.profile_steps)
             if not self.output_dir:

@@ -12,7 +12,7 @@
 
 `launch(fn, args)` runs `fn` on every local TPU core / GPU / CPU worker; create the Engine
 inside `fn` (it then uses the roles that launched the worker). The package's own job
-(`xla_train.train`) is written on this same API.
+(`xla_train.commands.train`) is written on this same API.
 
 An Engine's roles are attributes: `engine.accelerator` (the device: seeds, host copies, counters,
 profiles), `engine.strategy` (how work is split: mesh, data-parallel degree, model wrapping,

@@ -9,6 +9,20 @@ from pathlib import Path
 
 from .files import atomic_write
 
+_shown = None  # how the command line shows the core's parameter names (`show_parameters`); None: as written
+
+
+def show_parameters(shown):
+    """Every ExitError's line from now on passes through `shown`: the command line shows the
+    backticked parameter names of the core's messages (`num_processes`) as its flags. A line
+    printed anywhere in the process (a pod's failure told by another host too) reads the same."""
+    global _shown
+    _shown = shown
+
+
+def _say(message):
+    return _shown(message) if _shown else message
+
 
 class ExitError(Exception):
     """Ends the run with one line on stderr and `exit_code` (an empty message prints nothing)."""
@@ -24,7 +38,7 @@ class ExitError(Exception):
         return self.args[1]
 
     def line(self):
-        return f"xla-train: error: {self}"
+        return f"xla-train: error: {_say(str(self))}"
 
 
 class UserError(ExitError):
@@ -37,7 +51,7 @@ class Stopped(ExitError):
     the user's: a preemption is part of a run's life."""
 
     def line(self):
-        return f"xla-train: {self}"
+        return f"xla-train: {_say(str(self))}"
 
 
 def check_choice(option, value, allowed):

@@ -54,8 +54,11 @@ def from_folder(folder):
     """The task a fine-tuned model folder was trained for: the kind that claims its config, with
     what the folder's record says (labels, text columns, length)."""
     config = read_config(folder)
-    kind = next((k for k in KINDS.values() if k.claims(config)), None)
+    saved = read_record(folder)
+    kind = KINDS.get(saved.get("problem"))  # the kind that trained it, where it is registered
+    if kind is None or not kind.claims(config):
+        kind = next((k for k in KINDS.values() if k.claims(config)), None)
     if kind is None:
         raise UserError(f"--model {folder}: neither a fine-tuned sequence classifier nor a causal LM (architectures: "
                         f"{', '.join(config.architectures or ['none'])})")
-    return kind.from_config(config, read_record(folder))
+    return kind.from_config(config, saved)

@@ -70,6 +70,7 @@ class Prediction(Protocol):
     replica (each its share, put back in input order), written by the main process."""
 
     unit: str  # what `read` may truncate, in console lines
+    pads_like_training: bool  # a training run's --test-file rows take its batches' padding (and count in it)
 
     def check(self, settings: PredictSettings) -> None:
         """Stops with one line if `settings` ask what this kind's model cannot do."""
@@ -77,8 +78,14 @@ class Prediction(Protocol):
     def load(self, folder: str) -> Any:
         """The model a folder holds, as it predicts."""
 
-    def read(self, path: str, tokenizer: Any, model: Any, accelerator: Any, settings: PredictSettings) -> Any:
-        """The rows of `path`, tokenised and bucketed (with `.padding` and `.truncated`)."""
+    def read(self, path: str, tokenizer: Any, settings: PredictSettings) -> Any:
+        """The rows of `path`, read, checked and tokenised (`.data` with a `length` column,
+        `.truncated`), before any model loads."""
+
+    def fit(self, rows: Any, model: Any, accelerator: Any, settings: PredictSettings,
+            training_padding: Any = None) -> Any:
+        """The rows fitted to `model` (unwrapped, on the CPU) and padded (`.padding`): a training
+        run's padding where `pads_like_training`, else buckets of their own."""
 
     def predict(self, engine: Any, model: Any, rows: Any, batch_size: int) -> Any:
         """Every row's result, in input order, on every replica."""
@@ -216,7 +223,7 @@ class Task:
     def prediction(self) -> Prediction:
         """The part that predicts rows of a file with a model of this kind (table.Scores: a
         prediction and a score per row; completion.Completions: a completion per prompt)."""
-        raise NotImplementedError
+        raise UserError(f"a {self.kind} model predicts nothing: --test-file and xla-train predict do not apply")
 
     # --- what the output folder records ---------------------------------------------------
     def record(self) -> dict[str, Any]:

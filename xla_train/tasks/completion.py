@@ -13,6 +13,7 @@ How the tokens are generated (static shapes on XLA): core/generate.py.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,8 +39,8 @@ FORMS = ("prompt", "messages")  # the columns a row's prompt may come in, in the
 
 def read_prompts(path, tokenizer, max_length):
     """The input's columns (as read) and its prompts tokenised as a dataset with `row` numbers;
-    a prompt longer than `max_length` keeps its last `max_length` tokens. Returns (columns, data,
-    prompts truncated)."""
+    a prompt longer than `max_length` keeps its last `max_length` tokens. Returns Prompts, not
+    yet fitted to a model (`fit_prompts`)."""
     ds = read_table(path)
     form = next((c for c in FORMS if c in ds.column_names), None)
     if form is None:
@@ -56,7 +57,7 @@ def read_prompts(path, tokenizer, max_length):
             row["messages"] = _json(row["messages"], where)
         ids.append(prompt_ids(row, form, tokenizer, where))
     data, truncated = prompt_data(ids, max_length)
-    return columns, data, truncated
+    return Prompts(columns, data, tokenizer, truncated)
 
 
 def prompt_data(ids, max_length):
@@ -74,30 +75,29 @@ def prompt_data(ids, max_length):
 @dataclass
 class Prompts:
     """Prompts to complete, read and checked in the launching process: `xla-train predict`'s input
-    and a causal-LM run's --test-file alike (`prompts_to_complete`, then `complete`)."""
+    and a causal-LM run's --test-file alike (`read_prompts`, `fit_prompts`, then `complete`)."""
 
     columns: dict[str, list]  # the input's columns, as read, written back beside each completion
     data: Any  # the prompts tokenised (prompt_data)
-    padding: Padding  # the prompts' buckets
-    sampling: Sampling
-    tokenizer: Any  # a left-padded copy (left_padded): pads the prompts, decodes the completions
+    tokenizer: Any  # the model's; once fitted, a left-padded copy (left_padded): pads the prompts, decodes
     truncated: int  # prompts cut to their last max_length tokens
+    padding: Padding | None = None  # the prompts' buckets (`fit_prompts`)
+    sampling: Sampling | None = None
 
 
-def prompts_to_complete(path, tokenizer, model, max_length, buckets, accelerator, max_new_tokens, temperature=0.0,
-                        top_p=1.0):
-    """The prompts of `path` for `model` (unwrapped, on the CPU) on `accelerator`: read, tokenised,
-    bucketed for generation (two graphs a bucket) and checked against the model's positions."""
-    columns, data, truncated = read_prompts(path, tokenizer, max_length)
+def fit_prompts(prompts, model, accelerator, max_length, buckets, max_new_tokens, temperature=0.0, top_p=1.0):
+    """`prompts` (read_prompts') for `model` (unwrapped, on the CPU) on `accelerator`: bucketed for
+    generation (two graphs a bucket) and checked against the model's positions."""
+    from ..core.generate import Sampling
+
+    data, tokenizer = prompts.data, prompts.tokenizer
     padding = forward_padding(data["length"], accelerator, buckets, max_length, graphs=2)
     check_lengths(model, tokenizer, max(data["length"]), padding.buckets[-1] + max_new_tokens, max_new_tokens,
                   accelerator.static_shapes)
     eos = end_ids(tokenizer, model)
     tokenizer = left_padded(tokenizer, eos)
-    from ..core.generate import Sampling
-
     sampling = Sampling(max_new_tokens, eos, tokenizer.pad_token_id, temperature, top_p)
-    return Prompts(columns, data, padding, sampling, tokenizer, truncated)
+    return dataclasses.replace(prompts, tokenizer=tokenizer, padding=padding, sampling=sampling)
 
 
 def complete(engine, model, prompts, batch_size):
@@ -132,10 +132,18 @@ class Completions:
         """The model to generate with: a whole model, or an adapter (--lora) merged into its base."""
         return generation_model(self.task.load_trained(folder))
 
-    def read(self, path: str, tokenizer: Any, model: Any, accelerator: Any, settings: PredictSettings) -> Prompts:
-        return prompts_to_complete(path, tokenizer, model, settings.max_length, settings.buckets, accelerator,
-                                   settings.max_new_tokens or MAX_NEW_TOKENS, settings.temperature or 0.0,
-                                   settings.top_p or 1.0)
+    pads_like_training = False  # prompts are left-padded to buckets of their own (two graphs each)
+
+    def read(self, path: str, tokenizer: Any, settings: PredictSettings) -> Prompts:
+        """The prompts of `path`, read and tokenised; checked before any model loads."""
+        return read_prompts(path, tokenizer, settings.max_length)
+
+    def fit(self, rows: Prompts, model: Any, accelerator: Any, settings: PredictSettings,
+            training_padding: Padding | None = None) -> Prompts:
+        """The prompts bucketed for generation and checked against `model`'s positions."""
+        return fit_prompts(rows, model, accelerator, settings.max_length, settings.buckets,
+                           settings.max_new_tokens or MAX_NEW_TOKENS, settings.temperature or 0.0,
+                           settings.top_p or 1.0)
 
     def predict(self, engine: Engine, model: Any, rows: Prompts, batch_size: int) -> tuple[list[str], list[int]]:
         """Every prompt's (text, tokens generated), in input order, each replica its share."""
@@ -148,7 +156,7 @@ class Completions:
               seconds: float) -> tuple[str, dict[str, Any]]:
         """Writes the completions; returns (what was written, for a console line; its metrics)."""
         texts, counts = result
-        assert len(texts) == len(rows.data), (len(texts), len(rows.data))  # each row exactly once
+        assert rows.sampling is not None and len(texts) == len(rows.data), len(texts)  # fitted; each row once
         write_completions(path, rows.columns, texts)
         rate = sum(counts) / max(seconds, 1e-9)
         return (f"generated {len(texts)} completions ({sum(counts)} tokens, {rate:.1f} tokens/s)",

@@ -57,6 +57,10 @@ def submission(name, scores):
     """Each row's prediction as GLUE's submission file for task `name` writes it (`scores`: the
     rows' predict columns): the label as GLUE's files spell it, or STS-B's score to 3 places."""
     spec = GLUE[name]
+    outputs = len(spec.labels) or 1
+    if scores.shape[1] != outputs:
+        raise UserError(f"{name}'s submission takes {outputs} output(s) a row ({', '.join(spec.labels) or 'a score'}); "
+                        f"the model gives {scores.shape[1]}")
     if spec.labels:
         return [spec.file_labels[i] for i in scores.max(1).indices.tolist()]
     return [f"{v:.3f}" for v in scores[:, 0].tolist()]

@@ -38,7 +38,8 @@ class SequenceTask(Task):
     [`text2`], the head's config, and how a saved classifier folder is read back."""
 
     peft_task_type = "SEQ_CLS"  # peft keeps the head ("classifier", "score") trainable in full
-    own_main: ClassVar[str | None] = None  # own data's main metric (its metric config is the kind's name)
+    own_metric: ClassVar[str | None] = None  # own data's task_metric config (a kind built on this one inherits it)
+    own_main: ClassVar[str | None] = None  # own data's main metric
 
     @classmethod
     def load(cls, source):
@@ -135,7 +136,8 @@ class Classification(SequenceTask):
     name and its probability."""
 
     kind = "classification"
-    own_main = "accuracy"  # own data's main metric (its metric config is the kind's name)
+    own_metric = "classification"
+    own_main = "accuracy"
 
     @classmethod
     def claims(cls, config):
@@ -192,6 +194,7 @@ class Regression(SequenceTask):
     """One number: mean squared error; evaluation gathers the value; predict writes it."""
 
     kind = "regression"
+    own_metric = "regression"
     own_main = "pearson"
 
     @classmethod

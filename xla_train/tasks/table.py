@@ -10,6 +10,7 @@ regression), in the output file's format by extension (.csv .tsv .json .jsonl).
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -127,9 +128,9 @@ class ScoreRows:
 
     table: Table
     data: Any  # the rows tokenised, with their `row` numbers
-    padding: Padding  # a forward pass's buckets
     tokenizer: Any
     truncated: int  # rows cut to the maximum length
+    padding: Padding | None = None  # a forward pass's buckets, or a training run's (`Scores.fit`)
 
     def __len__(self):
         return len(self.table)
@@ -175,15 +176,24 @@ class Scores:
         """The model to predict with: a whole model, or an adapter (--lora) on its base."""
         return self.task.load_trained(folder)
 
-    def read(self, path: str, tokenizer: Any, model: Any, accelerator: Any, settings: PredictSettings) -> ScoreRows:
-        """`path`'s rows, tokenised as training tokenised its rows and bucketed for a forward pass."""
+    pads_like_training = True  # a training run's --test-file rows take its batches' padding
+
+    def read(self, path: str, tokenizer: Any, settings: PredictSettings) -> ScoreRows:
+        """`path`'s rows, tokenised as training tokenised its rows; checked before any model loads."""
+        table = read_input(path, self.task, settings.text_columns, settings.glue_task)
+        data, truncated = tokenize_rows(table, self.task, tokenizer, settings.max_length)
+        return ScoreRows(table, data, tokenizer, truncated)
+
+    def fit(self, rows: ScoreRows, model: Any, accelerator: Any, settings: PredictSettings,
+            training_padding: Padding | None = None) -> ScoreRows:
+        """The rows with `model`'s inputs only, padded like a training run's batches
+        (`training_padding`) or bucketed for a forward pass."""
         from ..core.batching import model_inputs_only
         from ..core.shapes import forward_padding
 
-        table = read_input(path, self.task, settings.text_columns, settings.glue_task)
-        data, truncated = tokenize_rows(table, self.task, tokenizer, settings.max_length)
-        padding = forward_padding(data["length"], accelerator, settings.buckets, settings.max_length)
-        return ScoreRows(table, model_inputs_only(data, model), padding, tokenizer, truncated)
+        padding = training_padding or forward_padding(rows.data["length"], accelerator, settings.buckets,
+                                                      settings.max_length)
+        return dataclasses.replace(rows, data=model_inputs_only(rows.data, model), padding=padding)
 
     def predict(self, engine: Engine, model: Any, rows: ScoreRows, batch_size: int) -> Any:
         """Every row's scores (a (rows, columns) host tensor in input order), each replica its share."""

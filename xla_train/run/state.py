@@ -13,11 +13,11 @@ from dataclasses import asdict
 
 import torch
 
+from ..core.errors import Stopped
+from ..core.storage import open_store
+from ..core.ties import first_names_only
+from ..tasks import MINIMISED
 from . import checkpoint
-from .core.errors import Stopped
-from .core.storage import open_store
-from .core.ties import first_names_only
-from .tasks import MINIMISED
 
 
 class LossTracker:
@@ -104,15 +104,16 @@ class RunState:
         return self._agree_across(flags)
 
     def _agree_across(self, flags):
-        # Cut the step's graph first, as xm.rendezvous does (torch_xla/core/xla_model.py,
-        # xla_rendezvous, line 1330): the step then runs as the graph already compiled, and the
+        # Cut the step's graph first, as xm.rendezvous does (torch_xla 2.9's
+        # core.xla_model.xla_rendezvous): the step then runs as the graph already compiled, and the
         # flags' all_gather is a small graph of its own. Built on the pending step, the gather
         # and the step would compile as one new graph at the first log point of every bucket.
         self.engine.cut_graph()
         # int32: 64-bit integer collectives may not lower on TPU (pytorch/xla#1952). The largest
         # is taken on the device: under SPMD the rows are sharded over several hosts' devices.
-        rows = self.engine.strategy.gather_rows(torch.tensor(flags, dtype=torch.int32))
-        (agreed,) = self.engine.to_host([rows.amax(0)])
+        # one expression: a gathered tensor still named at the copy would be a second output of the graph
+        (agreed,) = self.engine.to_host([self.engine.strategy.gather_rows(torch.tensor(flags, dtype=torch.int32))
+                                         .amax(0)])
         return agreed.tolist()
 
     def diverged(self):

@@ -7,10 +7,10 @@ import sys
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
-from .core.errors import ExitError, Stopped, UserError
+from ..core.errors import ExitError, Stopped, UserError, show_parameters
 
 if TYPE_CHECKING:
-    from .options import TrainOptions
+    from ..options import TrainOptions
 
 
 class _Parser(argparse.ArgumentParser):
@@ -32,7 +32,7 @@ class _Help(argparse.HelpFormatter):
 def build_parser(given_only: bool = False) -> argparse.ArgumentParser:
     """The parser of every command; `given_only`: train's options have no defaults, so that its
     namespace holds the flags given (which override a recipe)."""
-    from .options import PredictOptions, TrainOptions
+    from ..options import PredictOptions, TrainOptions
 
     p = _Parser(prog="xla-train", description="Fine-tune Hugging Face transformers on TPU/XLA, GPU or CPU.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -56,7 +56,7 @@ CONFIG = "--config"
 def _add_config_help(parser: argparse.ArgumentParser) -> None:
     """--config in train's help, in a group of its own. It is read before argparse parses (main:
     `_take_configs`), since the flags given must override it, so it is no action of the parser."""
-    from .options import SECTIONS
+    from ..options import SECTIONS
 
     group = parser.add_argument_group("recipe")
     group._group_actions.append(argparse.Action(
@@ -69,7 +69,7 @@ def _add_config_help(parser: argparse.ArgumentParser) -> None:
 def _add_options(parser, options, given_only=False):
     """One argument per field of the `options` dataclass, with its default, help and type;
     training's in a group per section. `given_only`: no defaults (argparse.SUPPRESS)."""
-    from .options import SECTIONS, option_fields
+    from ..options import SECTIONS, option_fields
 
     groups = {}
     for flag, f in option_fields(options):
@@ -79,9 +79,8 @@ def _add_options(parser, options, given_only=False):
             groups[section] = parser.add_argument_group(section, SECTIONS[section])
         where = groups[section] if section else parser
         default = argparse.SUPPRESS if given_only else f.default
-        if f.type in (bool, "bool"):  # a default of None: --name and --no-name, else not given
-            action = "store_true" if f.default is not None else argparse.BooleanOptionalAction
-            where.add_argument(flag, action=action, default=default, help=meta["help"])
+        if f.type in (bool, "bool"):  # --name and --no-name: a recipe's `true` can be turned off here
+            where.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=meta["help"])
             continue
         kind = {"int": int, "float": float}.get(f.type if isinstance(f.type, str) else f.type.__name__)
         where.add_argument(flag, type=kind, default=default, required=meta["required"], help=meta["help"])
@@ -106,7 +105,7 @@ def _take_configs(argv: list[str]) -> tuple[list[str], list[str]]:
 
 def _read_recipes(configs: list[str]) -> dict[str, Any]:
     """The options the recipes set, later ones over earlier ones ({name: value})."""
-    from .options import read_recipe
+    from ..options import read_recipe
 
     values: dict[str, Any] = {}
     for path in configs:
@@ -122,7 +121,7 @@ def _over_recipe(recipe: dict[str, Any], argv: list[str]) -> argparse.Namespace:
 
 def train_options(args: argparse.Namespace) -> "TrainOptions":
     """train's options from its parsed arguments (options missing from `args` keep their defaults)."""
-    from .options import TrainOptions
+    from ..options import TrainOptions
 
     return TrainOptions(**{k: v for k, v in vars(args).items() if k != "command"})
 
@@ -134,14 +133,14 @@ def cmd_train(args):
 
 
 def cmd_predict(args):
-    from .options import PredictOptions
+    from ..options import PredictOptions
     from .predict import run
 
     run(PredictOptions(**{k: v for k, v in vars(args).items() if k != "command"}))
 
 
 def cmd_report(args):
-    from .report import write_report
+    from ..observe.report import write_report
 
     print(write_report(args.run_dir))
 
@@ -150,7 +149,7 @@ def cmd_env(args):
     import torch
     import transformers
 
-    from .core.select import auto_choice, torch_accelerator, tpu_runtimes, xla_problem
+    from ..core.select import auto_choice, torch_accelerator, tpu_runtimes, xla_problem
 
     runtimes, accelerator, mismatch = tpu_runtimes(), torch_accelerator(), xla_problem()
     try:
@@ -184,7 +183,7 @@ def _no_xla_unless_used(argv, backend="auto"):
         return  # --help starts no library (a test checks)
     name = known.backend
     if name == "auto":
-        from .core.select import auto_choice
+        from ..core.select import auto_choice
 
         name, _ = auto_choice()
     if name in ("cpu", "cuda", "tpu"):
@@ -196,7 +195,7 @@ def as_flags(message: str) -> str:
     Engine passed them; on the command line each one is its flag (--num-processes)."""
     import re
 
-    from .options import PredictOptions, TrainOptions, flag_name
+    from ..options import PredictOptions, TrainOptions, flag_name
 
     names = {f.name for cls in (TrainOptions, PredictOptions) for f in fields(cls)}
     return re.sub(r"`([a-z_]+)`", lambda m: flag_name(m[1]) if m[1] in names else m[0], message)
@@ -205,6 +204,7 @@ def as_flags(message: str) -> str:
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     pjrt_device = os.environ.get("PJRT_DEVICE")  # as given: importing torch_xla sets a default
+    show_parameters(as_flags)  # the core's `num_processes` is --num-processes here, in every error line
     try:
         argv, configs = _take_configs(argv)
         helping = {"-h", "--help"} & set(argv)
@@ -219,7 +219,7 @@ def main(argv=None):
     except ExitError as e:
         # under torchrun every rank runs this; a stop (the same on every rank) is told once
         if str(e) and not (isinstance(e, Stopped) and os.environ.get("RANK", "0") != "0"):
-            print(as_flags(e.line()), file=sys.stderr)
+            print(e.line(), file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         print("xla-train: interrupted", file=sys.stderr)

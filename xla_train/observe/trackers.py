@@ -14,7 +14,7 @@ import warnings
 from dataclasses import asdict
 from pathlib import Path
 
-from .core.errors import UserError
+from ..core.errors import UserError
 
 
 class MLflow:

@@ -13,7 +13,7 @@ import tempfile
 from contextlib import nullcontext
 from pathlib import Path
 
-from .core.errors import UserError
+from ..core.errors import UserError
 
 
 def parse_steps(spec):

@@ -16,11 +16,11 @@ import os
 import uuid
 from dataclasses import asdict
 
-from .core.errors import UserError
-from .core.files import atomic_write
-from .core.storage import complete_steps
-from .options import recipe_text
-from .tasks import scores
+from ..core.errors import UserError
+from ..core.files import atomic_write
+from ..core.storage import complete_steps
+from ..options import recipe_text
+from ..tasks import scores
 
 RECORD = "xla_train_run.json"
 RECIPE = "recipe.yaml"  # the run's options, as `xla-train train --config` reads them

@@ -17,11 +17,11 @@ import json
 import time
 from pathlib import Path
 
-from .core.engine import Engine
-from .core.files import atomic_write
-from .core.select import select_roles
-from .models import load_pretrained
-from .tasks import PredictSettings, from_folder
+from ..core.engine import Engine
+from ..core.files import atomic_write
+from ..core.select import select_roles
+from ..models import load_pretrained
+from ..tasks import PredictSettings, from_folder
 
 
 def predict_worker(cfg, prediction, model, rows):
@@ -56,8 +56,9 @@ def run(cfg):
     prediction.check(settings)
     backend = select_roles(cfg.backend, cfg.num_processes, cfg.strategy)
     tokenizer = load_pretrained(AutoTokenizer, cfg.model)
-    model = prediction.load(cfg.model)
-    rows = prediction.read(cfg.input, tokenizer, model, backend.accelerator, settings)
+    rows = prediction.read(cfg.input, tokenizer, settings)  # the input checked before the model loads
     if rows.truncated:
         print(f"truncated to --max-length {settings.max_length} tokens: {rows.truncated} {prediction.unit}")
+    model = prediction.load(cfg.model)
+    rows = prediction.fit(rows, model, backend.accelerator, settings)
     backend.launch(predict_worker, (cfg, prediction, model, rows))

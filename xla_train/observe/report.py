@@ -14,9 +14,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .core.errors import UserError
-from .core.files import atomic_write
-from .models import shown_name
+from ..core.errors import UserError
+from ..core.files import atomic_write
+from ..models import shown_name
 
 # TensorBoard tags the monitor writes and this module reads (the reader owns the names).
 TAGS = {
@@ -185,8 +185,8 @@ def load_recipe(run_dir: str | Path) -> dict[str, Any] | None:
     """The run's recipe: {"text": recipe.yaml's text or None, "changed": {section: {option: value}}
     that differ from the defaults, "error": a line or None}; from the run's record where an older
     run has no recipe.yaml; None where the folder has neither."""
-    from .options import TrainOptions, non_defaults, parse_recipe, recipe_values
-    from .run_folder import RECIPE, RECORD
+    from ..options import TrainOptions, non_defaults, parse_recipe, recipe_values
+    from ..run.folder import RECIPE, RECORD
 
     run_dir = Path(run_dir)
     text, values, error = None, None, None

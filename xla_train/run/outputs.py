@@ -8,10 +8,10 @@ from pathlib import Path
 
 import torch
 
-from .core.files import atomic_write
-from .models import add_adapters, save_merged
-from .run_folder import write_finished
-from .tasks import scores
+from ..core.files import atomic_write
+from ..models import add_adapters, save_merged
+from ..tasks import scores
+from .folder import write_finished
 
 
 def finish(engine, job, t, monitor):
@@ -102,7 +102,7 @@ def token_throughput(engine, job, t, timing):
     (`padded`), those of the rows (`real`) and those in the loss (`trained`, where the task's rows
     say: causal-lm); per second of training steps; the padding share; and the model FLOPs
     utilisation where the device's peak is known (core.peaks), else None."""
-    from .core.peaks import flops_per_token, peak_flops
+    from ..core.peaks import flops_per_token, peak_flops
 
     plan, state, accum = t.train_dl.loader.batch_sampler, t.state, job.cfg.grad_accum
     data = job.data["train"]

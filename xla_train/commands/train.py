@@ -16,22 +16,23 @@ import functools
 import torch
 from tqdm.auto import tqdm
 
-from . import STARTED, outputs
-from .core.batching import make_loader
-from .core.clock import Startup
-from .core.engine import Engine
-from .core.errors import Stopped
-from .core.select import select_roles
-from .core.signals import StopRequest
-from .evaluation import Evaluator
-from .job import Job, launch, open_output, prepare
-from .memory import check_fits, device_bytes
-from .memory import describe as describe_memory
-from .memory import plan as plan_of
-from .monitor import Monitor
-from .profile import Profile
-from .run_state import RunState
-from .tasks import scores
+from .. import STARTED
+from ..core.batching import make_loader
+from ..core.clock import Startup
+from ..core.engine import Engine
+from ..core.errors import Stopped
+from ..core.select import select_roles
+from ..core.signals import StopRequest
+from ..evaluation import Evaluator
+from ..job import Job, launch, open_output, prepare
+from ..memory import check_fits, device_bytes
+from ..memory import describe as describe_memory
+from ..memory import plan as plan_of
+from ..observe.monitor import Monitor
+from ..observe.profile import Profile
+from ..run import outputs
+from ..run.state import RunState
+from ..tasks import scores
 
 # ---------------------------------------------------------------------------------------------
 # In the launching process: every check, then the job, then the workers

@@ -12,7 +12,7 @@ Files, on the main replica and only for a local --output-dir:
     OUTPUT_DIR/metrics.json      the run's metrics dict
     OUTPUT_DIR/compilations.json every compilation (step, phase, input shape, seconds, cause)
     OUTPUT_DIR/xla_debug.log     torch_xla's own compilation analysis (PT_XLA_DEBUG_LEVEL=1)
-    OUTPUT_DIR/report/           see xla_train.report
+    OUTPUT_DIR/report/           see xla_train.observe.report
 """
 
 import json
@@ -23,9 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from .core.clock import RunClock
-from .core.files import atomic_write
-from .core.storage import is_remote
+from ..core.clock import RunClock
+from ..core.files import atomic_write
+from ..core.storage import is_remote
 from .report import tag, write_report
 from .trackers import Trackers
 
