@@ -45,6 +45,21 @@ def test_bad_input_is_one_line_and_exit_2(args, message, capsys):
     assert message in err
 
 
+def test_the_core_names_parameters_and_the_command_line_shows_flags(monkeypatch):
+    """An error of the core names the parameter its caller passed (`num_processes`); once the
+    command line has started, every error line shows it as the flag, wherever it is printed (a
+    pod's failure line included), and names that are no option stay as written."""
+    from xla_train.commands.cli import as_flags
+    from xla_train.core import errors
+
+    error = errors.UserError("`num_processes` 3: on XLA give 1, or use `strategy` spmd; `shards` stays")
+    monkeypatch.setattr(errors, "_shown", None)  # a loop of one's own: no command line
+    assert error.line() == "xla-train: error: `num_processes` 3: on XLA give 1, or use `strategy` spmd; `shards` stays"
+    errors.show_parameters(as_flags)  # what cli.main does first
+    assert error.line() == "xla-train: error: --num-processes 3: on XLA give 1, or use --strategy spmd; `shards` stays"
+    assert str(error) == "`num_processes` 3: on XLA give 1, or use `strategy` spmd; `shards` stays"  # what pickles
+
+
 def test_malformed_tsv_from_the_cli(tmp_path, capsys):
     (tmp_path / "train.tsv").write_text("Quality\t#1 ID\t#2 ID\t#1 String\t#2 String\nx\t1\t2\ta\tb\n")
     (tmp_path / "dev.tsv").write_text("Quality\t#1 ID\t#2 ID\t#1 String\t#2 String\n1\t1\t2\ta\tb\n")

@@ -260,6 +260,22 @@ def test_bad_own_file_fails_before_the_model_loads(tmp_path, capsys):
     assert code == 2 and err.count("\n") == 1 and "every row has label 'pos'" in err
 
 
+def test_a_bad_test_file_fails_before_the_model_loads(tiny_model, tmp_path, capsys, monkeypatch):
+    """--test-file's rows are read and checked (by the task's prediction part) before the model
+    loads: a file without the model's text columns is one line, exit 2, and no model was loaded."""
+    from xla_train.tasks import Classification
+
+    loaded = []
+    monkeypatch.setattr(Classification, "load_model", lambda *args: loaded.append(args))
+    rows = bad(tmp_path, "rows.csv", "text,label\na,pos\nb,neg\nc,pos\nd,neg\n" * 4)
+    test = bad(tmp_path, "test.csv", "question\nwhy?\n")
+    code = main(["train", "--backend", "cpu", "--model", tiny_model, "--train-file", str(rows), "--validation-file",
+                 str(rows), "--test-file", str(test), "--output-dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "test.csv: no column 'text'" in err, err
+    assert loaded == []
+
+
 def test_task_and_problem_names_have_one_check():
     """The rule the command line's validation and `load_task` both use."""
     check_choices()
