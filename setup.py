@@ -56,5 +56,7 @@ setup(
         # every test (make test), and TRL for benchmarks/bench_sft.py (TRL's SFTTrainer side by side)
         "dev": TEST + [XLA_TORCH, f"torch_xla=={XLA_VERSION}", "trl>=1.16,<2"],
     },
-    entry_points={"console_scripts": ["xla-train=xla_train.commands.cli:main"]},
+    entry_points={"console_scripts": ["xla-train=xla_train.commands.cli:main"],
+                  # the torch-native backends' roles, found by xla_train.core.select.registered_roles
+                  "xla_train.roles": [f"{backend} = gpu_fallback:roles" for backend in ("cuda", "cpu", "tpu")]},
 )

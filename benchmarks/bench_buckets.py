@@ -52,9 +52,9 @@ def main():
     p.add_argument("--label-column", default="label")
     args = p.parse_args()
 
-    task = load_task(args.task, args.data_dir, args.train_file, args.validation_file, args.text_columns,
+    task, splits = load_task(args.task, args.data_dir, args.train_file, args.validation_file, args.text_columns,
                      args.label_column)
-    data, _ = tokenize(task.splits, AutoTokenizer.from_pretrained(bundled_model_path()), 128)
+    data, _ = tokenize(splits, AutoTokenizer.from_pretrained(bundled_model_path()), 128)
     train_len = np.asarray(data["train"]["length"])
     eval_len = np.concatenate([data[split]["length"] for split in task.eval_splits])
     epochs = 3

@@ -4,6 +4,13 @@ weights, gradients and AdamW state over the devices (`--devices`, 8 by default: 
 
     python benchmarks/bench_memory.py                   # batch 8 per device, 128 tokens, 8 devices
     python benchmarks/bench_memory.py --batch-size 1 --length 512
+    python benchmarks/bench_memory.py --measure          # and the plan against the peak measured on the CPU
+
+--measure trains a scaled Llama (4 blocks, 256 wide, GQA, the bundled vocabulary's 30,522 words,
+tied) one fp32 step on the CPU as the causal-LM task runs it (sdpa and a packed row's boolean 4-D
+mask; the head whole or in chunks; blocks kept or checkpointed) and prints the plan's peak beside
+the one torch's profiler measures (the parameters and AdamW's state, exact, added). Every run also
+prints what the plan says of Llama 3.2 1B at --max-length 8192 on a 16 GiB chip.
 
 Models are built on torch's meta device from their configs (no weights, no hub): the bundled
 MiniLM-L6-H384, bert-base-uncased, bert-large-uncased, a 1B Llama (Llama 3.2 1B's shape) and a 7B
@@ -46,6 +53,7 @@ def main():
     p.add_argument("--length", type=int, default=128, help="tokens per row")
     p.add_argument("--devices", type=int, default=8)
     p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "out" / "memory"))
+    p.add_argument("--measure", action="store_true", help="also measure the peak of a scaled Llama on the CPU")
     args = p.parse_args()
     os.environ.setdefault("USE_TORCH_XLA", "0")  # transformers would import torch_xla otherwise
     import torch
@@ -79,8 +87,101 @@ def main():
     print(f"batch {args.batch_size} x {args.length} tokens per device, {args.devices} devices\n{table}")
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "memory.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1) + "\n")
+    long_context = one_b_at_8192()
+    print("\n".join(line for _, line in long_context))
+    measured = measure() if args.measure else None
+    (out / "memory.json").write_text(json.dumps({"args": vars(args), "rows": rows, "measured": measured,
+                                                 "llama_1b_8192": [c for c, _ in long_context]}, indent=1) + "\n")
     (out / "memory.md").write_text(table + "\n")
+
+
+LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True, pad_token_id=0)
+
+
+def one_b_at_8192():
+    """What the plan says of Llama 3.2 1B (bf16, one row of 8,192 tokens a device, sdpa with the
+    packed path's mask) on a 16 GiB chip, as asked and with each remedy."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from xla_train.memory import GIB, needed, plan
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(**LLAMA_1B))
+    cases = [("as asked", 1, False, False, False), ("--gradient-checkpointing", 1, True, False, False),
+             ("--gradient-checkpointing, chunked logits", 1, True, True, False),
+             ("--strategy fsdp on 8 chips, --gradient-checkpointing", 8, True, False, False),
+             ("--strategy fsdp on 8 chips, --gradient-checkpointing, chunked logits", 8, True, True, False),
+             ("--lora, --gradient-checkpointing, chunked logits", 1, True, True, True)]
+    out = []
+    for name, shards, checkpointed, chunked, lora in cases:
+        for p in model.parameters():
+            p.requires_grad_(not lora)
+        memory, _ = plan(model, 1, 8192, "bf16", shards=shards, device_bytes=V5E, checkpointed=checkpointed,
+                         logits=True, chunked_logits=chunked)
+        peak = needed(memory)
+        out.append(({"case": name, "peak_bytes_estimate": peak, "fits_16GiB": peak <= V5E},
+                    f"Llama 3.2 1B, bf16, 1 x 8,192 tokens, {name}: {peak / GIB:.1f} GiB, "
+                    f"{'fits' if peak <= V5E else 'does not fit'} a 16 GiB chip"))
+    return out
+
+
+def measure():
+    """The plan's peak against the measured one for the scaled Llama (see the module's doc)."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from xla_train.core.engine import checkpoint_activations
+    from xla_train.core.lm_loss import chunked_lm_loss
+    from xla_train.memory import MIB, measure_peak, needed, plan
+
+    rows, length, chunk, results = 2, 512, 256, []
+
+    def case(checkpointed, chunked):
+        torch.manual_seed(0)
+        cfg = LlamaConfig(vocab_size=30522, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, pad_token_id=0,
+                          use_cache=False, attn_implementation="sdpa")
+        model = LlamaForCausalLM(cfg).train()
+        if checkpointed:
+            checkpoint_activations(model)
+        g = torch.Generator().manual_seed(1)
+        ids, labels = (torch.randint(0, cfg.vocab_size, (rows, length), generator=g) for _ in range(2))
+        segments = torch.ones(rows, length, dtype=torch.long)
+        segments[:, length // 3:] = 2
+        pos = torch.arange(length)
+        mask = (segments[:, None, :, None] == segments[:, None, None, :]) & (pos[:, None] >= pos[None, :])
+
+        def step():
+            if chunked:
+                hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state
+                loss_sum, tokens = chunked_lm_loss(hidden, model.lm_head.weight, labels, chunk_tokens=chunk)
+                loss = loss_sum.sum() / tokens.sum()
+            else:
+                logits = model(input_ids=ids, attention_mask=mask).logits.float()
+                loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1))
+            loss.backward()
+            for p in model.parameters():
+                p.grad = None
+
+        memory, _ = plan(model, rows, length, "fp32", checkpointed=checkpointed, logits=True, attention="sdpa",
+                         chunked_logits=chunked, dense_mask=True, chunk_tokens=chunk)
+        return memory, step
+
+    for checkpointed in (False, True):
+        for chunked in (False, True):
+            memory, step = case(checkpointed, chunked)
+            step()
+            got = memory["param_bytes_per_device"] + memory["optimizer_bytes_per_device"] + measure_peak(step)
+            row = {"checkpointed": checkpointed, "chunked_logits": chunked, "rows": rows, "length": length,
+                   "plan_bytes": needed(memory), "measured_bytes": got, "ratio": needed(memory) / got}
+            results.append(row)
+            print(f"scaled Llama, fp32, {rows} x {length} tokens, blocks {'checkpointed' if checkpointed else 'kept'}, "
+                  f"logits {'chunked' if chunked else 'whole'}: plan {row['plan_bytes'] / MIB:.1f} MiB, measured "
+                  f"{got / MIB:.1f} MiB (plan / measured {row['ratio']:.3f})", flush=True)
+    return results
 
 
 if __name__ == "__main__":

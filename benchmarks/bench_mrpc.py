@@ -11,6 +11,11 @@ tokenisation, compilation, training, evaluation) for the same number of steps de
     python benchmarks/bench_mrpc.py --cases cuda-b4,cuda-compile,cuda-ref --max-steps 300  # --compile (CUDA graphs)
     python benchmarks/bench_mrpc.py --cases cpu-b4,cpu-compile --max-steps 40            # --compile on the CPU
 
+A `--compile` case keeps its graphs in OUT/compile-cache-CASE (`--compile-cache`, emptied first) and
+runs a second time with that folder, as the row `CASE-cached`: the same job, its graphs loaded from
+torch.compile's caches (the `cache hits` column; `compile s` is torch.compile's own seconds), compared
+with the first run.
+
 --pin runs the cases concurrently, each pinned to its own core with one thread (a case waits for
 a free core); the speed drift of a shared machine then hits every case alike, and the wall-time
 ratios compare one core against one core.
@@ -21,6 +26,7 @@ Writes OUT/results.json and OUT/results.md (OUT defaults to benchmarks/out).
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -99,7 +105,8 @@ def run_pinned(keys, extra, out_dir):
             while queue and free:
                 key = queue.pop(0)
                 label, cmd, env = CASES[key][:3]
-                running[key] = start(label, cmd, env, extra, out_dir / f"{key}.json", free.pop(0))
+                running[key] = start(label, cmd, env, extra + cache_args(key, out_dir), out_dir / f"{key}.json",
+                                     free.pop(0))
             done = next((k for k, pr in running.items() if pr.poll() is not None), None)
             if done is None:
                 time.sleep(1)
@@ -113,8 +120,28 @@ def run_pinned(keys, extra, out_dir):
     return {k: results[k] for k in keys}
 
 
+CACHED = "-cached"  # a --compile case's second run, its graphs from the first run's --compile-cache
+
+
+def compiled(key):
+    return "--compile" in CASES[key][1]
+
+
+def cache_args(key, out_dir):
+    """A --compile case's --compile-cache folder (the same for its second run)."""
+    return ["--compile-cache", str(out_dir / f"compile-cache-{key}")] if compiled(key) else []
+
+
+def label_of(key):
+    if key.endswith(CACHED):
+        return CASES[key[:-len(CACHED)]][0] + ", second run: graphs from --compile-cache"
+    return CASES[key][0]
+
+
 def base_of(key):
     """The row a case is compared with."""
+    if key.endswith(CACHED):
+        return key[:-len(CACHED)]
     return CASES[key][3] if len(CASES[key]) > 3 else key.split("-")[0]
 
 
@@ -127,23 +154,26 @@ def loss_gap(m, base):
 
 def table(results):
     rows = ["| case | wall s | wall / base's | train samples/s | steady samples/s | steady / base's | "
-            "max loss gap to base | compiles | syncs/step | aten fallbacks | padding eff. | accuracy | F1 |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+            "max loss gap to base | compiles | compile s | cache hits | syncs/step | aten fallbacks | padding eff. "
+            "| accuracy | F1 |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for key, m in results.items():
         if "failed" in m:
-            rows.append(f"| {CASES[key][0]} | failed (exit code {m['failed']}) after {m['wall_seconds']:.1f} s "
-                        f"| - | - | - | - | - | - | - | - | - | - | - |")
+            rows.append(f"| {label_of(key)} | failed (exit code {m['failed']}) after {m['wall_seconds']:.1f} s "
+                        f"| - | - | - | - | - | - | - | - | - | - | - | - | - |")
             continue
         ours = results.get(base_of(key))
         ours = None if ours is None or "failed" in ours or ours is m else ours
         x = m.get("xla") or m.get("torch_compile") or {}
-        rows.append("| {} | {:.1f} | {} | {:.1f} | {} | {} | {} | {} | {} | {} | {} | {:.4f} | {:.4f} |".format(
-            CASES[key][0], m["wall_seconds"],
+        rows.append(("| {} | {:.1f} | {} | {:.1f} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.4f} "
+                     "| {:.4f} |").format(
+            label_of(key), m["wall_seconds"],
             f"{m['wall_seconds'] / ours['wall_seconds']:.2f}x" if ours else "-",
             m["train_samples_per_s"], m.get("steady_samples_per_s", "-"),
             f"{m['steady_samples_per_s'] / ours['steady_samples_per_s']:.2f}x"
             if ours and m.get("steady_samples_per_s") and ours.get("steady_samples_per_s") else "-",
-            loss_gap(m, ours) if ours else "-", x.get("compiles", "-"),
+            loss_gap(m, ours) if ours else "-", x.get("compiles", "-"), x.get("compile_seconds", "-"),
+            x.get("cache_hits", "-"),
             x.get("host_syncs_per_step", "-"), x.get("aten_fallbacks", "-"),
             m.get("padding_efficiency", "-"), m["eval"]["accuracy"], m["eval"]["f1"]))
     return "\n".join(rows) + "\n"
@@ -165,18 +195,24 @@ def main():
     out_dir.mkdir(parents=True, exist_ok=True)
     extra = ["--max-steps", str(args.max_steps)] if args.max_steps else []
     keys = args.cases.split(",")
+    for key in filter(compiled, keys):  # the first run compiles every graph
+        shutil.rmtree(out_dir / f"compile-cache-{key}", ignore_errors=True)
     if args.pin:
         results = run_pinned(keys, extra, out_dir)
     else:
         results = {}
         for key in keys:
             label, cmd, env = CASES[key][:3]
-            results[key] = finish(start(label, cmd, env, extra, out_dir / f"{key}.json"))
+            results[key] = finish(start(label, cmd, env, extra + cache_args(key, out_dir), out_dir / f"{key}.json"))
+    for key in filter(compiled, keys):  # the same job again, its graphs in the cache the first run filled
+        label, cmd, env = CASES[key][:3]
+        results[key + CACHED] = finish(start(label_of(key + CACHED), cmd, env, extra + cache_args(key, out_dir),
+                                             out_dir / f"{key}{CACHED}.json"))
     md = f"Command: `python benchmarks/bench_mrpc.py {' '.join(sys.argv[1:])}`\n\n" + table(results)
     (out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     (out_dir / "results.md").write_text(md)
     print(md)
-    failed = [CASES[k][0] for k, m in results.items() if "failed" in m]
+    failed = [label_of(k) for k, m in results.items() if "failed" in m]
     if failed:
         raise SystemExit(f"failed: {', '.join(failed)} (logs in {out_dir})")
 

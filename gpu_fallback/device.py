@@ -12,6 +12,7 @@ Launch commands (the strategies and the launcher are in `strategies.py` and `lau
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from xla_train.core.errors import UserError, first_line
-from xla_train.core.roles import Accelerator
+from xla_train.core.roles import Accelerator, PathLike
 
 from .launcher import launched_by_torchrun
 
@@ -40,6 +41,16 @@ RECOMPILE_LIMIT = 64
 # (torch 2.9's torch._dynamo.convert_frame._compile, its compile_inner) and its backward's, at the
 # first backward (torch._inductor.compile_fx.compile_fx, its bw_compiler; the same names in torch 2.13)
 COMPILE_TIMERS = ("_compile.compile_inner", "compile_fx.<locals>.bw_compiler")
+# torch.compile's graphs taken from its caches (`use_compile_cache`): per dynamo graph, AOTAutograd's
+# cache (its forward and backward together; torch._functorch's autograd_cache, on by default since
+# torch 2.7), and per graph inductor compiles (forward, backward, inference apart), the FX graph cache
+CACHE_COUNTERS = {"cache_hits": ("aot_autograd", "autograd_cache_hit"),
+                  "cache_misses": ("aot_autograd", "autograd_cache_miss"),
+                  "inductor_cache_hits": ("inductor", "fxgraph_cache_hit"),
+                  "inductor_cache_misses": ("inductor", "fxgraph_cache_miss")}
+# what torch's inductor says once per process when fp32 matrix products could use TensorFloat-32
+# (torch._inductor.compile_fx._warn_tf32_disabled): `tf32` is the answer, else it stays off the console
+TF32_WARNING = "TensorFloat32 tensor cores for float32 matrix multiplication available but not enabled"
 
 
 class TorchAccelerator(Accelerator):
@@ -57,6 +68,7 @@ class TorchAccelerator(Accelerator):
 
     fused_optimizer = True  # one fused AdamW kernel instead of a chain of multi-tensor ops
     compile_refusal = None  # --compile: torch.compile (see `compile`)
+    tf32 = False  # `use_tf32`: fp32 matrix products on TensorFloat-32 tensor cores (CUDA)
 
     def __init__(self, device_type: str) -> None:
         self.name = device_type
@@ -148,6 +160,39 @@ class TorchAccelerator(Accelerator):
         super().use_compile()
         self.compile_seconds = COMPILE_SECONDS.get(self.name, ACCELERATOR_COMPILE_SECONDS)
 
+    def use_compile_cache(self, path: PathLike) -> None:
+        """torch.compile's graphs kept in `path` across runs: inductor's on-disk caches (the FX graph
+        cache of every compiled graph, AOTAutograd's cache of each forward-and-backward, Triton's
+        kernels) live under TORCHINDUCTOR_CACHE_DIR, which torch reads at each use
+        (torch._inductor.runtime.cache_dir_utils.cache_dir), so setting it before the first compilation
+        moves them from /tmp/torchinductor_USER to `path`. A second run of the same job then loads its
+        graphs instead of compiling them (dynamo still traces the Python); `compile_stats` counts the
+        hits. Processes of one run share the folder: inductor writes its entries atomically."""
+        if self.name == "tpu":  # TorchTPU compiles with its own dynamo backend, not inductor
+            super().use_compile_cache(path)
+        if not self.compiling:
+            raise UserError(f"`compile_cache` keeps torch.compile's graphs: on the {self.name} backend it needs "
+                            "`compile`")
+        import torch._functorch.config
+        import torch._inductor.config
+
+        folder = os.path.abspath(os.fspath(path))
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as e:
+            raise UserError(f"`compile_cache` {path}: cannot make the folder ({e.strerror})") from None
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
+        torch._inductor.config.fx_graph_cache = True
+        torch._functorch.config.enable_autograd_cache = True
+
+    def use_tf32(self) -> None:
+        if self.name != "cuda":
+            super().use_tf32()
+        # matmuls in TF32 (torch.backends.cuda.matmul's fp32_precision "tf32", allow_tf32 in older
+        # torch), as the HF Trainer's tf32=True; cuDNN's convolutions already default to TF32
+        torch.set_float32_matmul_precision("high")
+        self.tf32 = True
+
     def compile(self, model: torch.nn.Module) -> torch.nn.Module:
         """In place (`nn.Module.compile`: the same object, so DDP, state dicts and saving see no
         wrapper; DDP's forward is compiled through dynamo's DDPOptimizer). `dynamic=False`: every
@@ -158,6 +203,8 @@ class TorchAccelerator(Accelerator):
 
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         torch._inductor.config.fallback_random = True  # dropout masks from torch's generator, as eager draws them
+        if not self.tf32:  # fp32 kept exact on purpose (`use_tf32` not asked): no advice on the console
+            warnings.filterwarnings("ignore", message=TF32_WARNING)
         model.compile(mode=COMPILE_MODES.get(self.name), dynamic=False)
         return model
 
@@ -168,7 +215,8 @@ class TorchAccelerator(Accelerator):
         from torch._dynamo.utils import compilation_time_metrics, counters
 
         return {"compiles": counters["stats"]["unique_graphs"],
-                "compile_seconds": sum(sum(compilation_time_metrics.get(k, ())) for k in COMPILE_TIMERS)}
+                "compile_seconds": sum(sum(compilation_time_metrics.get(k, ())) for k in COMPILE_TIMERS),
+                **{key: counters[group][name] for key, (group, name) in CACHE_COUNTERS.items()}}
 
     def rng_state(self) -> torch.Tensor:
         if not hasattr(self._module, "get_rng_state"):

@@ -88,9 +88,9 @@ from xla_train.evaluation import evaluate_model
 from xla_train.tasks import load_task
 
 engine = Engine("xla"{engine})
-task = load_task(data_dir=sys.argv[2])
+task, splits = load_task(data_dir=sys.argv[2])
 tok = AutoTokenizer.from_pretrained(sys.argv[1])
-data, _ = tokenize(task.splits, tok, 128)
+data, _ = tokenize(splits, tok, 128)
 loader = engine.prepare(make_loader(data["validation"].remove_columns("token_type_ids"), tok, {batch},
                                     Padding("buckets", [128], 128), shuffle=False, seed=0, fill="mask"))
 model = engine.prepare(AutoModelForSequenceClassification.from_pretrained(sys.argv[1]))

@@ -93,7 +93,7 @@ def test_packed_loss_equals_the_documents_losses_one_by_one(family, families, to
         batch.pop("valid")
         labels = batch.pop("labels")
         with torch.no_grad():
-            return task.loss(task.forward(model, batch), labels), int((labels != IGNORE).sum())
+            return task.objective.loss(task.objective.forward(model, batch), labels), int((labels != IGNORE).sum())
 
     together, _ = batch_loss(packed, range(len(packed["input_ids"])))
     one = [batch_loss(join(docs, [[i]]), [0]) for i in range(len(docs))]
@@ -115,14 +115,13 @@ def test_packed_and_unpacked_evaluation_agree(families, tmp_path):
     tok.pad_token = tok.eos_token
     results = {}
     for packing in (True, False):
-        task = load_task(train_file=train, validation_file=valid, problem="causal-lm")
-        task.packing = packing
-        data, _ = task.tokenize(task.splits, tok, 64)
+        task, splits = load_task(train_file=train, validation_file=valid, problem="causal-lm", packing=packing)
+        data, _ = task.rows.tokenize(splits, tok, 64)
         padding = Padding("max_length", None, 64) if packing else Padding("buckets", [16, 32], 64)
-        model = task.load_model(families["qwen2"], seed=0)
+        model = task.model.load(families["qwen2"], seed=0)
         loader = engine.prepare(make_loader(data["validation"], tok, 4, padding, shuffle=False, seed=0, fill="mask",
-                                            collate=task.collator(tok)))
-        results[packing] = evaluate_model(engine, model, loader, task, task.load_metric())
+                                            collate=task.rows.collator(tok)))
+        results[packing] = evaluate_model(engine, model, loader, task.objective, None)
     assert results[True]["n"] == results[False]["n"] == 21  # every document once, filler rows dropped
     assert results[True]["n_tokens"] == results[False]["n_tokens"]
     assert abs(results[True]["loss"] - results[False]["loss"]) < 1e-5, results
@@ -135,8 +134,12 @@ def test_memory_plan_counts_the_logits(families):
 
     model = AutoModelForCausalLM.from_pretrained(families["llama"])
     memory, _ = plan(model, 8, 128, logits=True)
-    assert memory["logit_bytes"] == 2 * 4 * model.config.vocab_size * 8 * 128
-    assert needed(memory) - needed(plan(model, 8, 128)[0]) == memory["logit_bytes"]
+    # whole fp32 logits: the output's logits, their log-softmax, its gradient and the logits' gradient
+    assert memory["logit_bytes"] == 16 * model.config.vocab_size * 8 * 128
+    assert needed(memory) - needed(plan(model, 8, 128)[0]) == memory["logit_bytes"]  # at the backward's start
+    chunked, _ = plan(model, 8, 128, logits=True, chunked_logits=True, chunk_tokens=256)
+    head = model.get_output_embeddings().weight
+    assert chunked["logit_bytes"] == 8 * 256 * model.config.vocab_size + head.numel() * head.element_size()
 
 
 def test_peaks_are_known_or_none():
@@ -220,13 +223,13 @@ def test_a_saved_datasets_folder_and_parquet_are_read(tmp_path):
     rows = td.reverse_rows(10, 0, "text")
     datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "saved"))
     datasets.Dataset.from_list(rows[:4]).to_parquet(str(tmp_path / "v.parquet"))
-    task = load_task(train_file=str(tmp_path / "saved"), validation_file=str(tmp_path / "v.parquet"),
-                     problem="causal-lm")
-    assert task.form == "text" and len(task.splits["train"]) == 10 and len(task.splits["validation"]) == 4
+    task, splits = load_task(train_file=str(tmp_path / "saved"), validation_file=str(tmp_path / "v.parquet"),
+                             problem="causal-lm")
+    assert task.form == "text" and len(splits["train"]) == 10 and len(splits["validation"]) == 4
     with pytest.raises(UserError, match="no 'validation' split"):
         load_task(train_file=str(tmp_path / "saved"), validation_file=str(tmp_path / "saved"), problem="causal-lm")
-    held = load_task(train_file=str(tmp_path / "saved"), problem="causal-lm")  # 5%, at least one row held out
-    assert len(held.splits["validation"]) == 1 and len(held.splits["train"]) == 9
+    _, held = load_task(train_file=str(tmp_path / "saved"), problem="causal-lm")  # 5%, at least one row held out
+    assert len(held["validation"]) == 1 and len(held["train"]) == 9
 
 
 def test_record_reads_back(tmp_path):
@@ -256,8 +259,8 @@ def test_eval_samples_prompt_with_the_turns_before_the_last_answer(families, tmp
             {"role": "user", "content": "reverse c d e ="}, {"role": "assistant", "content": "e d c"}]
     rows = [{"messages": chat}, *td.reverse_rows(3, 0, "messages")]
     path = rows_file(tmp_path, rows)
-    task = load_task(train_file=str(path), validation_file=str(path), problem="causal-lm")
-    picked = task.sample_rows(2)
+    task, splits = load_task(train_file=str(path), validation_file=str(path), problem="causal-lm")
+    picked = task.sample_rows(splits, 2)
     assert [len(r[0]["messages"]) for r in picked] == [3, 1] and picked[0][2] == "e d c"
     tok = AutoTokenizer.from_pretrained(families["llama"])
     model = AutoModelForCausalLM.from_pretrained(families["llama"])
@@ -277,10 +280,10 @@ def test_eval_samples_of_prompt_rows_write_up_to_the_completion_and_its_eos(fami
     from xla_train.tasks.completion import eval_samples
 
     path = rows_file(tmp_path, td.reverse_rows(5, 0))
-    task = load_task(train_file=str(path), validation_file=str(path), problem="causal-lm")
+    task, splits = load_task(train_file=str(path), validation_file=str(path), problem="causal-lm")
     tok = AutoTokenizer.from_pretrained(families["llama"])
-    samples = eval_samples(task.sample_rows(9), task.form, tok, AutoModelForCausalLM.from_pretrained(families["llama"]),
-                           64, static=False, batch_size=8)
+    model = AutoModelForCausalLM.from_pretrained(families["llama"])
+    samples = eval_samples(task.sample_rows(splits, 9), task.form, tok, model, 64, static=False, batch_size=8)
     longest = max(len(tok(r["completion"], add_special_tokens=False)["input_ids"]) for r in td.reverse_rows(5, 0))
     assert len(samples.shown) == 5 and samples.sampling.max_new_tokens == longest + 1  # all 5 rows; plus the EOS
     first = td.reverse_rows(5, 0)[0]

@@ -27,7 +27,7 @@ def test_the_tiny_decoder_learns_the_task(learned_run):
 
 
 def test_throughput_counts_trained_and_padded_tokens(learned_run):
-    m, _ = learned_run
+    m, out = learned_run
     tokens = m["tokens"]
     assert tokens["padded"] == m["train_samples"] * 64  # packed rows are --max-length long
     assert tokens["trained"] < tokens["real"] <= tokens["padded"]  # prompts are not trained, padding is not real
@@ -35,7 +35,11 @@ def test_throughput_counts_trained_and_padded_tokens(learned_run):
     assert tokens["padding_share"] < 0.15  # packing fills the rows
     assert tokens["per_s"] > 0 and tokens["trained_per_s"] > 0
     assert tokens["mfu"] is None and tokens["peak_flops"] is None  # a CPU's peak is not known: left out
-    assert m["memory"]["logit_bytes"] == 2 * 4 * 17 * 8 * 64
+    # the objective computes the head and loss in chunks (8 x 64 tokens: one chunk), fp32
+    assert m["memory"]["chunked_logits"] and m["memory"]["attention"] == "sdpa"
+    hidden = json.loads((out / "config.json").read_text())["hidden_size"]
+    # one chunk's fp32 logits and their gradient, and the head's weight gradient (fp32)
+    assert m["memory"]["logit_bytes"] == 8 * (8 * 64) * 17 + 17 * hidden * 4
 
 
 def test_the_output_folder_holds_the_causal_lm_and_the_chat_template(learned_run):
@@ -46,7 +50,7 @@ def test_the_output_folder_holds_the_causal_lm_and_the_chat_template(learned_run
     _, out = learned_run
     task = from_folder(out)
     assert isinstance(task, CausalLM) and task.form == "prompt/completion" and task.max_length == 64
-    assert type(task.load_trained(out)).__name__ == "LlamaForCausalLM"
+    assert type(task.model.load_trained(out)).__name__ == "LlamaForCausalLM"
     assert AutoTokenizer.from_pretrained(out).chat_template  # a chat model's folder serves chat prompts
     report = (out / "report" / "report.md").read_text()
     assert "| dev perplexity |" in report and "| trained tokens (in the loss) / per s |" in report
@@ -130,7 +134,8 @@ def test_lora_with_fsdp_on_four_xla_devices(reverse_task, tmp_path):
     assert config["task_type"] == "CAUSAL_LM"
     from xla_train.tasks import from_folder
 
-    model = from_folder(tmp_path / "run").load_trained(tmp_path / "run")  # the adapter on its base, as predict reads it
+    # the adapter on its base, as predict reads it
+    model = from_folder(tmp_path / "run").model.load_trained(tmp_path / "run")
     assert type(model).__name__ == "PeftModelForCausalLM"
     assert type(model.get_base_model()).__name__ == "LlamaForCausalLM"
     samples = [json.loads(line) for line in (tmp_path / "run" / "samples" / "step-12.jsonl").read_text().splitlines()]

@@ -72,3 +72,24 @@ def test_cuda_gradient_checkpointing_lowers_the_peak_and_keeps_the_losses(mrpc_s
     assert checkpointed["memory"]["peak_bytes"] < kept["memory"]["peak_bytes"]
     torch.testing.assert_close([loss for _, loss, _ in checkpointed["train_loss"]],
                                [loss for _, loss, _ in kept["train_loss"]], atol=1e-4, rtol=0)
+
+
+def test_cuda_second_compiled_run_takes_its_graphs_from_the_cache(mrpc_slice, tiny_model, tmp_path):
+    """--compile (CUDA graphs) with --compile-cache, the same job twice in fresh processes: the
+    second loads every graph from the folder the first filled, in less compile time, and trains
+    the same losses; --tf32 is accepted here (and torch's TF32 advice stays off the console without it)."""
+    cache = tmp_path / "cache"
+    args = ["--backend", "cuda", "--model", tiny_model, "--data-dir", mrpc_slice, "--buckets", 128, "--max-steps", 4,
+            "--log-every", 1, "--compile", "--compile-cache", cache]
+    runs = []
+    for _ in range(2):
+        proc, m = run_cli(args, tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "TensorFloat32" not in proc.stderr
+        runs.append(m["torch_compile"])
+    first, second = runs
+    assert first["cache_hits"] == 0 and first["cache_misses"] == first["compiles"] > 0
+    assert second["cache_hits"] == second["compiles"] == first["compiles"] and second["cache_misses"] == 0
+    assert second["compile_seconds"] < first["compile_seconds"]
+    proc, m = run_cli([*args, "--tf32"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]

@@ -123,7 +123,7 @@ def test_rows_longer_than_max_length_are_truncated_and_counted(mrpc_slice):
 
     from xla_train.models import bundled_model_path
 
-    splits = load_task(data_dir=mrpc_slice).splits
+    _, splits = load_task(data_dir=mrpc_slice)
     data, truncated = tokenize(splits, AutoTokenizer.from_pretrained(bundled_model_path()), 40)
     full, _ = tokenize(splits, AutoTokenizer.from_pretrained(bundled_model_path()), 512)
     assert truncated["train"] == sum(n > 40 for n in full["train"]["length"]) > 0

@@ -244,7 +244,9 @@ def grew(work):
 
 
 out = {"batches": len(loader), "weights": len(weights), "shapes": len({(w.shape, w.dtype) for w in weights})}
-out["evaluations"] = [grew(lambda: evaluate_model(engine, model, loader, task, task.load_metric())) for _ in range(3)]
+objective = task.objective
+metric = objective.load_metric()
+out["evaluations"] = [grew(lambda: evaluate_model(engine, model, loader, objective, metric)) for _ in range(3)]
 out["agreements"] = [grew(lambda: engine.on_every(lambda: None, "agree")) for _ in range(3)]
 copies = []
 out["copies"] = [grew(lambda: copies.append(engine.to_host(weights))) for _ in range(2)]

@@ -9,42 +9,54 @@ one, with its own evaluation metric (the MAE), built on the sequence kinds' rows
 import csv
 import json
 from dataclasses import dataclass
+from functools import cached_property
+from typing import ClassVar
 
 import pytest
 
 from xla_train.commands.cli import main
 from xla_train.tasks import KINDS, Regression, from_folder, problems, register
+from xla_train.tasks.sequence import RegressionObjective
 
 
-@dataclass
-class AbsoluteError(Regression):
-    """A regression on |prediction - target|, scored by its mean over the evaluation rows."""
+@dataclass(frozen=True)
+class AbsoluteObjective(RegressionObjective):
+    """|prediction - target| as the loss, scored by its mean over the evaluation rows."""
 
-    kind = "regression-l1"
-    own_main = "mae"  # own files' main metric
-    calls = {"loss": 0, "score": 0}  # what the loop and the evaluation asked of this kind
+    calls: ClassVar[dict] = {"loss": 0, "score": 0}  # what the loop and the evaluation asked of this kind
 
     def loss(self, output, labels):
-        AbsoluteError.calls["loss"] += 1
+        AbsoluteObjective.calls["loss"] += 1
         return (output.logits.squeeze(-1) - labels).abs().mean()
 
     def load_metric(self):
         return None  # scored here: no `evaluate` module
 
-    @property
-    def metric_keys(self):
+    def keys(self):
         return ["mae"]
 
     def score(self, metric, columns):
-        AbsoluteError.calls["score"] += 1
+        AbsoluteObjective.calls["score"] += 1
         predictions, references = columns
         return {"mae": float((predictions - references).abs().mean()), "n": len(references)}
+
+
+@dataclass(frozen=True)
+class AbsoluteError(Regression):
+    """A regression with its own objective: the rows, model and prediction are the sequence kinds'."""
+
+    kind = "regression-l1"
+    own_main = "mae"  # own files' main metric
+
+    @cached_property
+    def objective(self):
+        return AbsoluteObjective(self.metric_name, self.eval_splits)
 
 
 @pytest.fixture
 def absolute_error():
     register(AbsoluteError)
-    AbsoluteError.calls.update(loss=0, score=0)
+    AbsoluteObjective.calls.update(loss=0, score=0)
     yield AbsoluteError
     del KINDS[AbsoluteError.kind]
 
@@ -71,7 +83,7 @@ def test_a_kind_defined_outside_the_package_trains_and_predicts(absolute_error, 
     assert code == 0, capsys.readouterr().err
     m = json.loads(metrics.read_text())
     # the loop took the kind's loss at every step, and evaluation its score (each epoch's end and the last step)
-    assert absolute_error.calls["loss"] == 4 and absolute_error.calls["score"] >= 1
+    assert AbsoluteObjective.calls["loss"] == 4 and AbsoluteObjective.calls["score"] >= 1
     assert m["problem"] == "regression-l1" and m["main_metric"] == "mae" and m["best"]["metric"] == "mae"
     assert m["eval"]["n"] == 12 and 0 <= m["eval"]["mae"] < 10
     with open(out / "predictions.csv", newline="", encoding="utf-8") as f:

@@ -146,7 +146,7 @@ def test_a_bf16_checkpoint_trains_in_fp32(tiny_model, tmp_path):
     from xla_train.tasks import Classification
 
     AutoModelForSequenceClassification.from_pretrained(tiny_model, dtype=torch.bfloat16).save_pretrained(tmp_path)
-    model = Classification("custom", ["a", "b"]).load_model(str(tmp_path), 0)
+    model = Classification("custom", ["a", "b"]).model.load(str(tmp_path), 0)
     assert {p.dtype for p in model.parameters()} == {torch.float32}
 
 

@@ -8,7 +8,7 @@ Engine.save_pretrained and load_trained, tasks/completion.py's prompts and core/
 Each cell (`run_cell`):
   train     3 epochs of 4 steps (16 documents, batch 4, the family's chat rows where it has a chat
             template, else prompt/completion rows; two length buckets), the loop's own step
-            (task.forward and loss under engine.autocast, backward, optimizer_step, the linear
+            (the objective's forward and loss under engine.autocast, backward, optimizer_step, the linear
             schedule): every loss finite, and the loss of the last epoch below the first's
   evaluate  after every epoch (evaluate_model): the loss finite, every validation document once
   save      a checkpoint (checkpoint.save) and the model folder (Engine.save_pretrained)
@@ -97,10 +97,10 @@ def _family(family, folder):
     validation = td.write_jsonl(folder / "validation.jsonl", td.reverse_rows(EVAL_DOCS, 2, form))
     prompts = [{"prompt": r["prompt"]} if form == "prompt/completion" else {"messages": r["messages"][:1]}
                for r in td.reverse_rows(5, 3, form)]
-    task = load_task(train_file=str(train), validation_file=str(validation), problem="causal-lm")
-    task.packing = False  # one document a row, in length buckets: the bucket bound is the one under test
-    task.max_length = MAX_LENGTH
-    data, _ = task.tokenize(task.splits, tok, MAX_LENGTH)
+    # one document a row, in length buckets: the bucket bound is the one under test
+    task, splits = load_task(train_file=str(train), validation_file=str(validation), problem="causal-lm",
+                             max_length=MAX_LENGTH, packing=False)
+    data, _ = task.rows.tokenize(splits, tok, MAX_LENGTH)
     lengths = sorted(data["train"]["length"])
     padding = padding_for("buckets", sorted({lengths[len(lengths) // 2], lengths[-1]}), MAX_LENGTH,
                           [split["length"] for split in data.values()])
@@ -119,9 +119,9 @@ def fresh_model(z, mode, precision, resume=None):
     frozen base held in bf16."""
     from xla_train.models import add_adapters, hold_frozen_in_bf16
 
-    model = z.task.load_model(str(z.path), seed=0)
+    model = z.task.model.load(str(z.path), seed=0)
     if mode == "lora":
-        model = add_adapters(model, LORA, z.task)
+        model = add_adapters(model, LORA, z.task.model.peft_task_type)
     if resume is not None:
         resume.load_model(model, resume.model_weights())
     if mode == "lora" and precision == "bf16":
@@ -168,12 +168,13 @@ def run_cell(z, device, precision, mode, out):
     counters = Counters(engine)
     xla = engine.runtime == "xla"
     task, tok = z.task, z.tok
+    objective = task.objective
     model = fresh_model(z, mode, precision)
     data = model_inputs_only(z.data, model)
 
     def loader(split, train):
         return make_loader(data[split], tok, BATCH, z.padding, shuffle=train, seed=0,
-                           fill="repeat" if train else "mask", collate=task.collator(tok))
+                           fill="repeat" if train else "mask", collate=task.rows.collator(tok))
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, fused=engine.fused_optimizer or None)  # as Trainer.setup
     train_dl, eval_dl, model, optimizer = engine.prepare(loader("train", True), loader("validation", False), model,
@@ -191,7 +192,7 @@ def run_cell(z, device, precision, mode, out):
         for batch in train_dl:
             labels = batch.pop("labels")
             with engine.autocast():
-                loss = task.loss(task.forward(model, batch), labels)
+                loss = objective.loss(objective.forward(model, batch), labels)
             engine.backward(loss)
             assert engine.optimizer_step(optimizer)
             scheduler.step()
@@ -199,7 +200,7 @@ def run_cell(z, device, precision, mode, out):
             losses.append(loss.detach().float())
         if xla:
             syncs += counters()["transfers"] - before["transfers"]  # the steps' own, evaluations left out
-        evaluations.append(evaluate_model(engine, model, eval_dl, task, None))
+        evaluations.append(evaluate_model(engine, model, eval_dl, objective, None))
         if epoch == 0:
             first_epoch = counters()
     trained = counters()
@@ -227,12 +228,13 @@ def run_cell(z, device, precision, mode, out):
         """Per-row losses through the evaluation's own loop (on XLA its graphs, compiled once
         already: none may compile) and the logits of one batch, on the host."""
         before = counters()
-        columns = infer(engine, m, eval_dl, task.eval_columns, forward=task.forward)
+        columns = infer(engine, m, eval_dl, objective.eval_columns, forward=objective.forward)
         if xla:
             assert counters()["compiles"] == before["compiles"], (before, counters())
         m.eval()
         with engine.inference_mode(), engine.autocast():
-            logits = task.forward(m, {k: v for k, v in batch.items() if k != "labels"}).logits.float()
+            head = objective.forward(m, {k: v for k, v in batch.items() if k != "labels"})  # causal_lm.HeadInput
+            logits = (head.hidden.float() @ head.weight.float().T)  # the head's logits, whole
         (logits,) = engine.to_host([logits])
         return columns, logits
 
@@ -265,7 +267,7 @@ def run_cell(z, device, precision, mode, out):
     folder = out / "model"
     engine.save_pretrained(model, tok, folder)
     assert (folder / ("adapter_config.json" if mode == "lora" else "model.safetensors")).is_file()
-    reloaded = task.load_trained(folder)
+    reloaded = task.model.load_trained(folder)
     assert_tied(reloaded, "reloaded from the model folder")
     held = {name: p.dtype for name, p in engine.unwrap_model(model).named_parameters()}
     for name, p in reloaded.named_parameters():  # as trained: with LoRA in bf16, the frozen base in bf16
@@ -298,7 +300,7 @@ def generate(z, device, folder, counters):
 
     engine = Engine(device)
     engine.seed(0)
-    model = generation_model(z.task.load_trained(folder))
+    model = generation_model(z.task.model.load_trained(folder))
     prompts = read_prompts(z.prompts, z.tok, MAX_LENGTH)
     columns, data = prompts.columns, prompts.data
     longest = max(data["length"])

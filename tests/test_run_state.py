@@ -18,14 +18,15 @@ def engine():
 
 
 def state(engine, **options):
-    return RunState(engine, TrainOptions(backend="cpu", **options))
+    cfg = TrainOptions(backend="cpu", **options)
+    return RunState(engine, cfg.section("checkpoints"), cfg.section("evaluation"), cfg.grad_accum)
 
 
 def trainer(engine, total_steps=10, **options):
     """A Trainer without a job: its decisions read only the options, the run state and the step count."""
     t = Trainer.__new__(Trainer)
     t.cfg = TrainOptions(backend="cpu", **options)
-    t.state, t.total_steps = RunState(engine, t.cfg), total_steps
+    t.state, t.total_steps = state(engine, **options), total_steps
     return t
 
 

@@ -1,8 +1,9 @@
 """The package's shape, as rules that say what matters (not how long things are):
 
 - no import circle among the modules of xla_train and gpu_fallback;
-- layers: the core (xla_train/core/) imports only the core and gpu_fallback, never the job's
-  modules; gpu_fallback imports only the core's roles, errors and launchers;
+- layers: the core (xla_train/core/) imports only the core, never gpu_fallback (which registers
+  its roles through an entry point) nor the job's modules; gpu_fallback imports only the core's
+  roles, errors and launchers;
 - a kind (`--problem`) is named only in xla_train/tasks/; a strategy only where it is selected;
 - the core knows no command-line flag: the CLI's words stay in the job and command layers.
 
@@ -15,6 +16,10 @@ import ast
 import re
 import sys
 from pathlib import Path
+
+import pytest
+
+from xla_train.core.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("xla_train", "gpu_fallback")
@@ -127,13 +132,35 @@ def _compares_a_strategy_name(node):
 
 def test_the_core_imports_nothing_from_the_job():
     """The core (Engine, roles, devices, strategies, launchers, batching, storage) is a library the
-    job is written on: it imports the core and gpu_fallback (the torch-native roles) only."""
+    job is written on: it imports the core only. gpu_fallback (the torch-native roles) registers
+    itself with the selection (an entry point), which never imports it."""
     graph = import_graph()
     core = [m for m in graph if m.startswith("xla_train.core")]
     assert {"xla_train.core.engine", "xla_train.core.roles", "xla_train.core.select"} <= set(core)
-    upward = [f"{m} -> {t}" for m in core for t in sorted(graph[m])
-              if not t.startswith(("xla_train.core", "gpu_fallback"))]
+    upward = [f"{m} -> {t}" for m in core for t in sorted(graph[m]) if not t.startswith("xla_train.core")]
     assert upward == [], upward
+
+
+def test_gpu_fallback_registers_its_roles():
+    """The torch-native backends come from gpu_fallback's entry points (setup.py), found by the
+    selection; a backend that no package registers is one line."""
+    from importlib.metadata import entry_points
+
+    from xla_train.core import select
+
+    assert {p.name: p.value for p in entry_points(group=select.ROLES_GROUP)} == {
+        "cuda": "gpu_fallback:roles", "cpu": "gpu_fallback:roles", "tpu": "gpu_fallback:roles"}
+    import gpu_fallback
+
+    assert select.registered_roles("cpu") is gpu_fallback.roles
+    roles = select.select_roles("cpu", strategy="fsdp")
+    assert type(roles.accelerator).__name__ == "TorchAccelerator" and type(roles.strategy).__name__ == "Fsdp2"
+    saved = select._REGISTERED.pop("cpu")
+    try:
+        with pytest.raises(UserError, match=r"^`backend` nowhere: no package registers its roles"):
+            select.registered_roles("nowhere")
+    finally:
+        select._REGISTERED["cpu"] = saved
 
 
 PROBLEMS = {"classification", "regression", "causal-lm", "dpo"}  # --problem's kinds

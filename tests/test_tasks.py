@@ -174,11 +174,11 @@ def test_glue_metrics_match_their_definitions():
 def test_own_csv_quoting_and_text_column_rule(tmp_path):
     rows = [("a, \"quoted\" text", "x", "b"), ("plain", "y", "a"), ("third", "z", "b")]
     train = write_csv(tmp_path / "t.csv", ["review", "other", "label"], rows)
-    task = load_task(train_file=train, validation_file=train)
-    assert task.splits["train"]["text1"][0] == 'a, "quoted" text'
+    task, splits = load_task(train_file=train, validation_file=train)
+    assert splits["train"]["text1"][0] == 'a, "quoted" text'
     assert task.text_columns == ["review", "other"] and task.labels == ["a", "b"]
-    task = load_task(train_file=train, validation_file=train, text_columns="review")
-    assert "text2" not in task.splits["train"].column_names
+    _, splits = load_task(train_file=train, validation_file=train, text_columns="review")
+    assert "text2" not in splits["train"].column_names
 
 
 def bad(tmp_path, name, text):
@@ -263,10 +263,10 @@ def test_bad_own_file_fails_before_the_model_loads(tmp_path, capsys):
 def test_a_bad_test_file_fails_before_the_model_loads(tiny_model, tmp_path, capsys, monkeypatch):
     """--test-file's rows are read and checked (by the task's prediction part) before the model
     loads: a file without the model's text columns is one line, exit 2, and no model was loaded."""
-    from xla_train.tasks import Classification
+    from xla_train.tasks.sequence import SequenceModel
 
     loaded = []
-    monkeypatch.setattr(Classification, "load_model", lambda *args: loaded.append(args))
+    monkeypatch.setattr(SequenceModel, "load", lambda *args: loaded.append(args))
     rows = bad(tmp_path, "rows.csv", "text,label\na,pos\nb,neg\nc,pos\nd,neg\n" * 4)
     test = bad(tmp_path, "test.csv", "question\nwhy?\n")
     code = main(["train", "--backend", "cpu", "--model", tiny_model, "--train-file", str(rows), "--validation-file",

@@ -124,7 +124,7 @@ def test_compile_cache_counters_are_reported(mrpc_slice, tiny_model, tmp_path):
 EVALUATE_ONCE = EVALUATION_SETUP.format(engine="", batch=8) + """
 for _ in range(2):  # the second pass runs compiled graphs only
     before = met.metric_data("TransferFromDeviceTime")
-    results = evaluate_model(engine, model, loader, task, task.load_metric())
+    results = evaluate_model(engine, model, loader, task.objective, task.objective.load_metric())
     transfers = met.metric_data("TransferFromDeviceTime")[0] - (before[0] if before else 0)
 print(json.dumps({"batches": len(loader), "transfers": transfers, "n": results["n"]}))
 """

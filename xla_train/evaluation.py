@@ -4,18 +4,18 @@ exactly once (the trainer prints, logs and records the scores: train.Trainer.eva
 from .core.inference import infer
 
 
-def evaluate_model(engine, model, eval_dl, task, metric):
-    """The task's metrics over every row of one evaluation split exactly once (`compute` empties
-    `metric` for the next call), and `n`, the rows scored."""
-    return task.score(metric, infer(engine, model, eval_dl, task.eval_columns, forward=task.forward))
+def evaluate_model(engine, model, eval_dl, objective, metric):
+    """The metrics of a kind's `objective` over every row of one evaluation split exactly once
+    (`compute` empties `metric` for the next call), and `n`, the rows scored."""
+    return objective.score(metric, infer(engine, model, eval_dl, objective.eval_columns, forward=objective.forward))
 
 
 def evaluate_all(engine, model, task, eval_dls, metric):
     """Every evaluation split, keys suffixed per split (MNLI's mismatched set: `accuracy_mm`, `n_mm`)."""
     results = {}
     for split, dl in eval_dls.items():
-        suffix = task.eval_suffix(split)
-        results.update({k + suffix: v for k, v in evaluate_model(engine, model, dl, task, metric).items()})
+        suffix = task.objective.eval_suffix(split)
+        results.update({k + suffix: v for k, v in evaluate_model(engine, model, dl, task.objective, metric).items()})
     return results
 
 
@@ -26,7 +26,7 @@ class Evaluator:
     def __init__(self, engine, task, loaders, samples=None):
         self.engine, self.task, self.loaders = engine, task, loaders
         self.main = task.main  # the metric the best model is chosen by, unless --metric-for-best
-        self.metric = task.load_metric()
+        self.metric = task.objective.load_metric()
         self.samples = samples and samples.generator(engine)  # --eval-samples: the task's samples
 
     def __call__(self, model):

@@ -87,16 +87,16 @@ def prepare(cfg, backend, resume=None, startup=None):
     shapes settled, the model loaded (with a resumed run's weights). `startup` (clock.Startup)
     times the data's parts and the model's."""
     startup = startup or Startup()
-    task = load_task(cfg.task, cfg.data_dir, cfg.train_file, cfg.validation_file, cfg.text_columns,
-                     cfg.label_column, cfg.problem, cfg.seed, cfg.max_length, cfg.packing)
+    task, splits = load_task(cfg.task, cfg.data_dir, cfg.train_file, cfg.validation_file, cfg.text_columns,
+                     cfg.label_column, cfg.problem, cfg.seed, cfg.max_length, cfg.packing, cfg.attention)
     if cfg.metric_for_best and cfg.metric_for_best not in task.metric_keys:
         raise UserError(f"--metric-for-best must be one of {task.name}'s metrics: {', '.join(task.metric_keys)}; "
                         f"not {cfg.metric_for_best!r}")
-    print(task.describe())
-    sample_rows = task.sample_rows(cfg.eval_samples) if cfg.eval_samples else None  # before tokenising drops the rows
+    print(task.describe(splits))
+    sample_rows = task.sample_rows(splits, cfg.eval_samples) if cfg.eval_samples else None
     startup.lap("data")
     config = load_pretrained(AutoConfig, cfg.model)
-    task.check_model(config, cfg.model)
+    task.model.check(config, cfg.model)
     tokenizer = load_tokenizer(cfg.model)
     limit = position_limit(config, tokenizer)
     if cfg.max_length > limit:
@@ -105,21 +105,23 @@ def prepare(cfg, backend, resume=None, startup=None):
     settings = PredictSettings(cfg.model, cfg.max_length, cfg.buckets, max_new_tokens=cfg.max_new_tokens)
     test = task.prediction.read(cfg.test_file, tokenizer, settings) if cfg.test_file else None  # before the model
     shapes = Shapes(cfg.batch_size, backend.planned_data_parallel_size(), cfg.grad_accum)
-    check_steps(shapes, len(task.splits["train"]))
-    data, truncated = tokenize_task(cfg, task, tokenizer, test)
+    check_steps(shapes, len(splits["train"]))
+    data, truncated = tokenize_task(cfg, task, splits, tokenizer, test)
+    del splits  # the workers get the tokenised copy only
     if resume:
         resume.check(cfg, len(data["train"]), backend)
     request = PaddingRequest(cfg.padding, cfg.buckets, cfg.max_length, cfg.epochs, cfg.max_steps, cfg.compile_seconds)
     resumed = resume.state["buckets"] if resume else None
     # --test-file's rows padded like the batches count where the padding is chosen and checked
     sized = {**data, "test": test.data} if test and task.prediction.pads_like_training else data
-    shapes.padding = task.padding(lambda: settle_padding(request, shapes, sized, task.eval_splits, backend.accelerator,
-                                                         resumed), cfg.max_length, sized)
+    shapes.padding = task.rows.padding(
+        lambda: settle_padding(request, shapes, sized, task.eval_splits, backend.accelerator, resumed),
+        cfg.max_length, sized)
     startup.lap("data")
     weights = resume.model_weights() if resume else None  # a corrupt file fails before any loading
-    model = task.load_model(cfg.model, cfg.seed, tokenizer.pad_token_id)
+    model = task.model.load(cfg.model, cfg.seed, tokenizer.pad_token_id)
     if cfg.lora:
-        model = add_adapters(model, cfg, task)
+        model = add_adapters(model, cfg.section("model"), task.model.peft_task_type)
     if weights is not None:
         resume.load_model(model, weights)
         del weights
@@ -136,12 +138,11 @@ def prepare(cfg, backend, resume=None, startup=None):
                samples=samples, test=test)
 
 
-def tokenize_task(cfg, task, tokenizer, test=None):
+def tokenize_task(cfg, task, splits, tokenizer, test=None):
     """Every split tokenised once; the workers get this copy. `test`: --test-file's rows, read
     (and tokenised) by the task's prediction part, counted here."""
-    data, truncated = task.tokenize(task.splits, tokenizer, cfg.max_length)
-    task.splits = None
-    units = dict.fromkeys(truncated, task.unit)
+    data, truncated = task.rows.tokenize(splits, tokenizer, cfg.max_length)
+    units = dict.fromkeys(truncated, task.rows.unit)
     if test is not None:
         truncated["test"], units["test"] = test.truncated, task.prediction.unit
     if any(truncated.values()):

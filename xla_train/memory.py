@@ -7,6 +7,7 @@ run, written to the metrics JSON as `memory`, and checked before the first step 
 import os
 
 from .core.errors import UserError
+from .core.lm_loss import CHUNK_TOKENS
 
 DEVICE_BYTES = "XLA_TRAIN_DEVICE_BYTES"  # the device's memory, where the backend cannot tell (or to plan for another)
 MIB, GIB = 2**20, 2**30
@@ -16,61 +17,177 @@ def tensor_bytes(tensors):
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def activation_estimate(config, rows, length, precision, checkpointed=False):
-    """Bytes of activations one device keeps for the backward pass of a transformer encoder or
-    decoder: Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
-    Models", eq. 1), s*b*h*(34 + 5*a*s/h) bytes per layer with 16-bit activations (twice that in
-    fp32), for `rows` rows of `length` tokens. Checkpointed (full recomputation, their section 5):
-    each layer keeps only its input, 4*s*b*h bytes (fp32: autocast keeps the residual stream in
-    fp32), and one layer's activations live again while it is recomputed. An estimate: attention
-    implementations that do not keep the score matrix (flash, XLA's fusions) keep less."""
-    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None) or getattr(config, "dim", 0)
-    layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None) or 0
-    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None) or 1
-    if not hidden or not layers:
+ENCODERS = ("bert", "roberta", "xlm-roberta", "distilbert", "electra", "camembert", "deberta", "deberta-v2",
+            "gpt2")  # families whose MLP is one activation between two linears (not gated)
+O_S_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3", "flex_attention", "xla_sdpa", "xla_flash")
+NATIVE_GQA = ("flash_attention_2", "flash_attention_3", "flex_attention")  # K and V never copied per query head
+
+
+def _get(config, *names, default=None):
+    for name in names:
+        value = getattr(config, name, None)
+        if value:
+            return value
+    return default
+
+
+def shape_of(config):
+    """The sizes the plan reads from a transformers config (with its family's flags): hidden width,
+    layers, query and key/value heads (GQA), head width, the MLP's width and kind, the vocabulary."""
+    hidden = _get(config, "hidden_size", "n_embd", "dim", default=0)
+    heads = _get(config, "num_attention_heads", "n_head", default=1)
+    head_dim = _get(config, "head_dim", default=hidden // heads if heads else 0)
+    return {"hidden": hidden, "layers": _get(config, "num_hidden_layers", "n_layer", default=0), "heads": heads,
+            "kv_heads": _get(config, "num_key_value_heads", default=heads), "head_dim": head_dim,
+            "intermediate": _get(config, "intermediate_size", "n_inner", default=4 * hidden),
+            "gated": getattr(config, "model_type", None) not in ENCODERS,
+            "vocab": _get(config, "vocab_size", default=0)}
+
+
+def layer_bytes(config, rows, length, precision="fp32", attention="sdpa", dense_mask=True, param_bytes=4):
+    """Bytes one block keeps for its backward pass: what autograd saves, tensor by tensor, for
+    `rows` rows of `length` tokens, the matmuls in bf16 under bf16 autocast (else in the weights'
+    dtype, `param_bytes` a value), the residual stream in the weights' dtype. Per token:
+    - each of the two norms (RMSNorm, LayerNorm): its input, its fp32 normalised value and its
+      output as the next matmul reads it;
+    - attention: the rotated queries, keys and values (copied to every query head where the path
+      repeats them: eager, or sdpa when a mask is passed, for transformers then drops enable_gqa),
+      the kernel's output and its contiguous copy for o_proj, an fp32 log-sum-exp a head; eager
+      attention (and only it) keeps the fp32 softmax and its cast, heads x length values a token;
+      a dense 4-D mask passed to sdpa becomes a bias in the compute dtype that every block keeps;
+    - the MLP: gated (Llama's) gate, activation, up and product; else two intermediate values.
+    Checked against torch's profiler on the CPU within a few percent (tests/test_memory.py)."""
+    d = shape_of(config)
+    h, heads, kv, hd, inter = d["hidden"], d["heads"], d["kv_heads"], d["head_dim"], d["intermediate"]
+    if not h or not d["layers"]:
         return None
-    per_layer = length * rows * hidden * (34 + 5 * heads * length / hidden)
-    scale = 1 if precision == "bf16" else 2  # the paper counts 16-bit values
+    c = 2 if precision == "bf16" else param_bytes  # what the matmuls write
+    r = param_bytes
+    q_width = heads * hd
+    repeated = kv < heads and (attention not in NATIVE_GQA) and (attention not in O_S_ATTENTION or dense_mask)
+    kv_width = q_width if repeated else kv * hd
+    per_token = 2 * (r * h + 4 * h + c * h)  # two norms
+    per_token += c * (q_width + 2 * kv_width + 2 * q_width)  # q, k, v, the kernel's output and o_proj's input
+    if attention in O_S_ATTENTION:
+        per_token += 4 * heads  # log-sum-exp
+        if dense_mask and attention.endswith("sdpa"):
+            per_token += c * length  # the mask made a bias, [rows, 1, length, length], in every block
+    else:  # eager (or math): the fp32 softmax, and its cast where the matmul reads another dtype
+        per_token += heads * length * (4 + (c if c != 4 else 0))
+    per_token += (4 if d["gated"] else 2) * c * inter
+    return int(per_token * rows * length)
+
+
+def activation_estimate(config, rows, length, precision="fp32", checkpointed=False, attention="sdpa",
+                        dense_mask=True, param_bytes=4):
+    """Bytes of activations the backward pass finds kept: every block's (`layer_bytes`) and the final
+    norm's; checkpointed (full recomputation), each block's input only (the residual stream, in
+    the weights' dtype) and the final norm's; the block recomputed in the backward pass is the
+    plan's `layer_bytes`, counted where it lives (beside the gradients)."""
+    one = layer_bytes(config, rows, length, precision, attention, dense_mask, param_bytes)
+    if one is None:
+        return None
+    d = shape_of(config)
+    c = 2 if precision == "bf16" else param_bytes
+    tokens, h = rows * length, d["hidden"]
+    final_norm = tokens * (param_bytes * h + 4 * h + c * h)
     if checkpointed:
-        return int(layers * 4 * length * rows * hidden + per_layer * scale)
-    return int(layers * per_layer * scale)
+        return int(d["layers"] * param_bytes * h * tokens + final_norm)
+    return int(d["layers"] * one + final_norm)
 
 
-def logit_bytes(config, rows, length):
-    """Bytes of a causal LM's logits at the loss: vocabulary x tokens x 4 bytes for the fp32 logits,
-    and as much again for their log-softmax, which the backward pass keeps (then their gradient
-    takes its place). Often the largest activation: Llama-3's 128,256 tokens x 8 rows x 2,048
-    tokens are 7.8 GiB."""
-    vocab = getattr(config, "vocab_size", None)
-    return 2 * 4 * vocab * rows * length if vocab else None
+def logit_bytes(config, rows, length, precision="fp32", chunked=False, chunk_tokens=CHUNK_TOKENS, head_grad_bytes=0):
+    """Bytes of a causal LM's head and loss at their peak, at the start of the backward pass.
+    Whole: the logits the model returns (held by its output), their fp32 log-softmax, its gradient
+    and the logits' gradient: 16 x tokens x vocabulary bytes in fp32 (torch's profiler on the CPU),
+    12 in bf16 (measured on an H200, issue 44). Chunked (core/lm_loss.py): one chunk's fp32 logits
+    and their gradient, the head's weight gradient, which the chunks add to from the start of the
+    backward pass, and under bf16 a chunk's bf16 share of it."""
+    d = shape_of(config)
+    vocab, tokens = d["vocab"], rows * length
+    if not vocab:
+        return None
+    if chunked:
+        return int(8 * min(chunk_tokens, tokens) * vocab + head_grad_bytes
+                   + (2 * vocab * d["hidden"] if precision == "bf16" else 0))
+    return (12 if precision == "bf16" else 16) * tokens * vocab
 
 
-def plan(model, rows, length, precision="fp32", shards=1, device_bytes=None, checkpointed=False, logits=False):
+def _linear_weights(model):
+    import torch
+
+    seen, total = set(), 0
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear) and id(m.weight) not in seen:
+            seen.add(id(m.weight))
+            total += m.weight.numel()
+    return total
+
+
+def plan(model, rows, length, precision="fp32", shards=1, device_bytes=None, checkpointed=False, logits=False,
+         attention="sdpa", chunked_logits=False, dense_mask=True, chunk_tokens=CHUNK_TOKENS):
     """The memory plan of `model` trained with AdamW on `rows` rows of `length` tokens per device,
     its parameters split over `shards` devices (1: every device holds them all), its blocks'
-    activations `checkpointed` (recomputed in the backward pass) or kept; with `logits`, a
-    vocabulary's logits per token (a causal LM's) are counted too."""
+    activations `checkpointed` (recomputed in the backward pass) or kept, computed through the
+    `attention` implementation (transformers' name: sdpa, eager, flash_attention_2, ...), with a
+    dense 4-D mask passed or not; with `logits`, a vocabulary's logits per token (a causal LM's),
+    computed whole or in chunks of `chunk_tokens` (`chunked_logits`).
+
+    The peak (`peak_bytes_estimate`): parameters + AdamW's state + the larger of what the backward
+    pass begins with (the activations, the logits at their peak and, under bf16 autocast, the bf16
+    copies of the weights the matmuls saved) and what it ends with (the gradients, one block's
+    activations, and checkpointed, the blocks' inputs)."""
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
+    param_bytes = params[0].element_size() if params else 4
+    config = model.config
+    acts = activation_estimate(config, rows, length, precision, checkpointed, attention, dense_mask, param_bytes)
+    one = layer_bytes(config, rows, length, precision, attention, dense_mask, param_bytes)
+    head = model.get_output_embeddings() if logits and hasattr(model, "get_output_embeddings") else None
+    head_grad = (head.weight.numel() * head.weight.element_size()
+                 if head is not None and head.weight.requires_grad else 0)
+    grads = -(-tensor_bytes(trainable) // shards)
     out = {
         "param_bytes_total": tensor_bytes(params),
         "param_bytes_per_device": -(-tensor_bytes(params) // shards),
-        "grad_bytes_per_device": -(-tensor_bytes(trainable) // shards),
+        "grad_bytes_per_device": grads,
         "optimizer_bytes_per_device": -(-2 * tensor_bytes(trainable) // shards),  # AdamW: exp_avg, exp_avg_sq
-        "activation_bytes_estimate": activation_estimate(model.config, rows, length, precision, checkpointed),
-        "logit_bytes": logit_bytes(model.config, rows, length) if logits else None,
+        "activation_bytes_estimate": acts,
+        "layer_bytes": one,
+        "logit_bytes": (logit_bytes(config, rows, length, precision, chunked_logits, chunk_tokens, head_grad)
+                        if logits else None),
+        "autocast_copy_bytes": 2 * _linear_weights(model) if precision == "bf16" else 0,
+        "attention": attention,
+        "chunked_logits": bool(logits and chunked_logits),
         "gradient_checkpointing": checkpointed,
         "device_bytes": device_bytes,
         "peak_bytes": None,
     }
+    out["peak_bytes_estimate"] = needed(out)
     return out, {"trainable_params": sum(p.numel() for p in trainable), "total_params": sum(p.numel() for p in params)}
 
 
 def needed(memory):
-    """Bytes per device the plan adds up to."""
-    keys = ("param_bytes_per_device", "grad_bytes_per_device", "optimizer_bytes_per_device",
-            "activation_bytes_estimate", "logit_bytes")
-    return sum(memory[k] or 0 for k in keys)
+    """Bytes per device at the plan's peak: parameters + optimizer state + the larger of the
+    backward pass's start (activations, logits, autocast's weight copies) and its end (gradients
+    and one block's activations, the blocks' inputs too where checkpointed)."""
+    start = sum(memory.get(k) or 0 for k in ("activation_bytes_estimate", "logit_bytes", "autocast_copy_bytes"))
+    end = (memory["grad_bytes_per_device"] or 0) + (memory.get("layer_bytes") or 0)
+    if memory.get("gradient_checkpointing"):
+        end += memory.get("activation_bytes_estimate") or 0
+    return (memory["param_bytes_per_device"] + memory["optimizer_bytes_per_device"]) + max(start, end)
+
+
+def checkpointing_needed(kept, checkpointed):
+    """Whether gradient checkpointing must be switched on: the plan of the run as asked (`kept`)
+    exceeds the device's memory and the plan with every block checkpointed fits. Returns (the
+    decision, the console line that says so, or None)."""
+    device = kept.get("device_bytes")
+    if not device or kept.get("gradient_checkpointing") or needed(kept) <= device or needed(checkpointed) > device:
+        return False, None
+    return True, (f"memory plan: {needed(kept) / GIB:.2f} GiB per device with every block's activations kept, more "
+                  f"than the device's {device / GIB:.2f} GiB; {needed(checkpointed) / GIB:.2f} GiB with gradient "
+                  "checkpointing, which is switched on (--gradient-checkpointing)")
 
 
 def device_bytes(accelerator):
@@ -93,7 +210,9 @@ def describe(memory, counts):
             f"gradients {mib('grad_bytes_per_device')}, optimizer {mib('optimizer_bytes_per_device')}, "
             f"activations ~{mib('activation_bytes_estimate')}"
             f"{' (checkpointed)' if memory.get('gradient_checkpointing') else ''}"
-            f"{', logits ' + mib('logit_bytes') if memory.get('logit_bytes') else ''}; device {device}; "
+            f"{', logits ' + mib('logit_bytes') if memory.get('logit_bytes') else ''}"
+            f"{' (chunked)' if memory.get('chunked_logits') else ''}, peak ~{needed(memory) / MIB:.1f} MiB; "
+            f"device {device}; "
             f"{counts['trainable_params']:,} of {counts['total_params']:,} parameters trained")
 
 
@@ -107,3 +226,20 @@ def check_fits(memory, batch_size, length, checkpointed=False, sharded=False, ad
         remedies += [] if adapters else ["--lora (gradients and AdamW state for adapters only)"]
         raise UserError(f"the memory plan needs {needed(memory) / GIB:.2f} GiB per device, more than the device's "
                         f"{memory['device_bytes'] / GIB:.2f} GiB: try {', '.join(remedies[:-1])} or {remedies[-1]}")
+
+
+def measure_peak(fn):
+    """Bytes that `fn()` allocates at most above what was allocated when it started, on the CPU:
+    torch's profiler records every allocation and free of the CPU allocator in order (the same
+    numbers every run, unlike the process's resident size)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e.start_ns(), i, e.nbytes()) for i, e in enumerate(prof.profiler.kineto_results.events())
+                    if e.name() == "[memory]")
+    now = peak = 0
+    for _, _, nbytes in events:
+        now += nbytes
+        peak = max(peak, now)
+    return peak

@@ -139,15 +139,16 @@ def _peft_quiet():
 ADAPTER_FILE = "adapter_config.json"  # what peft's save_pretrained writes beside the adapter's weights
 
 
-def add_adapters(model, cfg, task):
-    """`model` with LoRA adapters (peft) on `--lora-targets` (default: the attention projections
-    peft knows for the architecture); only the adapters and what the task's peft type keeps
-    trainable (a classifier's head) train."""
+def add_adapters(model, adapters, peft_task_type):
+    """`model` with LoRA adapters (peft) on `adapters.lora_targets` (default: the attention
+    projections peft knows for the architecture); `adapters`: the options' model section (its
+    lora_ options); only the adapters and what `peft_task_type` keeps trainable (a classifier's
+    head) train."""
     from peft import LoraConfig, get_peft_model
 
-    targets = [t.strip() for t in cfg.lora_targets.split(",") if t.strip()] if cfg.lora_targets else None
-    config = LoraConfig(task_type=task.peft_task_type, r=cfg.lora_r, lora_alpha=cfg.lora_alpha,
-                        lora_dropout=cfg.lora_dropout, target_modules=targets)
+    targets = [t.strip() for t in adapters.lora_targets.split(",") if t.strip()] if adapters.lora_targets else None
+    config = LoraConfig(task_type=peft_task_type, r=adapters.lora_r, lora_alpha=adapters.lora_alpha,
+                        lora_dropout=adapters.lora_dropout, target_modules=targets)
     try:
         with _peft_quiet():
             return get_peft_model(model, config)

@@ -8,6 +8,8 @@ imports no torch, transformers, datasets or torch_xla (nor yaml until a recipe i
 `--help` starts at once.
 """
 
+from __future__ import annotations
+
 import difflib
 import math
 import re
@@ -17,6 +19,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from .core.attention import PATHS as ATTENTION_PATHS
 from .core.errors import UserError, check_choice
 from .core.shapes import parse_buckets
 from .models import BUNDLED_MODEL, bundled_model_path
@@ -106,6 +109,10 @@ class TrainOptions:
     # model: the model, its precision and adapters
     model: str = option(None, f"model folder or hub name (default: {BUNDLED_MODEL})", section="model")
     precision: str = option("fp32", " | ".join(PRECISIONS), PRECISIONS, section="model")
+    attention: str = option("auto", "causal-lm: how a packed row's documents are kept apart: auto (Pallas flash "
+                            "attention with segment ids on a TPU through torch_xla, FlexAttention on CUDA, else the "
+                            "mask), mask (the 4-D mask, the reference), flex, pallas", ATTENTION_PATHS,
+                            section="model")
     gradient_checkpointing: bool = option(False, "recompute each transformer block's activations in the backward "
                                           "pass instead of keeping them: less memory, about a third more compute "
                                           "(XLA: torch_xla's checkpoint)", section="model")
@@ -165,7 +172,14 @@ class TrainOptions:
     compile: bool = option(False, "compile the model with torch.compile on the torch-native backends (cuda: with CUDA "
                            "graphs; tpu: TorchTPU's compiler; cpu), one graph per bucket length; xla compiles every "
                            "step already", section="system")
-    compile_cache: str = option(None, "persistent XLA compilation cache folder (default: none)", section="system")
+    compile_cache: str = option(None, "keep compiled graphs in this folder across runs, so that the same job run again "
+                                "loads them instead of compiling: xla's persistent compilation cache, or with "
+                                "--compile on cuda and cpu torch.compile's (inductor's FX graph, AOTAutograd and "
+                                "Triton caches); the metrics count the graphs taken from it (default: none)",
+                                section="system")
+    tf32: bool = option(False, "cuda: fp32 matrix products on TensorFloat-32 tensor cores "
+                        "(torch.set_float32_matmul_precision('high'), as the HF Trainer's tf32); faster, fp32's "
+                        "exactness traded for a 10-bit mantissa. Other backends refuse it", section="system")
     log_every: int = option(10, "steps between reads of the loss from the device", section="system")
     metrics_out: str = option(None, "write the run's metrics JSON here; missing folders are made (default: none; "
                               "OUTPUT_DIR/metrics.json is written in any case)", section="system")
@@ -180,9 +194,11 @@ class TrainOptions:
     def __post_init__(self):
         self.model = self.model or bundled_model_path()
 
-    def section(self, name: str) -> Mapping[str, Any]:
-        """One section's options and values, read-only: `cfg.section("optimizer")["lr"]`."""
-        return MappingProxyType({key: getattr(self, key) for key in section_names(type(self))[_section(name)]})
+    def section(self, name: str) -> Section:
+        """One section's options and values, read-only: `cfg.section("optimizer").lr` (or `["lr"]`).
+        What a consumer takes: the model section for the adapters, the checkpoints and evaluation
+        sections for the run state."""
+        return Section(name, {key: getattr(self, key) for key in section_names(type(self))[_section(name)]})
 
     def validate(self):
         """Every check of the options alone (files and data are checked when they are read)."""
@@ -351,6 +367,35 @@ RUN_CONTROL = ("resume", "overwrite", "resume_from")
 COMMA_LISTS = ("buckets", "text_columns", "lora_targets", "report_to")
 _KINDS: dict[Any, type] = {"str": str, "int": int, "float": float, "bool": bool}
 _WORDS: dict[type, str] = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+class Section(Mapping[str, Any]):
+    """One section of the options, read-only, by key or attribute: a consumer's whole view of them."""
+
+    def __init__(self, name: str, values: dict[str, Any]) -> None:
+        object.__setattr__(self, "_name", name)
+        object.__setattr__(self, "_values", MappingProxyType(dict(values)))
+
+    def __getattr__(self, key: str) -> Any:
+        try:
+            return self._values[key]
+        except KeyError:
+            raise AttributeError(f"the {self._name} section has no option {key!r}") from None
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        raise TypeError("a section of the options is read-only")
+
+    def __getitem__(self, key: str) -> Any:
+        return self._values[key]
+
+    def __iter__(self):
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __repr__(self) -> str:
+        return f"Section({self._name!r}, {dict(self._values)!r})"
 
 
 def section_names(cls: type = TrainOptions) -> dict[str, list[str]]:

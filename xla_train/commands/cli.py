@@ -198,7 +198,7 @@ def as_flags(message: str) -> str:
     from ..options import PredictOptions, TrainOptions, flag_name
 
     names = {f.name for cls in (TrainOptions, PredictOptions) for f in fields(cls)}
-    return re.sub(r"`([a-z_]+)`", lambda m: flag_name(m[1]) if m[1] in names else m[0], message)
+    return re.sub(r"`([a-z_][a-z0-9_]*)`", lambda m: flag_name(m[1]) if m[1] in names else m[0], message)
 
 
 def main(argv=None):

@@ -25,7 +25,7 @@ from ..core.select import select_roles
 from ..core.signals import StopRequest
 from ..evaluation import Evaluator
 from ..job import Job, launch, open_output, prepare
-from ..memory import check_fits, device_bytes
+from ..memory import check_fits, checkpointing_needed, device_bytes
 from ..memory import describe as describe_memory
 from ..memory import plan as plan_of
 from ..observe.monitor import Monitor
@@ -46,6 +46,8 @@ def run(cfg):
     backend = select_roles(cfg.backend, cfg.num_processes, cfg.strategy)
     if cfg.compile:
         backend.use_compile()  # refused before any work where it does not apply; --buckets auto counts its cost
+    if cfg.tf32:
+        backend.accelerator.use_tf32()  # refused before any work off CUDA (each worker sets it again)
     folder, resume, done = open_output(cfg, backend)
     if done:
         print(done)
@@ -89,11 +91,13 @@ class Trainer:
         self.job, self.task = job, job.task
         self.engine = Engine(cfg.backend, precision=cfg.precision, grad_accum=cfg.grad_accum,
                              max_grad_norm=cfg.max_grad_norm, num_processes=cfg.num_processes,
-                             compile_cache=cfg.compile_cache, strategy=cfg.strategy, compile=cfg.compile)
+                             compile_cache=cfg.compile_cache, strategy=cfg.strategy, compile=cfg.compile,
+                             tf32=cfg.tf32)
         self.engine.seed(cfg.seed)  # dropout
         self.shapes = dataclasses.replace(job.shapes, devices=self.engine.data_parallel_size)  # shapes.Shapes
         # TensorBoard, compilation log, explainer and the run's clock; before anything is compiled
-        self.monitor = Monitor(self.engine, cfg, self.shapes, job.startup, job.run_id)
+        self.monitor = Monitor(self.engine, cfg.output_dir, self.shapes, job.startup, job.run_id, cfg.report_to,
+                               dataclasses.asdict(cfg))
         self.clock = self.monitor.clock  # core.clock.RunClock
         self.bar: tqdm | None = None  # the progress bar, while `train` runs
 
@@ -101,26 +105,28 @@ class Trainer:
         """Loaders, model, optimizer and schedule on the device; the run state (resumed if asked)."""
         engine, job, cfg, task = self.engine, self.job, self.cfg, self.task
         model = _private_copy(job.model)
-        if cfg.gradient_checkpointing:
+        # the memory plan and the parameter counts, before anything compiles: checkpointing where only it fits
+        self.memory, self.counts, checkpointed = plan_memory(engine, cfg, self.shapes, model, task.objective.logits)
+        if checkpointed:
             engine.checkpoint_activations(model)
         loaders = [make_loader(job.data[split], job.tokenizer, cfg.batch_size, self.shapes.padding,
                                shuffle=split == "train", seed=cfg.seed, fill="repeat" if split == "train" else "mask",
-                               collate=task.collator(job.tokenizer))
+                               collate=task.rows.collator(job.tokenizer))
                    for split in ("train", *task.eval_splits)]  # filler: repeats to train on, masked rows to score
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
                                       fused=engine.fused_optimizer or None)
         self.train_dl, *eval_dls, self.model, self.optimizer = engine.prepare(*loaders, model, optimizer)
-        # the memory plan and the parameter counts, before anything compiles
-        self.memory, self.counts = plan_memory(engine, cfg, self.shapes, self.model, task.per_token_logits)
         n_train = len(job.data["train"])
         self.steps_per_epoch = self.shapes.steps_per_epoch(n_train)
         self.total_steps = self.shapes.total_steps(n_train, cfg.epochs, cfg.max_steps)
         self.scheduler = linear_schedule(self.optimizer, int(cfg.warmup_ratio * self.total_steps), self.total_steps)
-        self.state = RunState(engine, cfg, job.resume)  # where the run stands; its checkpoints
+        self.state = RunState(engine, cfg.section("checkpoints"), cfg.section("evaluation"), cfg.grad_accum,
+                              job.resume)  # where the run stands; its checkpoints
         padding = self.shapes.padding
         assert padding is not None  # the job settled it (job.prepare)
         self.state.track(self.model, self.optimizer, self.scheduler, self.clock,
-                         {"buckets": padding.bucket_list, "n_train": n_train, "run_id": job.run_id})
+                         {"buckets": padding.bucket_list, "n_train": n_train, "run_id": job.run_id,
+                          "config": dataclasses.asdict(cfg)})
         self.evaluator = Evaluator(engine, task, dict(zip(task.eval_splits, eval_dls)), job.samples)
         self.profile = Profile(engine, cfg.profile_steps, self.state.store)  # --profile-steps
 
@@ -131,6 +137,7 @@ class Trainer:
         read in a step closure at log points, and replicas agree on stopping at log points only."""
         engine, cfg, state, clock, model, total = \
             self.engine, self.cfg, self.state, self.clock, self.model, self.total_steps
+        objective = self.task.objective
         bar = self.bar = tqdm(total=total, initial=state.step, desc="Training", disable=not engine.is_main_process,
                               dynamic_ncols=True)
         with StopRequest() as stop, bar:  # the bar is closed (its line ended) before any message
@@ -146,7 +153,7 @@ class Trainer:
                     with self.profile.micro_batch(state.step + 1):  # inside --profile-steps' window: annotated
                         labels = batch.pop("labels")  # the loss is the job's own: no model head can add a host sync
                         with engine.autocast():
-                            loss = self.task.loss(self.task.forward(model, batch), labels)  # forward, loss
+                            loss = objective.loss(objective.forward(model, batch), labels)  # forward, loss
                         engine.backward(loss)
                         state.tracker.add(loss)  # on the device: read at log points
                         stepped = engine.optimizer_step(self.optimizer)  # at the last micro-batch of a step
@@ -270,15 +277,32 @@ def _linear(warmup_steps, total_steps, step):
     return max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
 
 
-def plan_memory(engine, cfg, shapes, model, logits=False):
-    """The memory plan, printed; a run that cannot fit the device stops here, before compiling."""
+def plan_memory(engine, cfg, shapes, model, logits=None):
+    """The memory plan of `model` (not yet prepared), printed, and whether its blocks are to be
+    checkpointed: as asked, or switched on (and said on the console) where the run fits only with
+    it; a run that cannot fit the device even so stops here, before compiling. `logits`: the
+    objective's logits per token ("whole", "chunked" or None). Returns (plan, counts, checkpointed)."""
     length = max(shapes.padding.lengths or [cfg.max_length])
-    memory, counts = plan_of(engine.unwrap_model(model), cfg.batch_size, length, cfg.precision,
-                             shards=engine.strategy.param_shards, device_bytes=device_bytes(engine.accelerator),
-                             checkpointed=cfg.gradient_checkpointing, logits=logits)
+    attention = getattr(model.config, "_attn_implementation", None) or "eager"
+
+    def plan(checkpointed):
+        # the causal-LM path and padded encoder batches pass a dense 4-D mask to the attention
+        return plan_of(model, cfg.batch_size, length, cfg.precision, shards=engine.strategy.param_shards,
+                       device_bytes=device_bytes(engine.accelerator), checkpointed=checkpointed,
+                       logits=logits is not None, attention=attention, chunked_logits=logits == "chunked",
+                       dense_mask=True)
+
+    checkpointed = cfg.gradient_checkpointing
+    memory, counts = plan(checkpointed)
+    if not checkpointed and memory["device_bytes"] and getattr(model, "supports_gradient_checkpointing", False):
+        switch, line = checkpointing_needed(memory, plan(True)[0])
+        if switch:
+            engine.print(line)
+            checkpointed = True
+            memory, counts = plan(True)
     engine.print(describe_memory(memory, counts))
-    check_fits(memory, cfg.batch_size, length, cfg.gradient_checkpointing, engine.strategy.param_shards > 1, cfg.lora)
-    return memory, counts
+    check_fits(memory, cfg.batch_size, length, checkpointed, engine.strategy.param_shards > 1, cfg.lora)
+    return memory, counts, checkpointed
 
 
 def _private_copy(model):

@@ -3,6 +3,10 @@
 import time
 from contextlib import contextmanager
 
+# torch.compile's cache counters (gpu_fallback's compile_stats): dynamo graphs whose compiled forward
+# and backward came from the cache or not, and inductor's graphs (forward, backward, inference) alike
+TORCH_COMPILE_CACHE = ("cache_hits", "cache_misses", "inductor_cache_hits", "inductor_cache_misses")
+
 
 class Startup:
     """Start-up's parts, timed in the launching process as laps from the process's start:
@@ -170,8 +174,8 @@ class RunClock:
             return out
         compiled = {"compiles": stats["compiles"], "compile_seconds": round(stats["compile_seconds"], 3),
                     "compiles_after_first_epoch": now["compiles"] - (self.first_epoch_compiles or now["compiles"])}
-        if "executions" not in stats:  # torch.compile's counters: graphs and seconds
-            out["torch_compile"] = compiled
+        if "executions" not in stats:  # torch.compile's counters: graphs, seconds, graphs from its caches
+            out["torch_compile"] = {**compiled, **{k: stats[k] for k in TORCH_COMPILE_CACHE if k in stats}}
         else:
             out["xla"] = {
                 **compiled, "host_syncs_per_step": round(self.transfers / max(steps, 1), 4),

@@ -50,12 +50,15 @@ class Engine:
 
     def __init__(self, backend: str | Roles = "auto", precision: str = "fp32", grad_accum: int = 1,
                  max_grad_norm: float | None = None, num_processes: int | None = None,
-                 compile_cache: PathLike | None = None, strategy: str = "ddp", compile: bool = False) -> None:
+                 compile_cache: PathLike | None = None, strategy: str = "ddp", compile: bool = False,
+                 tf32: bool = False) -> None:
         roles = _engine_roles(backend, num_processes, strategy)
         self.accelerator, self.strategy, self.launcher = roles.accelerator, roles.strategy, roles.launcher
         if compile:
             roles.use_compile()  # prepare compiles the model: torch.compile on the torch-native backends
         roles.start()  # process groups, SPMD mode: before anything touches the device
+        if tf32:
+            self.accelerator.use_tf32()  # fp32 matrix products on TensorFloat-32 tensor cores (CUDA)
         if compile_cache:
             self.accelerator.use_compile_cache(compile_cache)  # before the first compilation
         self.precision, self.grad_accum, self.max_grad_norm = precision, grad_accum, max_grad_norm

@@ -102,8 +102,16 @@ class Accelerator(ABC):
         the strategy's input sharding, where the device takes one)."""
 
     def use_compile_cache(self, path: PathLike) -> None:
-        """Keeps compiled graphs in `path` across runs, where the device compiles anything."""
-        raise UserError(f"`compile_cache` only applies to the xla backend, not {self.name}")
+        """Keeps compiled graphs in `path` across runs, where the device compiles anything (XLA:
+        its persistent cache; the torch-native devices under `compile`: torch.compile's caches).
+        Called before the first compilation of the process."""
+        raise UserError(f"`compile_cache` applies where graphs are compiled: the xla backend, or `compile` on "
+                        f"the torch-native backends, not {self.name}")
+
+    def use_tf32(self) -> None:
+        """TensorFloat-32 tensor cores for fp32 matrix products (the HF Trainer's `tf32`), where
+        the device has them; a UserError elsewhere."""
+        raise UserError(f"`tf32` applies to the cuda backend (TensorFloat-32 tensor cores), not {self.name}")
 
     def inference_mode(self) -> AbstractContextManager[Any]:
         """A context for forward passes whose results are never differentiated."""

@@ -3,6 +3,7 @@ accelerator, a strategy and a launcher (like Lightning Fabric's connector). Impl
 imported only once chosen, so the fallback works on a machine without torch_xla."""
 
 import importlib.util
+from collections.abc import Callable
 
 import torch
 
@@ -123,12 +124,34 @@ def select_roles(name="auto", num_processes=None, strategy="ddp"):
         raise UserError("`backend` cuda: no CUDA device is visible")
     if name == "tpu":
         _check_torchtpu()
-    from gpu_fallback import Ddp, Fsdp2, TorchAccelerator, TorchLauncher
+    return registered_roles(name)(name, num_processes, strategy)
 
-    accelerator = TorchAccelerator(name)
-    strategies = {"ddp": Ddp, "fsdp": Fsdp2}
-    launcher = TorchLauncher(num_processes, accelerator.default_processes)
-    return Roles(accelerator, strategies[strategy](accelerator), launcher)
+
+# The torch-native backends' roles are not the core's: a package registers a function that makes
+# them, `make(backend, num_processes, strategy) -> Roles`, under the backend's name, either by
+# calling `register_roles` or through an entry point of this group in its metadata
+# (gpu_fallback's, in setup.py: found once the package is installed).
+ROLES_GROUP = "xla_train.roles"
+_REGISTERED: dict[str, Callable[[str, int | None, str], Roles]] = {}
+
+
+def register_roles(name: str, make: Callable[[str, int | None, str], Roles]) -> None:
+    """Makes `make` the roles of `backend` `name` (cuda, cpu, tpu)."""
+    _REGISTERED[name] = make
+
+
+def registered_roles(name: str) -> Callable[[str, int | None, str], Roles]:
+    """What makes backend `name`'s roles: registered in this process, else an installed package's
+    entry point (importlib.metadata, group ROLES_GROUP)."""
+    if name not in _REGISTERED:
+        from importlib.metadata import entry_points
+
+        for point in entry_points(group=ROLES_GROUP, name=name):
+            register_roles(name, point.load())
+    if name not in _REGISTERED:
+        raise UserError(f"`backend` {name}: no package registers its roles (gpu_fallback's entry point "
+                        f"{ROLES_GROUP!r} is missing: install xla-train with pip)")
+    return _REGISTERED[name]
 
 
 def _check_torchtpu():

@@ -32,7 +32,9 @@ from .roles import Accelerator, Batch, Launcher, PathLike, Strategy, blocks_of, 
 # function that never asks whether the padding mask is all ones (stock "sdpa" evaluates
 # `padding_mask.all()` on every forward, masking_utils._ignore_bidirectional_mask_sdpa, which
 # on XLA is a device-to-host sync and cuts each step into two graphs), its q, k and v cast to
-# autocast's dtype (torch_xla's autocast leaves sdpa's inputs apart).
+# autocast's dtype (torch_xla's autocast leaves sdpa's inputs apart). Packed documents on a TPU
+# go through core.attention's "xla_train_documents" (Pallas flash attention with segment ids),
+# which hands every call without documents back to this implementation.
 XLA_ATTENTION = "xla_sdpa"
 
 

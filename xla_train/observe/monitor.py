@@ -37,11 +37,13 @@ LIBRARY_FRAME = re.compile(  # plumbing: a compilation's cause is named by the f
 class Monitor:
     """One per worker; a no-op on replicas other than the main one."""
 
-    def __init__(self, engine, cfg, shapes, startup=None, run_id=None):
+    def __init__(self, engine, output_dir, shapes, startup=None, run_id=None, report_to=None, params=None):
+        """`output_dir`: where the run's files go (a local folder gets TensorBoard's and the
+        compilation log); `report_to` and `params`: the trackers and what they record (Trackers)."""
         self.engine = engine
         self.on = engine.is_main_process
-        local = bool(cfg.output_dir) and not is_remote(cfg.output_dir)
-        self.out = Path(cfg.output_dir) if self.on and local else None
+        local = bool(output_dir) and not is_remote(output_dir)
+        self.out = Path(output_dir) if self.on and local else None
         self.buckets = shapes.padding.lengths  # None: dynamic padding, lengths unbounded
         # training graphs a healthy run compiles: one per bucket plus the first step's (no
         # optimizer state yet), and one spare; dynamic padding counts as one unbounded bucket
@@ -60,7 +62,7 @@ class Monitor:
         self._last, self._last_log = None, (0, self._t_start)
         if self.on:
             self._open_files()
-        self.trackers = Trackers(engine, cfg, self.out, run_id)  # --report-to: MLflow, W&B
+        self.trackers = Trackers(engine, report_to, params or {}, self.out, run_id)  # --report-to: MLflow, W&B
         self.clock = RunClock(engine, startup)  # counters start here, once compilations are traced
         self._last = self.clock.delta()[1] if self.on and self.clock.counting else None
 

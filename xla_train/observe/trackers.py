@@ -11,7 +11,6 @@ import netrc
 import os
 import time
 import warnings
-from dataclasses import asdict
 from pathlib import Path
 
 from ..core.errors import UserError
@@ -22,7 +21,7 @@ class MLflow:
     a plain file store unless told, and would put mlflow.db in the current folder), artifacts
     beside it."""
 
-    def __init__(self, cfg, out, name):
+    def __init__(self, params, out, name):
         uri = os.environ.get("MLFLOW_TRACKING_URI")
         if not uri and out is None:
             raise UserError("--report-to mlflow needs MLFLOW_TRACKING_URI or a local --output-dir")
@@ -36,7 +35,7 @@ class MLflow:
         experiment_id = (experiment.experiment_id if experiment else
                          self.client.create_experiment("xla-train", artifact_location=artifacts))
         self.run = self.client.create_run(experiment_id, run_name=name).info.run_id
-        params = [Param(k, str(v)[:6000]) for k, v in asdict(cfg).items()]
+        params = [Param(k, str(v)[:6000]) for k, v in params.items()]
         self.client.log_batch(self.run, params=params)
 
     def log(self, step, values):
@@ -57,14 +56,14 @@ class Wandb:
     """Offline (WANDB_MODE=offline) when no key is configured, so it runs without a network; its
     folder (WANDB_DIR) in the output folder."""
 
-    def __init__(self, cfg, out, name):
+    def __init__(self, params, out, name):
         wandb = _installed("wandb")
 
         if "WANDB_MODE" not in os.environ and not _wandb_key():
             os.environ["WANDB_MODE"] = "offline"
         os.environ.setdefault("WANDB_SILENT", "true")  # the run's own lines stay readable
         folder = os.environ.get("WANDB_DIR") or (str(out) if out is not None else None)
-        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "xla-train"), name=name, config=asdict(cfg),
+        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "xla-train"), name=name, config=dict(params),
                               dir=folder)
 
     def log(self, step, values):
@@ -121,16 +120,18 @@ class Trackers:
     """The external trackers of a run, started on the main process (`Engine.on_main`: every
     replica learns whether they started)."""
 
-    def __init__(self, engine, cfg, out, name):
+    def __init__(self, engine, report_to, params, out, name):
+        """`report_to`: the trackers' names (the --report-to value); `params`: what they record
+        as the run's hyperparameters (every option)."""
         self.active = {}
-        names = [n for n in trackers(cfg.report_to) if n in KINDS]
+        names = [n for n in trackers(report_to) if n in KINDS]
         if not names:
             return
 
         def start():
-            self.active = {n: KINDS[n](cfg, out, name) for n in names}
+            self.active = {n: KINDS[n](params, out, name) for n in names}
 
-        engine.on_main(start, f"--report-to {cfg.report_to}: cannot start the tracker")
+        engine.on_main(start, f"--report-to {report_to}: cannot start the tracker")
 
     def _each(self, call):
         for name, tracker in list(self.active.items()):

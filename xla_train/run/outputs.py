@@ -27,6 +27,11 @@ def finish(engine, job, t, monitor):
         tokens = metrics["tokens"]
         engine.print(f"dev {scores(results)}  (training {metrics['train_samples_per_s']:.1f} samples/s, "
                      f"{tokens['per_s']:.0f} tokens/s" + (f", MFU {tokens['mfu']:.1%}" if tokens["mfu"] else "") + ")")
+        compiled = metrics.get("torch_compile")
+        if compiled:  # --compile: what compiling cost, and what the cache (--compile-cache) saved
+            engine.print(f"torch.compile: {compiled['compiles']} graphs, {compiled['compile_seconds']:.1f} s "
+                         f"compiling; {compiled.get('cache_hits', 0)} of them from the cache"
+                         + (f" ({cfg.compile_cache})" if cfg.compile_cache else ""))
         if cfg.metrics_out:
             atomic_write(cfg.metrics_out, json.dumps(metrics, indent=2) + "\n")  # makes missing folders
     monitor.close(metrics)
@@ -46,7 +51,8 @@ def save_outputs(engine, job, t, results):
     folder = state.store.local_folder()
     if cfg.merge_lora:  # merged on the CPU, into the base model loaded again
         def load_base():
-            return add_adapters(task.load_model(cfg.model, cfg.seed, job.tokenizer.pad_token_id), cfg, task)
+            return add_adapters(task.model.load(cfg.model, cfg.seed, job.tokenizer.pad_token_id), cfg.section("model"),
+                                task.model.peft_task_type)
 
         save_merged(engine, t.model, load_base, job.tokenizer, folder)
     else:

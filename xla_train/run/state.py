@@ -9,7 +9,6 @@ happens is the loop's decision (train.Trainer).
 """
 
 import math
-from dataclasses import asdict
 
 import torch
 
@@ -45,10 +44,12 @@ class LossTracker:
 class RunState:
     """One per worker: the run's position, loss, evaluations and checkpoints."""
 
-    def __init__(self, engine, cfg, resume=None):
+    def __init__(self, engine, checkpoints, evaluation, grad_accum=1, resume=None):
+        """`checkpoints` and `evaluation`: the options' sections (options.Section) of those names;
+        `grad_accum`: micro-batches per optimizer step."""
         run = resume.state["run"] if resume else {}
-        self.engine, self.cfg, self.resume = engine, cfg, resume
-        self.store = open_store(cfg.output_dir) if cfg.output_dir else None
+        self.engine, self.checkpoints, self.evaluation, self.resume = engine, checkpoints, evaluation, resume
+        self.store = open_store(checkpoints.output_dir) if checkpoints.output_dir else None
         self.step, self.epoch, self.batch = run.get("step", 0), run.get("epoch", 0), run.get("batch", 0)
         self.history = run.get("history", [])  # [step, mean loss since the last entry, lr, loss sum]
         self.results = run.get("results")  # the latest evaluation
@@ -58,7 +59,7 @@ class RunState:
         self.stopped_early = run.get("stopped_early", False)
         self.best_weights = None  # the best model on the CPU, with --save-best and no output folder
         self.first_step = self.step
-        self.tracker = LossTracker(engine, run.get("loss_sum", 0.0), self.step * cfg.grad_accum, cfg.grad_accum)
+        self.tracker = LossTracker(engine, run.get("loss_sum", 0.0), self.step * grad_accum, grad_accum)
         self.bad_step = None  # the first optimizer step whose loss was not finite, once known
         # the latest checkpoint, and the position it holds
         self.saved, self.saved_at = (resume.url, self.position) if resume else (None, None)
@@ -127,14 +128,14 @@ class RunState:
         early-stopping count. Every replica has the same results, so all decide alike."""
         self.results = results
         self.evaluations.append([self.step, results])
-        name = self.cfg.metric_for_best or main_metric
+        name = self.evaluation.metric_for_best or main_metric
         if _improves(results[name], self.best["value"] if self.best else None, name in MINIMISED):
             self.best, self.bad_evals = {"step": self.step, "metric": name, "value": results[name]}, 0
-            if self.cfg.save_best:
+            if self.evaluation.save_best:
                 self.best_weights = checkpoint.save_best(self.engine, self.store, model)
         else:
             self.bad_evals += 1
-        patience = self.cfg.early_stopping_patience
+        patience = self.evaluation.early_stopping_patience
         if patience and self.bad_evals >= patience:
             self.stopped_early = True
             self.engine.print(f"early stopping at step {self.step}: {name} has not improved in {patience} "
@@ -143,7 +144,7 @@ class RunState:
     def restore_best(self, model):
         """With --save-best: puts the best evaluation's weights back into `model`. Returns the
         results of the evaluation the model now has."""
-        if not (self.cfg.save_best and self.best) or self.best["step"] == self.evaluations[-1][0]:
+        if not (self.evaluation.save_best and self.best) or self.best["step"] == self.evaluations[-1][0]:
             return self.results
         weights = self.best_weights if self.best_weights is not None else checkpoint.load_best(self.store)
         weights, _ = first_names_only(self.engine.unwrap_model(model), weights)  # a tie by its first name (core.ties)
@@ -173,9 +174,9 @@ class RunState:
             run = {"step": self.step, "epoch": self.epoch, "batch": self.batch, "loss_sum": loss_sum,
                    "history": self.history, "results": self.results, "evaluations": self.evaluations,
                    "best": self.best, "bad_evals": self.bad_evals, "stopped_early": self.stopped_early}
-            state = {"run": run, **extra, "world_size": self.engine.data_parallel_size, "config": asdict(self.cfg)}
+            state = {"run": run, **extra, "world_size": self.engine.data_parallel_size}
             self.saved = checkpoint.save(self.engine, self.store, model, optimizer, scheduler, state,
-                                         self.cfg.keep_last)
+                                         self.checkpoints.keep_last)
         self.saved_at = self.position
         return self.saved
 

@@ -36,11 +36,11 @@ def kind_of(problem=None):
 
 
 def load_task(task=None, data_dir=None, train_file=None, validation_file=None, text_columns=None,
-              label_column="label", problem=None, seed=0, max_length=128, packing=None):
-    """The `Task` for the command line's data options (see the module docstring)."""
+              label_column="label", problem=None, seed=0, max_length=128, packing=None, attention="auto"):
+    """The `Task` for the command line's data options (see the module docstring) and its splits."""
     check_choices(task, problem)
     source = Source(task, data_dir, train_file, validation_file, text_columns, label_column, problem, seed, max_length,
-                    packing)
+                    packing, attention)
     return kind_of(problem).load(source)
 
 

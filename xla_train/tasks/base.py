@@ -3,15 +3,18 @@ its batches and loss, its evaluation, its predictions and its output folder.
 
 The job, the loop, evaluation, predict, LoRA and the memory plan ask a `Task` and never branch on
 its kind or read its flags. A kind is one module with a `Task` subclass and one registration
-(`tasks.kinds.register`); it is made of parts:
+(`tasks.kinds.register`). A task is immutable; it holds what the kind says of one job (name,
+labels, metric, evaluation splits, length) and assembles its parts from it, each a small object:
 
-    options     check_options: the kind's own flags, checked with the rest of the options
-    rows        load (source to splits), tokenize, collator, padding
-    objective   forward, loss, eval_columns, load_metric, score, metric_keys
-    model       check_model, load_model, load_trained, claims, peft_task_type
-    prediction  `prediction`: read, predict, write (table.Scores, completion.Completions), which
-                `xla-train predict` and a training run's --test-file both use
-    samples     sample_rows, samples: --eval-samples' prompts (kinds that generate)
+    rows        `Rows`: tokenize (splits to token ids), collator, padding
+    objective   `Objective`: forward, loss, eval_columns, load_metric, score, metric_keys
+    model       `ModelPart`: check, load, load_trained, peft_task_type
+    prediction  `Prediction`: read, fit, predict, write (table.Scores, completion.Completions),
+                which `xla-train predict` and a training run's --test-file both use
+
+and, on the kind itself: check_options (its own flags, checked with the rest of the options),
+load (a source to the task and its splits), claims and from_config (a saved folder read back),
+record, describe, and sample_rows/samples (--eval-samples, kinds that generate).
 
 Kinds today: `sequence.Classification`, `sequence.Regression` and `causal_lm.CausalLM`.
 """
@@ -21,7 +24,8 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
@@ -48,6 +52,7 @@ class Source:
     seed: int = 0  # the held-out split's draw
     max_length: int = 128
     packing: bool | None = None  # None: the kind's default
+    attention: str = "auto"  # how packed documents are kept apart (core.attention.PATHS)
 
 
 @dataclass(frozen=True)
@@ -97,24 +102,116 @@ class Prediction(Protocol):
         """Writes the rows' results; returns (what was written, for a console line; its metrics)."""
 
 
-@dataclass
+class Rows:
+    """A kind's rows: its splits tokenised, how a planned batch of them is padded (collated), and
+    the batches' padding."""
+
+    unit = "rows"  # what --max-length truncates, in console lines
+
+    def tokenize(self, splits: Any, tokenizer: Any, max_length: int) -> tuple[Any, dict[str, int]]:
+        """The splits (a DatasetDict) as token ids; returns (data, rows truncated per split)."""
+        raise NotImplementedError
+
+    def collator(self, tokenizer: Any) -> Callable[[list], dict]:
+        """What pads a planned batch of this kind's rows (core.batching.make_loader)."""
+        from ..core.batching import PadCollator
+
+        return PadCollator(tokenizer)
+
+    def padding(self, settle: Callable[[], Any], max_length: int, data: Any) -> Any:
+        """The batches' padding (shapes.Padding) of the tokenised `data`: `settle()` chooses it
+        from the padding options (lengths in buckets)."""
+        return settle()
+
+
+@dataclass(frozen=True)
+class Objective:
+    """A kind's objective: the forward call, the loss, what evaluation gathers and how it scores.
+    `metric_name` is the task_metric config; `eval_splits` the splits evaluation scores."""
+
+    metric_name: str | None = None
+    eval_splits: tuple[str, ...] = ("validation",)
+
+    @property
+    def logits(self) -> str | None:
+        """How the memory plan counts logits per token (vocabulary-wide): "whole" (as the model's
+        head computes them), "chunked" (a chunk of tokens at a time), or None (none per token)."""
+        return None
+
+    def forward(self, model: Any, inputs: dict[str, Any]) -> Any:
+        """The model on a batch's inputs (labels taken out)."""
+        return model(**inputs)
+
+    def loss(self, output: Any, labels: Any) -> Any:
+        """The training loss of a batch from the model's output."""
+        raise NotImplementedError
+
+    def eval_columns(self, batch: dict[str, Any], output: Any) -> tuple:
+        """What evaluation gathers of a batch: 1-D device tensors of one dtype, a value per row."""
+        raise NotImplementedError
+
+    def load_metric(self) -> Any:
+        """The `evaluate` metric that scores this kind (the module inside the package: no hub)."""
+        return load_metric(self.metric_name)
+
+    def score(self, metric: Any, columns: tuple) -> dict[str, float]:
+        """The metrics over every gathered row (`columns`: eval_columns' host tensors)."""
+        predictions, references = columns
+        metric.add_batch(predictions=predictions, references=references)
+        n = len(metric)
+        return {**metric.compute(), "n": n}
+
+    def keys(self) -> list[str]:
+        """The keys `score` reports (besides the row counts), the main one first."""
+        from .task_metric.task_metric import keys
+
+        return keys(self.metric_name)
+
+    @property
+    def metric_keys(self) -> list[str]:
+        """Every key an evaluation reports (besides the row counts), over every evaluation split."""
+        return [k + self.eval_suffix(split) for split in self.eval_splits for k in self.keys()]
+
+    def eval_suffix(self, split: str) -> str:
+        """The metrics' key suffix of an evaluation split ("" for the first, "_mm" for MNLI's second)."""
+        return "" if split == self.eval_splits[0] else "_mm"
+
+
+class ModelPart:
+    """A kind's model: the pretrained model with what the kind trains on top, a fine-tuned one read
+    back from its folder, and peft's task type for --lora. (Which kind claims a saved folder's
+    config is the kind's `claims`, asked before any task exists.)"""
+
+    peft_task_type: str | None = None
+
+    def check(self, config: Any, name: str) -> None:
+        """Stops with one line if the model `name` (its transformers `config`) cannot do this kind's work."""
+
+    def load(self, name: str, seed: int, pad_token_id: int | None = None) -> Any:
+        """The pretrained model with what this kind trains on top (a new head), from `seed`."""
+        raise NotImplementedError
+
+    def load_trained(self, folder: str) -> Any:
+        """A model this kind fine-tuned, from its output folder (whole, or an adapter's)."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
 class Task:
-    """What to train on and how it is scored. A task read back from a model folder
-    (`from_folder`) has no splits; one made from data (`load`) has them."""
+    """What to train on and how it is scored: what a kind says of one job (its name, labels,
+    metric, evaluation splits and length) and the parts it assembles from them (`rows`,
+    `objective`, `model`, `prediction`). Immutable: `load` returns the task and its splits apart;
+    a task read back from a model folder (`from_config`) has no splits."""
 
     name: str | None  # a GLUE task, "custom", or None (a folder not trained by xla-train)
     labels: list[str] | None  # label names in id order; None where there are none
-    splits: Any = None  # datasets.DatasetDict: train and the evaluation splits
     text_columns: list[str] | None = None  # the source's own names of the texts the model reads
     metric_name: str | None = None  # the task_metric config
     main: str | None = None  # the main metric's key
-    eval_splits: list[str] = field(default_factory=lambda: ["validation"])
+    eval_splits: tuple[str, ...] = ("validation",)
     max_length: int = 128  # the rows' length in training (a folder's record says it to predict)
 
     kind: ClassVar[str | None] = None  # the --problem name of the subclass (its registration in tasks.kinds)
-    peft_task_type: ClassVar[str | None] = None  # peft's task type for --lora
-    per_token_logits = False  # logits per token (vocabulary-wide), which the memory plan counts
-    unit = "rows"  # what --max-length truncates, in console lines
 
     @property
     def problem(self) -> str | None:
@@ -135,97 +232,54 @@ class Task:
             raise UserError("--max-new-tokens applies to a causal LM's --test-file (--problem causal-lm)")
         if opts.eval_samples:
             raise UserError("--eval-samples generates text from evaluation prompts: it needs --problem causal-lm")
-
-    # --- rows ---------------------------------------------------------------------------------
-    @classmethod
-    def load(cls, source: Source) -> Task:
-        """The task of `source` (a `Source`): its splits read and checked."""
-        raise NotImplementedError
-
-    def tokenize(self, splits: Any, tokenizer: Any, max_length: int) -> tuple[Any, dict[str, int]]:
-        """The splits (a DatasetDict) as token ids; returns (data, rows truncated per split)."""
-        raise NotImplementedError
-
-    def collator(self, tokenizer: Any) -> Callable[[list], dict]:
-        """What pads a planned batch of this task's rows (core.batching.make_loader)."""
-        from ..core.batching import PadCollator
-
-        return PadCollator(tokenizer)
-
-    def padding(self, settle: Callable[[], Any], max_length: int, data: Any) -> Any:
-        """The batches' padding (shapes.Padding) of the tokenised `data`: `settle()` chooses it
-        from the padding options (lengths in buckets)."""
-        return settle()
-
-    # --- the model ------------------------------------------------------------------------
-    def check_model(self, config: Any, name: str) -> None:
-        """Stops with one line if the model `name` (its transformers `config`) cannot do this task."""
-
-    def load_model(self, name: str, seed: int, pad_token_id: int | None = None) -> Any:
-        """The pretrained model with what this task trains on top (a new head), from `seed`."""
-        raise NotImplementedError
-
-    def load_trained(self, folder: str) -> Any:
-        """A model this task fine-tuned, from its output folder (whole, or an adapter's)."""
-        raise NotImplementedError
+        if opts.attention != "auto":
+            raise UserError("--attention keeps a causal LM's packed documents apart: it applies to --problem causal-lm")
 
     @classmethod
-    def claims(cls, config: Any) -> bool:
-        """Whether a saved model's config is one this kind fine-tuned (predict reads it back)."""
-        return False
-
-    # --- the objective ----------------------------------------------------------------------
-    def forward(self, model: Any, inputs: dict[str, Any]) -> Any:
-        """The model on a batch's inputs (labels taken out)."""
-        return model(**inputs)
-
-    def loss(self, output: Any, labels: Any) -> Any:
-        """The training loss of a batch from the model's output."""
+    def load(cls, source: Source) -> tuple[Task, Any]:
+        """The task of `source` (a `Source`) and its splits (a DatasetDict: train and the
+        evaluation splits), read and checked."""
         raise NotImplementedError
 
-    def eval_columns(self, batch: dict[str, Any], output: Any) -> tuple:
-        """What evaluation gathers of a batch: 1-D device tensors of one dtype, a value per row."""
+    # --- the parts (built once, on first use) -------------------------------------------------
+    @cached_property
+    def rows(self) -> Rows:
         raise NotImplementedError
 
-    def load_metric(self) -> Any:
-        """The `evaluate` metric that scores this task (the module inside the package: no hub)."""
-        return load_metric(self.metric_name)
+    @cached_property
+    def objective(self) -> Objective:
+        raise NotImplementedError
 
-    def score(self, metric: Any, columns: tuple) -> dict[str, float]:
-        """The metrics over every gathered row (`columns`: eval_columns' host tensors)."""
-        predictions, references = columns
-        metric.add_batch(predictions=predictions, references=references)
-        n = len(metric)
-        return {**metric.compute(), "n": n}
+    @cached_property
+    def model(self) -> ModelPart:
+        raise NotImplementedError
+
+    @cached_property
+    def prediction(self) -> Prediction:
+        """The part that predicts rows of a file with a model of this kind (table.Scores: a
+        prediction and a score per row; completion.Completions: a completion per prompt)."""
+        raise UserError(f"a {self.kind} model predicts nothing: --test-file and xla-train predict do not apply")
 
     @property
     def metric_keys(self) -> list[str]:
         """Every key an evaluation reports (besides the row counts), the main one first."""
-        from .task_metric.task_metric import keys
-
-        return [k + self.eval_suffix(split) for split in self.eval_splits for k in keys(self.metric_name)]
-
-    def eval_suffix(self, split: str) -> str:
-        """The metrics' key suffix of an evaluation split ("" for the first, "_mm" for MNLI's second)."""
-        return "" if split == self.eval_splits[0] else "_mm"
+        return self.objective.metric_keys
 
     # --- --eval-samples ---------------------------------------------------------------------
-    def sample_rows(self, n: int) -> list:
-        """--eval-samples: up to `n` evaluation rows to generate from (read before tokenising)."""
+    def sample_rows(self, splits: Any, n: int) -> list:
+        """--eval-samples: up to `n` rows of the first evaluation split to generate from."""
         raise NotImplementedError  # check_options refused --eval-samples
 
     def samples(self, rows: list, tokenizer: Any, model: Any, static: bool, batch_size: int) -> Any:
         """What every evaluation generates from `sample_rows`' rows (completion.Samples)."""
         raise NotImplementedError
 
-    # --- predictions ----------------------------------------------------------------------
-    @property
-    def prediction(self) -> Prediction:
-        """The part that predicts rows of a file with a model of this kind (table.Scores: a
-        prediction and a score per row; completion.Completions: a completion per prompt)."""
-        raise UserError(f"a {self.kind} model predicts nothing: --test-file and xla-train predict do not apply")
-
     # --- what the output folder records ---------------------------------------------------
+    @classmethod
+    def claims(cls, config: Any) -> bool:
+        """Whether a saved model's config is one this kind fine-tuned (predict reads it back)."""
+        return False
+
     def record(self) -> dict[str, Any]:
         """What the output folder's record says of the task (read back by `from_config`)."""
         return {"task": self.name, "problem": self.problem, "labels": self.labels, "text_columns": self.text_columns,
@@ -239,7 +293,8 @@ class Task:
         """The task of a saved model: its config and its record (`saved`, {} if there is none)."""
         raise NotImplementedError
 
-    def describe(self) -> str:
+    def describe(self, splits: Any) -> str:
+        """The console line that says what trains on `splits`."""
         raise NotImplementedError
 
 

@@ -15,12 +15,17 @@ turns the segments into a 4-D mask: every document attends causally to itself on
 row computes exactly what its documents compute one by one, with one static shape per run.
 """
 
+from __future__ import annotations
+
 import math
 from bisect import bisect_left, insort
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
 
 from ..core.errors import UserError
-from .base import Task, row_name
+from .base import ModelPart, Objective, Rows, Task, row_name
 from .completion import Completions, eval_samples
 from .documents import (
     FORMS,
@@ -66,50 +71,49 @@ def is_decoder_config(config):
             and config.model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES)
 
 
-@register
-@dataclass
-class CausalLM(Task):
-    """Next-token prediction on documents; token-weighted loss and perplexity."""
+@dataclass(frozen=True)
+class DocumentRows(Rows):
+    """Rows of whole documents, packed into rows of exactly the maximum length (best-fit
+    decreasing) or one document each (then padded to buckets); `files`: each split's source, for
+    messages."""
 
-    kind = "causal-lm"
-    peft_task_type = "CAUSAL_LM"
-    per_token_logits = True  # the memory plan counts vocabulary x tokens of logits
-    unit = "documents"
-    packing: bool = True
     form: str | None = None  # which of FORMS the rows have
-    files: dict[str, str] | None = None  # split: where its rows came from (for messages)
+    files: dict[str, str] | None = None
+    packing: bool = True
+    unit = "documents"
 
-    def __post_init__(self):
-        self.metric_name, self.main = None, "loss"
+    def tokenize(self, splits: Any, tokenizer: Any, max_length: int) -> tuple[Any, dict[str, int]]:
+        """Every split as rows of documents (packed or one each); returns (data, documents
+        truncated per split)."""
+        import datasets
 
-    # --- options ----------------------------------------------------------------------------
-    @classmethod
-    def check_options(cls, opts):
-        """Rows are told by their columns, packed unless --no-packing (then in length buckets);
-        --max-new-tokens is --test-file's."""
-        if opts.packing is not False and (opts.buckets != "auto" or opts.padding != "buckets"):
-            raise UserError("--packing makes every row --max-length tokens long: --buckets and --padding apply to "
-                            "--no-packing")
-        if opts.max_new_tokens and not opts.test_file:
-            raise UserError("--max-new-tokens applies to a causal LM's --test-file (--problem causal-lm)")
+        if tokenizer.eos_token_id is None:
+            raise UserError("--problem causal-lm needs a tokenizer with an end-of-sequence token (none is set)")
+        files = self.files or {}
+        data: dict[str, Any] = {}
+        truncated: dict[str, int] = {}
+        counts: dict[str, int] = {}
+        for split, ds in splits.items():
+            where = files.get(split, split)
+            docs, truncated[split], empty = documents(ds, self.form, tokenizer, max_length, where)
+            if empty:
+                print(f"{where}: {empty} document(s) have no trained token within --max-length {max_length}; left out")
+            if not docs:
+                raise UserError(f"{where}: no document has a trained token within --max-length {max_length}")
+            rows = pack([len(ids) for ids, _ in docs], max_length) if self.packing else [[i] for i in range(len(docs))]
+            data[split] = datasets.Dataset.from_dict(join(docs, rows))
+            counts[split] = len(docs)
+        if self.packing:
+            packed = ", ".join(f"{counts[s]} {s} documents into {len(d)} rows" for s, d in data.items())
+            print(f"packed {packed}"
+                  + f" of {max_length} tokens (" + ", ".join(
+                      f"{s} {sum(d['length']) / (len(d) * max_length):.1%} full" for s, d in data.items()) + ")")
+        return datasets.DatasetDict(data), truncated
 
-    # --- rows ---------------------------------------------------------------------------------
-    @classmethod
-    def load(cls, source):
-        if source.task or source.data_dir:
-            raise UserError("--problem causal-lm trains on own rows (--train-file), not on a GLUE task: leave out "
-                            "--task and --data-dir")
-        if source.text_columns:
-            raise UserError("--text-columns applies to classification and regression; causal-lm rows are told by "
-                            "their columns (messages, prompt/completion or text)")
-        if not source.train_file:
-            raise UserError("--problem causal-lm needs --train-file (and optionally --validation-file)")
-        task = load_causal(source.train_file, source.validation_file, source.seed)
-        task.max_length = source.max_length
-        task.packing = source.packing is not False
-        return task
+    def collator(self, tokenizer: Any) -> PackCollator:
+        return PackCollator(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
 
-    def padding(self, settle, max_length, data):
+    def padding(self, settle: Callable[[], Any], max_length: int, data: Any) -> Any:
         """Packed rows are exactly `max_length` tokens long: one shape."""
         from ..core.shapes import padding_for
 
@@ -117,8 +121,93 @@ class CausalLM(Task):
             return settle()
         return padding_for("max_length", None, max_length, [split["length"] for split in data.values()])
 
-    # --- the model ------------------------------------------------------------------------
-    def check_model(self, config, name):
+
+@dataclass(frozen=True)
+class HeadInput:
+    """What NextToken's forward gives its loss: the final hidden states, before the LM head, and
+    the head (weight, bias, soft-capping); the head and cross-entropy are computed in chunks of
+    tokens (core.lm_loss), never as the whole [tokens x vocabulary] fp32 logits."""
+
+    hidden: Any
+    weight: Any
+    bias: Any = None
+    softcap: float | None = None
+
+
+@dataclass(frozen=True)
+class NextToken(Objective):
+    """Next-token prediction: the mean cross-entropy over a batch's trained tokens; evaluation
+    sums it token-weighted into the loss and perplexity. `attention`: how a packed row's documents
+    are kept apart (core.attention.PATHS); `chunked_logits`: the head and cross-entropy computed
+    in chunks of tokens (core.lm_loss.CHUNK_TOKENS), else as the model's own head computes them."""
+
+    attention: str = "auto"
+    chunked_logits: bool = True
+
+    @property
+    def logits(self) -> str:
+        return "chunked" if self.chunked_logits else "whole"
+
+    def forward(self, model: Any, inputs: dict[str, Any]) -> Any:
+        """The model on a batch whose `segments` keep its documents apart: causal within each
+        document, nothing across documents (core.attention.document_inputs: a 4-D mask, or a
+        kernel given the segments); padding (segment 0) attends to padding only. With chunks,
+        the model stops before its head (its logits for one token only) and the hidden states go
+        to the loss."""
+        from ..core.attention import document_inputs, unwrapped
+        from ..core.lm_loss import head_of
+
+        inputs = dict(inputs)
+        extra = document_inputs(model, inputs.pop("segments"), attention=self.attention)
+        if not self.chunked_logits:
+            return model(**inputs, **extra)
+        output = model(**inputs, **extra, output_hidden_states=True, logits_to_keep=1)
+        return HeadInput(output.hidden_states[-1], *head_of(unwrapped(model)))
+
+    def token_losses(self, output: Any, labels: Any) -> tuple[Any, Any]:
+        """Per row: the cross-entropy summed over its trained tokens, and their number (fp32)."""
+        import torch.nn.functional as F
+
+        from ..core.lm_loss import chunked_lm_loss
+
+        if isinstance(output, HeadInput):
+            return chunked_lm_loss(output.hidden, output.weight, labels, output.bias, output.softcap,
+                                   ignore_index=IGNORE)
+        losses = F.cross_entropy(output.logits.float().transpose(1, 2), labels, ignore_index=IGNORE, reduction="none")
+        return losses.sum(1), (labels != IGNORE).sum(1).float()
+
+    def loss(self, output: Any, labels: Any) -> Any:
+        """Mean cross-entropy over the batch's trained tokens (labels are already shifted)."""
+        total, tokens = self.token_losses(output, labels)
+        return total.sum() / tokens.sum().clamp(min=1)
+
+    def keys(self) -> list[str]:
+        return ["loss", "perplexity"]
+
+    def load_metric(self) -> None:
+        return None  # the loss is summed here, token-weighted
+
+    def eval_columns(self, batch: dict[str, Any], output: Any) -> tuple:
+        """Per row: the loss summed over its trained tokens, their number, and its documents."""
+        total, tokens = self.token_losses(output, batch["labels"])
+        return total, tokens, batch["segments"].amax(1).float()
+
+    def score(self, metric: Any, columns: tuple) -> dict[str, float]:
+        loss_sum, tokens, docs = columns
+        loss = float(loss_sum.double().sum() / tokens.double().sum())
+        return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "n": int(docs.sum()),
+                "n_tokens": int(tokens.sum())}
+
+
+@dataclass(frozen=True)
+class DecoderModel(ModelPart):
+    """A pretrained decoder with its LM head; `max_length`: the rows' length, which a sliding
+    attention window must cover."""
+
+    max_length: int = 128
+    peft_task_type = "CAUSAL_LM"
+
+    def check(self, config: Any, name: str) -> None:
         from ..models import shown_name
 
         if not is_decoder_config(config):
@@ -126,7 +215,7 @@ class CausalLM(Task):
                             f"(architectures: {', '.join(config.architectures or ['none'])}); --problem causal-lm "
                             "fine-tunes decoders such as Llama, Qwen2, Gemma, Mistral or GPT-2")
 
-    def load_model(self, name, seed, pad_token_id=None):
+    def load(self, name: str, seed: int, pad_token_id: int | None = None) -> Any:
         """The pretrained decoder with its LM head, in fp32 whatever the checkpoint holds
         (--precision bf16 is autocast), without a key/value cache (training reads each row once)."""
         import torch
@@ -141,117 +230,79 @@ class CausalLM(Task):
                             f"window ({window}); use --max-length {window} or less")
         return no_cache(model)
 
-    def load_trained(self, folder):
+    def load_trained(self, folder: str) -> Any:
         from ..models import load_trained
 
         return load_trained(_causal_lm(), folder)
 
-    @classmethod
-    def claims(cls, config):
-        return not is_classifier_config(config) and is_decoder_config(config)
 
-    @property
+@register
+@dataclass(frozen=True)
+class CausalLM(Task):
+    """Next-token prediction on documents; token-weighted loss and perplexity."""
+
+    kind = "causal-lm"
+    packing: bool = True
+    form: str | None = None  # which of FORMS the rows have
+    files: dict[str, str] | None = None  # split: where its rows came from (for messages)
+    attention: str = "auto"  # how packed documents are kept apart (core.attention.PATHS)
+
+    # --- options ----------------------------------------------------------------------------
+    @classmethod
+    def check_options(cls, opts):
+        """Rows are told by their columns, packed unless --no-packing (then in length buckets);
+        --max-new-tokens is --test-file's."""
+        if opts.packing is not False and (opts.buckets != "auto" or opts.padding != "buckets"):
+            raise UserError("--packing makes every row --max-length tokens long: --buckets and --padding apply to "
+                            "--no-packing")
+        if opts.max_new_tokens and not opts.test_file:
+            raise UserError("--max-new-tokens applies to a causal LM's --test-file (--problem causal-lm)")
+
+    @classmethod
+    def load(cls, source):
+        if source.task or source.data_dir:
+            raise UserError("--problem causal-lm trains on own rows (--train-file), not on a GLUE task: leave out "
+                            "--task and --data-dir")
+        if source.text_columns:
+            raise UserError("--text-columns applies to classification and regression; causal-lm rows are told by "
+                            "their columns (messages, prompt/completion or text)")
+        if not source.train_file:
+            raise UserError("--problem causal-lm needs --train-file (and optionally --validation-file)")
+        return load_causal(source.train_file, source.validation_file, source.seed, source.max_length,
+                           source.packing is not False, cls, source.attention)
+
+    # --- the parts --------------------------------------------------------------------------
+    @cached_property
+    def rows(self):
+        return DocumentRows(self.form, self.files, self.packing)
+
+    @cached_property
+    def objective(self):
+        return NextToken(None, self.eval_splits, self.attention)
+
+    @cached_property
+    def model(self):
+        return DecoderModel(self.max_length)
+
+    @cached_property
     def prediction(self):
         return Completions(self)
 
-    @classmethod
-    def from_config(cls, config, saved):
-        return cls(saved.get("task") or "custom", None, max_length=saved.get("max_length", 128),
-                   packing=saved.get("packing", True), form=saved.get("form"))
-
-    def record(self):
-        return {"task": self.name, "problem": self.problem, "labels": None, "form": self.form, "packing": self.packing,
-                "max_length": self.max_length}
-
-    # --- batches, the forward pass and the loss ------------------------------------------------
-    def tokenize(self, splits, tokenizer, max_length):
-        """Every split as rows of documents (packed or one each); returns (data, documents
-        truncated per split)."""
-        import datasets
-
-        if tokenizer.eos_token_id is None:
-            raise UserError("--problem causal-lm needs a tokenizer with an end-of-sequence token (none is set)")
-        data, truncated, self.documents = {}, {}, {}
-        for split, ds in splits.items():
-            docs, truncated[split], empty = documents(ds, self.form, tokenizer, max_length, self.files[split])
-            if empty:
-                print(f"{self.files[split]}: {empty} document(s) have no trained token within --max-length "
-                      f"{max_length}; left out")
-            if not docs:
-                raise UserError(f"{self.files[split]}: no document has a trained token within --max-length "
-                                f"{max_length}")
-            rows = pack([len(ids) for ids, _ in docs], max_length) if self.packing else [[i] for i in range(len(docs))]
-            data[split] = datasets.Dataset.from_dict(join(docs, rows))
-            self.documents[split] = len(docs)
-        if self.packing:
-            counts = ", ".join(f"{self.documents[s]} {s} documents into {len(d)} rows" for s, d in data.items())
-            print(f"packed {counts}"
-                  + f" of {max_length} tokens (" + ", ".join(
-                      f"{s} {sum(d['length']) / (len(d) * max_length):.1%} full" for s, d in data.items()) + ")")
-        return datasets.DatasetDict(data), truncated
-
-    def collator(self, tokenizer):
-        return PackCollator(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
-
-    def forward(self, model, inputs):
-        """The model on a batch whose `segments` become the 4-D attention mask: causal within each
-        document, nothing across documents; padding (segment 0) attends to padding only, so no
-        row of the mask is empty."""
-        import torch
-
-        inputs = dict(inputs)
-        segments = inputs.pop("segments")
-        positions = torch.arange(segments.shape[1], device=segments.device)
-        mask = (segments[:, None, :, None] == segments[:, None, None, :]) & (positions[:, None] >= positions[None, :])
-        if _attention(model) == "eager":  # eager attention adds the mask to the scores (sdpa takes booleans)
-            mask = torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, torch.finfo(torch.float32).min)
-        return model(**inputs, attention_mask=mask)
-
-    def loss(self, output, labels):
-        """Mean cross-entropy over the batch's trained tokens (labels are already shifted)."""
-        import torch.nn.functional as F
-
-        logits = output.logits.float()
-        total = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1), ignore_index=IGNORE,
-                                reduction="sum")
-        return total / (labels != IGNORE).sum().clamp(min=1)
-
-    # --- evaluation -----------------------------------------------------------------------
-    @property
-    def metric_keys(self):
-        return ["loss", "perplexity"]
-
-    def load_metric(self):
-        return None  # the loss is summed here, token-weighted
-
-    def eval_columns(self, batch, output):
-        """Per row: the loss summed over its trained tokens, their number, and its documents."""
-        import torch.nn.functional as F
-
-        labels = batch["labels"]
-        losses = F.cross_entropy(output.logits.float().transpose(1, 2), labels, ignore_index=IGNORE, reduction="none")
-        return losses.sum(1), (labels != IGNORE).sum(1).float(), batch["segments"].amax(1).float()
-
-    def score(self, metric, columns):
-        loss_sum, tokens, docs = columns
-        loss = float(loss_sum.double().sum() / tokens.double().sum())
-        return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "n": int(docs.sum()),
-                "n_tokens": int(tokens.sum())}
-
-    def sample_rows(self, n):
+    # --- --eval-samples ---------------------------------------------------------------------
+    def sample_rows(self, splits, n):
         """The first `n` rows of the validation split: a prompt/completion row's prompt, or a
         conversation's turns before its last assistant turn (which is the reference)."""
         if self.form == "text":
             raise UserError("--eval-samples needs prompt/completion or messages rows: text rows have no prompt to "
                             "generate from")
-        split = self.splits[self.eval_splits[0]]
+        split = splits[self.eval_splits[0]]
         samples = []
         for i, row in enumerate(split.select(range(min(n, len(split)))).to_list()):
             source = row.pop(SOURCE_ROW, i)  # its row in the file, where the split was held out
             if self.form == "prompt/completion":
                 samples.append(({"prompt": row["prompt"]}, "prompt", row["completion"], row))
                 continue
-            path = self.files[self.eval_splits[0]]
+            path = (self.files or {})[self.eval_splits[0]]
             where = f"{path}: {row_name(path, source)}"
             turns = _turns(row["messages"], where)
             last = max((j for j, m in enumerate(turns) if m["role"] == "assistant"), default=0)
@@ -264,16 +315,23 @@ class CausalLM(Task):
     def samples(self, rows, tokenizer, model, static, batch_size):
         return eval_samples(rows, self.form, tokenizer, model, self.max_length, static, batch_size)
 
-    def describe(self):
-        sizes = ", ".join(f"{len(ds)} {split}" for split, ds in self.splits.items())
+    # --- what the output folder records -----------------------------------------------------
+    @classmethod
+    def claims(cls, config):
+        return not is_classifier_config(config) and is_decoder_config(config)
+
+    @classmethod
+    def from_config(cls, config, saved):
+        return cls(saved.get("task") or "custom", None, main="loss", max_length=saved.get("max_length", 128),
+                   packing=saved.get("packing", True), form=saved.get("form"))
+
+    def record(self):
+        return {"task": self.name, "problem": self.problem, "labels": None, "form": self.form, "packing": self.packing,
+                "max_length": self.max_length}
+
+    def describe(self, splits):
+        sizes = ", ".join(f"{len(ds)} {split}" for split, ds in splits.items())
         return f"task {self.name}: causal-lm on {self.form} rows; {sizes} documents"
-
-
-def _attention(model):
-    """The attention implementation of a model, through its wrappers (DDP, FSDP, peft)."""
-    while not hasattr(model, "config") and hasattr(model, "module"):
-        model = model.module
-    return getattr(getattr(model, "config", None), "_attn_implementation", None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -337,10 +395,10 @@ class PackCollator:
 # The data source
 
 
-def load_causal(train_file, validation_file=None, seed=0):
-    """A causal-LM task from own rows: files (.jsonl, .json, .csv, .parquet), `save_to_disk`
-    folders, or hub data sets by name. Without a validation source, HELD_OUT of the training
-    rows (at least one) are held out."""
+def load_causal(train_file, validation_file=None, seed=0, max_length=128, packing=True, kind=None, attention="auto"):
+    """A causal-LM task (of `kind`, CausalLM or a kind built on it) and its splits from own rows:
+    files (.jsonl, .json, .csv, .parquet), `save_to_disk` folders, or hub data sets by name.
+    Without a validation source, HELD_OUT of the training rows (at least one) are held out."""
     import datasets
 
     from .files import read_source
@@ -362,4 +420,6 @@ def load_causal(train_file, validation_file=None, seed=0):
         raise UserError(f"{files['validation']} has {form_of(validation, files['validation'])} rows and {train_file} "
                         f"{form} rows; give both in one form")
     splits = datasets.DatasetDict({"train": train, "validation": validation})
-    return CausalLM("custom", None, splits, metric_name=None, main="loss", form=form, files=files)
+    kind = kind or CausalLM
+    return (kind("custom", None, main="loss", max_length=max_length, packing=packing, form=form, files=files,
+                 attention=attention), splits)

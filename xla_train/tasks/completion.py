@@ -130,7 +130,7 @@ class Completions:
 
     def load(self, folder: str) -> Any:
         """The model to generate with: a whole model, or an adapter (--lora) merged into its base."""
-        return generation_model(self.task.load_trained(folder))
+        return generation_model(self.task.model.load_trained(folder))
 
     pads_like_training = False  # prompts are left-padded to buckets of their own (two graphs each)
 

@@ -106,7 +106,8 @@ def split_of(loaded, split, spec):
 def load_files(train_file, validation_file, kinds, text_columns=None, label_column="label", problem=None,
                max_length=128):
     """Own training and validation files: text columns, labels and problem type (of `kinds`, the
-    sequence kinds by name, each with `encode_labels`, `own_metric` and `own_main`) settled here."""
+    sequence kinds by name, each with `encode_labels`, `own_metric` and `own_main`) settled here;
+    returns (the task, its splits)."""
     import datasets
 
     files = {"train": Path(train_file), "validation": Path(validation_file)}
@@ -133,8 +134,8 @@ def load_files(train_file, validation_file, kinds, text_columns=None, label_colu
     for split, ds in raw.items():
         cols = {f"text{i + 1}": [_text(v) for v in ds[c]] for i, c in enumerate(texts)}
         splits[split] = datasets.Dataset.from_dict({**cols, "label": targets[split]})
-    return kind("custom", labels, datasets.DatasetDict(splits), list(texts), kind.own_metric, kind.own_main,
-                max_length=max_length)
+    return (kind("custom", labels, list(texts), kind.own_metric, kind.own_main, max_length=max_length),
+            datasets.DatasetDict(splits))
 
 
 def text_columns_of(ds, label_column, given, path, what=None):

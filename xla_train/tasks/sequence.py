@@ -5,12 +5,13 @@ Models, torch and transformers are imported inside the methods: `xla-train --hel
 task registry and must start at once.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from ..core.errors import UserError
-from .base import Task
+from .base import ModelPart, Objective, Rows, Task
 from .files import load_files
 from .glue import BUNDLED_MRPC, GLUE, glue_folder_splits, glue_hub_splits
 from .kinds import register
@@ -32,12 +33,111 @@ def _regression(config):
     return config.problem_type == "regression" or config.num_labels == 1
 
 
-@dataclass
-class SequenceTask(Task):
-    """What classification and regression share: the model class, the tokenising of `text1`
-    [`text2`], the head's config, and how a saved classifier folder is read back."""
+class SequenceRows(Rows):
+    """`text1` [`text2`] tokenised and truncated to the maximum length; batches padded to buckets."""
 
+    def tokenize(self, splits: Any, tokenizer: Any, max_length: int) -> tuple[Any, dict[str, int]]:
+        return tokenize(splits, tokenizer, max_length)
+
+
+@dataclass(frozen=True)
+class SequenceModel(ModelPart):
+    """A pretrained encoder (or decoder) with a new head of `num_labels` outputs (`head`: the
+    head's config, its label names too, so pipelines print them)."""
+
+    head: dict = field(default_factory=dict)
+    num_labels: int = 1
     peft_task_type = "SEQ_CLS"  # peft keeps the head ("classifier", "score") trainable in full
+
+    def load(self, name: str, seed: int, pad_token_id: int | None = None) -> Any:
+        """The pretrained model with a new head for the task, initialised from `seed`."""
+        import torch
+        from transformers import AutoConfig
+
+        from ..models import load_pretrained, no_cache, seed_host, shown_name
+
+        seed_host(seed)
+        options = dict(self.head)
+        config = load_pretrained(AutoConfig, name)
+        if config.pad_token_id is None and pad_token_id is not None:
+            options["pad_token_id"] = pad_token_id  # decoder classifiers find each row's last token by it
+        if is_classifier_config(config) and config.num_labels != self.num_labels:
+            # a classifier fine-tuned for another label set: its head is replaced, as run_glue's
+            # --ignore_mismatched_sizes does
+            options["ignore_mismatched_sizes"] = True
+        # fp32 weights whatever the checkpoint holds (transformers' dtype "auto" would keep a bf16
+        # checkpoint's bf16, and AdamW would then update bf16 weights); --precision bf16 is autocast
+        model, info = load_pretrained(_classifier(), name, output_loading_info=True, dtype=torch.float32,
+                                      **options)
+        no_cache(model)
+        # transformers' load report would list the new head as a problem: say it here
+        new = sorted({*info["missing_keys"], *(k[0] if isinstance(k, tuple) else k for k in info["mismatched_keys"])})
+        if new:
+            print(f"model {shown_name(name)}: new classification head for {self.num_labels} output(s) "
+                  f"({', '.join(new)}), initialised with --seed {seed}")
+        return model
+
+    def load_trained(self, folder: str) -> Any:
+        from ..models import load_trained
+
+        return load_trained(_classifier(), folder)
+
+
+@dataclass(frozen=True)
+class ClassifierObjective(Objective):
+    """Cross-entropy over `labels`; evaluation gathers the argmax; predict writes the label's name
+    and its probability."""
+
+    labels: tuple[str, ...] = ()
+
+    def loss(self, output: Any, labels: Any) -> Any:
+        # Computed here rather than by the model, whose head may build it with data-dependent shapes
+        # (DeBERTa-v2's `(labels >= 0).nonzero()`): on XLA a device-to-host read and a second graph
+        # in every step. The value transformers' head computes for this problem.
+        import torch.nn.functional as F
+
+        logits = output.logits
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1))
+
+    def eval_columns(self, batch: dict[str, Any], output: Any) -> tuple:
+        # int32 across replicas: 64-bit integer collectives may not lower on TPU (pytorch/xla#1952)
+        return output.logits.argmax(-1).int(), batch["labels"].int()
+
+    def predict_columns(self, output: Any) -> tuple:
+        """A batch's predictions as 1-D float device tensors: each label's probability."""
+        return tuple(output.logits.float().softmax(-1).T)
+
+    def predictions(self, scores: Any) -> tuple[list, list[float]]:
+        """(each row's label, its probability) from predict_columns' rows in input order."""
+        best = scores.max(1)
+        return [self.labels[i] for i in best.indices.tolist()], best.values.tolist()
+
+
+@dataclass(frozen=True)
+class RegressionObjective(Objective):
+    """Mean squared error; evaluation gathers the value; predict writes it."""
+
+    def loss(self, output: Any, labels: Any) -> Any:
+        import torch.nn.functional as F
+
+        return F.mse_loss(output.logits.squeeze(), labels.squeeze())
+
+    def eval_columns(self, batch: dict[str, Any], output: Any) -> tuple:
+        return output.logits[:, 0].float(), batch["labels"].float()
+
+    def predict_columns(self, output: Any) -> tuple:
+        return (output.logits.float()[:, 0],)
+
+    def predictions(self, scores: Any) -> tuple[list, list[float]]:
+        values = scores[:, 0].tolist()
+        return [round(v, 6) for v in values], values
+
+
+@dataclass(frozen=True)
+class SequenceTask(Task):
+    """What classification and regression share: the rows (`text1` [`text2`]), the model with a new
+    head, the prediction that scores rows, and how a saved classifier folder is read back."""
+
     own_metric: ClassVar[str | None] = None  # own data's task_metric config (a kind built on this one inherits it)
     own_main: ClassVar[str | None] = None  # own data's main metric
 
@@ -70,46 +170,21 @@ class SequenceTask(Task):
         names or None, {split: targets})."""
         raise NotImplementedError
 
-    @property
-    def prediction(self):
-        return Scores(self)
-
     def head_options(self):
-        """The config of the new head (its label names too, so pipelines print them)."""
+        """The config of the new head."""
         return {"num_labels": self.num_labels}
 
-    def load_model(self, name, seed, pad_token_id=None):
-        """The pretrained encoder (or decoder) with a new head for the task, initialised from `seed`."""
-        import torch
-        from transformers import AutoConfig
+    @cached_property
+    def rows(self):
+        return SequenceRows()
 
-        from ..models import load_pretrained, no_cache, seed_host, shown_name
+    @cached_property
+    def model(self):
+        return SequenceModel(self.head_options(), self.num_labels)
 
-        seed_host(seed)
-        options = self.head_options()
-        config = load_pretrained(AutoConfig, name)
-        if config.pad_token_id is None and pad_token_id is not None:
-            options["pad_token_id"] = pad_token_id  # decoder classifiers find each row's last token by it
-        if is_classifier_config(config) and config.num_labels != self.num_labels:
-            # a classifier fine-tuned for another label set: its head is replaced, as run_glue's
-            # --ignore_mismatched_sizes does
-            options["ignore_mismatched_sizes"] = True
-        # fp32 weights whatever the checkpoint holds (transformers' dtype "auto" would keep a bf16
-        # checkpoint's bf16, and AdamW would then update bf16 weights); --precision bf16 is autocast
-        model, info = load_pretrained(_classifier(), name, output_loading_info=True, dtype=torch.float32,
-                                      **options)
-        no_cache(model)
-        # transformers' load report would list the new head as a problem: say it here
-        new = sorted({*info["missing_keys"], *(k[0] if isinstance(k, tuple) else k for k in info["mismatched_keys"])})
-        if new:
-            print(f"model {shown_name(name)}: new classification head for {self.num_labels} output(s) "
-                  f"({', '.join(new)}), initialised with --seed {seed}")
-        return model
-
-    def load_trained(self, folder):
-        from ..models import load_trained
-
-        return load_trained(_classifier(), folder)
+    @cached_property
+    def prediction(self):
+        return Scores(self)
 
     @classmethod
     def claims(cls, config):
@@ -120,20 +195,16 @@ class SequenceTask(Task):
         return cls(saved.get("task"), cls.labels_of(config), text_columns=saved.get("text_columns"),
                    max_length=saved.get("max_length", 128))
 
-    def tokenize(self, splits, tokenizer, max_length):
-        return tokenize(splits, tokenizer, max_length)
-
-    def describe(self):
-        texts = " + ".join(self.text_columns)
-        sizes = ", ".join(f"{len(ds)} {split}" for split, ds in self.splits.items())
+    def describe(self, splits):
+        texts = " + ".join(self.text_columns or ())
+        sizes = ", ".join(f"{len(ds)} {split}" for split, ds in splits.items())
         return f"task {self.name}: {texts} -> {self.describe_target()}; {sizes} rows"
 
 
 @register
-@dataclass
+@dataclass(frozen=True)
 class Classification(SequenceTask):
-    """One label of a few: cross-entropy; evaluation gathers the argmax; predict writes the label's
-    name and its probability."""
+    """One label of a few."""
 
     kind = "classification"
     own_metric = "classification"
@@ -148,31 +219,16 @@ class Classification(SequenceTask):
         return [config.id2label[i] for i in range(config.num_labels)]
 
     def head_options(self):
+        labels = self.labels or []
         return {"num_labels": self.num_labels, "problem_type": None,
-                "id2label": dict(enumerate(self.labels)), "label2id": {n: i for i, n in enumerate(self.labels)}}
+                "id2label": dict(enumerate(labels)), "label2id": {n: i for i, n in enumerate(labels)}}
 
-    def loss(self, output, labels):
-        # Computed here rather than by the model, whose head may build it with data-dependent shapes
-        # (DeBERTa-v2's `(labels >= 0).nonzero()`): on XLA a device-to-host read and a second graph
-        # in every step. The value transformers' head computes for this problem.
-        import torch.nn.functional as F
-
-        logits = output.logits
-        return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1))
-
-    def eval_columns(self, batch, output):
-        # int32 across replicas: 64-bit integer collectives may not lower on TPU (pytorch/xla#1952)
-        return output.logits.argmax(-1).int(), batch["labels"].int()
-
-    def predict_columns(self, output):
-        return tuple(output.logits.float().softmax(-1).T)
-
-    def predictions(self, scores):
-        best = scores.max(1)
-        return [self.labels[i] for i in best.indices.tolist()], best.values.tolist()
+    @cached_property
+    def objective(self):
+        return ClassifierObjective(self.metric_name, self.eval_splits, tuple(self.labels or ()))
 
     def describe_target(self):
-        return f"{self.num_labels} labels ({', '.join(self.labels)})"
+        return f"{self.num_labels} labels ({', '.join(self.labels or ())})"
 
     @staticmethod
     def encode_labels(values, files):
@@ -189,9 +245,9 @@ class Classification(SequenceTask):
 
 
 @register
-@dataclass
+@dataclass(frozen=True)
 class Regression(SequenceTask):
-    """One number: mean squared error; evaluation gathers the value; predict writes it."""
+    """One number."""
 
     kind = "regression"
     own_metric = "regression"
@@ -208,20 +264,9 @@ class Regression(SequenceTask):
     def head_options(self):
         return {"num_labels": 1, "problem_type": "regression"}
 
-    def loss(self, output, labels):
-        import torch.nn.functional as F
-
-        return F.mse_loss(output.logits.squeeze(), labels.squeeze())
-
-    def eval_columns(self, batch, output):
-        return output.logits[:, 0].float(), batch["labels"].float()
-
-    def predict_columns(self, output):
-        return (output.logits.float()[:, 0],)
-
-    def predictions(self, scores):
-        values = scores[:, 0].tolist()
-        return [round(v, 6) for v in values], values
+    @cached_property
+    def objective(self):
+        return RegressionObjective(self.metric_name, self.eval_splits)
 
     def describe_target(self):
         return "a regression"
@@ -236,20 +281,20 @@ class Regression(SequenceTask):
 
 
 def glue_task(name, splits, max_length=128):
-    """The task of GLUE's `name` over `splits` (columns text1 [text2] and label)."""
+    """The task of GLUE's `name` and its `splits` (columns text1 [text2] and label)."""
     spec = GLUE[name]
     kind = Classification if spec.labels else Regression
-    eval_splits = [s for s in splits if s != "train"]
-    return kind(name, list(spec.labels) or None, splits, list(spec.texts), name, spec.main, eval_splits, max_length)
+    eval_splits = tuple(s for s in splits if s != "train")
+    return kind(name, list(spec.labels) or None, list(spec.texts), name, spec.main, eval_splits, max_length), splits
 
 
 def load_glue_folder(task, folder):
-    """A GLUE task from its folder in GLUE's own layout (glue.glue_folder_splits)."""
+    """A GLUE task and its splits from its folder in GLUE's own layout (glue.glue_folder_splits)."""
     return glue_task(task, glue_folder_splits(task, Path(folder)))
 
 
 def load_glue_hub(task):
-    """A GLUE task from `load_dataset("glue", task)`, where the Hugging Face hub is reachable."""
+    """A GLUE task and its splits from `load_dataset("glue", task)`, where the Hugging Face hub is reachable."""
     return glue_task(task, glue_hub_splits(task))
 
 

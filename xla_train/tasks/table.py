@@ -24,7 +24,7 @@ from .glue import GLUE, glue_columns, submission
 if TYPE_CHECKING:
     from ..core.engine import Engine
     from ..core.shapes import Padding
-    from .base import PredictSettings
+    from .base import ModelPart, PredictSettings, Rows
 
 GLUE_TEST_TEXTS = {"cola": ("sentence",)}  # test files whose text columns differ from train/dev's
 
@@ -81,7 +81,7 @@ def write_output(path, table, task, scores):
         preds = submission(table.glue, scores)
         rows, header = [dict(zip(("index", "prediction"), r)) for r in zip(index, preds)], ["index", "prediction"]
     else:
-        preds, values = task.predictions(scores)
+        preds, values = task.objective.predictions(scores)
         header = [*table.columns, "prediction", "score"]
         rows = [{**{c: table.columns[c][i] for c in table.columns}, "prediction": preds[i],
                  "score": round(values[i], 6)} for i in range(len(table))]
@@ -114,7 +114,7 @@ def tokenize_rows(table, task, tokenizer, max_length):
     import datasets
 
     ds = datasets.Dataset.from_dict({**table.texts, "label": [0] * len(table), "row": list(range(len(table)))})
-    data, truncated = task.tokenize(datasets.DatasetDict(predict=ds), tokenizer, max_length)
+    data, truncated = task.rows.tokenize(datasets.DatasetDict(predict=ds), tokenizer, max_length)
     return data["predict"], truncated["predict"]
 
 
@@ -136,22 +136,25 @@ class ScoreRows:
         return len(self.table)
 
 
-class ScoredTask(Protocol):
-    """What `Scores` asks of its kind (sequence.SequenceTask's members)."""
-
-    kind: ClassVar[str | None]
-    name: str | None
-    text_columns: list[str] | None
-
-    def load_trained(self, folder: str) -> Any: ...
-
-    def tokenize(self, splits: Any, tokenizer: Any, max_length: int) -> tuple[Any, dict[str, int]]: ...
+class ScoringObjective(Protocol):
+    """What `Scores` asks of its kind's objective (sequence.ClassifierObjective, RegressionObjective)."""
 
     def predict_columns(self, output: Any) -> tuple:
         """A batch's predictions as 1-D float device tensors (rows' scores)."""
 
     def predictions(self, scores: Any) -> tuple[list, list[float]]:
         """(each row's prediction, its score) from predict_columns' rows in input order."""
+
+
+class ScoredTask(Protocol):
+    """What `Scores` asks of its kind (sequence.SequenceTask's members and parts)."""
+
+    kind: ClassVar[str | None]
+    name: str | None
+    text_columns: list[str] | None
+    rows: Rows
+    model: ModelPart
+    objective: ScoringObjective
 
 
 class Scores:
@@ -174,7 +177,7 @@ class Scores:
 
     def load(self, folder: str) -> Any:
         """The model to predict with: a whole model, or an adapter (--lora) on its base."""
-        return self.task.load_trained(folder)
+        return self.task.model.load_trained(folder)
 
     pads_like_training = True  # a training run's --test-file rows take its batches' padding
 
@@ -200,7 +203,7 @@ class Scores:
         from ..core.inference import predict_loader, predict_rows
 
         loader = predict_loader(engine, rows.tokenizer, rows.data, batch_size, rows.padding)
-        return predict_rows(engine, model, loader, self.task.predict_columns)
+        return predict_rows(engine, model, loader, self.task.objective.predict_columns)
 
     def output_name(self, test_file: str) -> str:
         return f"predictions{Path(test_file).suffix.lower()}"

@@ -1,0 +1,382 @@
+"""Packed causal-LM rows: every document attends causally to itself only, with or without an L x L
+mask, chosen per device.
+
+A packed row carries `segments` ([rows, length] integers: 1..k for its documents, 0 for padding).
+`document_inputs(model, segments)` returns the extra keyword arguments of `model(**inputs, **extra)`
+that keep the documents apart, by one of three paths (`PATHS`):
+
+    mask    the reference, and the fallback everywhere: a 4-D boolean mask [rows, 1, L, L] (same
+            segment and causal), a float bias (0 / finfo.min) for eager attention. It defines the
+            semantics; padding (segment 0) attends to earlier padding, so no row of it is empty.
+    flex    torch's FlexAttention with a document block mask built from the segments (causal
+            within a document, the family's sliding window, Gemma 2's soft-capping as a score_mod,
+            grouped-query attention by enable_gqa). Compiled (`torch.compile(flex_attention)`, the
+            fused kernel) on CUDA; eager elsewhere (an unfused reference that runs on the CPU).
+    pallas  torch_xla's Pallas flash attention with segment ids
+            (torch_xla/experimental/custom_kernel.py, flash_attention), on a TPU only.
+
+`attention="auto"` picks pallas on a TPU through torch_xla, flex on CUDA, mask elsewhere (the
+CPU, XLA:CPU, TorchTPU), and the mask path wherever the model cannot be served by the kernel
+(`why_not`). An explicit path that cannot serve raises UserError with the reason.
+
+How the segment paths reach the attention (transformers 5.24): keyword arguments given to
+`model(...)` travel as `**kwargs: Unpack[TransformersKwargs]` through the model, each decoder
+layer and its attention module into the attention function named by
+`config._attn_implementation` (LlamaAttention.forward: `attention_interface(self, q, k, v,
+attention_mask, dropout=..., scaling=..., **kwargs)`; Qwen2 and Mistral add `sliding_window`,
+Gemma 2 `sliding_window` and `softcap`). The model is switched once to `DOCUMENT_ATTENTION`, an
+attention function registered here that serves a call carrying `documents=` with the kernel and
+hands every other call (generation after training, a plain forward) to the implementation the
+model had before, with that implementation's own mask function. A segment call passes a 4-D
+`attention_mask` that is only the segments' view [rows, 1, 1, L]: masking_utils returns a 4-D
+mask as it is (`_preprocess_mask_arguments`: "If the mask is already 4D, simply return as-is"),
+so no L x L mask is built, in any layer or for any layer type.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .errors import UserError
+
+if TYPE_CHECKING:
+    import torch
+
+PATHS = ("auto", "mask", "flex", "pallas")
+DOCUMENT_ATTENTION = "xla_train_documents"  # the transformers attention implementation registered here
+# a switched config's former implementation, by the config's id (kept off the config, which
+# save_pretrained would write out), dropped with the config
+_BASES: dict[int, str | None] = {}
+
+
+# ---------------------------------------------------------------------------------------------
+# Which path
+
+
+def kind_of(tensor: torch.Tensor) -> str:
+    """Where `tensor` lives, as the paths tell devices apart: "xla-tpu" (torch_xla on a TPU),
+    "xla" (torch_xla elsewhere: XLA:CPU, XLA:GPU), "cuda", "cpu", or the torch device type
+    (TorchTPU's "tpu", ...)."""
+    kind = tensor.device.type
+    if kind == "xla":
+        import torch_xla.runtime as xr
+
+        return "xla-tpu" if xr.device_type() == "TPU" else "xla"  # PJRT's device type
+    return kind
+
+
+def unwrapped(model):
+    """The transformers model inside the wrappers (DDP, FSDP, torch.compile, peft)."""
+    while True:
+        if hasattr(model, "_orig_mod"):  # torch.compile's OptimizedModule
+            model = model._orig_mod
+        elif hasattr(model, "get_base_model") and not hasattr(model, "set_attn_implementation"):
+            model = model.get_base_model()
+        elif not hasattr(model, "config") and hasattr(model, "module"):  # DDP, FSDP
+            model = model.module
+        else:
+            return model
+
+
+def _implementation(config) -> str | None:
+    name = getattr(config, "_attn_implementation", None)
+    return _BASES.get(id(config)) if name == DOCUMENT_ATTENTION else name
+
+
+def _config_value(config, *names):
+    for name in names:
+        value = getattr(config, name, None)
+        if value is not None:
+            return value
+    return None
+
+
+def why_not(path: str, kind: str, model, length: int | None = None) -> str | None:
+    """Why `path` cannot keep `model`'s documents apart on a `kind` device (see `kind_of`)
+    for rows of `length` tokens, or None where it can. The mask path always can."""
+    if path not in PATHS:
+        return f"attention {path!r} is none of {', '.join(PATHS)}"
+    if path in ("mask", "auto"):
+        return None
+    if path == "pallas" and kind != "xla-tpu":
+        return "pallas (torch_xla's Pallas flash attention) runs on a TPU through torch_xla only"
+    if path == "flex" and kind not in ("cuda", "cpu"):
+        return f"flex (torch's FlexAttention) runs on CUDA and the CPU, not on {kind}"
+    hf = unwrapped(model)
+    config = getattr(hf, "config", None)
+    # the family's attention goes through transformers' attention functions with their keywords
+    if config is None or not getattr(hf, "_supports_attention_backend", False):
+        return f"{type(hf).__name__}'s attention does not take a registered attention function"
+    if _implementation(config) not in ("sdpa", "eager", "xla_sdpa"):
+        return f"the model runs {_implementation(config)} attention"
+    if _config_value(config, "attention_dropout", "attn_pdrop"):  # neither kernel drops attention weights
+        return "the model drops attention weights (attention dropout > 0), which the kernels do not"
+    if path == "pallas":
+        if getattr(config, "attn_logit_softcapping", None):
+            return "the model soft-caps its attention scores (Gemma 2), which flash attention does not"
+        window = getattr(config, "sliding_window", None)
+        if window is not None and length is not None and window < length:
+            return f"the model's sliding window ({window}) is shorter than the rows ({length})"
+    return None
+
+
+def choose(attention: str, kind: str, model, length: int | None = None) -> str:
+    """The path that keeps documents apart: `attention` itself where it can serve (else
+    UserError), or for "auto" pallas on a TPU through torch_xla, flex on CUDA, otherwise (and
+    wherever the kernel cannot serve the model) the mask."""
+    if attention == "auto":
+        wanted = {"xla-tpu": "pallas", "cuda": "flex"}.get(kind, "mask")
+        return wanted if why_not(wanted, kind, model, length) is None else "mask"
+    reason = why_not(attention, kind, model, length)
+    if reason:
+        raise UserError(f"attention {attention}: {reason}")
+    return attention
+
+
+# ---------------------------------------------------------------------------------------------
+# The entry point
+
+
+def document_inputs(model, segments: torch.Tensor, device_kind: str | None = None, attention: str = "auto", *,
+                    compiled: bool | None = None, kernel: Callable | None = None) -> dict[str, Any]:
+    """The keyword arguments that keep a packed batch's documents apart in `model(**inputs,
+    **extra)`: `segments` [rows, length] (1..k per document, 0 for padding); `device_kind` as
+    `kind_of` names it (None: the segments' device); `attention` one of PATHS.
+
+    mask:   {"attention_mask": the 4-D mask (boolean; a float bias for eager attention)}
+    flex, pallas: {"attention_mask": the segments as [rows, 1, 1, L] (transformers builds no
+            mask from a 4-D one), "documents": Documents} with the model switched to
+            DOCUMENT_ATTENTION (once; other calls run its former attention unchanged).
+    `compiled`: flex through torch.compile (None: on CUDA). `kernel`: the Pallas function to call
+    instead of torch_xla's flash_attention (tests record its arguments with it)."""
+    kind = device_kind or kind_of(segments)
+    path = choose(attention, kind, model, segments.shape[1])
+    if path == "mask":
+        return {"attention_mask": document_mask(segments, eager=_implementation(unwrapped(model).config) == "eager")}
+    use_documents(model)
+    documents = Documents(path, segments, compiled=segments.device.type == "cuda" if compiled is None else compiled,
+                          kernel=kernel)
+    if path == "flex":
+        documents.block_mask(None)  # built here, once per forward, not in every layer
+        window = getattr(unwrapped(model).config, "sliding_window", None)
+        if window is not None and window < segments.shape[1]:
+            documents.block_mask(window)
+    return {"attention_mask": segments[:, None, None, :], "documents": documents}
+
+
+def document_mask(segments: torch.Tensor, eager: bool = False) -> torch.Tensor:
+    """The reference: [rows, 1, L, L], True where a token may attend (same segment, not later);
+    with `eager`, eager attention's additive bias (0 where it may, finfo(float32).min where not;
+    sdpa takes the booleans)."""
+    import torch
+    positions = torch.arange(segments.shape[1], device=segments.device)
+    mask = (segments[:, None, :, None] == segments[:, None, None, :]) & (positions[:, None] >= positions[None, :])
+    if eager:
+        mask = torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, torch.finfo(torch.float32).min)
+    return mask
+
+
+def use_documents(model) -> None:
+    """Switches `model` (through its wrappers) to DOCUMENT_ATTENTION, remembering its former
+    implementation; idempotent. Call it before torch.compile traces the model where the step is
+    compiled (document_inputs calls it before the first forward)."""
+    hf = unwrapped(model)
+    if hf.config._attn_implementation == DOCUMENT_ATTENTION:
+        return
+    register()
+    base = hf.config._attn_implementation
+    for config in _configs(hf.config):
+        _BASES[id(config)] = getattr(config, "_attn_implementation", None) or base
+        weakref.finalize(config, _BASES.pop, id(config), None)
+    hf.set_attn_implementation(DOCUMENT_ATTENTION)
+
+
+def _configs(config):
+    yield config
+    for key in getattr(config, "sub_configs", {}) or {}:
+        sub = getattr(config, key, None)
+        if sub is not None and hasattr(sub, "_attn_implementation"):
+            yield sub
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernels
+
+
+@dataclass
+class Documents:
+    """One forward's packed documents, handed to every attention layer (kwarg `documents`)."""
+
+    path: str  # "flex" | "pallas"
+    segments: torch.Tensor  # [rows, length]
+    compiled: bool = False  # flex: torch.compile'd kernel and block mask
+    kernel: Callable | None = None  # pallas: torch_xla's flash_attention unless given
+    masks: dict = field(default_factory=dict)  # flex: sliding window (None: whole document) -> BlockMask
+
+    def block_mask(self, window: int | None):
+        """FlexAttention's block mask: same document, not later, within `window` tokens."""
+        length = self.segments.shape[1]
+        key = window if window is not None and window < length else None
+        if key not in self.masks:
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            segments = self.segments
+
+            def same_document(b, h, q, kv):
+                keep = (segments[b, q] == segments[b, kv]) & (q >= kv)
+                # transformers' sliding window: kv > q - window (masking_utils.sliding_window_overlay)
+                return keep & (q - kv < key) if key is not None else keep
+
+            build = _compiled_block_mask() if self.compiled else create_block_mask
+            self.masks[key] = build(same_document, segments.shape[0], None, length, length, device=segments.device)
+        return self.masks[key]
+
+    def attend(self, module, query, key, value, *, scaling=None, sliding_window=None, softcap=None, dropout=0.0,
+               **_):
+        """[rows, heads, L, d] q and [rows, kv heads, L, d] k, v -> ([rows, L, heads, d], None), as
+        transformers' attention functions return."""
+        import torch
+        if dropout:
+            raise ValueError("the document kernels do not drop attention weights (choose the mask path)")
+        device = query.device.type
+        if torch.is_autocast_enabled(device):  # one dtype, as xla_sdpa does (see core.xla._register_attention)
+            dtype = torch.get_autocast_dtype(device)
+            query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+        else:
+            key, value = key.to(query.dtype), value.to(query.dtype)
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        if self.path == "flex":
+            out = _flex(self.compiled)(query, key, value, score_mod=_softcap(softcap) if softcap else None,
+                                       block_mask=self.block_mask(sliding_window), scale=scale,
+                                       enable_gqa=query.shape[1] != key.shape[1])
+        else:
+            out = self._pallas(query, key, value, scale, sliding_window, softcap)
+        return out.transpose(1, 2).contiguous(), None
+
+    def _pallas(self, query, key, value, scale, sliding_window, softcap):
+        """torch_xla's Pallas flash attention (torch_xla/experimental/custom_kernel.py,
+        flash_attention: q, k, v [batch, heads, length, head_dim], causal, q_segment_ids and
+        kv_segment_ids [batch, length], sm_scale, partition_spec and mesh under SPMD)."""
+        import torch
+        length = self.segments.shape[1]
+        if softcap or (sliding_window is not None and sliding_window < length):
+            raise ValueError("flash attention has no soft-capping and no sliding window (choose the mask path)")
+        # The kernel takes as many key/value heads as query heads: FlashAttention.forward hands
+        # q, k and v to jax's _flash_attention_impl, which reads batch and heads from q's shape
+        # (torch_xla's splash test repeats them for its reference, test/test_splash_attention.py,
+        # maybe_repeat_kv: repeat_interleave on the head axis, as transformers' repeat_kv).
+        groups = query.shape[1] // key.shape[1]
+        if groups > 1:
+            key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+        # Segment ids as torch_xla's own tests build them: float32 [batch, length], one number per
+        # document (test/test_pallas.py, test_flash_attention_wrapper_segment_ids_1 and _2,
+        # test_flash_attention_backward_segment_ids; test/test_pallas_spmd.py,
+        # test_flash_attention_wrapper_segment_ids_spmd). Padding (0) is a segment of its own, and
+        # causal=True masks by position in the row, as the reference mask does.
+        segment_ids = self.segments.to(torch.float32)
+        kernel = self.kernel or _flash_attention()
+        spec, mesh = _spmd_layout() if query.device.type == "xla" else (None, None)
+        extra = {"partition_spec": spec, "mesh": mesh} if spec is not None else {}
+        return kernel(query, key, value, causal=True, q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
+                      sm_scale=scale, **extra)
+
+
+def _flash_attention():
+    from torch_xla.experimental.custom_kernel import flash_attention
+
+    return flash_attention
+
+
+def _spmd_layout():
+    """Under SPMD: the batch split by rows over the mesh's first axis, (axis, None, None, None),
+    and the mesh (the global one, else one axis over every device, as XlaSpmd's mesh is): what
+    test/test_pallas_spmd.py passes (test_flash_attention_wrapper_segment_ids_spmd:
+    partition_spec=("data", None, None, None) over xs.get_1d_mesh("data")). The segment ids are
+    split by rows the same way (custom_kernel.py, fa_custom_forward: segment_id_partition_spec =
+    (partition_spec[0], partition_spec[2])). Outside SPMD: (None, None)."""
+    import torch_xla.runtime as xr
+
+    if not xr.is_spmd():
+        return None, None
+    import torch_xla.distributed.spmd as xs
+
+    mesh = xs.get_global_mesh() or xs.get_1d_mesh("data")
+    return (mesh.axis_names[0], None, None, None), mesh
+
+
+@functools.cache
+def _flex(compiled: bool):
+    import torch
+    from torch.nn.attention.flex_attention import flex_attention
+
+    # transformers compiles it the same way (integrations/flex_attention.py, WrappedFlexAttention)
+    return torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
+
+
+@functools.cache
+def _compiled_block_mask():
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    # compiled, it evaluates the mask function block by block instead of over all L x L pairs
+    return torch.compile(create_block_mask)
+
+
+@functools.cache
+def _softcap(cap: float):
+    """Gemma 2's soft-capping of the scaled scores, cap * tanh(score / cap), as a score_mod
+    (Gemma2's eager_attention_forward does it before the mask is added)."""
+    import torch
+
+    def score_mod(score, b, h, q, kv):
+        return cap * torch.tanh(score / cap)
+
+    return score_mod
+
+
+# ---------------------------------------------------------------------------------------------
+# The transformers registration
+
+
+def _base_attention(module, name: str | None) -> Callable:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if name and name != "eager" and name in ALL_ATTENTION_FUNCTIONS:
+        return ALL_ATTENTION_FUNCTIONS[name]
+    # eager: the family's own function, beside its attention class (Gemma 2's soft-caps)
+    return sys.modules[type(module).__module__].eager_attention_forward
+
+
+def documents_attention(module, query, key, value, attention_mask, *args, documents: Documents | None = None,
+                        **kwargs):
+    """DOCUMENT_ATTENTION: a call with `documents` runs its kernel (the 4-D attention_mask is
+    only the segments' view); any other runs the model's former implementation."""
+    if documents is not None:
+        return documents.attend(module, query, key, value, **kwargs)
+    base = _base_attention(module, _implementation(module.config))
+    return base(module, query, key, value, attention_mask, *args, **kwargs)
+
+
+def documents_mask(*args, config=None, **kwargs):
+    """DOCUMENT_ATTENTION's mask function: the former implementation's (never reached by a
+    segment call, whose 4-D attention_mask masking_utils returns as it is)."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    base = _implementation(config) if config is not None else None
+    if base not in ALL_MASK_ATTENTION_FUNCTIONS:
+        return None  # as masking_utils does for an implementation without a mask function
+    return ALL_MASK_ATTENTION_FUNCTIONS[base](*args, config=config, **kwargs)
+
+
+def register() -> None:
+    """Registers DOCUMENT_ATTENTION with transformers (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(DOCUMENT_ATTENTION, documents_attention)
+    AttentionMaskInterface.register(DOCUMENT_ATTENTION, documents_mask)

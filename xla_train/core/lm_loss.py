@@ -1,0 +1,134 @@
+"""A causal LM's head and cross-entropy in chunks of tokens: the loss from the final hidden states
+and the head's weight (and bias, and Gemma 2's final logit soft-capping) without ever holding the
+whole [tokens x vocabulary] fp32 logits, their log-softmax or their gradient.
+
+The forward pass computes one chunk's logits at a time (the matmul in the compute dtype: bf16
+under bf16 autocast, the softmax and cross-entropy in fp32) and keeps only the per-token loss and
+log-sum-exp; the backward pass computes each chunk's logits again and adds its share to the
+gradients of the hidden states, the weight and the bias. At most one chunk's fp32 logits and their
+gradient are alive at a time: 8 x chunk_tokens x vocabulary bytes, against 12 x tokens x
+vocabulary for the whole head (measured on an H200, issue 44).
+
+The same idea as Liger kernel's fused linear cross-entropy and TRL's chunked log-probabilities,
+written for torch_xla too: the chunks are fixed by the shapes (no data-dependent branch, no
+`.item()`), so XLA compiles one graph per shape; a last, shorter chunk takes the tokens that do not
+fill a whole one.
+"""
+
+import torch
+
+IGNORE_INDEX = -100
+CHUNK_TOKENS = 1024  # 1,024 tokens x 128,256 words: 0.5 GiB of fp32 logits a chunk
+
+
+def _compute_dtype(x):
+    """The matmul's dtype: autocast's where it is on for the tensor's device, else the tensor's own."""
+    device_type = x.device.type
+    try:
+        if torch.is_autocast_enabled(device_type):
+            return torch.get_autocast_dtype(device_type)
+    except RuntimeError:  # a device type autocast does not know
+        pass
+    return x.dtype
+
+
+def _chunk_logits(x, w, b, softcap):
+    """One chunk's fp32 logits (soft-capped where asked) and, with soft-capping, tanh's value for
+    the backward pass."""
+    z = (x @ w.t()).float()  # a fresh buffer: the steps below work in place
+    if b is not None:
+        z = z.add_(b.float())
+    if softcap is None:
+        return z, None
+    t = z.div_(softcap).tanh_()
+    return t * softcap, t
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy of `hidden @ weight.T + bias` against `labels` ([tokens, hidden],
+    [vocab, hidden], [vocab] or None, [tokens]); ignored tokens give 0."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, softcap, chunk, dtype, ignore_index):
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(dtype)
+            b = None if bias is None else bias
+            valid = labels != ignore_index
+            target = torch.where(valid, labels, torch.zeros_like(labels)).unsqueeze(1)
+            losses, lses = [], []
+            for start in range(0, hidden.shape[0], chunk):  # fixed by the shape
+                z, _ = _chunk_logits(hidden[start:start + chunk].to(dtype), w, b, softcap)
+                lse = torch.logsumexp(z, dim=-1)
+                losses.append(lse - z.gather(1, target[start:start + chunk]).squeeze(1))
+                lses.append(lse)
+            loss = torch.where(valid, torch.cat(losses), torch.zeros((), dtype=torch.float32, device=hidden.device))
+        ctx.save_for_backward(hidden, weight, bias, target, valid, torch.cat(lses))
+        ctx.softcap, ctx.chunk, ctx.dtype = softcap, chunk, dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        hidden, weight, bias, target, valid, lse = ctx.saved_tensors
+        softcap, chunk, dtype = ctx.softcap, ctx.chunk, ctx.dtype
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(dtype)
+            scale = torch.where(valid, grad_loss.float(), torch.zeros((), dtype=torch.float32, device=hidden.device))
+            grad_h, grad_w, grad_b = [], None, None
+            for start in range(0, hidden.shape[0], chunk):
+                stop = start + chunk
+                x = hidden[start:stop].to(dtype)
+                z, t = _chunk_logits(x, w, bias, softcap)
+                # d(lse - z[target])/dz = softmax(z) - onehot(target), times the token's incoming gradient
+                s = scale[start:stop, None]
+                g = z.sub_(lse[start:stop, None]).exp_().mul_(s)  # in place: one chunk-sized buffer
+                g = g.scatter_add_(1, target[start:stop], -s)
+                if t is not None:  # z = cap * tanh(z0 / cap): dz/dz0 = 1 - tanh^2
+                    g = g.mul_(t.mul_(t).neg_().add_(1))
+                    del t
+                if need_h:
+                    grad_h.append((g.to(dtype) @ w).to(hidden.dtype))
+                if need_w:  # summed in fp32, in place: no second [vocab, hidden] buffer in fp32
+                    if grad_w is None:
+                        grad_w = (g.t().to(dtype) @ x).float()
+                    elif dtype == torch.float32:
+                        grad_w.addmm_(g.t(), x)
+                    else:
+                        grad_w.add_(g.t().to(dtype) @ x)
+                if need_b:
+                    part = g.sum(0)
+                    grad_b = part if grad_b is None else grad_b + part
+        return (torch.cat(grad_h) if need_h else None,
+                grad_w.to(weight.dtype) if need_w else None,
+                grad_b.to(bias.dtype) if need_b else None,
+                None, None, None, None, None)
+
+
+def chunked_lm_loss(hidden, weight, labels, bias=None, softcap=None, chunk_tokens=CHUNK_TOKENS,
+                    ignore_index=IGNORE_INDEX):
+    """A causal LM's cross-entropy computed in chunks of `chunk_tokens` tokens.
+
+    hidden: [rows, length, hidden] final hidden states (after the final norm); weight: the head's
+    [vocab, hidden] weight; labels: [rows, length] token ids already shifted (the label at position
+    t is the target of the hidden state at t), `ignore_index` where no loss is taken; bias: [vocab]
+    or None; softcap: Gemma 2's final_logit_softcapping (logits = cap * tanh(logits / cap)) or None.
+
+    Returns (loss_sum [rows] fp32: each row's cross-entropy summed over its trained tokens,
+    tokens [rows] fp32: their number). Training takes loss_sum.sum() / tokens.sum(); evaluation
+    keeps the rows. Both are differentiable as usual (the tokens need no gradient)."""
+    rows = labels.shape[:-1]
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    flat_labels = labels.reshape(-1)
+    chunk = max(1, min(int(chunk_tokens), flat_hidden.shape[0]))
+    losses = _ChunkedLinearCrossEntropy.apply(flat_hidden, weight, bias, flat_labels, softcap, chunk,
+                                              _compute_dtype(flat_hidden), ignore_index)
+    losses = losses.view(*rows, labels.shape[-1])
+    return losses.sum(-1), (labels != ignore_index).sum(-1).float()
+
+
+def head_of(model):
+    """(weight, bias or None, softcap or None) of a transformers causal LM's head: its output
+    embeddings and its config's final_logit_softcapping (Gemma 2's)."""
+    head = model.get_output_embeddings()
+    softcap = getattr(model.config, "final_logit_softcapping", None)
+    return head.weight, getattr(head, "bias", None), softcap
