@@ -129,50 +129,17 @@ def one_b_at_8192():
 
 def measure():
     """The plan's peak against the measured one for the scaled Llama (see the module's doc)."""
-    import torch
-    import torch.nn.functional as F
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import sys
 
-    from xla_train.core.engine import checkpoint_activations
-    from xla_train.core.lm_loss import chunked_lm_loss
-    from xla_train.memory import MIB, measure_peak, needed, plan
+    sys.path.insert(0, str(ROOT / "tests"))
+    from tiny_decoders import scaled_llama_step
+
+    from xla_train.memory import MIB, measure_peak, needed
 
     rows, length, chunk, results = 2, 512, 256, []
-
-    def case(checkpointed, chunked):
-        torch.manual_seed(0)
-        cfg = LlamaConfig(vocab_size=30522, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
-                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, pad_token_id=0,
-                          use_cache=False, attn_implementation="sdpa")
-        model = LlamaForCausalLM(cfg).train()
-        if checkpointed:
-            checkpoint_activations(model)
-        g = torch.Generator().manual_seed(1)
-        ids, labels = (torch.randint(0, cfg.vocab_size, (rows, length), generator=g) for _ in range(2))
-        segments = torch.ones(rows, length, dtype=torch.long)
-        segments[:, length // 3:] = 2
-        pos = torch.arange(length)
-        mask = (segments[:, None, :, None] == segments[:, None, None, :]) & (pos[:, None] >= pos[None, :])
-
-        def step():
-            if chunked:
-                hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state
-                loss_sum, tokens = chunked_lm_loss(hidden, model.lm_head.weight, labels, chunk_tokens=chunk)
-                loss = loss_sum.sum() / tokens.sum()
-            else:
-                logits = model(input_ids=ids, attention_mask=mask).logits.float()
-                loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1))
-            loss.backward()
-            for p in model.parameters():
-                p.grad = None
-
-        memory, _ = plan(model, rows, length, "fp32", checkpointed=checkpointed, logits=True, attention="sdpa",
-                         chunked_logits=chunked, dense_mask=True, chunk_tokens=chunk)
-        return memory, step
-
     for checkpointed in (False, True):
         for chunked in (False, True):
-            memory, step = case(checkpointed, chunked)
+            _, memory, step = scaled_llama_step(checkpointed, chunked, rows, length, chunk)
             step()
             got = memory["param_bytes_per_device"] + memory["optimizer_bytes_per_device"] + measure_peak(step)
             row = {"checkpointed": checkpointed, "chunked_logits": chunked, "rows": rows, "length": length,

@@ -13,10 +13,14 @@ from gpu_fallback.device import TF32_WARNING, TorchAccelerator
 from xla_train.core.errors import UserError
 
 
+@pytest.mark.torch_native
+@pytest.mark.skipif(tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 10),
+                    reason="make test-torch runs it (the newest torch): torch 2.9's inductor takes 154 s for it here")
 def test_a_second_compiled_run_takes_its_graphs_from_the_cache(mrpc_slice, tiny_model, tmp_path):
     """Two runs of the same compiled job, each in a fresh process, one cache folder: the first
     compiles every graph (the folder is new), the second loads every one of them, in less time,
-    and trains the same losses. Measured here (2 CPU cores, torch 2.9): 54 s, then 18 s."""
+    and trains the same losses. Measured here (2 CPU cores): torch 2.9 54 s, then 18 s; the
+    whole test 154 s with torch 2.9 and 46 s with torch 2.13, which `make test-torch` runs it with."""
     cache = tmp_path / "cache"
     args = ["--backend", "cpu", "--model", tiny_model, "--data-dir", mrpc_slice, "--buckets", 128, "--max-steps", 3,
             "--log-every", 1, "--compile", "--compile-cache", cache]

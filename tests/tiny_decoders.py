@@ -355,3 +355,47 @@ def reverse_rows(n, seed, form="prompt/completion"):
 def write_jsonl(path, rows):
     Path(path).write_text("".join(json.dumps(r) + "\n" for r in rows))
     return Path(path)
+
+
+def scaled_llama_step(checkpointed, chunked, rows=1, length=512, chunk=128):
+    """A Llama-shaped model (4 blocks, 256 wide, GQA, the bundled vocabulary's 30,522 words, tied)
+    and one fp32 training step on the CPU as the causal-LM task runs it (sdpa, a packed row's
+    boolean 4-D mask, the head whole or in chunks of `chunk` tokens): the model, its memory plan,
+    and the step (tests/test_memory.py and benchmarks/bench_memory.py --measure measure its peak)."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from xla_train.core.attention import document_mask
+    from xla_train.core.engine import checkpoint_activations
+    from xla_train.core.lm_loss import chunked_lm_loss
+    from xla_train.memory import plan
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=30522, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, pad_token_id=0,
+                      use_cache=False, attn_implementation="sdpa")
+    model = LlamaForCausalLM(cfg).train()
+    if checkpointed:
+        checkpoint_activations(model)
+    g = torch.Generator().manual_seed(1)
+    ids, labels = (torch.randint(0, cfg.vocab_size, (rows, length), generator=g) for _ in range(2))
+    segments = torch.ones(rows, length, dtype=torch.long)
+    segments[:, length // 3:] = 2  # two documents a row
+    mask = document_mask(segments)
+
+    def step():
+        if chunked:
+            hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state
+            loss_sum, tokens = chunked_lm_loss(hidden, model.lm_head.weight, labels, chunk_tokens=chunk)
+            loss = loss_sum.sum() / tokens.sum()
+        else:
+            logits = model(input_ids=ids, attention_mask=mask).logits.float()
+            loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1))
+        loss.backward()
+        for p in model.parameters():
+            p.grad = None
+
+    memory, _ = plan(model, rows, length, "fp32", checkpointed=checkpointed, logits=True, attention="sdpa",
+                     chunked_logits=chunked, dense_mask=True, chunk_tokens=chunk)
+    return model, memory, step

@@ -114,11 +114,14 @@ def logit_bytes(config, rows, length, precision="fp32", chunked=False, chunk_tok
 
 
 def _linear_weights(model):
+    """The elements of the fp32 linear weights, which bf16 autocast copies to bf16 for its matmuls
+    (and autograd keeps for the backward pass); weights held in bf16 already (--lora's frozen
+    base) are used as they are."""
     import torch
 
     seen, total = set(), 0
     for m in model.modules():
-        if isinstance(m, torch.nn.Linear) and id(m.weight) not in seen:
+        if isinstance(m, torch.nn.Linear) and id(m.weight) not in seen and m.weight.dtype == torch.float32:
             seen.add(id(m.weight))
             total += m.weight.numel()
     return total
@@ -156,7 +159,10 @@ def plan(model, rows, length, precision="fp32", shards=1, device_bytes=None, che
         "layer_bytes": one,
         "logit_bytes": (logit_bytes(config, rows, length, precision, chunked_logits, chunk_tokens, head_grad)
                         if logits else None),
-        "autocast_copy_bytes": 2 * _linear_weights(model) if precision == "bf16" else 0,
+        # sharded like the weights; checkpointed, one block's copies live at a time (recomputed)
+        "autocast_copy_bytes": (2 * _linear_weights(model) // shards
+                                // (max(1, shape_of(config)["layers"]) if checkpointed else 1)
+                                if precision == "bf16" else 0),
         "attention": attention,
         "chunked_logits": bool(logits and chunked_logits),
         "gradient_checkpointing": checkpointed,
