@@ -3,6 +3,7 @@ reference; FlexAttention (eager here, compiled on CUDA) must compute the same lo
 gradients; the Pallas path (TPU only) is checked for its choice and for the arguments it hands
 torch_xla's flash_attention, through a recording kernel."""
 
+import copy
 import importlib.util
 
 import pytest
@@ -80,7 +81,7 @@ def test_packed_loss_equals_the_documents_losses_one_by_one(family, attention):
         together = float(packed_loss(model, batch, attention))
         alone = loss_alone(model, docs)
     assert abs(together - alone) < 1e-5, (together, alone)
-    switched = model.config._attn_implementation == A.DOCUMENT_ATTENTION
+    switched = A.switched(model.config)
     assert switched == (attention == "flex")
 
 
@@ -142,10 +143,12 @@ def test_the_switched_model_runs_its_former_attention_without_documents():
         before = model(input_ids=ids, attention_mask=mask).logits
         _, batch = documents()
         packed_loss(model, batch, "flex")
-        assert model.config._attn_implementation == A.DOCUMENT_ATTENTION
+        assert A.switched(model.config)
         after = model(input_ids=ids, attention_mask=mask).logits
     torch.testing.assert_close(after, before, atol=0, rtol=0)
     assert "xla_train" not in model.config.to_json_string()  # nothing of the switch is saved with the model
+    with torch.no_grad():  # nor lost in a copy (a reference model, an EMA): it runs the same former attention
+        assert torch.equal(copy.deepcopy(model)(input_ids=ids, attention_mask=mask).logits, before)
 
 
 def test_the_mask_path_is_todays_mask_and_eager_gets_a_bias():

@@ -159,6 +159,15 @@ def test_gpu_fallback_registers_its_roles():
     try:
         with pytest.raises(UserError, match=r"^`backend` nowhere: no package registers its roles"):
             select.registered_roles("nowhere")
+        # a checkout on PYTHONPATH has no entry points: gpu_fallback beside xla_train is found all the same
+        import importlib.metadata
+
+        real = importlib.metadata.entry_points
+        importlib.metadata.entry_points = lambda **kw: []
+        try:
+            assert select.registered_roles("cpu") is gpu_fallback.roles
+        finally:
+            importlib.metadata.entry_points = real
     finally:
         select._REGISTERED["cpu"] = saved
 

@@ -24,8 +24,9 @@ How the segment paths reach the attention (transformers 5.24): keyword arguments
 layer and its attention module into the attention function named by
 `config._attn_implementation` (LlamaAttention.forward: `attention_interface(self, q, k, v,
 attention_mask, dropout=..., scaling=..., **kwargs)`; Qwen2 and Mistral add `sliding_window`,
-Gemma 2 `sliding_window` and `softcap`). The model is switched once to `DOCUMENT_ATTENTION`, an
-attention function registered here that serves a call carrying `documents=` with the kernel and
+Gemma 2 `sliding_window` and `softcap`). The model is switched once to `xla_train_documents_over_<its
+implementation>`, an attention function registered here (one name per former implementation, so
+a copy of the model knows it too) that serves a call carrying `documents=` with the kernel and
 hands every other call (generation after training, a plain forward) to the implementation the
 model had before, with that implementation's own mask function. A segment call passes a 4-D
 `attention_mask` that is only the segments' view [rows, 1, 1, L]: masking_utils returns a 4-D
@@ -37,7 +38,6 @@ from __future__ import annotations
 
 import functools
 import sys
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -48,10 +48,11 @@ if TYPE_CHECKING:
     import torch
 
 PATHS = ("auto", "mask", "flex", "pallas")
-DOCUMENT_ATTENTION = "xla_train_documents"  # the transformers attention implementation registered here
-# a switched config's former implementation, by the config's id (kept off the config, which
-# save_pretrained would write out), dropped with the config
-_BASES: dict[int, str | None] = {}
+# the transformers attention implementations registered here, one per former implementation, whose
+# name says it (`xla_train_documents_over_sdpa`): a copy of a switched model (copy.deepcopy, a
+# reference model) still knows what to run for calls without documents
+DOCUMENT_ATTENTION = "xla_train_documents"
+_OVER = DOCUMENT_ATTENTION + "_over_"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -84,8 +85,15 @@ def unwrapped(model):
 
 
 def _implementation(config) -> str | None:
+    """The implementation a config runs for calls without documents: its own, or for a switched
+    one the former implementation its name carries."""
     name = getattr(config, "_attn_implementation", None)
-    return _BASES.get(id(config)) if name == DOCUMENT_ATTENTION else name
+    return name[len(_OVER):] if name and name.startswith(_OVER) else name
+
+
+def switched(config) -> bool:
+    """Whether a config runs the documents' attention (use_documents switched it)."""
+    return str(getattr(config, "_attn_implementation", None) or "").startswith(_OVER)
 
 
 def _config_value(config, *names):
@@ -182,26 +190,13 @@ def document_mask(segments: torch.Tensor, eager: bool = False) -> torch.Tensor:
 
 
 def use_documents(model) -> None:
-    """Switches `model` (through its wrappers) to DOCUMENT_ATTENTION, remembering its former
+    """Switches `model` (through its wrappers) to the documents' attention over its former
     implementation; idempotent. Call it before torch.compile traces the model where the step is
     compiled (document_inputs calls it before the first forward)."""
     hf = unwrapped(model)
-    if hf.config._attn_implementation == DOCUMENT_ATTENTION:
+    if switched(hf.config):
         return
-    register()
-    base = hf.config._attn_implementation
-    for config in _configs(hf.config):
-        _BASES[id(config)] = getattr(config, "_attn_implementation", None) or base
-        weakref.finalize(config, _BASES.pop, id(config), None)
-    hf.set_attn_implementation(DOCUMENT_ATTENTION)
-
-
-def _configs(config):
-    yield config
-    for key in getattr(config, "sub_configs", {}) or {}:
-        sub = getattr(config, key, None)
-        if sub is not None and hasattr(sub, "_attn_implementation"):
-            yield sub
+    hf.set_attn_implementation(register(hf.config._attn_implementation or "eager"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -373,10 +368,13 @@ def documents_mask(*args, config=None, **kwargs):
     return ALL_MASK_ATTENTION_FUNCTIONS[base](*args, config=config, **kwargs)
 
 
-def register() -> None:
-    """Registers DOCUMENT_ATTENTION with transformers (idempotent)."""
+def register(base: str) -> str:
+    """Registers the documents' attention over the implementation `base` with transformers
+    (idempotent); returns its name."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    AttentionInterface.register(DOCUMENT_ATTENTION, documents_attention)
-    AttentionMaskInterface.register(DOCUMENT_ATTENTION, documents_mask)
+    name = _OVER + base
+    AttentionInterface.register(name, documents_attention)
+    AttentionMaskInterface.register(name, documents_mask)
+    return name

@@ -2,6 +2,7 @@
 accelerator, a strategy and a launcher (like Lightning Fabric's connector). Implementations are
 imported only once chosen, so the fallback works on a machine without torch_xla."""
 
+import importlib
 import importlib.util
 from collections.abc import Callable
 
@@ -132,6 +133,7 @@ def select_roles(name="auto", num_processes=None, strategy="ddp"):
 # calling `register_roles` or through an entry point of this group in its metadata
 # (gpu_fallback's, in setup.py: found once the package is installed).
 ROLES_GROUP = "xla_train.roles"
+FALLBACK_BACKENDS = ("cuda", "cpu", "tpu")  # gpu_fallback's (setup.py's entry points)
 _REGISTERED: dict[str, Callable[[str, int | None, str], Roles]] = {}
 
 
@@ -148,6 +150,9 @@ def registered_roles(name: str) -> Callable[[str, int | None, str], Roles]:
 
         for point in entry_points(group=ROLES_GROUP, name=name):
             register_roles(name, point.load())
+    if name not in _REGISTERED and name in FALLBACK_BACKENDS and importlib.util.find_spec("gpu_fallback"):
+        # a checkout on PYTHONPATH, not installed: no entry points, the package beside this one
+        register_roles(name, importlib.import_module("gpu_fallback").roles)
     if name not in _REGISTERED:
         raise UserError(f"`backend` {name}: no package registers its roles (gpu_fallback's entry point "
                         f"{ROLES_GROUP!r} is missing: install xla-train with pip)")
