@@ -288,3 +288,51 @@ def test_eval_samples_of_prompt_rows_write_up_to_the_completion_and_its_eos(fami
     assert len(samples.shown) == 5 and samples.sampling.max_new_tokens == longest + 1  # all 5 rows; plus the EOS
     first = td.reverse_rows(5, 0)[0]
     assert samples.shown[0] == {"prompt": first["prompt"], "reference": first["completion"]}
+
+
+def _objective_loss(model, objective, seed=0):
+    """NextToken's loss of a packed batch of two documents (and its head's path), with the model
+    as given, in fp32 on the CPU."""
+    from xla_train.tasks.causal_lm import HeadInput
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, model.config.vocab_size, (2, 12), generator=g)
+    segments = torch.tensor([[1] * 5 + [2] * 7, [1] * 12])
+    positions = torch.cat([torch.arange(5), torch.arange(7)]).repeat(2, 1)
+    positions[1] = torch.arange(12)
+    labels = torch.cat([ids[:, 1:], torch.full((2, 1), IGNORE)], 1)
+    output = objective.forward(model, {"input_ids": ids, "position_ids": positions, "segments": segments})
+    return objective.loss(output, labels), isinstance(output, HeadInput)
+
+
+@pytest.mark.parametrize("family", td.FAMILIES)
+def test_the_chunked_head_computes_the_models_own_loss(families, family):
+    """Every family's loss through the chunks (the final hidden states and the head in pieces)
+    equals the loss of the model's own logits within 1e-5 in fp32."""
+    from transformers import AutoModelForCausalLM
+
+    from xla_train.tasks.causal_lm import NextToken
+
+    model = AutoModelForCausalLM.from_pretrained(families[family], dtype=torch.float32)
+    chunked, through_chunks = _objective_loss(model, NextToken(attention="mask"))
+    whole, _ = _objective_loss(model, NextToken(attention="mask", chunked_logits=False))
+    assert through_chunks and abs(float(chunked) - float(whole)) < 1e-5, (family, chunked, whole)
+
+
+def test_a_head_the_chunks_cannot_compute_keeps_the_whole_logits(families):
+    """LoRA on lm_head (peft wraps it) and a family that rescales its logits after the head
+    (Granite's logits_scaling): the objective takes the model's own logits, so the loss is theirs."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, GraniteConfig, GraniteForCausalLM
+
+    from xla_train.tasks.causal_lm import NextToken
+
+    torch.manual_seed(0)
+    granite = GraniteForCausalLM(GraniteConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                               num_attention_heads=4, num_key_value_heads=2, logits_scaling=8.0))
+    llama = AutoModelForCausalLM.from_pretrained(families["llama"], dtype=torch.float32)
+    adapted = get_peft_model(llama, LoraConfig(r=4, target_modules=["q_proj", "lm_head"], init_lora_weights=False))
+    for model in (granite, adapted):
+        chunked, through_chunks = _objective_loss(model, NextToken(attention="mask"))
+        whole, _ = _objective_loss(model, NextToken(attention="mask", chunked_logits=False))
+        assert not through_chunks and float(chunked) == float(whole)

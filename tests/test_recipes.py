@@ -5,8 +5,10 @@ the options; flags given on the command line override it; a mistake in a recipe 
 exit code 2; the run folder records the resolved recipe (recipe.yaml), which runs the job again;
 the recipes shipped in recipes/ validate and say what the docs' command lines say."""
 
+import copy
 import json
 import os
+import pickle
 import re
 import shlex
 import subprocess
@@ -65,7 +67,8 @@ def test_sections_and_back():
     assert by_section["system"]["backend"] == "cpu" and by_section["checkpoints"]["output_dir"] == "out"
     assert from_sections(by_section) == cfg
     view = cfg.section("optimizer")
-    assert dict(view) == by_section["optimizer"] and view["lr"] == 1e-3
+    assert dict(view) == by_section["optimizer"] and view["lr"] == view.lr == 1e-3
+    assert pickle.loads(pickle.dumps(view)) == view and copy.deepcopy(view).lr == 1e-3
     with pytest.raises(TypeError):
         view["lr"] = 1.0  # read-only
     with pytest.raises(KeyError, match="no section 'optimiser'"):

@@ -88,7 +88,8 @@ def prepare(cfg, backend, resume=None, startup=None):
     times the data's parts and the model's."""
     startup = startup or Startup()
     task, splits = load_task(cfg.task, cfg.data_dir, cfg.train_file, cfg.validation_file, cfg.text_columns,
-                     cfg.label_column, cfg.problem, cfg.seed, cfg.max_length, cfg.packing, cfg.attention)
+                     cfg.label_column, cfg.problem, cfg.seed, cfg.max_length, cfg.packing, cfg.attention,
+                     options=cfg)
     if cfg.metric_for_best and cfg.metric_for_best not in task.metric_keys:
         raise UserError(f"--metric-for-best must be one of {task.name}'s metrics: {', '.join(task.metric_keys)}; "
                         f"not {cfg.metric_for_best!r}")

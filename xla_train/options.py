@@ -28,6 +28,7 @@ from .tasks import FILE_FORMATS, PROBLEMS, TASKS, check_choices, kind_of
 
 PADDING_MODES = ("buckets", "max_length", "dynamic")
 PRECISIONS = ("fp32", "bf16")
+DPO_LOSSES = ("sigmoid", "ipo")
 
 # The sections of training's options, in a recipe's order, each with what it holds (the
 # groups of `xla-train train --help`). Every TrainOptions field names one in its `section`.
@@ -136,6 +137,12 @@ class TrainOptions:
     max_grad_norm: float = option(None, "clip gradients to this norm (default: no clipping)", section="optimizer")
     max_steps: int = option(None, "stop after this many optimizer steps (default: all epochs)", section="optimizer")
     seed: int = option(42, "the new head's weights, dropout and the data order", section="optimizer")
+    beta: float = option(0.1, "dpo: how far the policy may move from the reference model (DPO's beta; IPO's "
+                         "tau); the rewards are beta times the log-probability ratios", section="optimizer")
+    dpo_loss: str = option("sigmoid", "dpo: sigmoid (DPO's loss) or ipo (IPO's squared loss on the per-token "
+                           "mean log-probability ratios, as TRL computes it)", DPO_LOSSES, section="optimizer")
+    rpo_alpha: float = option(None, "dpo: add this weight times the chosen completions' negative log-likelihood "
+                              "(token mean) to the loss (RPO; default: none)", section="optimizer")
     # evaluation: when to evaluate, model selection, generation
     eval_every: int = option(None, "evaluate every N optimizer steps (default: at the end of each epoch)",
                              section="evaluation")
@@ -202,7 +209,7 @@ class TrainOptions:
 
     def validate(self):
         """Every check of the options alone (files and data are checked when they are read)."""
-        _check_choices(self, {"padding": PADDING_MODES, "precision": PRECISIONS})
+        _check_choices(self, {"padding": PADDING_MODES, "precision": PRECISIONS, "dpo_loss": DPO_LOSSES})
         _at_least_one(self, ("epochs", "batch_size", "grad_accum", "log_every", "max_length"),
                       ("max_steps", "save_every", "keep_last", "eval_every", "eval_samples", "early_stopping_patience",
                        "max_new_tokens"))
@@ -214,6 +221,8 @@ class TrainOptions:
             "compile_seconds": (lambda x: x >= 0, "a number of seconds >= 0"),
             "lora_alpha": (lambda x: x > 0, "a positive number"),
             "lora_dropout": (lambda x: 0 <= x < 1, "in [0, 1)"),
+            "beta": (lambda x: x > 0, "a positive number"),
+            "rpo_alpha": (lambda x: x >= 0, "a number >= 0"),
         })
         self._check_lora()
         if not 0 <= self.seed < 2**32:
@@ -377,6 +386,8 @@ class Section(Mapping[str, Any]):
         object.__setattr__(self, "_values", MappingProxyType(dict(values)))
 
     def __getattr__(self, key: str) -> Any:
+        if key.startswith("_"):  # not an option (copy and pickle look for such names before __init__)
+            raise AttributeError(key)
         try:
             return self._values[key]
         except KeyError:
@@ -396,6 +407,9 @@ class Section(Mapping[str, Any]):
 
     def __repr__(self) -> str:
         return f"Section({self._name!r}, {dict(self._values)!r})"
+
+    def __reduce__(self) -> tuple:
+        return Section, (self._name, dict(self._values))
 
 
 def section_names(cls: type = TrainOptions) -> dict[str, list[str]]:

@@ -106,16 +106,25 @@ class Trainer:
         engine, job, cfg, task = self.engine, self.job, self.cfg, self.task
         model = _private_copy(job.model)
         # the memory plan and the parameter counts, before anything compiles: checkpointing where only it fits
-        self.memory, self.counts, checkpointed = plan_memory(engine, cfg, self.shapes, model, task.objective.logits)
+        self.memory, self.counts, checkpointed = plan_memory(engine, cfg, self.shapes, model, task.objective)
         if checkpointed:
             engine.checkpoint_activations(model)
-        loaders = [make_loader(job.data[split], job.tokenizer, cfg.batch_size, self.shapes.padding,
-                               shuffle=split == "train", seed=cfg.seed, fill="repeat" if split == "train" else "mask",
-                               collate=task.rows.collator(job.tokenizer))
-                   for split in ("train", *task.eval_splits)]  # filler: repeats to train on, masked rows to score
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
                                       fused=engine.fused_optimizer or None)
-        self.train_dl, *eval_dls, self.model, self.optimizer = engine.prepare(*loaders, model, optimizer)
+        self.model, self.optimizer = engine.prepare(model, optimizer)
+
+        def loader(ds, split, order=False):  # filler: repeats to train on, masked rows to score
+            return make_loader(ds, job.tokenizer, cfg.batch_size, self.shapes.padding,
+                               shuffle=split == "train" and not order, seed=cfg.seed,
+                               fill="repeat" if split == "train" and not order else "mask",
+                               collate=task.rows.collator(job.tokenizer))
+
+        # the kind's columns computed with the model before training (a preference kind's reference log-probabilities)
+        data = task.objective.before_training(engine, self.model, job.data,
+                                              lambda ds, split: engine.prepare(loader(ds, split, order=True)),
+                                              functools.partial(_initial_model, engine, job, self.model))
+        self.train_dl, *eval_dls = engine.prepare(*[loader(data[split], split)
+                                                    for split in ("train", *task.eval_splits)])
         n_train = len(job.data["train"])
         self.steps_per_epoch = self.shapes.steps_per_epoch(n_train)
         self.total_steps = self.shapes.total_steps(n_train, cfg.epochs, cfg.max_steps)
@@ -153,9 +162,12 @@ class Trainer:
                     with self.profile.micro_batch(state.step + 1):  # inside --profile-steps' window: annotated
                         labels = batch.pop("labels")  # the loss is the job's own: no model head can add a host sync
                         with engine.autocast():
-                            loss = objective.loss(objective.forward(model, batch), labels)  # forward, loss
+                            output = objective.forward(model, batch)  # forward
+                            loss = objective.loss(output, labels)
                         engine.backward(loss)
                         state.tracker.add(loss)  # on the device: read at log points
+                        state.metrics.add(objective.step_metrics(output, labels))  # the kind's own, if any
+                        del output
                         stepped = engine.optimizer_step(self.optimizer)  # at the last micro-batch of a step
                     if not stepped:
                         continue
@@ -220,11 +232,15 @@ class Trainer:
     def _log(self, step, lr, grad_norm):
         """A log point, once its step has run: the mean loss since the previous one, from the
         running sum and the gradient norm (one transfer), to the bar and the monitor."""
-        host = self.engine.strategy.read([self.state.tracker.t] + ([grad_norm] if grad_norm is not None else []))
+        metrics = self.state.metrics
+        host = self.engine.strategy.read([self.state.tracker.t] + ([grad_norm] if grad_norm is not None else [])
+                                         + ([metrics.t] if metrics.t is not None else []))
         loss = self.state.logged(step, lr, host[0])
-        grad_norm = float(host[1]) if len(host) > 1 else None
-        self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", refresh=False)
-        self.monitor.log(step, loss, lr, grad_norm)
+        grad_norm = float(host[1]) if grad_norm is not None else None
+        extra = self.state.logged_metrics(step, host[-1]) if metrics.t is not None else {}
+        self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", refresh=False,
+                             **{k: f"{v:.3f}" for k, v in list(extra.items())[:2]})  # the kind's first two
+        self.monitor.log(step, loss, lr, grad_norm, extra)
 
     def check_stop(self, stop: StopRequest, at_log_point: bool) -> None:
         """Raises `Stopped` on every replica at once if any replica got a signal (after saving a
@@ -277,20 +293,22 @@ def _linear(warmup_steps, total_steps, step):
     return max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
 
 
-def plan_memory(engine, cfg, shapes, model, logits=None):
-    """The memory plan of `model` (not yet prepared), printed, and whether its blocks are to be
+def plan_memory(engine, cfg, shapes, model, objective):
+    """The memory plan of `model` (not yet prepared) under the task's `objective` (its logits and
+    attention path: Objective.memory_inputs), printed, and whether its blocks are to be
     checkpointed: as asked, or switched on (and said on the console) where the run fits only with
-    it; a run that cannot fit the device even so stops here, before compiling. `logits`: the
-    objective's logits per token ("whole", "chunked" or None). Returns (plan, counts, checkpointed)."""
+    it; a run that cannot fit the device even so stops here, before compiling. Returns (plan,
+    counts, checkpointed)."""
+    from ..core.attention import kind_of
+
     length = max(shapes.padding.lengths or [cfg.max_length])
-    attention = getattr(model.config, "_attn_implementation", None) or "eager"
+    path = objective.memory_inputs(model, kind_of(torch.empty(0, device=engine.device)), length)
 
     def plan(checkpointed):
-        # the causal-LM path and padded encoder batches pass a dense 4-D mask to the attention
         return plan_of(model, cfg.batch_size, length, cfg.precision, shards=engine.strategy.param_shards,
                        device_bytes=device_bytes(engine.accelerator), checkpointed=checkpointed,
-                       logits=logits is not None, attention=attention, chunked_logits=logits == "chunked",
-                       dense_mask=True)
+                       logits=path["logits"] is not None, attention=path["attention"],
+                       chunked_logits=path["logits"] == "chunked", dense_mask=path["dense_mask"])
 
     checkpointed = cfg.gradient_checkpointing
     memory, counts = plan(checkpointed)
@@ -303,6 +321,22 @@ def plan_memory(engine, cfg, shapes, model, logits=None):
     engine.print(describe_memory(memory, counts))
     check_fits(memory, cfg.batch_size, length, checkpointed, engine.strategy.param_shards > 1, cfg.lora)
     return memory, counts, checkpointed
+
+
+def _initial_model(engine, job, model):
+    """The model as training began from it: `model`, or where a resumed run loaded its checkpoint's
+    weights, the pretrained model loaded again (with the same adapters) and prepared."""
+    if not job.resume:
+        return model
+    from ..models import add_adapters
+
+    fresh = job.task.model.load(job.cfg.model, job.cfg.seed, job.tokenizer.pad_token_id)
+    if job.cfg.lora:
+        fresh = add_adapters(fresh, job.cfg.section("model"), job.task.model.peft_task_type)
+    trained = engine._model  # `prepare` points no_sync at the module it prepared last: the trained one stays
+    fresh = engine.prepare(fresh)
+    engine._model = trained
+    return fresh
 
 
 def _private_copy(model):

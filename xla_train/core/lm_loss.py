@@ -116,19 +116,39 @@ def chunked_lm_loss(hidden, weight, labels, bias=None, softcap=None, chunk_token
     Returns (loss_sum [rows] fp32: each row's cross-entropy summed over its trained tokens,
     tokens [rows] fp32: their number). Training takes loss_sum.sum() / tokens.sum(); evaluation
     keeps the rows. Both are differentiable as usual (the tokens need no gradient)."""
+    losses = chunked_token_losses(hidden, weight, labels, bias, softcap, chunk_tokens, ignore_index)
+    return losses.sum(-1), (labels != ignore_index).sum(-1).float()
+
+
+def chunked_token_losses(hidden, weight, labels, bias=None, softcap=None, chunk_tokens=CHUNK_TOKENS,
+                         ignore_index=IGNORE_INDEX):
+    """`chunked_lm_loss`'s per-token cross-entropy, [rows, length] fp32 (0 where the label is
+    `ignore_index`): minus each label's log-probability, for objectives that sum tokens their own
+    way (a preference pair's two sequences apart). Differentiable as `chunked_lm_loss` is."""
     rows = labels.shape[:-1]
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     flat_labels = labels.reshape(-1)
     chunk = max(1, min(int(chunk_tokens), flat_hidden.shape[0]))
     losses = _ChunkedLinearCrossEntropy.apply(flat_hidden, weight, bias, flat_labels, softcap, chunk,
                                               _compute_dtype(flat_hidden), ignore_index)
-    losses = losses.view(*rows, labels.shape[-1])
-    return losses.sum(-1), (labels != ignore_index).sum(-1).float()
+    return losses.view(*rows, labels.shape[-1])
+
+
+# The families whose causal-LM forward computes `logits = lm_head(hidden)`, soft-capped where the
+# config's final_logit_softcapping says (transformers 5.24's modeling files, e.g.
+# LlamaForCausalLM.forward, Gemma2ForCausalLM.forward). Others may rescale the logits after the head
+# (Granite divides by logits_scaling, Cohere multiplies by logit_scale): they keep the whole head.
+PLAIN_HEADS = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2",
+                         "gemma3_text", "phi", "phi3", "gpt2", "starcoder2", "olmo2", "smollm3"})
 
 
 def head_of(model):
-    """(weight, bias or None, softcap or None) of a transformers causal LM's head: its output
-    embeddings and its config's final_logit_softcapping (Gemma 2's)."""
+    """(weight, bias or None, softcap or None) of a transformers causal LM's head (its output
+    embeddings and its config's final_logit_softcapping), or None where the chunks could not
+    compute what the model's own head does: a family outside PLAIN_HEADS, or a head that is not a
+    plain linear layer (peft's LoRA on lm_head)."""
     head = model.get_output_embeddings()
+    if getattr(model.config, "model_type", None) not in PLAIN_HEADS or type(head) is not torch.nn.Linear:
+        return None
     softcap = getattr(model.config, "final_logit_softcapping", None)
-    return head.weight, getattr(head, "bias", None), softcap
+    return head.weight, head.bias, softcap

@@ -90,13 +90,14 @@ class Monitor:
             inputs = batch["input_ids"] if "input_ids" in batch else next(iter(batch.values()))
             self.engine.step_closure(self._after_step, (step, tuple(inputs.shape)))
 
-    def log(self, step, loss, lr, grad_norm):
-        """At a log point (inside the step closure): scalars to TensorBoard."""
+    def log(self, step, loss, lr, grad_norm, extra=None):
+        """At a log point (inside the step closure): scalars to TensorBoard; `extra`: the kind's
+        own training metrics (Objective.step_metrics), {name: mean since the last log point}."""
         if not self.on:
             return
         now = time.perf_counter()
         (prev_step, prev_t), self._last_log = self._last_log, (step, now)
-        values = {"loss": loss, "lr": lr, "grad_norm": grad_norm}
+        values = {"loss": loss, "lr": lr, "grad_norm": grad_norm, **(extra or {})}
         # samples/s since the previous log point; skipped when an evaluation ran in between
         if not any(prev_step <= e < step for e in self._eval_steps):
             values["throughput"] = (step - prev_step) * self.samples_per_step / (now - prev_t)

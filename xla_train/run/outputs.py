@@ -92,6 +92,7 @@ def run_metrics(engine, job, t, monitor, timing, results):
         "eval": results,  # of the saved model: the last evaluation, or the best with --save-best
         "best": state.best, "evaluations": state.evaluations, "stopped_early": state.stopped_early,
         "train_loss": [h[:3] for h in state.history],  # [step, mean loss since the last entry, learning rate]
+        "train_metrics": state.train_metrics,  # the kind's own: [step, {name: mean since the last entry}]
         "param_checksum": float(sums[0].double().sum()),
         "replicas_identical": bool((sums == sums[0]).all()),
         "buckets": t.shapes.padding.bucket_list,

@@ -41,6 +41,22 @@ class LossTracker:
         return total, (math.ceil(first_bad / self.grad_accum) if first_bad else None)
 
 
+class MetricTracker:
+    """A kind's own training metrics (Objective.step_metrics): their running sums over micro-steps,
+    one device tensor read with the loss at log points; None until a micro-step gives some."""
+
+    def __init__(self, engine):
+        self.engine, self.names, self.t = engine, None, None
+
+    def add(self, values):
+        if not values:
+            return
+        if self.names is None:  # uploaded from the CPU, as LossTracker's: no constant graph of its own
+            self.names = list(values)
+            self.t = torch.zeros(len(self.names)).to(self.engine.device)
+        self.t = self.t + torch.stack([values[name].detach().float() for name in self.names])
+
+
 class RunState:
     """One per worker: the run's position, loss, evaluations and checkpoints."""
 
@@ -60,6 +76,10 @@ class RunState:
         self.best_weights = None  # the best model on the CPU, with --save-best and no output folder
         self.first_step = self.step
         self.tracker = LossTracker(engine, run.get("loss_sum", 0.0), self.step * grad_accum, grad_accum)
+        self.metrics = MetricTracker(engine)  # the kind's own training metrics, if any
+        self.train_metrics = run.get("train_metrics", [])  # [step, {name: mean since the last entry}]
+        self._metrics_read = (self.step, None)  # the step and sums of the last read
+        self.grad_accum = grad_accum
         self.bad_step = None  # the first optimizer step whose loss was not finite, once known
         # the latest checkpoint, and the position it holds
         self.saved, self.saved_at = (resume.url, self.position) if resume else (None, None)
@@ -79,6 +99,18 @@ class RunState:
         loss = (total - prev_total) / (step - prev_step)
         self.history.append([step, round(loss, 6), lr, total])
         return loss
+
+    def logged_metrics(self, step, sums):
+        """Records a log point's kind metrics from `MetricTracker.t` on the host: each one's mean
+        over the micro-steps since the previous read, in `train_metrics` and returned."""
+        prev_step, prev = self._metrics_read
+        sums = [float(x) for x in sums]
+        micro = max(1, (step - prev_step) * self.grad_accum)
+        means = {name: round((s - (prev[i] if prev else 0.0)) / micro, 6)
+                 for i, (name, s) in enumerate(zip(self.metrics.names, sums))}
+        self._metrics_read = (step, sums)
+        self.train_metrics.append([step, means])
+        return means
 
     def check_finite(self):
         """Reads the loss tracker (a sync) and stops every replica if any saw a non-finite loss.
@@ -173,7 +205,8 @@ class RunState:
             loss_sum = self.check_finite()
             run = {"step": self.step, "epoch": self.epoch, "batch": self.batch, "loss_sum": loss_sum,
                    "history": self.history, "results": self.results, "evaluations": self.evaluations,
-                   "best": self.best, "bad_evals": self.bad_evals, "stopped_early": self.stopped_early}
+                   "best": self.best, "bad_evals": self.bad_evals, "stopped_early": self.stopped_early,
+                   "train_metrics": self.train_metrics}
             state = {"run": run, **extra, "world_size": self.engine.data_parallel_size}
             self.saved = checkpoint.save(self.engine, self.store, model, optimizer, scheduler, state,
                                          self.checkpoints.keep_last)

@@ -15,6 +15,7 @@ a user's own files (files.py); a causal-lm task reads own rows in one of its thr
 from ..core.errors import UserError, check_choice
 from .base import MINIMISED, RECORD, PredictSettings, Source, Task, load_metric, read_config, read_record, scores
 from .causal_lm import CausalLM
+from .dpo import DPO
 from .files import FILE_FORMATS, read_source, read_table, text_columns_of
 from .glue import BUNDLED_MRPC, GLUE, TASKS, glue_columns, load_mrpc, read_glue_tsv
 from .kinds import KINDS, problems, register
@@ -23,7 +24,7 @@ from .sequence import Classification, Regression, SequenceTask, load_glue_folder
 PROBLEMS = problems()  # the package's own kinds (`problems()` adds any registered since)
 
 __all__ = ["BUNDLED_MRPC", "FILE_FORMATS", "GLUE", "KINDS", "MINIMISED", "PROBLEMS", "RECORD", "TASKS",
-           "CausalLM", "Classification", "PredictSettings", "Regression", "Source", "Task", "check_choices",
+           "DPO", "CausalLM", "Classification", "PredictSettings", "Regression", "Source", "Task", "check_choices",
            "from_folder", "glue_columns", "kind_of", "load_glue_folder", "load_glue_hub", "load_metric", "load_mrpc",
            "load_task", "problems", "read_glue_tsv", "read_source", "read_table", "register", "scores",
            "text_columns_of"]
@@ -36,11 +37,13 @@ def kind_of(problem=None):
 
 
 def load_task(task=None, data_dir=None, train_file=None, validation_file=None, text_columns=None,
-              label_column="label", problem=None, seed=0, max_length=128, packing=None, attention="auto"):
-    """The `Task` for the command line's data options (see the module docstring) and its splits."""
+              label_column="label", problem=None, seed=0, max_length=128, packing=None, attention="auto",
+              options=None):
+    """The `Task` for the command line's data options (see the module docstring) and its splits;
+    `options`: training's options, where a kind reads its own flags (Source.options)."""
     check_choices(task, problem)
     source = Source(task, data_dir, train_file, validation_file, text_columns, label_column, problem, seed, max_length,
-                    packing, attention)
+                    packing, attention, options)
     return kind_of(problem).load(source)
 
 

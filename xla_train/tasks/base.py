@@ -21,6 +21,7 @@ Kinds today: `sequence.Classification`, `sequence.Regression` and `causal_lm.Cau
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Callable
@@ -53,6 +54,7 @@ class Source:
     max_length: int = 128
     packing: bool | None = None  # None: the kind's default
     attention: str = "auto"  # how packed documents are kept apart (core.attention.PATHS)
+    options: Any = None  # training's options (options.TrainOptions), where a kind reads its own flags; None: defaults
 
 
 @dataclass(frozen=True)
@@ -138,6 +140,14 @@ class Objective:
         head computes them), "chunked" (a chunk of tokens at a time), or None (none per token)."""
         return None
 
+    def memory_inputs(self, model: Any, device_kind: str, length: int) -> dict[str, Any]:
+        """What the memory plan (memory.plan) needs of this objective's forward pass with `model`
+        (not yet prepared) on a `device_kind` device (core.attention.kind_of's names) for rows of
+        `length` tokens: its `logits` per token, the `attention` implementation that runs and
+        whether a `dense_mask` is passed to it (padded batches' masks)."""
+        return {"logits": self.logits, "attention": getattr(model.config, "_attn_implementation", None) or "eager",
+                "dense_mask": True}
+
     def forward(self, model: Any, inputs: dict[str, Any]) -> Any:
         """The model on a batch's inputs (labels taken out)."""
         return model(**inputs)
@@ -145,6 +155,21 @@ class Objective:
     def loss(self, output: Any, labels: Any) -> Any:
         """The training loss of a batch from the model's output."""
         raise NotImplementedError
+
+    def step_metrics(self, output: Any, labels: Any) -> dict[str, Any] | None:
+        """Training metrics of a micro-batch besides the loss, called after `loss` on the same
+        output: {name: a 0-d device tensor}, averaged on the device over each log interval and read
+        with the loss at log points; None (the default): none."""
+        return None
+
+    def before_training(self, engine: Any, model: Any, data: Any, make_loader: Callable[[Any, str], Any],
+                        initial: Callable[[], Any]) -> Any:
+        """The tokenised splits training and evaluation read (`data`, a DatasetDict), once the
+        model is prepared and before the loaders are made: a kind may add columns computed with
+        the model (`make_loader(dataset, split)`: a prepared loader over its rows in order, padded
+        as training pads; `initial()`: the model as training begins from it, which is `model`
+        unless a resumed run loaded its checkpoint's weights). The default returns `data`."""
+        return data
 
     def eval_columns(self, batch: dict[str, Any], output: Any) -> tuple:
         """What evaluation gathers of a batch: 1-D device tensors of one dtype, a value per row."""
@@ -234,6 +259,7 @@ class Task:
             raise UserError("--eval-samples generates text from evaluation prompts: it needs --problem causal-lm")
         if opts.attention != "auto":
             raise UserError("--attention keeps a causal LM's packed documents apart: it applies to --problem causal-lm")
+        refuse_preference_options(opts)
 
     @classmethod
     def load(cls, source: Source) -> tuple[Task, Any]:
@@ -296,6 +322,19 @@ class Task:
     def describe(self, splits: Any) -> str:
         """The console line that says what trains on `splits`."""
         raise NotImplementedError
+
+
+PREFERENCE_OPTIONS = ("beta", "dpo_loss", "rpo_alpha")  # the preference kinds' own options
+
+
+def refuse_preference_options(opts: Any) -> None:
+    """Stops with one line where `opts` (options.TrainOptions) set a preference kind's option
+    (--beta, --dpo-loss, --rpo-alpha) away from its default: kinds that train on anything but
+    preference pairs call it."""
+    defaults = {f.name: f.default for f in dataclasses.fields(opts)}
+    for name in PREFERENCE_OPTIONS:
+        if getattr(opts, name) != defaults[name]:
+            raise UserError(f"--{name.replace('_', '-')} applies to preference pairs (--problem dpo)")
 
 
 def read_config(folder):

@@ -25,7 +25,7 @@ from functools import cached_property
 from typing import Any
 
 from ..core.errors import UserError
-from .base import ModelPart, Objective, Rows, Task, row_name
+from .base import ModelPart, Objective, Rows, Task, refuse_preference_options, row_name
 from .completion import Completions, eval_samples
 from .documents import (
     FORMS,
@@ -148,6 +148,18 @@ class NextToken(Objective):
     def logits(self) -> str:
         return "chunked" if self.chunked_logits else "whole"
 
+    def memory_inputs(self, model: Any, device_kind: str, length: int) -> dict[str, Any]:
+        """The path `forward` takes: the kernel that keeps documents apart (no dense mask) or the
+        mask, and the head in chunks where head_of can compute it."""
+        from ..core.attention import choose, unwrapped
+        from ..core.lm_loss import head_of
+
+        path = choose(self.attention, device_kind, model, length)
+        planned = super().memory_inputs(model, device_kind, length)
+        kernels = {"flex": "flex_attention", "pallas": "xla_flash"}  # memory.O_S_ATTENTION's names
+        return {"logits": "chunked" if self.chunked_logits and head_of(unwrapped(model)) else "whole",
+                "attention": kernels.get(path, planned["attention"]), "dense_mask": path == "mask"}
+
     def forward(self, model: Any, inputs: dict[str, Any]) -> Any:
         """The model on a batch whose `segments` keep its documents apart: causal within each
         document, nothing across documents (core.attention.document_inputs: a 4-D mask, or a
@@ -159,10 +171,13 @@ class NextToken(Objective):
 
         inputs = dict(inputs)
         extra = document_inputs(model, inputs.pop("segments"), attention=self.attention)
-        if not self.chunked_logits:
+        hf = unwrapped(model)
+        head = head_of(hf) if self.chunked_logits else None
+        if head is None:  # the whole head, as the model computes it
             return model(**inputs, **extra)
+        capture_outside_compilation(hf)
         output = model(**inputs, **extra, output_hidden_states=True, logits_to_keep=1)
-        return HeadInput(output.hidden_states[-1], *head_of(unwrapped(model)))
+        return HeadInput(output.hidden_states[-1], *head)
 
     def token_losses(self, output: Any, labels: Any) -> tuple[Any, Any]:
         """Per row: the cross-entropy summed over its trained tokens, and their number (fp32)."""
@@ -197,6 +212,18 @@ class NextToken(Objective):
         loss = float(loss_sum.double().sum() / tokens.double().sum())
         return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "n": int(docs.sum()),
                 "n_tokens": int(tokens.sum())}
+
+
+def capture_outside_compilation(model: Any) -> None:
+    """transformers installs the hooks that collect hidden states on the first call that asks for
+    them (output_capturing.maybe_install_capturing_hooks); inside a torch.compile'd forward that
+    splits the graph in two at every step. Installed here, before the model runs."""
+    try:
+        from transformers.utils.output_capturing import maybe_install_capturing_hooks
+    except ImportError:  # a transformers without the output-capturing hooks: nothing to install
+        return
+    model = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft's: the transformers model
+    maybe_install_capturing_hooks(model.base_model)
 
 
 @dataclass(frozen=True)
@@ -257,6 +284,7 @@ class CausalLM(Task):
                             "--no-packing")
         if opts.max_new_tokens and not opts.test_file:
             raise UserError("--max-new-tokens applies to a causal LM's --test-file (--problem causal-lm)")
+        refuse_preference_options(opts)
 
     @classmethod
     def load(cls, source):
