@@ -145,10 +145,15 @@ PLAIN_HEADS = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "q
 def head_of(model):
     """(weight, bias or None, softcap or None) of a transformers causal LM's head (its output
     embeddings and its config's final_logit_softcapping), or None where the chunks could not
-    compute what the model's own head does: a family outside PLAIN_HEADS, or a head that is not a
-    plain linear layer (peft's LoRA on lm_head)."""
+    compute what the model's own head does: a family outside PLAIN_HEADS, a head that is not a
+    plain linear layer (peft's LoRA on lm_head), or one whose weight FSDP2 holds sharded between
+    forward passes (a tied head)."""
+    from torch.distributed.tensor import DTensor
+
     head = model.get_output_embeddings()
     if getattr(model.config, "model_type", None) not in PLAIN_HEADS or type(head) is not torch.nn.Linear:
+        return None
+    if isinstance(head.weight, DTensor):  # FSDP2's shard, outside the module's forward: the head computes it whole
         return None
     softcap = getattr(model.config, "final_logit_softcapping", None)
     return head.weight, head.bias, softcap

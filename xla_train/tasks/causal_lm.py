@@ -215,14 +215,23 @@ class NextToken(Objective):
 
 
 def capture_outside_compilation(model: Any) -> None:
-    """transformers installs the hooks that collect hidden states on the first call that asks for
-    them (output_capturing.maybe_install_capturing_hooks); inside a torch.compile'd forward that
-    splits the graph in two at every step. Installed here, before the model runs."""
+    """Makes `output_hidden_states=True` work on `model` wherever it runs (transformers 5.24's
+    utils/output_capturing.py):
+    - each model class's `_can_record_outputs` is registered in `_CAN_RECORD_REGISTRY` by
+      PreTrainedModel.__init__, which a model unpickled in a spawned worker (gloo, NCCL) never ran
+      in that process: without it the model returns no hidden states. Registered here again;
+    - the hooks that collect them are installed on the first call that asks for them
+      (maybe_install_capturing_hooks); inside a torch.compile'd forward that splits the graph in
+      two at every step. Installed here, before the model runs."""
     try:
-        from transformers.utils.output_capturing import maybe_install_capturing_hooks
-    except ImportError:  # a transformers without the output-capturing hooks: nothing to install
+        from transformers import PreTrainedModel
+        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY, maybe_install_capturing_hooks
+    except ImportError:  # a transformers without the output-capturing hooks: nothing to do
         return
     model = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft's: the transformers model
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel) and not _CAN_RECORD_REGISTRY.get(module):
+            _CAN_RECORD_REGISTRY[module] = module._can_record_outputs
     maybe_install_capturing_hooks(model.base_model)
 
 
@@ -424,9 +433,19 @@ class PackCollator:
 
 
 def load_causal(train_file, validation_file=None, seed=0, max_length=128, packing=True, kind=None, attention="auto"):
-    """A causal-LM task (of `kind`, CausalLM or a kind built on it) and its splits from own rows:
-    files (.jsonl, .json, .csv, .parquet), `save_to_disk` folders, or hub data sets by name.
-    Without a validation source, HELD_OUT of the training rows (at least one) are held out."""
+    """A causal-LM task (of `kind`, CausalLM or a kind built on it) and its splits from own rows
+    (`own_splits`)."""
+    splits, files, form = own_splits(train_file, validation_file, seed, form_of)
+    kind = kind or CausalLM
+    return (kind("custom", None, main="loss", max_length=max_length, packing=packing, form=form, files=files,
+                 attention=attention), splits)
+
+
+def own_splits(train_file, validation_file, seed, form_of, unit="rows"):
+    """A decoder kind's own rows: files (.jsonl, .json, .csv, .parquet), `save_to_disk` folders, or
+    hub data sets by name, both in one form (`form_of(ds, path)`). Without a validation source,
+    HELD_OUT of the training rows (at least one) are held out. Returns (splits, each split's
+    source, the form)."""
     import datasets
 
     from .files import read_source
@@ -445,9 +464,6 @@ def load_causal(train_file, validation_file=None, seed=0, max_length=128, packin
         files["validation"] = train_file
         print(f"no --validation-file: {len(validation)} of {train_file}'s rows held out for evaluation")
     if form_of(validation, files["validation"]) != form:
-        raise UserError(f"{files['validation']} has {form_of(validation, files['validation'])} rows and {train_file} "
-                        f"{form} rows; give both in one form")
-    splits = datasets.DatasetDict({"train": train, "validation": validation})
-    kind = kind or CausalLM
-    return (kind("custom", None, main="loss", max_length=max_length, packing=packing, form=form, files=files,
-                 attention=attention), splits)
+        raise UserError(f"{files['validation']} has {form_of(validation, files['validation'])} {unit} and "
+                        f"{train_file} {form} {unit}; give both in one form")
+    return datasets.DatasetDict({"train": train, "validation": validation}), files, form

@@ -31,13 +31,13 @@ from typing import Any
 from ..core.errors import UserError
 from .base import PREFERENCE_OPTIONS, ModelPart, Objective, Rows, Task, row_name
 from .causal_lm import (
-    HELD_OUT,
     DecoderModel,
     HeadInput,
     PackCollator,
     capture_outside_compilation,
     is_decoder_config,
     join,
+    own_splits,
 )
 from .completion import Completions
 from .documents import IGNORE, SOURCE_ROW, _turns, encode
@@ -479,31 +479,9 @@ class DPO(Task):
 
 
 def load_pairs(train_file, validation_file=None, seed=0, max_length=128, kind=None, attention="auto", settings=None):
-    """A preference task (of `kind`, DPO or a kind built on it) and its splits from own rows (as
-    causal_lm.load_causal reads them); without a validation source HELD_OUT of the training rows
-    (at least one) are held out."""
-    import datasets
-
-    from .files import read_source
-
-    settings = settings or {}
-    train = read_source(train_file, "train")
-    files = {"train": train_file, "validation": validation_file}
-    form = form_of(train, train_file)
-    if validation_file:
-        validation = read_source(validation_file, "validation")
-    else:
-        if len(train) < 2:
-            raise UserError(f"{train_file}: one row; give --validation-file, or more rows to hold some out")
-        train = train.add_column(SOURCE_ROW, list(range(len(train))))
-        parts = train.train_test_split(test_size=max(1, round(HELD_OUT * len(train))), seed=seed)
-        train, validation = parts["train"], parts["test"]
-        files["validation"] = train_file
-        print(f"no --validation-file: {len(validation)} of {train_file}'s rows held out for evaluation")
-    if form_of(validation, files["validation"]) != form:
-        raise UserError(f"{files['validation']} has {form_of(validation, files['validation'])} pairs and "
-                        f"{train_file} {form} pairs; give both in one form")
-    splits = datasets.DatasetDict({"train": train, "validation": validation})
+    """A preference task (of `kind`, DPO or a kind built on it) and its splits from own rows
+    (causal_lm.own_splits); `settings`: the kind's own options by name (beta, dpo_loss, rpo_alpha)."""
+    splits, files, form = own_splits(train_file, validation_file, seed, form_of, "pairs")
     kind = kind or DPO
     return (kind("custom", None, main=KEYS[0], max_length=max_length, form=form, files=files, attention=attention,
-                 **settings), splits)
+                 **(settings or {})), splits)
