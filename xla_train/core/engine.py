@@ -207,7 +207,12 @@ class Engine:
         return model
 
     def inference_mode(self) -> AbstractContextManager[Any]:
-        """`torch.inference_mode()` where the device supports it, else `torch.no_grad()`."""
+        """`torch.inference_mode()` where the device supports it, else `torch.no_grad()`; also
+        `no_grad` where the parameters are sharded: FSDP2 allocates its unsharded parameters at the
+        first forward pass, and made in inference mode (a pass before the first training step, as
+        a preference kind's reference pass is) they could not be updated in place by training."""
+        if self.strategy.param_shards > 1:
+            return torch.no_grad()
         return self.accelerator.inference_mode()
 
     @property
