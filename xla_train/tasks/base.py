@@ -134,18 +134,13 @@ class Objective:
     metric_name: str | None = None
     eval_splits: tuple[str, ...] = ("validation",)
 
-    @property
-    def logits(self) -> str | None:
-        """How the memory plan counts logits per token (vocabulary-wide): "whole" (as the model's
-        head computes them), "chunked" (a chunk of tokens at a time), or None (none per token)."""
-        return None
-
     def memory_inputs(self, model: Any, device_kind: str, length: int) -> dict[str, Any]:
         """What the memory plan (memory.plan) needs of this objective's forward pass with `model`
         (not yet prepared) on a `device_kind` device (core.attention.kind_of's names) for rows of
-        `length` tokens: its `logits` per token, the `attention` implementation that runs and
-        whether a `dense_mask` is passed to it (padded batches' masks)."""
-        return {"logits": self.logits, "attention": getattr(model.config, "_attn_implementation", None) or "eager",
+        `length` tokens: its `logits` per token ("whole" as the model's head computes them,
+        "chunked" a chunk of tokens at a time, or None: none per token), the `attention`
+        implementation that runs and whether a `dense_mask` is passed to it (padded batches' masks)."""
+        return {"logits": None, "attention": getattr(model.config, "_attn_implementation", None) or "eager",
                 "dense_mask": True}
 
     def forward(self, model: Any, inputs: dict[str, Any]) -> Any:

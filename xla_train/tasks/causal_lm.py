@@ -144,40 +144,11 @@ class NextToken(Objective):
     attention: str = "auto"
     chunked_logits: bool = True
 
-    @property
-    def logits(self) -> str:
-        return "chunked" if self.chunked_logits else "whole"
-
     def memory_inputs(self, model: Any, device_kind: str, length: int) -> dict[str, Any]:
-        """The path `forward` takes: the kernel that keeps documents apart (no dense mask) or the
-        mask, and the head in chunks where head_of can compute it."""
-        from ..core.attention import choose, unwrapped
-        from ..core.lm_loss import head_of
-
-        path = choose(self.attention, device_kind, model, length)
-        planned = super().memory_inputs(model, device_kind, length)
-        kernels = {"flex": "flex_attention", "pallas": "xla_flash"}  # memory.O_S_ATTENTION's names
-        return {"logits": "chunked" if self.chunked_logits and head_of(unwrapped(model)) else "whole",
-                "attention": kernels.get(path, planned["attention"]), "dense_mask": path == "mask"}
+        return documents_memory_inputs(model, device_kind, length, self.attention, self.chunked_logits)
 
     def forward(self, model: Any, inputs: dict[str, Any]) -> Any:
-        """The model on a batch whose `segments` keep its documents apart: causal within each
-        document, nothing across documents (core.attention.document_inputs: a 4-D mask, or a
-        kernel given the segments); padding (segment 0) attends to padding only. With chunks,
-        the model stops before its head (its logits for one token only) and the hidden states go
-        to the loss."""
-        from ..core.attention import document_inputs, unwrapped
-        from ..core.lm_loss import head_of
-
-        inputs = dict(inputs)
-        extra = document_inputs(model, inputs.pop("segments"), attention=self.attention)
-        hf = unwrapped(model)
-        head = head_of(hf) if self.chunked_logits else None
-        if head is None:  # the whole head, as the model computes it
-            return model(**inputs, **extra)
-        capture_outside_compilation(hf)
-        output = model(**inputs, **extra, output_hidden_states=True, logits_to_keep=1)
-        return HeadInput(output.hidden_states[-1], *head)
+        return run_documents(model, inputs, self.attention, self.chunked_logits)
 
     def token_losses(self, output: Any, labels: Any) -> tuple[Any, Any]:
         """Per row: the cross-entropy summed over its trained tokens, and their number (fp32)."""
@@ -212,6 +183,40 @@ class NextToken(Objective):
         loss = float(loss_sum.double().sum() / tokens.double().sum())
         return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "n": int(docs.sum()),
                 "n_tokens": int(tokens.sum())}
+
+
+def run_documents(model: Any, inputs: dict[str, Any], attention: str = "auto", chunked: bool = True) -> Any:
+    """The model on a batch whose `segments` keep its documents apart: causal within each
+    document, nothing across documents (core.attention.document_inputs, by `attention`: a 4-D mask,
+    or a kernel given the segments); padding (segment 0) attends to padding only. `chunked`, and
+    where head_of can compute the model's head: the model stops before its head (its logits for
+    one token only) and returns a HeadInput for the chunks; else the model's own output."""
+    from ..core.attention import document_inputs, unwrapped
+    from ..core.lm_loss import head_of
+
+    extra = document_inputs(model, inputs["segments"], attention=attention)
+    inputs = {k: v for k, v in inputs.items() if k != "segments"}
+    hf = unwrapped(model)
+    head = head_of(hf) if chunked else None
+    if head is None:  # the whole head, as the model computes it
+        return model(**inputs, **extra)
+    capture_outside_compilation(hf)
+    output = model(**inputs, **extra, output_hidden_states=True, logits_to_keep=1)
+    return HeadInput(output.hidden_states[-1], *head)
+
+
+def documents_memory_inputs(model: Any, device_kind: str, length: int, attention: str = "auto",
+                            chunked: bool = True) -> dict[str, Any]:
+    """Objective.memory_inputs of `run_documents`'s path: the kernel that keeps documents apart
+    (no dense mask) or the mask, and the head in chunks where head_of can compute it."""
+    from ..core.attention import choose, unwrapped
+    from ..core.lm_loss import head_of
+
+    path = choose(attention, device_kind, model, length)
+    implementation = getattr(model.config, "_attn_implementation", None) or "eager"
+    kernels = {"flex": "flex_attention", "pallas": "xla_flash"}  # memory.O_S_ATTENTION's names
+    return {"logits": "chunked" if chunked and head_of(unwrapped(model)) else "whole",
+            "attention": kernels.get(path, implementation), "dense_mask": path == "mask"}
 
 
 def capture_outside_compilation(model: Any) -> None:
@@ -297,14 +302,8 @@ class CausalLM(Task):
 
     @classmethod
     def load(cls, source):
-        if source.task or source.data_dir:
-            raise UserError("--problem causal-lm trains on own rows (--train-file), not on a GLUE task: leave out "
-                            "--task and --data-dir")
-        if source.text_columns:
-            raise UserError("--text-columns applies to classification and regression; causal-lm rows are told by "
-                            "their columns (messages, prompt/completion or text)")
-        if not source.train_file:
-            raise UserError("--problem causal-lm needs --train-file (and optionally --validation-file)")
+        check_own_rows(source, "causal-lm", "own rows",
+                       "causal-lm rows are told by their columns (messages, prompt/completion or text)")
         return load_causal(source.train_file, source.validation_file, source.seed, source.max_length,
                            source.packing is not False, cls, source.attention)
 
@@ -430,6 +429,18 @@ class PackCollator:
 
 # ---------------------------------------------------------------------------------------------
 # The data source
+
+
+def check_own_rows(source: Any, problem: str, rows: str, columns: str) -> None:
+    """Stops with one line where a decoder kind's `source` asks for a GLUE task or text columns, or
+    has no training rows: `rows` what the kind trains on, `columns` how its rows are told."""
+    if source.task or source.data_dir:
+        raise UserError(f"--problem {problem} trains on {rows} (--train-file), not on a GLUE task: leave out "
+                        "--task and --data-dir")
+    if source.text_columns:
+        raise UserError(f"--text-columns applies to classification and regression; {columns}")
+    if not source.train_file:
+        raise UserError(f"--problem {problem} needs --train-file (and optionally --validation-file)")
 
 
 def load_causal(train_file, validation_file=None, seed=0, max_length=128, packing=True, kind=None, attention="auto"):

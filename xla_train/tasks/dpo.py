@@ -34,10 +34,12 @@ from .causal_lm import (
     DecoderModel,
     HeadInput,
     PackCollator,
-    capture_outside_compilation,
+    check_own_rows,
+    documents_memory_inputs,
     is_decoder_config,
     join,
     own_splits,
+    run_documents,
 )
 from .completion import Completions
 from .documents import IGNORE, SOURCE_ROW, _turns, encode
@@ -237,25 +239,13 @@ class PreferenceObjective(Objective):
     loss_type: str = "sigmoid"
     rpo_alpha: float | None = None
 
-    @property
-    def logits(self) -> str:
-        return "chunked"
+    def memory_inputs(self, model: Any, device_kind: str, length: int) -> dict[str, Any]:
+        return documents_memory_inputs(model, device_kind, length, self.attention)
 
     def _head(self, model, inputs):
         """The final hidden states and the head (causal_lm.HeadInput), or the model's output with
         its whole logits where the chunks cannot compute its head (lm_loss.head_of)."""
-        from ..core.attention import document_inputs, unwrapped
-        from ..core.lm_loss import head_of
-
-        extra = document_inputs(model, inputs["segments"], attention=self.attention)
-        args = {k: v for k, v in inputs.items() if k != "segments"}
-        hf = unwrapped(model)
-        head = head_of(hf)
-        if head is None:
-            return model(**args, **extra)
-        capture_outside_compilation(hf)
-        output = model(**args, **extra, output_hidden_states=True, logits_to_keep=1)
-        return HeadInput(output.hidden_states[-1], *head)
+        return run_documents(model, inputs, self.attention)
 
     def forward(self, model: Any, inputs: dict[str, Any]) -> PairOutput:
         """The policy on the pairs; the reference's values: the rows' precomputed columns, or with
@@ -425,14 +415,8 @@ class DPO(Task):
 
     @classmethod
     def load(cls, source):
-        if source.task or source.data_dir:
-            raise UserError("--problem dpo trains on own preference pairs (--train-file), not on a GLUE task: leave "
-                            "out --task and --data-dir")
-        if source.text_columns:
-            raise UserError("--text-columns applies to classification and regression; preference rows have "
-                            "'prompt', 'chosen' and 'rejected' columns")
-        if not source.train_file:
-            raise UserError("--problem dpo needs --train-file (and optionally --validation-file)")
+        check_own_rows(source, "dpo", "own preference pairs",
+                       "preference rows have 'prompt', 'chosen' and 'rejected' columns")
         # the kind's own options (the task's defaults where no options are given: load_task in a loop)
         settings = {k: getattr(source.options, k) for k in PREFERENCE_OPTIONS} if source.options else {}
         return load_pairs(source.train_file, source.validation_file, source.seed, source.max_length, cls,
