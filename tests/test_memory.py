@@ -74,6 +74,49 @@ def test_what_each_block_keeps_follows_the_attention_path_and_precision():
     assert 60 <= layer_bytes(llama, 1, 2048, "bf16") / 2048 / 2048 <= 68
 
 
+def test_dpo_with_adapters_plans_its_reference_pass():
+    """DPO with --lora runs the model a second time in the step, adapters disabled, without
+    gradients (tasks/dpo.py): its final hidden states live through the backward pass. The peak
+    measured on the CPU grows by what the plan adds for it (within 5%) over the same step with
+    the reference precomputed, and the plan of that model under DPO says so."""
+    from xla_train.models import add_adapters
+    from xla_train.options import TrainOptions
+    from xla_train.tasks.dpo import PreferenceObjective
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=30522, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, pad_token_id=0,
+                      use_cache=False, attn_implementation="sdpa")
+    model = add_adapters(LlamaForCausalLM(cfg).train(), TrainOptions(lora=True).section("model"), "CAUSAL_LM")
+    rows, length, objective = 2, 256, PreferenceObjective(attention="mask")
+    g = torch.Generator().manual_seed(1)
+    ids, labels = (torch.randint(0, cfg.vocab_size, (rows, length), generator=g) for _ in range(2))
+    segments = torch.ones(rows, length, dtype=torch.long)
+    segments[:, length // 2:] = 2
+    positions = torch.arange(length // 2).repeat(2).expand(rows, -1)
+    precomputed = {"ref_chosen": torch.zeros(rows), "ref_rejected": torch.zeros(rows)}
+
+    def step(reference):
+        inputs = {"input_ids": ids, "segments": segments, "position_ids": positions, **reference}
+        objective.loss(objective.forward(model, inputs), labels).backward()
+        for p in model.parameters():
+            p.grad = None
+
+    peaks = {}
+    for name, reference in (("precomputed", precomputed), ("adapters", {})):
+        step(reference)
+        peaks[name] = measure_peak(lambda: step(reference))  # noqa: B023
+    path = objective.memory_inputs(model, "cpu", length)
+    assert path["reference"] == "chunked" and path["logits"] == "chunked"
+    memory, _ = plan(model, rows, length, logits=True, attention="sdpa", chunked_logits=True,
+                     reference=path["reference"])
+    assert memory["reference_bytes"] == rows * length * cfg.hidden_size * 4
+    assert abs((peaks["adapters"] - peaks["precomputed"]) / memory["reference_bytes"] - 1) <= 0.05, peaks
+    without, _ = plan(model, rows, length, logits=True, attention="sdpa", chunked_logits=True)
+    assert needed(memory) == needed(without) + memory["reference_bytes"]
+    assert objective.memory_inputs(model.get_base_model(), "cpu", length)["reference"] is None
+
+
 LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                 num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True, pad_token_id=0)
 

@@ -128,13 +128,16 @@ def _linear_weights(model):
 
 
 def plan(model, rows, length, precision="fp32", shards=1, device_bytes=None, checkpointed=False, logits=False,
-         attention="sdpa", chunked_logits=False, dense_mask=True, chunk_tokens=CHUNK_TOKENS):
+         attention="sdpa", chunked_logits=False, dense_mask=True, chunk_tokens=CHUNK_TOKENS, reference=None):
     """The memory plan of `model` trained with AdamW on `rows` rows of `length` tokens per device,
     its parameters split over `shards` devices (1: every device holds them all), its blocks'
     activations `checkpointed` (recomputed in the backward pass) or kept, computed through the
     `attention` implementation (transformers' name: sdpa, eager, flash_attention_2, ...), with a
     dense 4-D mask passed or not; with `logits`, a vocabulary's logits per token (a causal LM's),
-    computed whole or in chunks of `chunk_tokens` (`chunked_logits`).
+    computed whole or in chunks of `chunk_tokens` (`chunked_logits`); with `reference` ("chunked"
+    or "whole"), a second forward pass in the step without gradients (DPO's reference: the model
+    with its adapters disabled), whose output lives until the step's backward pass ends: its
+    final hidden states, or its whole logits, in the compute dtype.
 
     The peak (`peak_bytes_estimate`): parameters + AdamW's state + the larger of what the backward
     pass begins with (the activations, the logits at their peak and, under bf16 autocast, the bf16
@@ -150,6 +153,8 @@ def plan(model, rows, length, precision="fp32", shards=1, device_bytes=None, che
     head_grad = (head.weight.numel() * head.weight.element_size()
                  if head is not None and head.weight.requires_grad else 0)
     grads = -(-tensor_bytes(trainable) // shards)
+    d = shape_of(config)
+    width = {"chunked": d["hidden"], "whole": d["vocab"]}.get(reference, 0)
     out = {
         "param_bytes_total": tensor_bytes(params),
         "param_bytes_per_device": -(-tensor_bytes(params) // shards),
@@ -163,6 +168,7 @@ def plan(model, rows, length, precision="fp32", shards=1, device_bytes=None, che
         "autocast_copy_bytes": (2 * _linear_weights(model) // shards
                                 // (max(1, shape_of(config)["layers"]) if checkpointed else 1)
                                 if precision == "bf16" else 0),
+        "reference_bytes": rows * length * width * (2 if precision == "bf16" else param_bytes),
         "attention": attention,
         "chunked_logits": bool(logits and chunked_logits),
         "gradient_checkpointing": checkpointed,
@@ -175,9 +181,11 @@ def plan(model, rows, length, precision="fp32", shards=1, device_bytes=None, che
 
 def needed(memory):
     """Bytes per device at the plan's peak: parameters + optimizer state + the larger of the
-    backward pass's start (activations, logits, autocast's weight copies) and its end (gradients
+    backward pass's start (activations, logits, autocast's weight copies, a reference pass's
+    output) and its end (gradients
     and one block's activations, the blocks' inputs too where checkpointed)."""
-    start = sum(memory.get(k) or 0 for k in ("activation_bytes_estimate", "logit_bytes", "autocast_copy_bytes"))
+    start = sum(memory.get(k) or 0 for k in ("activation_bytes_estimate", "logit_bytes", "autocast_copy_bytes",
+                                             "reference_bytes"))
     end = (memory["grad_bytes_per_device"] or 0) + (memory.get("layer_bytes") or 0)
     if memory.get("gradient_checkpointing"):
         end += memory.get("activation_bytes_estimate") or 0
@@ -217,7 +225,9 @@ def describe(memory, counts):
             f"activations ~{mib('activation_bytes_estimate')}"
             f"{' (checkpointed)' if memory.get('gradient_checkpointing') else ''}"
             f"{', logits ' + mib('logit_bytes') if memory.get('logit_bytes') else ''}"
-            f"{' (chunked)' if memory.get('chunked_logits') else ''}, peak ~{needed(memory) / MIB:.1f} MiB; "
+            f"{' (chunked)' if memory.get('chunked_logits') else ''}"
+            f"{', reference pass ' + mib('reference_bytes') if memory.get('reference_bytes') else ''}"
+            f", peak ~{needed(memory) / MIB:.1f} MiB; "
             f"device {device}; "
             f"{counts['trainable_params']:,} of {counts['total_params']:,} parameters trained")
 

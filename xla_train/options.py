@@ -146,7 +146,7 @@ class TrainOptions:
     # evaluation: when to evaluate, model selection, generation
     eval_every: int = option(None, "evaluate every N optimizer steps (default: at the end of each epoch)",
                              section="evaluation")
-    eval_samples: int = option(None, "causal-lm: at every evaluation, complete the first N validation prompts "
+    eval_samples: int = option(None, "causal-lm and dpo: at every evaluation, complete the first N validation prompts "
                                "greedily, up to their reference's length, into OUTPUT_DIR/samples/step-K.jsonl, "
                                "TensorBoard's text tab and the trackers", section="evaluation")
     metric_for_best: str = option(None, "the evaluation metric that ranks models (default: the task's main metric, "

@@ -308,7 +308,8 @@ def plan_memory(engine, cfg, shapes, model, objective):
         return plan_of(model, cfg.batch_size, length, cfg.precision, shards=engine.strategy.param_shards,
                        device_bytes=device_bytes(engine.accelerator), checkpointed=checkpointed,
                        logits=path["logits"] is not None, attention=path["attention"],
-                       chunked_logits=path["logits"] == "chunked", dense_mask=path["dense_mask"])
+                       chunked_logits=path["logits"] == "chunked", dense_mask=path["dense_mask"],
+                       reference=path.get("reference"))
 
     checkpointed = cfg.gradient_checkpointing
     memory, counts = plan(checkpointed)
@@ -333,10 +334,7 @@ def _initial_model(engine, job, model):
     fresh = job.task.model.load(job.cfg.model, job.cfg.seed, job.tokenizer.pad_token_id)
     if job.cfg.lora:
         fresh = add_adapters(fresh, job.cfg.section("model"), job.task.model.peft_task_type)
-    trained = engine._model  # `prepare` points no_sync at the module it prepared last: the trained one stays
-    fresh = engine.prepare(fresh)
-    engine._model = trained
-    return fresh
+    return engine.prepare(fresh, trained=False)
 
 
 def _private_copy(model):

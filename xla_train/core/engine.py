@@ -130,18 +130,21 @@ class Engine:
             tqdm.write(" ".join(str(a) for a in args), **kwargs)
 
     # --- prepare ------------------------------------------------------------------------
-    def prepare(self, *objects: Any) -> Any:
+    def prepare(self, *objects: Any, trained: bool = True) -> Any:
         """Returns each object ready for the accelerator and strategy, in the order given.
 
         Modules go to the device (wrapped in DDP on several fallback workers); optimizers are
         re-pointed at the moved parameters (on XLA, `.to(device)` makes new Parameter objects);
         DataLoaders are sharded across replicas and yield batches already on the device. With
         `compile=True`, modules are then compiled in place (torch.compile, one graph per shape).
+        The last module prepared is the one `accumulate` skips gradient syncs of, unless
+        `trained=False` (a model only run, such as a reference model beside the trained one).
         """
         modules = [o for o in objects if isinstance(o, torch.nn.Module)]
         before = [list(m.parameters()) for m in modules]
         moved = {id(m): self._compiled(self._moved(self.accelerator.adapt_model(m))) for m in modules}
-        self._model = moved[id(modules[-1])] if modules else self._model  # for no_sync on micro-steps
+        if modules and trained:
+            self._model = moved[id(modules[-1])]  # for no_sync on micro-steps
         remap = {}
         for m, old in zip(modules, before):
             remap.update({id(p): q for p, q in zip(old, self.strategy.unwrap_model(moved[id(m)]).parameters())})

@@ -139,7 +139,9 @@ class Objective:
         (not yet prepared) on a `device_kind` device (core.attention.kind_of's names) for rows of
         `length` tokens: its `logits` per token ("whole" as the model's head computes them,
         "chunked" a chunk of tokens at a time, or None: none per token), the `attention`
-        implementation that runs and whether a `dense_mask` is passed to it (padded batches' masks)."""
+        implementation that runs and whether a `dense_mask` is passed to it (padded batches' masks);
+        optionally a `reference` pass in the step without gradients, its output "whole" or "chunked"
+        like `logits` (memory.plan)."""
         return {"logits": None, "attention": getattr(model.config, "_attn_implementation", None) or "eager",
                 "dense_mask": True}
 
@@ -251,7 +253,8 @@ class Task:
         if opts.max_new_tokens:
             raise UserError("--max-new-tokens applies to a causal LM's --test-file (--problem causal-lm)")
         if opts.eval_samples:
-            raise UserError("--eval-samples generates text from evaluation prompts: it needs --problem causal-lm")
+            raise UserError("--eval-samples generates text from evaluation prompts: it needs --problem causal-lm "
+                            "or dpo")
         if opts.attention != "auto":
             raise UserError("--attention keeps a causal LM's packed documents apart: it applies to --problem causal-lm")
         refuse_preference_options(opts)

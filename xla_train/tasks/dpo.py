@@ -41,7 +41,7 @@ from .causal_lm import (
     own_splits,
     run_documents,
 )
-from .completion import Completions
+from .completion import Completions, eval_samples
 from .documents import IGNORE, SOURCE_ROW, _turns, encode
 from .kinds import register
 from .sequence import is_classifier_config
@@ -240,7 +240,9 @@ class PreferenceObjective(Objective):
     rpo_alpha: float | None = None
 
     def memory_inputs(self, model: Any, device_kind: str, length: int) -> dict[str, Any]:
-        return documents_memory_inputs(model, device_kind, length, self.attention)
+        """The causal-LM forward's; with adapters, the reference pass in the step as well."""
+        path = documents_memory_inputs(model, device_kind, length, self.attention)
+        return {**path, "reference": path["logits"] if peft_model_of(model) is not None else None}
 
     def _head(self, model, inputs):
         """The final hidden states and the head (causal_lm.HeadInput), or the model's output with
@@ -404,12 +406,10 @@ class DPO(Task):
     # --- options ----------------------------------------------------------------------------
     @classmethod
     def check_options(cls, opts):
-        """Pairs are padded to buckets (no packing); nothing is generated at evaluations."""
+        """Pairs are padded to buckets (no packing)."""
         if opts.packing is not None:
             raise UserError(f"--{'' if opts.packing else 'no-'}packing: --problem dpo puts each pair in a row of its "
                             "own, padded to --buckets")
-        if opts.eval_samples:
-            raise UserError("--eval-samples applies to --problem causal-lm; --problem dpo scores pairs")
         if opts.max_new_tokens and not opts.test_file:
             raise UserError("--max-new-tokens applies to --test-file's completions")
 
@@ -438,6 +438,27 @@ class DPO(Task):
     @cached_property
     def prediction(self):
         return Completions(self)
+
+    # --- --eval-samples ---------------------------------------------------------------------
+    def sample_rows(self, splits, n):
+        """The first `n` validation pairs' prompts, the chosen completion as the reference."""
+        split = splits[self.eval_splits[0]]
+        samples = []
+        for i, row in enumerate(split.select(range(min(n, len(split)))).to_list()):
+            if self.form == "strings":
+                samples.append(({"prompt": row["prompt"]}, "prompt", row["chosen"],
+                                {"prompt": row["prompt"], "completion": row["chosen"]}))
+                continue
+            path = (self.files or {})[self.eval_splits[0]]
+            where = f"{path}: {row_name(path, row.get(SOURCE_ROW, i))}"
+            prompt, chosen = _turns(row["prompt"], where), _turns(row["chosen"], where)
+            reference = " ".join(m["content"] for m in chosen if m["role"] == "assistant")
+            samples.append(({"messages": prompt}, "messages", reference, {"messages": prompt + chosen}))
+        return samples
+
+    def samples(self, rows, tokenizer, model, static, batch_size):
+        form = "prompt/completion" if self.form == "strings" else "messages"
+        return eval_samples(rows, form, tokenizer, model, self.max_length, static, batch_size)
 
     # --- what the output folder records -----------------------------------------------------
     @classmethod
