@@ -182,8 +182,8 @@ def plan(model, rows, length, precision="fp32", shards=1, device_bytes=None, che
 def needed(memory):
     """Bytes per device at the plan's peak: parameters + optimizer state + the larger of the
     backward pass's start (activations, logits, autocast's weight copies, a reference pass's
-    output) and its end (gradients
-    and one block's activations, the blocks' inputs too where checkpointed)."""
+    output) and its end (gradients and one block's activations, the blocks' inputs too where
+    checkpointed)."""
     start = sum(memory.get(k) or 0 for k in ("activation_bytes_estimate", "logit_bytes", "autocast_copy_bytes",
                                              "reference_bytes"))
     end = (memory["grad_bytes_per_device"] or 0) + (memory.get("layer_bytes") or 0)
