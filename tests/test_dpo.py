@@ -385,11 +385,11 @@ def test_lora_in_bf16_merged_samples_and_predicts(pair_task, tmp_path, capsys):
     (4, ["--strategy", "fsdp"]),
 ], ids=["one-device-lora", "spmd4-bf16", "fsdp4"])
 def test_xla_compiles_a_bounded_number_of_graphs(devices, extra, pair_task, tmp_path):
-    """2 epochs of 160 pairs on XLA:CPU: one device with LoRA (the reference in the step); four
+    """2 epochs of 120 pairs on XLA:CPU: one device with LoRA (the reference in the step); four
     devices under SPMD in bf16 (full fine-tuning) and under FSDPv2 (the reference precomputed on
     the sharded model): no graph after the first epoch, no aten fallback, at most 0.1 host syncs
     a step, finite losses."""
-    train = td.write_jsonl(tmp_path / "train.jsonl", pairs(160, 9))
+    train = td.write_jsonl(tmp_path / "train.jsonl", pairs(120, 9))
     batch = 8 // devices  # rows per device: 8 pairs a step in all
     proc, m = run_cli(["--backend", "xla", *dpo_args({**pair_task, "train": train}, "--epochs", 2, "--batch-size",
                                                      batch, "--log-every", 10, *extra)],
@@ -398,7 +398,7 @@ def test_xla_compiles_a_bounded_number_of_graphs(devices, extra, pair_task, tmp_
     xla = m["xla"]
     assert xla["compiles"] <= 6 and xla["compiles_after_first_epoch"] == 0, xla
     assert xla["aten_fallbacks"] == 0 and xla["host_syncs_per_step"] <= 0.1, xla
-    assert m["world_size"] == devices and m["steps"] == 40 and m["eval"]["n"] == 64 and len(m["train_metrics"]) == 4
+    assert m["world_size"] == devices and m["steps"] == 30 and m["eval"]["n"] == 64 and len(m["train_metrics"]) == 3
     assert all(math.isfinite(loss) for _, loss, _ in m["train_loss"]) and math.isfinite(m["eval"]["loss"])
 
 
