@@ -105,27 +105,43 @@ def test_max_length_keeps_the_prompts_and_cuts_the_completions(pair_task, tmp_pa
 
 
 @pytest.mark.parametrize("form", ["strings", "conversational"])
-def test_eval_samples_generate_from_the_pairs_prompts(form, pair_task, tmp_path):
+def test_eval_samples_and_test_files_generate_from_the_pairs_prompts(form, pair_task, tmp_path):
     """--eval-samples: the first validation pairs' prompts (a conversation's turns), the chosen
-    completion the reference, as many new tokens as the longest chosen takes in training."""
+    completion the reference (a conversation's first assistant turn), as many new tokens as the
+    longest of them takes in training; --test-file and predict read the same file's prompts."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from xla_train.tasks.completion import read_prompts
+    from xla_train.tasks.documents import encode, prompt_ids
     from xla_train.tasks.dpo import load_pairs
 
-    path = pair_task["conversational"] if form == "conversational" else \
-        td.write_jsonl(tmp_path / "p.jsonl", pairs(8, 4))
+    rows = pairs(8, 4, conversational=form == "conversational")
+    if form == "conversational":  # the first pair's chosen completion goes on after its first answer
+        rows[0]["chosen"] = [*rows[0]["chosen"], {"role": "user", "content": "again"},
+                             {"role": "assistant", "content": "a b"}]
+    path = td.write_jsonl(tmp_path / "p.jsonl", rows)
     task, splits = load_pairs(str(path), str(path), max_length=64)
-    rows = task.sample_rows(splits, 3)
-    first = splits["validation"][0]
-    prompt, prompt_form, reference, _ = rows[0]
-    assert len(rows) == 3 and reference.strip() == (first["chosen"] if form == "strings"
-                                                     else first["chosen"][0]["content"]).strip()
-    assert prompt == ({"prompt": first["prompt"]} if form == "strings" else {"messages": first["prompt"]})
+    samples = task.sample_rows(splits, 3)
     tokenizer = AutoTokenizer.from_pretrained(pair_task["model"])
-    model = AutoModelForCausalLM.from_pretrained(pair_task["model"])
-    samples = task.samples(rows, tokenizer, model, static=True, batch_size=2)
-    assert [s["reference"] for s in samples.shown] == [r[2] for r in rows]
-    assert len(samples.data) == 3 and 2 <= samples.sampling.max_new_tokens <= 12
+    kind = "prompt" if form == "strings" else "messages"  # prompt_ids' form of the prompts
+    for (prompt, prompt_form, reference, full), row in zip(samples, splits["validation"].select(range(3))):
+        assert prompt_form == kind
+        if form == "strings":
+            assert (prompt, reference, full) == ({"prompt": row["prompt"]}, row["chosen"],
+                                                 {"prompt": row["prompt"], "completion": row["chosen"]})
+        else:
+            assert (prompt, reference) == ({"messages": row["prompt"]}, row["chosen"][0]["content"])
+            assert full == {"messages": row["prompt"] + row["chosen"][:1]}
+    made = task.samples(samples, tokenizer, AutoModelForCausalLM.from_pretrained(pair_task["model"]), static=True,
+                        batch_size=2)
+    encoded = [encode(full, "prompt/completion" if form == "strings" else "messages", tokenizer, "")[0]
+               for _, _, _, full in samples]
+    starts = [prompt_ids(prompt, prompt_form, tokenizer, "") for prompt, prompt_form, _, _ in samples]
+    assert made.sampling.max_new_tokens == max(len(e) - len(p) for e, p in zip(encoded, starts))
+    assert [s["reference"] for s in made.shown] == [r[2] for r in samples] and len(made.data) == 3
+    # the file as --test-file: every row's prompt, as training renders it
+    prompts = read_prompts(path, tokenizer, 64)
+    assert prompts.data["input_ids"] == [prompt_ids({kind: r["prompt"]}, kind, tokenizer, "") for r in rows]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -362,7 +378,8 @@ def test_lora_in_bf16_merged_samples_and_predicts(pair_task, tmp_path, capsys):
                                      "--eval-samples", 2, "--test-file", pair_task["validation"]),
                        "--output-dir", out], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert m["trainable_params"] < 0.1 * m["total_params"] and m["memory"]["reference_bytes"] > 0
+    assert m["trainable_params"] < 0.1 * m["total_params"]
+    assert m["memory"]["reference_bytes"] == 8 * 32 * 64 * 2  # 8 rows of 32 tokens, 64 wide, in bf16
     assert m["eval"]["n"] == 64 and all(math.isfinite(v) for v in m["eval"].values())
     samples = [json.loads(line) for line in (out / "samples" / "step-12.jsonl").read_text().splitlines()]
     validation = [json.loads(line) for line in open(pair_task["validation"])]

@@ -115,6 +115,9 @@ def test_dpo_with_adapters_plans_its_reference_pass():
     without, _ = plan(model, rows, length, logits=True, attention="sdpa", chunked_logits=True)
     assert needed(memory) == needed(without) + memory["reference_bytes"]
     assert objective.memory_inputs(model.get_base_model(), "cpu", length)["reference"] is None
+    # a head computed whole (LoRA on it, a family that rescales its logits): the whole logits, bf16 here
+    whole, _ = plan(model, rows, length, "bf16", logits=True, attention="sdpa", reference="whole")
+    assert whole["reference_bytes"] == rows * length * cfg.vocab_size * 2
 
 
 LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,

@@ -137,7 +137,10 @@ def plan(model, rows, length, precision="fp32", shards=1, device_bytes=None, che
     computed whole or in chunks of `chunk_tokens` (`chunked_logits`); with `reference` ("chunked"
     or "whole"), a second forward pass in the step without gradients (DPO's reference: the model
     with its adapters disabled), whose output lives until the step's backward pass ends: its
-    final hidden states, or its whole logits, in the compute dtype.
+    final hidden states, or its whole logits, in the compute dtype. (While it runs, that pass
+    also holds every block's output, which transformers returns with the hidden states, beside
+    the policy's activations; the plan leaves this moment out: the chunked head's logits, in the
+    backward pass, outweigh it for the vocabularies of LLMs.)
 
     The peak (`peak_bytes_estimate`): parameters + AdamW's state + the larger of what the backward
     pass begins with (the activations, the logits at their peak and, under bf16 autocast, the bf16
@@ -166,7 +169,7 @@ def plan(model, rows, length, precision="fp32", shards=1, device_bytes=None, che
                         if logits else None),
         # sharded like the weights; checkpointed, one block's copies live at a time (recomputed)
         "autocast_copy_bytes": (2 * _linear_weights(model) // shards
-                                // (max(1, shape_of(config)["layers"]) if checkpointed else 1)
+                                // (max(1, d["layers"]) if checkpointed else 1)
                                 if precision == "bf16" else 0),
         "reference_bytes": rows * length * width * (2 if precision == "bf16" else param_bytes),
         "attention": attention,
@@ -181,12 +184,12 @@ def plan(model, rows, length, precision="fp32", shards=1, device_bytes=None, che
 
 def needed(memory):
     """Bytes per device at the plan's peak: parameters + optimizer state + the larger of the
-    backward pass's start (activations, logits, autocast's weight copies, a reference pass's
-    output) and its end (gradients and one block's activations, the blocks' inputs too where
-    checkpointed)."""
+    backward pass's start (activations, logits, autocast's weight copies) and its end (gradients
+    and one block's activations, the blocks' inputs too where checkpointed), with a reference
+    pass's output at both."""
     start = sum(memory.get(k) or 0 for k in ("activation_bytes_estimate", "logit_bytes", "autocast_copy_bytes",
                                              "reference_bytes"))
-    end = (memory["grad_bytes_per_device"] or 0) + (memory.get("layer_bytes") or 0)
+    end = sum(memory.get(k) or 0 for k in ("grad_bytes_per_device", "layer_bytes", "reference_bytes"))
     if memory.get("gradient_checkpointing"):
         end += memory.get("activation_bytes_estimate") or 0
     return (memory["param_bytes_per_device"] + memory["optimizer_bytes_per_device"]) + max(start, end)

@@ -326,14 +326,11 @@ def plan_memory(engine, cfg, shapes, model, objective):
 
 def _initial_model(engine, job, model):
     """The model as training began from it: `model`, or where a resumed run loaded its checkpoint's
-    weights, the pretrained model loaded again (with the same adapters) and prepared."""
+    weights, the pretrained model loaded again and prepared (asked for by kinds that precompute
+    from a model without adapters: with them, the base is the model as it began)."""
     if not job.resume:
         return model
-    from ..models import add_adapters
-
     fresh = job.task.model.load(job.cfg.model, job.cfg.seed, job.tokenizer.pad_token_id)
-    if job.cfg.lora:
-        fresh = add_adapters(fresh, job.cfg.section("model"), job.task.model.peft_task_type)
     return engine.prepare(fresh, trained=False)
 
 

@@ -42,20 +42,24 @@ def read_prompts(path, tokenizer, max_length):
     a prompt longer than `max_length` keeps its last `max_length` tokens. Returns Prompts, not
     yet fitted to a model (`fit_prompts`)."""
     ds = read_table(path)
-    form = next((c for c in FORMS if c in ds.column_names), None)
-    if form is None:
+    column = next((c for c in FORMS if c in ds.column_names), None)
+    if column is None:
         raise UserError(f"{path}: rows need a 'prompt' column, or a 'messages' column of chat turns, to generate "
                         f"from (columns: {', '.join(ds.column_names)})")
+    # chat turns: a 'messages' column, or a 'prompt' of turns (TRL's conversational preference pairs)
+    form = "messages" if column == "messages" or (len(ds) and isinstance(ds[0][column], list)) else "prompt"
     if form == "messages" and not tokenizer.chat_template:
         raise UserError(f"{path}: messages need a chat template, and the model's tokenizer has none; give a "
-                        "'prompt' column instead")
+                        "'prompt' column instead" if column == "messages" else
+                        f"{path}: the prompts are chat turns, which need a chat template, and the model's tokenizer "
+                        "has none; give the prompts as text")
     columns = {c: ds[c] for c in ds.column_names}
     ids = []
     for i, row in enumerate(ds.to_list()):
         where = f"{path}: {row_name(path, i)}"
-        if form == "messages" and isinstance(row["messages"], str):  # a CSV cell: the turns as JSON
+        if column == "messages" and isinstance(row["messages"], str):  # a CSV cell: the turns as JSON
             row["messages"] = _json(row["messages"], where)
-        ids.append(prompt_ids(row, form, tokenizer, where))
+        ids.append(prompt_ids({form: row[column]}, form, tokenizer, where))
     data, truncated = prompt_data(ids, max_length)
     return Prompts(columns, data, tokenizer, truncated)
 

@@ -441,7 +441,8 @@ class DPO(Task):
 
     # --- --eval-samples ---------------------------------------------------------------------
     def sample_rows(self, splits, n):
-        """The first `n` validation pairs' prompts, the chosen completion as the reference."""
+        """The first `n` validation pairs' prompts; the reference is the chosen completion (of a
+        conversation, its first assistant turn: generation stops at that turn's end)."""
         split = splits[self.eval_splits[0]]
         samples = []
         for i, row in enumerate(split.select(range(min(n, len(split)))).to_list()):
@@ -451,9 +452,13 @@ class DPO(Task):
                 continue
             path = (self.files or {})[self.eval_splits[0]]
             where = f"{path}: {row_name(path, row.get(SOURCE_ROW, i))}"
-            prompt, chosen = _turns(row["prompt"], where), _turns(row["chosen"], where)
-            reference = " ".join(m["content"] for m in chosen if m["role"] == "assistant")
-            samples.append(({"messages": prompt}, "messages", reference, {"messages": prompt + chosen}))
+            prompt, chosen = _turns(row["prompt"], f"{where}: 'prompt'"), _turns(row["chosen"], f"{where}: 'chosen'")
+            first = next((k for k, m in enumerate(chosen) if m["role"] == "assistant"), None)
+            if first is None:
+                raise UserError(f"{where}: the chosen completion has no assistant turn (roles: "
+                                f"{', '.join(m['role'] for m in chosen)})")
+            samples.append(({"messages": prompt}, "messages", chosen[first]["content"],
+                            {"messages": prompt + chosen[:first + 1]}))
         return samples
 
     def samples(self, rows, tokenizer, model, static, batch_size):
