@@ -244,28 +244,22 @@ class PreferenceObjective(Objective):
         path = documents_memory_inputs(model, device_kind, length, self.attention)
         return {**path, "reference": path["logits"] if peft_model_of(model) is not None else None}
 
-    def _head(self, model, inputs):
-        """The final hidden states and the head (causal_lm.HeadInput), or the model's output with
-        its whole logits where the chunks cannot compute its head (lm_loss.head_of)."""
-        return run_documents(model, inputs, self.attention)
-
     def forward(self, model: Any, inputs: dict[str, Any]) -> PairOutput:
-        """The policy on the pairs; the reference's values: the rows' precomputed columns, or with
-        adapters the same model with them disabled, without gradients."""
+        """The policy on the pairs (causal_lm.run_documents: the final hidden states and the head,
+        or the model's output where the chunks cannot compute its head); the reference's values:
+        the rows' precomputed columns, or with adapters the same model with them disabled, without
+        gradients (reference_logps reads it without gradients too)."""
         import torch
 
         inputs = dict(inputs)
         reference = tuple(inputs.pop(c) for c in REFERENCE) if REFERENCE[0] in inputs else None
         inputs.pop("row", None)
-        out = PairOutput(self._head(model, inputs), inputs["segments"], reference)
+        out = PairOutput(run_documents(model, inputs, self.attention), inputs["segments"], reference)
         if reference is None:
             peft = peft_model_of(model)
             if peft is not None:
                 with torch.no_grad(), peft.disable_adapter():
-                    head = self._head(model, inputs)
-                out.reference_head = (HeadInput(head.hidden.detach(), head.weight.detach(),
-                                                None if head.bias is None else head.bias.detach(), head.softcap)
-                                      if isinstance(head, HeadInput) else head)
+                    out.reference_head = run_documents(model, inputs, self.attention)
         return out
 
     @staticmethod
@@ -323,12 +317,12 @@ class PreferenceObjective(Objective):
         loss = losses.mean()
         if self.rpo_alpha:
             loss = loss + self.rpo_alpha * (-chosen.sum() / n_chosen.sum().clamp(min=1))
-        output.rows = {**rows, "loss": loss.detach()}
+        output.rows = rows
         return loss
 
     def step_metrics(self, output: Any, labels: Any) -> dict[str, Any] | None:
-        rows = output.rows if output.rows is not None else self.per_row(output, labels)[3]
-        return {k: v.float().mean() for k, v in rows.items() if k != "loss"}
+        """The batch's means of the per-row metrics `loss` kept on `output`."""
+        return {k: v.float().mean() for k, v in output.rows.items()}
 
     def before_training(self, engine, model, data, make_loader, initial):
         """Without adapters: every row's reference log-probabilities, by the model as training
