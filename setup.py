@@ -44,7 +44,9 @@ setup(
         # name that torch, so without the pin pip takes the newest torch install_requires admits, and
         # `import torch_xla` fails on an undefined symbol (CI, 2026-11-25). --backend xla:
         "xla": [XLA_TORCH, f"torch_xla=={XLA_VERSION}"],  # XLA on PJRT's CPU (or GPU) device
-        "tpu": [XLA_TORCH, f"torch_xla[tpu]=={XLA_VERSION}"],  # adds libtpu, for Cloud TPU VMs and Colab TPU
+        # adds libtpu, for Cloud TPU VMs and Colab TPU, and the jax its Pallas kernels are written in
+        # (torch_xla's own pallas extra: jax and jaxlib 0.7.1), which --attention pallas calls
+        "tpu": [XLA_TORCH, f"torch_xla[tpu,pallas]=={XLA_VERSION}"],
         # TorchTPU (--backend tpu): torch 2.11-2.15 and libtpu. It cannot share an environment with
         # the xla and tpu extras, which hold torch at 2.9.
         "torchtpu": ["torch-tpu==0.2.0"],
@@ -54,7 +56,9 @@ setup(
         "profile": ["tensorboard-plugin-profile"],  # TensorBoard's Profile tab for --profile-steps
         "test": TEST,  # the tests without torch_xla (make test-torch)
         # every test (make test), and TRL for benchmarks/bench_sft.py (TRL's SFTTrainer side by side)
-        "dev": TEST + [XLA_TORCH, f"torch_xla=={XLA_VERSION}", "trl>=1.16,<2"],
+        # and jax (torch_xla's pallas extra), whose Pallas TPU kernels run in interpret mode on the
+        # CPU (tests/test_pallas.py)
+        "dev": TEST + [XLA_TORCH, f"torch_xla[pallas]=={XLA_VERSION}", "trl>=1.16,<2"],
     },
     entry_points={"console_scripts": ["xla-train=xla_train.commands.cli:main"],
                   # the torch-native backends' roles, found by xla_train.core.select.registered_roles

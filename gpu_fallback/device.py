@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from xla_train.core.errors import UserError, first_line
-from xla_train.core.roles import Accelerator, PathLike
+from xla_train.core.roles import Accelerator, Kernel, PathLike, serve
 
 from .launcher import launched_by_torchrun
 
@@ -51,6 +51,12 @@ CACHE_COUNTERS = {"cache_hits": ("aot_autograd", "autograd_cache_hit"),
 # what torch's inductor says once per process when fp32 matrix products could use TensorFloat-32
 # (torch._inductor.compile_fx._warn_tf32_disabled): `tf32` is the answer, else it stays off the console
 TF32_WARNING = "TensorFloat32 tensor cores for float32 matrix multiplication available but not enabled"
+
+
+# torch's FlexAttention keeps packed documents apart on CUDA (compiled: fused, taken by
+# --attention auto) and on the CPU (eager: an unfused reference, taken only when asked for).
+serve("cuda", Kernel("flex", auto=True))
+serve("cpu", Kernel("flex", auto=False))
 
 
 class TorchAccelerator(Accelerator):

@@ -1,7 +1,7 @@
 """Packed documents kept apart without an L x L mask (xla_train.core.attention): the 4-D mask is the
 reference; FlexAttention (eager here, compiled on CUDA) must compute the same losses and
-gradients; the Pallas path (TPU only) is checked for its choice and for the arguments it hands
-torch_xla's flash_attention, through a recording kernel."""
+gradients; sliding windows are kept per layer type; which path each device takes. The Pallas
+path runs its real kernel in tests/test_pallas.py."""
 
 import copy
 import importlib.util
@@ -11,6 +11,8 @@ import tiny_decoders as td
 import torch
 import torch.nn.functional as F
 
+import gpu_fallback.device  # noqa: F401  (declares flex on CUDA and the CPU)
+import xla_train.core.xla  # noqa: F401  (declares pallas on a TPU through torch_xla)
 from xla_train.core import attention as A
 from xla_train.core.errors import UserError
 
@@ -20,22 +22,25 @@ LENGTH = 64
 ROWS = [[13, 21, 9], [30, 17, 11]]  # document lengths per packed row (the first row ends in padding)
 
 
-def model_of(family, seed=0, **size):
+def model_of(family, seed=0, window=None, **size):
+    """`family`'s tiny decoder; `window`: its sliding window, where the family has one."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     cfg = td.config(family, VOCAB, bos=1, eos=2, **size)
+    if window:
+        cfg.sliding_window = window
     return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
 
 
-def documents(seed=0):
+def documents(seed=0, rows=ROWS, length=LENGTH):
     """Token ids of every document, and the packed batch: input_ids, labels (shifted, IGNORE at
     each document's end and on padding), position_ids (from 0 per document), segments."""
     g = torch.Generator().manual_seed(seed)
-    docs, batch = [], {k: torch.zeros(len(ROWS), LENGTH, dtype=torch.long) for k in
+    docs, batch = [], {k: torch.zeros(len(rows), length, dtype=torch.long) for k in
                        ("input_ids", "labels", "position_ids", "segments")}
     batch["labels"].fill_(IGNORE)
-    for r, lengths in enumerate(ROWS):
+    for r, lengths in enumerate(rows):
         at = 0
         for n, length in enumerate(lengths, 1):
             ids = torch.randint(3, VOCAB, (length,), generator=g)
@@ -70,11 +75,15 @@ def loss_alone(model, docs):
 # Semantics: packed == one by one, flex == mask
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2", "mistral"])
-@pytest.mark.parametrize("attention", ["mask", "flex"])
+# gpt-oss's attention sinks keep the mask path (test_sinks_keep_the_mask_path)
+@pytest.mark.parametrize("family, attention", [(f, a) for f in ["llama", "qwen2", "gemma2", "mistral", *td.LATE_2026]
+                                               for a in ("mask", "flex") if (f, a) != ("gptoss", "flex")])
 def test_packed_loss_equals_the_documents_losses_one_by_one(family, attention):
     """fp32: 2-3 documents in a row give their one-by-one loss within 1e-5 (GQA, tied
-    embeddings, Qwen2's biases, Gemma 2's soft-capping and sliding layers, Mistral's window)."""
+    embeddings, Qwen2's biases, Gemma 2's soft-capping and sliding layers, Mistral's window; the
+    late-2026 families: Qwen3's q/k norms and wide heads, Gemma 3's 5:1 layers, SmolLM3's layers
+    without RoPE, Phi-4-mini's fused projections and LongRoPE, OLMo-2's post-norms, Granite's
+    multipliers, the experts of Qwen3-MoE, Mixtral and gpt-oss)."""
     model = model_of(family)
     docs, batch = documents()
     with torch.no_grad():
@@ -113,9 +122,42 @@ def test_compiled_flex_equals_the_mask_path():
     assert abs(compiled - reference) < 1e-5, (compiled, reference)
 
 
+@pytest.mark.parametrize("family, attention", [
+    ("gemma2", "mask"), ("gemma2", "flex"), ("gemma3", "mask"), ("gemma3", "flex"), ("mistral", "mask"),
+    ("mistral", "flex"), ("gptoss", "mask")])
+def test_rows_four_times_the_window_give_the_one_by_one_loss(family, attention):
+    """A sliding window of a quarter of the row: packed documents longer than it (21, 30 and 17
+    tokens against 16) give their one-by-one loss, the model applying its window alone; each
+    layer type gets its own mask (Gemma 2/3, gpt-oss) or one windowed mask serves every layer
+    (Mistral)."""
+    window = LENGTH // 4
+    model = model_of(family, window=window)
+    docs, batch = documents()
+    with torch.no_grad():
+        together = float(packed_loss(model, batch, attention))
+        alone = loss_alone(model, docs)
+    assert abs(together - alone) < 1e-5, (together, alone)
+    if attention == "mask":
+        mask = A.document_inputs(model, batch["segments"], attention="mask")["attention_mask"]
+        if getattr(model.config, "layer_types", None):
+            assert set(mask) == set(model.config.layer_types)
+            assert not torch.equal(mask["sliding_attention"], mask["full_attention"])
+        else:
+            assert torch.is_tensor(mask)
+
+
+def test_sinks_keep_the_mask_path():
+    """gpt-oss hands its attention sinks to the attention function (s_aux): no kernel takes them."""
+    model = model_of("gptoss")
+    assert A.choose("auto", "cuda", model, LENGTH) == "mask"
+    assert A.choose("auto", "xla-tpu", model, 128) == "mask"
+    with pytest.raises(UserError, match="sinks"):
+        A.choose("flex", "cpu", model)
+
+
 def test_a_sliding_window_shorter_than_the_row_is_applied():
-    """flex honours the family's window where it is shorter than the row (the mask path, like
-    transformers with a given 4-D mask, does not: the task refuses such --max-length)."""
+    """flex honours the family's window where it is shorter than the row, as transformers' own
+    windowed mask does."""
     model = model_of("mistral")
     model.config.sliding_window = 4
     _, batch = documents(3)
@@ -169,37 +211,49 @@ def test_the_mask_path_is_todays_mask_and_eager_gets_a_bias():
 # Which path
 
 
-@pytest.mark.parametrize("kind, family, path", [
-    ("xla-tpu", "llama", "pallas"),  # torch_xla on a TPU
-    ("xla-tpu", "qwen2", "pallas"),
-    ("xla-tpu", "gemma2", "mask"),  # soft-capping: flash attention has none
-    ("xla-tpu", "gpt2", "mask"),  # attention dropout 0.1
-    ("xla", "llama", "mask"),  # XLA:CPU: the reference
-    ("cuda", "llama", "flex"),
-    ("cuda", "gemma2", "flex"),  # soft-capping as a score_mod
-    ("cuda", "gpt2", "mask"),
-    ("cpu", "llama", "mask"),  # the CPU keeps its pinned losses
-    ("tpu", "llama", "mask"),  # TorchTPU
+@pytest.mark.parametrize("kind, family, length, path", [
+    ("xla-tpu", "llama", 128, "pallas"),  # torch_xla on a TPU
+    ("xla-tpu", "qwen2", 1024, "pallas"),
+    ("xla-tpu", "gemma3", 2048, "pallas"),  # the global layers; the local ones take the mask
+    ("xla-tpu", "llama", 64, "mask"),  # rows the kernel's blocks refuse
+    ("xla-tpu", "llama", 384, "mask"),
+    ("xla-tpu", "llama", 1536, "mask"),
+    ("xla-tpu", "gemma2", 128, "mask"),  # soft-capping: flash attention has none
+    ("xla-tpu", "gpt2", 128, "mask"),  # attention dropout 0.1
+    ("xla", "llama", 128, "mask"),  # XLA:CPU: the reference
+    ("cuda", "llama", 64, "flex"),
+    ("cuda", "gemma2", 64, "flex"),  # soft-capping as a score_mod
+    ("cuda", "gpt2", 64, "mask"),
+    ("cpu", "llama", 64, "mask"),  # the CPU keeps its pinned losses
+    ("tpu", "llama", 128, "mask"),  # TorchTPU
 ])
-def test_auto_chooses_per_device(kind, family, path):
-    assert A.choose("auto", kind, model_of(family), LENGTH) == path
+def test_auto_chooses_per_device(kind, family, length, path):
+    assert A.choose("auto", kind, model_of(family), length) == path
+
+
+def test_the_mask_path_is_said_once_where_the_device_has_a_kernel():
+    model = model_of("llama")
+    assert "not pallas" in A.fallback_note("auto", "xla-tpu", model, 384)
+    assert "384" in A.fallback_note("auto", "xla-tpu", model, 384)
+    assert A.fallback_note("auto", "xla-tpu", model, 512) is None
+    assert A.fallback_note("auto", "cpu", model, 384) is None  # the CPU has no kernel for auto
+    assert A.fallback_note("mask", "xla-tpu", model, 384) is None
 
 
 def test_an_explicit_path_that_cannot_serve_says_why():
     with pytest.raises(UserError, match="pallas.*TPU"):
         A.choose("pallas", "cpu", model_of("llama"))
     with pytest.raises(UserError, match="soft-caps"):
-        A.choose("pallas", "xla-tpu", model_of("gemma2"))
+        A.choose("pallas", "xla-tpu", model_of("gemma2"), 128)
     with pytest.raises(UserError, match="dropout"):
         A.choose("flex", "cpu", model_of("gpt2"))
     with pytest.raises(UserError, match="none of"):
         A.choose("splash", "cpu", model_of("llama"))
-    with pytest.raises(UserError, match="sliding window"):
-        model = model_of("mistral")
-        model.config.sliding_window = 32
-        A.choose("pallas", "xla-tpu", model, LENGTH)
+    with pytest.raises(UserError, match="not 384"):
+        A.choose("pallas", "xla-tpu", model_of("llama"), 384)
     assert A.choose("mask", "xla-tpu", model_of("llama")) == "mask"
     assert A.choose("flex", "cpu", model_of("llama")) == "flex"
+    assert A.choose("pallas", "xla-tpu", model_of("mistral", window=32), 128) == "pallas"  # windowed layers: mask
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torch_xla") is None, reason="torch_xla is not installed")
@@ -211,53 +265,7 @@ def test_an_xla_cpu_tensor_is_not_a_tpu():
 
 
 # ---------------------------------------------------------------------------------------------
-# Pallas: the arguments its kernel gets (the kernel itself runs on a TPU only)
-
-
-class Recorder:
-    """Stands for torch_xla's flash_attention: records each call and answers what the kernel
-    computes (causal within each segment id) with sdpa, so the forward completes."""
-
-    def __init__(self):
-        self.calls = []
-
-    def __call__(self, q, k, v, causal=False, q_segment_ids=None, kv_segment_ids=None, sm_scale=1.0, **kw):
-        self.calls.append({"q": q, "k": k, "v": v, "causal": causal, "q_segment_ids": q_segment_ids,
-                           "kv_segment_ids": kv_segment_ids, "sm_scale": sm_scale, **kw})
-        positions = torch.arange(q.shape[2])
-        mask = (q_segment_ids[:, None, :, None] == kv_segment_ids[:, None, None, :]) & (
-            positions[:, None] >= positions[None, :])
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=sm_scale)
-
-
-@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma"])
-def test_pallas_gets_the_arguments_torch_xlas_tests_use(family):
-    model = model_of(family)
-    config = model.config
-    docs, batch = documents()
-    kernel = Recorder()
-    with torch.no_grad():
-        together = float(packed_loss(model, batch, "pallas", device_kind="xla-tpu", kernel=kernel))
-        alone = loss_alone(model, docs)
-    assert abs(together - alone) < 1e-5  # the recorded arguments mean the reference's semantics
-    assert len(kernel.calls) == config.num_hidden_layers
-    heads, head_dim = config.num_attention_heads, model.model.layers[0].self_attn.head_dim
-    for call in kernel.calls:
-        # q, k, v [batch, heads, length, head_dim]; as many key/value heads as query heads (GQA
-        # and multi-query repeated)
-        for name in ("q", "k", "v"):
-            assert tuple(call[name].shape) == (len(ROWS), heads, LENGTH, head_dim), name
-        assert call["causal"] is True
-        # segment ids: float32 [batch, length], as test/test_pallas.py builds them; q's and kv's the same
-        for name in ("q_segment_ids", "kv_segment_ids"):
-            assert call[name].dtype == torch.float32 and tuple(call[name].shape) == (len(ROWS), LENGTH)
-            assert torch.equal(call[name], batch["segments"].float())
-        assert call["sm_scale"] == pytest.approx(model.model.layers[0].self_attn.scaling)
-        assert "partition_spec" not in call  # outside SPMD the kernel gets none
-    if config.num_key_value_heads < heads:  # k repeated per group, in transformers' repeat_kv order
-        k = kernel.calls[0]["k"]
-        groups = heads // config.num_key_value_heads
-        assert torch.equal(k[:, 0], k[:, groups - 1]) and (groups == heads or not torch.equal(k[:, 0], k[:, groups]))
+# Pallas under SPMD (the kernel itself: tests/test_pallas.py)
 
 
 SPMD_SCRIPT = """

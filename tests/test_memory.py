@@ -287,3 +287,14 @@ def test_the_tpu_recipes_fit_a_v5e_chip(name):
     cfg, memory = recipe_plan(name)
     assert memory["param_bytes_total"] > (4e9 if "7b" in name else 4e8)  # the real model's size, not a tiny one
     assert needed(memory) <= V5E_CHIP, f"{name}: {needed(memory) / 2**30:.1f} GiB"
+
+
+def test_a_tpus_memory_is_known_by_its_kind_under_every_strategy():
+    """SPMD's virtual device cannot be asked for its memory (spmd, fsdp): each TPU device's HBM by
+    its kind, so the plan checks a fit before compiling as under ddp."""
+    from xla_train.core.xla import TPU_TYPE_KIND, device_hbm
+
+    gib = 2**30
+    assert {t: device_hbm(TPU_TYPE_KIND[t]) // gib for t in ("v4", "v5litepod", "v5p", "v6e", "tpu7x")} == {
+        "v4": 32, "v5litepod": 16, "v5p": 95, "v6e": 32, "tpu7x": 192}
+    assert device_hbm(None) is None and device_hbm("cpu") is None

@@ -149,6 +149,57 @@ ZOO = {
 }
 
 
+# The families of late 2026, each from its checkpoint's config.json as published, kept in
+# tests/published/FAMILY.json with where it was read (two, OLMo-2's and Granite's, are partly
+# reconstructed from a sibling checkpoint's file: their `reconstructed_keys` say which keys). They
+# join the zoo for the attention tests (tests/test_attention.py); the whole matrix
+# (tests/test_matrix.py) runs FAMILIES.
+LATE_2026 = ("qwen3", "gemma3", "smollm3", "phi4mini", "olmo2", "granite", "qwen3moe", "mixtral", "gptoss")
+EXPERTS = ("qwen3moe", "mixtral", "gptoss")
+# layers a tiny model keeps so that its pattern of layers shows once: Gemma 3's five sliding
+# layers and a global one, SmolLM3's three RoPE layers and one without (no_rope_layer_interval 4)
+LAYER_PATTERN = {"gemma3": 6, "smollm3": 4}
+for _family in LATE_2026:
+    ZOO[_family] = json.loads((Path(__file__).parent / "published" / f"{_family}.json").read_text())
+
+
+def _shrunk_late(family, size, layers):
+    """A late-2026 family's sizes `size` wide: 4 query heads over as many key/value heads as the
+    published ratio gives (at least 1), the published head size's share of the width (Qwen3's
+    and Gemma 3's heads are wider than width / heads), the MLP and each expert as many times the
+    width, 4 experts of which 2 (or the published number, if fewer) per token; per-layer lists
+    (layer types, SmolLM3's RoPE layers) cut to the layers kept, Phi-4's per-frequency LongRoPE
+    factors to the rotary dimensions kept."""
+    c = ZOO[family]["config"]
+    layers = max(layers, LAYER_PATTERN.get(family, layers))
+    width, heads = c["hidden_size"], c["num_attention_heads"]
+    head_dim = c.get("head_dim") or width // heads
+    out = {"hidden_size": size, "num_hidden_layers": layers, "num_attention_heads": 4,
+           "num_key_value_heads": max(1, 4 * c["num_key_value_heads"] // heads),
+           "head_dim": max(8, round(head_dim * heads / width * size / 4 / 2) * 2),
+           "intermediate_size": int(c["intermediate_size"] / width * size)}
+    for key in ("moe_intermediate_size",):
+        if key in c:
+            out[key] = max(8, int(c[key] / width * size))
+    for key in ("num_experts", "num_local_experts"):
+        if c.get(key):
+            out[key] = 4
+    for key in ("num_experts_per_tok", "experts_per_token"):
+        if c.get(key):
+            out[key] = min(c[key], 2)
+    for key in ("layer_types", "no_rope_layers"):
+        if c.get(key):
+            out[key] = c[key][:layers]
+    if c.get("max_window_layers"):
+        out["max_window_layers"] = min(c["max_window_layers"], layers)
+    scaling = c.get("rope_scaling") or {}
+    if "long_factor" in scaling:  # one factor per rotary frequency: head_dim x partial_rotary_factor / 2
+        kept = int(out["head_dim"] * c.get("partial_rotary_factor", 1.0)) // 2
+        out["rope_scaling"] = {**scaling, "long_factor": scaling["long_factor"][:kept],
+                               "short_factor": scaling["short_factor"][:kept]}
+    return out
+
+
 def shrunk(family, size=64, layers=2):
     """The published config's sizes, `size` wide and `layers` deep, in the published proportions:
     as many query heads per key/value head, the MLP as many times the width, Gemma 2's heads x
@@ -156,6 +207,8 @@ def shrunk(family, size=64, layers=2):
     initialisation's spread with the width too.)"""
     if family == "gpt2":
         return {"n_embd": size, "n_layer": layers, "n_head": 4}
+    if family in LATE_2026:
+        return _shrunk_late(family, size, layers)
     heads, kv, head_dim, mlp = {
         "llama": (4, 1, size // 4, 4),  # 32 heads over 8 key/value heads; MLP 4x
         "qwen2": (4, 2, None, 5.4),  # 14 over 2 (7:1 does not divide a small width; 2:1 keeps GQA); MLP 5.4x
@@ -189,6 +242,8 @@ def config(family, vocab, size=64, layers=2, bos=None, eos=None, pad=None, token
 
     entry = ZOO[family]
     published = dict(entry["config"])
+    # gpt-oss ships its experts in MXFP4; a tiny random model is not quantised
+    published.pop("quantization_config", None)
     if token_ids is not None:
         published = _token_ids(published, token_ids)
     else:

@@ -64,7 +64,10 @@ def layer_bytes(config, rows, length, precision="fp32", attention="sdpa", dense_
     c = 2 if precision == "bf16" else param_bytes  # what the matmuls write
     r = param_bytes
     q_width = heads * hd
-    repeated = kv < heads and (attention not in NATIVE_GQA) and (attention not in O_S_ATTENTION or dense_mask)
+    # K and V repeated to the query heads: by eager attention and sdpa with a dense mask, and by
+    # the Pallas path (core.attention.Documents._pallas: torch_xla's flash attention takes as many)
+    repeated = kv < heads and (attention not in NATIVE_GQA) and (
+        attention not in O_S_ATTENTION or dense_mask or attention == "xla_flash")
     kv_width = q_width if repeated else kv * hd
     per_token = 2 * (r * h + 4 * h + c * h)  # two norms
     per_token += c * (q_width + 2 * kv_width + 2 * q_width)  # q, k, v, the kernel's output and o_proj's input

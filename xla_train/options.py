@@ -180,9 +180,10 @@ class TrainOptions:
                            "graphs; tpu: TorchTPU's compiler; cpu), one graph per bucket length; xla compiles every "
                            "step already", section="system")
     compile_cache: str = option(None, "keep compiled graphs in this folder across runs, so that the same job run again "
-                                "loads them instead of compiling: xla's persistent compilation cache, or with "
-                                "--compile on cuda and cpu torch.compile's (inductor's FX graph, AOTAutograd and "
-                                "Triton caches); the metrics count the graphs taken from it (default: none)",
+                                "loads them instead of compiling: with --compile on cuda and cpu torch.compile's "
+                                "(inductor's FX graph, AOTAutograd and Triton caches); on xla torch_xla 2.9's "
+                                "persistent cache, which it writes but cannot load (pytorch/xla#9094), so there it "
+                                "saves nothing yet; the metrics count the graphs taken from it (default: none)",
                                 section="system")
     tf32: bool = option(False, "cuda: fp32 matrix products on TensorFloat-32 tensor cores "
                         "(torch.set_float32_matmul_precision('high'), as the HF Trainer's tf32); faster, fp32's "

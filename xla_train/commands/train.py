@@ -303,6 +303,8 @@ def plan_memory(engine, cfg, shapes, model, objective):
 
     length = max(shapes.padding.lengths or [cfg.max_length])
     path = objective.memory_inputs(model, kind_of(torch.empty(0, device=engine.device)), length)
+    if path.get("note"):  # the attention path taken, where it is not the device's kernel
+        engine.print(path["note"])
 
     def plan(checkpointed):
         return plan_of(model, cfg.batch_size, length, cfg.precision, shards=engine.strategy.param_shards,

@@ -13,11 +13,19 @@ that keep the documents apart, by one of three paths (`PATHS`):
             grouped-query attention by enable_gqa). Compiled (`torch.compile(flex_attention)`, the
             fused kernel) on CUDA; eager elsewhere (an unfused reference that runs on the CPU).
     pallas  torch_xla's Pallas flash attention with segment ids
-            (torch_xla/experimental/custom_kernel.py, flash_attention), on a TPU only.
+            (torch_xla/experimental/custom_kernel.py, flash_attention), on a TPU only; layers with a
+            sliding window shorter than the row (Gemma 3's local ones) take the mask path, windowed.
 
-`attention="auto"` picks pallas on a TPU through torch_xla, flex on CUDA, mask elsewhere (the
-CPU, XLA:CPU, TorchTPU), and the mask path wherever the model cannot be served by the kernel
-(`why_not`). An explicit path that cannot serve raises UserError with the reason.
+A model whose layers have a sliding window shorter than the row gets one mask per window: a dict
+keyed by layer type where the config names them (`config.layer_types`; transformers 5.24's
+Gemma 2/3, gpt-oss and Qwen2 take `attention_mask` as such a dict, `causal_mask_mapping`), else
+one windowed mask (Mistral: every layer has the window). flex applies each layer's window itself.
+
+Which device runs which kernel is its role's to say (roles.serve, roles.Kernel: core.xla declares pallas
+on a TPU with the row lengths and head sizes it serves, gpu_fallback flex on CUDA and the CPU).
+`attention="auto"` takes the kernel a device declares for it where the model and the rows' length
+can be served (`why_not`), otherwise the mask (the CPU, XLA:CPU, TorchTPU; `fallback_note` says
+why on the console). An explicit path that cannot serve raises UserError with the reason.
 
 How the segment paths reach the attention (transformers 5.24): keyword arguments given to
 `model(...)` travel as `**kwargs: Unpack[TransformersKwargs]` through the model, each decoder
@@ -43,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .errors import UserError
+from .roles import KERNELS
 
 if TYPE_CHECKING:
     import torch
@@ -104,6 +113,23 @@ def _config_value(config, *names):
     return None
 
 
+_WHAT = {"flex": "torch's FlexAttention", "pallas": "torch_xla's Pallas flash attention"}
+
+
+def _head_dim(config) -> int | None:
+    heads = _config_value(config, "num_attention_heads", "n_head")
+    width = _config_value(config, "hidden_size", "n_embd")
+    return getattr(config, "head_dim", None) or (width // heads if width and heads else None)
+
+
+def _has_sinks(model) -> bool:
+    """Whether the attention adds learned sinks to the softmax (gpt-oss's `sinks`, passed to the
+    attention function as `s_aux`: transformers 5.24 modeling_gpt_oss.py, GptOssAttention)."""
+    import torch
+
+    return any(isinstance(getattr(m, "sinks", None), torch.nn.Parameter) for m in model.modules())
+
+
 def why_not(path: str, kind: str, model, length: int | None = None) -> str | None:
     """Why `path` cannot keep `model`'s documents apart on a `kind` device (see `kind_of`)
     for rows of `length` tokens, or None where it can. The mask path always can."""
@@ -111,10 +137,12 @@ def why_not(path: str, kind: str, model, length: int | None = None) -> str | Non
         return f"attention {path!r} is none of {', '.join(PATHS)}"
     if path in ("mask", "auto"):
         return None
-    if path == "pallas" and kind != "xla-tpu":
-        return "pallas (torch_xla's Pallas flash attention) runs on a TPU through torch_xla only"
-    if path == "flex" and kind not in ("cuda", "cpu"):
-        return f"flex (torch's FlexAttention) runs on CUDA and the CPU, not on {kind}"
+    kernel = KERNELS.get((kind, path))
+    if kernel is None:
+        where = sorted(k for k, p in KERNELS if p == path)
+        return (f"{path} ({_WHAT[path]}) does not run on {kind} devices"
+                + (f" (it runs on {', '.join(where)})" if where else "")
+                + ("; pallas runs on a TPU through torch_xla" if path == "pallas" else ""))
     hf = unwrapped(model)
     config = getattr(hf, "config", None)
     # the family's attention goes through transformers' attention functions with their keywords
@@ -124,26 +152,50 @@ def why_not(path: str, kind: str, model, length: int | None = None) -> str | Non
         return f"the model runs {_implementation(config)} attention"
     if _config_value(config, "attention_dropout", "attn_pdrop"):  # neither kernel drops attention weights
         return "the model drops attention weights (attention dropout > 0), which the kernels do not"
-    if path == "pallas":
-        if getattr(config, "attn_logit_softcapping", None):
-            return "the model soft-caps its attention scores (Gemma 2), which flash attention does not"
-        window = getattr(config, "sliding_window", None)
-        if window is not None and length is not None and window < length:
-            return f"the model's sliding window ({window}) is shorter than the rows ({length})"
-    return None
+    if _has_sinks(hf):
+        return f"the model adds attention sinks (gpt-oss's s_aux), which {path} does not take"
+    if not kernel.softcap and getattr(config, "attn_logit_softcapping", None):
+        return f"the model soft-caps its attention scores (Gemma 2), which {path} does not"
+    return kernel.refusal(length, _head_dim(config)) if kernel.refusal else None
 
 
 def choose(attention: str, kind: str, model, length: int | None = None) -> str:
     """The path that keeps documents apart: `attention` itself where it can serve (else
-    UserError), or for "auto" pallas on a TPU through torch_xla, flex on CUDA, otherwise (and
-    wherever the kernel cannot serve the model) the mask."""
+    UserError), or for "auto" the kernel the device's role declares for auto (roles.serve: pallas
+    on a TPU through torch_xla, flex on CUDA) where it can serve, otherwise the mask."""
     if attention == "auto":
-        wanted = {"xla-tpu": "pallas", "cuda": "flex"}.get(kind, "mask")
-        return wanted if why_not(wanted, kind, model, length) is None else "mask"
+        wanted = auto_kernel(kind)
+        return wanted if wanted and why_not(wanted, kind, model, length) is None else "mask"
     reason = why_not(attention, kind, model, length)
     if reason:
         raise UserError(f"attention {attention}: {reason}")
     return attention
+
+
+def auto_kernel(kind: str) -> str | None:
+    """The kernel `attention="auto"` takes on a `kind` device where it can serve, or None."""
+    return next((path for (k, path), kernel in KERNELS.items() if k == kind and kernel.auto), None)
+
+
+def fallback_note(attention: str, kind: str, model, length: int | None) -> str | None:
+    """The console's line where "auto" takes the mask path although the device has a kernel."""
+    wanted = auto_kernel(kind) if attention == "auto" else None
+    reason = why_not(wanted, kind, model, length) if wanted else None
+    return f"attention: the mask path ({length} x {length} per row), not {wanted}: {reason}" if reason else None
+
+
+def layer_windows(config, length: int) -> dict[str | None, int | None]:
+    """Each layer type's sliding window where it is shorter than `length` (else None): keyed by
+    the types a config names (transformers' `config.layer_types`: "full_attention",
+    "sliding_attention"; Gemma 2/3, gpt-oss, Qwen2 take a mask per type), or {None: window} for
+    a model whose every layer has the config's window (Mistral)."""
+    window = getattr(config, "sliding_window", None)
+    if not window or window >= length or not getattr(config, "use_sliding_window", True):
+        window = None
+    types = getattr(config, "layer_types", None)
+    if not types:
+        return {None: window}
+    return {t: window if t == "sliding_attention" else None for t in dict.fromkeys(types)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,27 +215,40 @@ def document_inputs(model, segments: torch.Tensor, device_kind: str | None = Non
     `compiled`: flex through torch.compile (None: on CUDA). `kernel`: the Pallas function to call
     instead of torch_xla's flash_attention (tests record its arguments with it)."""
     kind = device_kind or kind_of(segments)
-    path = choose(attention, kind, model, segments.shape[1])
+    length = segments.shape[1]
+    path = choose(attention, kind, model, length)
+    config = unwrapped(model).config
     if path == "mask":
-        return {"attention_mask": document_mask(segments, eager=_implementation(unwrapped(model).config) == "eager")}
+        eager = _implementation(config) == "eager"
+        windows = layer_windows(config, length)
+        if len(set(windows.values())) == 1:  # one mask serves every layer
+            return {"attention_mask": document_mask(segments, eager, next(iter(windows.values())))}
+        masks: dict[int | None, torch.Tensor] = {}  # one a window, shared by the layer types that have it
+        for window in windows.values():
+            if window not in masks:
+                masks[window] = document_mask(segments, eager, window)
+        return {"attention_mask": {t: masks[w] for t, w in windows.items()}}
     use_documents(model)
     documents = Documents(path, segments, compiled=segments.device.type == "cuda" if compiled is None else compiled,
                           kernel=kernel)
     if path == "flex":
         documents.block_mask(None)  # built here, once per forward, not in every layer
-        window = getattr(unwrapped(model).config, "sliding_window", None)
-        if window is not None and window < segments.shape[1]:
+        window = getattr(config, "sliding_window", None)
+        if window is not None and window < length:
             documents.block_mask(window)
     return {"attention_mask": segments[:, None, None, :], "documents": documents}
 
 
-def document_mask(segments: torch.Tensor, eager: bool = False) -> torch.Tensor:
-    """The reference: [rows, 1, L, L], True where a token may attend (same segment, not later);
-    with `eager`, eager attention's additive bias (0 where it may, finfo(float32).min where not;
-    sdpa takes the booleans)."""
+def document_mask(segments: torch.Tensor, eager: bool = False, window: int | None = None) -> torch.Tensor:
+    """The reference: [rows, 1, L, L], True where a token may attend (same segment, not later,
+    and with `window` fewer than `window` tokens back, as transformers' sliding window:
+    masking_utils.sliding_window_overlay); with `eager`, eager attention's additive bias (0 where
+    it may, finfo(float32).min where not; sdpa takes the booleans)."""
     import torch
     positions = torch.arange(segments.shape[1], device=segments.device)
     mask = (segments[:, None, :, None] == segments[:, None, None, :]) & (positions[:, None] >= positions[None, :])
+    if window is not None:
+        mask = mask & (positions[:, None] - positions[None, :] < window)
     if eager:
         mask = torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, torch.finfo(torch.float32).min)
     return mask
@@ -211,7 +276,8 @@ class Documents:
     segments: torch.Tensor  # [rows, length]
     compiled: bool = False  # flex: torch.compile'd kernel and block mask
     kernel: Callable | None = None  # pallas: torch_xla's flash_attention unless given
-    masks: dict = field(default_factory=dict)  # flex: sliding window (None: whole document) -> BlockMask
+    # flex: sliding window (None: whole document) -> BlockMask; ("mask", window) -> a windowed layer's mask
+    masks: dict = field(default_factory=dict)
 
     def block_mask(self, window: int | None):
         """FlexAttention's block mask: same document, not later, within `window` tokens."""
@@ -231,13 +297,19 @@ class Documents:
             self.masks[key] = build(same_document, segments.shape[0], None, length, length, device=segments.device)
         return self.masks[key]
 
-    def attend(self, module, query, key, value, *, scaling=None, sliding_window=None, softcap=None, dropout=0.0,
-               **_):
+    def attend(self, module, query, key, value, **kwargs):
         """[rows, heads, L, d] q and [rows, kv heads, L, d] k, v -> ([rows, L, heads, d], None), as
-        transformers' attention functions return."""
+        transformers' attention functions return. Pallas's layers with a sliding window shorter
+        than the row (Gemma 3's local layers) take the mask path, windowed."""
         import torch
-        if dropout:
+        scaling, sliding_window, softcap = (kwargs.get(k) for k in ("scaling", "sliding_window", "softcap"))
+        if kwargs.get("dropout"):
             raise ValueError("the document kernels do not drop attention weights (choose the mask path)")
+        if kwargs.get("s_aux") is not None:
+            raise ValueError("the document kernels take no attention sinks (s_aux; choose the mask path)")
+        length = self.segments.shape[1]
+        if self.path == "pallas" and sliding_window is not None and sliding_window < length:
+            return self._windowed(module, query, key, value, sliding_window, kwargs)
         device = query.device.type
         if torch.is_autocast_enabled(device):  # one dtype, as xla_sdpa does (see core.xla._register_attention)
             dtype = torch.get_autocast_dtype(device)
@@ -250,17 +322,25 @@ class Documents:
                                        block_mask=self.block_mask(sliding_window), scale=scale,
                                        enable_gqa=query.shape[1] != key.shape[1])
         else:
-            out = self._pallas(query, key, value, scale, sliding_window, softcap)
+            out = self._pallas(query, key, value, scale, softcap)
         return out.transpose(1, 2).contiguous(), None
 
-    def _pallas(self, query, key, value, scale, sliding_window, softcap):
+    def _windowed(self, module, query, key, value, window, kwargs):
+        """A windowed layer on the mask path: the model's former implementation with the
+        documents' mask within `window` tokens (built once per forward)."""
+        eager = _implementation(module.config) == "eager"
+        if ("mask", window) not in self.masks:
+            self.masks[("mask", window)] = document_mask(self.segments, eager, window)
+        base = _base_attention(module, _implementation(module.config))
+        return base(module, query, key, value, self.masks[("mask", window)], **kwargs)
+
+    def _pallas(self, query, key, value, scale, softcap):
         """torch_xla's Pallas flash attention (torch_xla/experimental/custom_kernel.py,
         flash_attention: q, k, v [batch, heads, length, head_dim], causal, q_segment_ids and
         kv_segment_ids [batch, length], sm_scale, partition_spec and mesh under SPMD)."""
         import torch
-        length = self.segments.shape[1]
-        if softcap or (sliding_window is not None and sliding_window < length):
-            raise ValueError("flash attention has no soft-capping and no sliding window (choose the mask path)")
+        if softcap:
+            raise ValueError("flash attention has no soft-capping (choose the mask path)")
         # The kernel takes as many key/value heads as query heads: FlashAttention.forward hands
         # q, k and v to jax's _flash_attention_impl, which reads batch and heads from q's shape
         # (torch_xla's splash test repeats them for its reference, test/test_splash_attention.py,

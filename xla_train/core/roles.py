@@ -17,6 +17,7 @@ import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -52,6 +53,27 @@ def shaped_like(value: object, param: torch.Tensor) -> bool:
     """Whether an optimizer state `value` is a moment of `param` (AdamW's two): a tensor of the
     parameter's shape, laid out like it when the parameter is sharded; steps and scalars are not."""
     return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == param.shape
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """A kernel that keeps packed documents apart (core.attention) on one kind of device
+    (core.attention.kind_of's names), as that device's implementation declares it (`serve`):
+    core.xla for torch_xla's TPUs, gpu_fallback for CUDA and the CPU."""
+
+    path: str  # one of core.attention.PATHS
+    auto: bool  # whether `attention="auto"` takes it on that device
+    # why it cannot serve rows of `length` tokens (None: not known yet) with heads `head_dim` wide, or None
+    refusal: Callable[[int | None, int | None], str | None] | None = None
+    softcap: bool = True  # whether it soft-caps scores (Gemma 2's attn_logit_softcapping)
+
+
+KERNELS: dict[tuple[str, str], Kernel] = {}  # (device kind, path) -> the kernel, as the implementations declare them
+
+
+def serve(kind: str, kernel: Kernel) -> None:
+    """Declares that `kind` devices run `kernel` (an implementation calls it once, at import)."""
+    KERNELS[(kind, kernel.path)] = kernel
 
 
 class Accelerator(ABC):

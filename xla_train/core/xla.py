@@ -26,7 +26,18 @@ from typing import Any, Literal
 import torch
 
 from .errors import UserError
-from .roles import Accelerator, Batch, Launcher, PathLike, Strategy, blocks_of, optimizer_params, shaped_like
+from .roles import (
+    Accelerator,
+    Batch,
+    Kernel,
+    Launcher,
+    PathLike,
+    Strategy,
+    blocks_of,
+    optimizer_params,
+    serve,
+    shaped_like,
+)
 
 # Attention implementation registered below: transformers' own SDPA attention with a mask
 # function that never asks whether the padding mask is all ones (stock "sdpa" evaluates
@@ -60,6 +71,43 @@ def _register_attention():
 
     AttentionInterface.register(XLA_ATTENTION, one_dtype_sdpa)
     AttentionMaskInterface.register(XLA_ATTENTION, always_materialised_mask)
+
+
+# torch_xla 2.9's Pallas flash attention, as its wrapper calls jax 0.7.1's kernel
+# (torch_xla/experimental/custom_kernel.py: FlashAttention.DEFAULT_BLOCK_SIZES, block_q 512,
+# block_k_major 512, block_k 512, block_q_dq 1024, block_k_major_dq 512, block_k_dq 256, each
+# min(size, L) in _fa_custom_forward_single_device and _fa_custom_backward_single_device; k and v
+# padded to the block, the segment ids not). jax's kernel (jax/experimental/pallas/ops/tpu/
+# flash_attention.py: _verify_block, the kernels' block_k and head_dim checks) then serves,
+# forward and backward with segment ids, rows of 128, 256 and 512 tokens and multiples of 1024,
+# and heads wider than 128 only in multiples of 128 once a row spans several kv blocks (over 512).
+# Checked on jax's traces for every multiple of 8 up to 2,048 and every multiple of 128 up to
+# 8,192, and run in TPU interpret mode (tests/test_pallas.py).
+FLASH_SHORT_ROWS = (128, 256, 512)
+FLASH_ROW_MULTIPLE = 1024
+
+
+def flash_serves(length: int, head_dim: int | None = None) -> bool:
+    """Whether torch_xla 2.9's flash attention serves rows of `length` tokens with heads `head_dim` wide."""
+    rows = length in FLASH_SHORT_ROWS or length % FLASH_ROW_MULTIPLE == 0
+    heads = head_dim is None or length <= FLASH_SHORT_ROWS[-1] or head_dim <= 128 or head_dim % 128 == 0
+    return rows and heads
+
+
+def flash_refusal(length: int | None, head_dim: int | None) -> str | None:
+    """Why the TPU's Pallas flash attention cannot serve such rows, or None (see `flash_serves`)."""
+    if importlib.util.find_spec("jax") is None:
+        return ("it needs jax, which is not installed (pip install 'xla-train[tpu]' brings the jax that "
+                "torch_xla 2.9's pallas extra pins)")
+    if length is not None and not flash_serves(length, head_dim):
+        served = ", ".join(map(str, FLASH_SHORT_ROWS)) + f" or a multiple of {FLASH_ROW_MULTIPLE}"
+        if length in FLASH_SHORT_ROWS or length % FLASH_ROW_MULTIPLE == 0:
+            return f"its blocks take heads of up to 128 or multiples of 128 in rows over 512 tokens, not {head_dim}"
+        return f"its blocks (torch_xla 2.9's) serve rows of {served} tokens, not {length}"
+    return None
+
+
+serve("xla-tpu", Kernel("pallas", auto=True, refusal=flash_refusal, softcap=False))
 
 
 def tpu_present(xla_problem: str | None = None) -> bool:
@@ -97,6 +145,34 @@ def pjrt_device() -> str:
     """The PJRT device, picked before torch_xla starts its runtime: without a TPU, the CPU."""
     os.environ.setdefault("PJRT_DEVICE", "TPU" if tpu_present() else "CPU")
     return os.environ["PJRT_DEVICE"].upper()
+
+
+GIB = 2**30
+TPU_HBM = {  # device kind: HBM bytes per device as torch_xla counts devices (Google Cloud's TPU pages)
+    "TPU v2": 8 * GIB,  # 16 GiB a chip, two devices (cores)
+    "TPU v3": 16 * GIB,  # 32 GiB a chip, two devices
+    "TPU v4": 32 * GIB,
+    "TPU v5 lite": 16 * GIB,  # v5e
+    "TPU v5p": 95 * GIB,
+    "TPU v5": 95 * GIB,  # v5p's device kind
+    "TPU v6 lite": 32 * GIB,  # v6e (Trillium)
+    "TPU7x": 192 * GIB,  # v7 (Ironwood): its device kind as Google's TPU7x names it; not seen here
+}
+# A TPU VM's accelerator type (torch_xla's _internal/tpu.py, get_tpu_type: "v5litepod" of
+# "v5litepod-8") -> PJRT's device kind, for SPMD's virtual device, which has no kind of its own
+TPU_TYPE_KIND = {"v2": "TPU v2", "v3": "TPU v3", "v4": "TPU v4", "v5litepod": "TPU v5 lite", "v5e": "TPU v5 lite",
+                 "v5p": "TPU v5p", "v6e": "TPU v6 lite", "tpu7x": "TPU7x", "v7x": "TPU7x"}
+
+
+def device_hbm(kind):
+    """A TPU's memory per device by its device kind, or None where not known."""
+    return TPU_HBM.get(kind) if kind else None
+
+
+# What the compilation cache does on torch_xla 2.9, said at the start of a run that asks for it
+CACHE_UNLOADABLE = ("the compilation cache: torch_xla 2.9 writes its persistent cache but cannot load it on any device "
+                    "(\"Deserializing serialized executable not supported\" on a TPU, pytorch/xla#9094); every run "
+                    "compiles its graphs again, and the metrics count the loads the runtime reports (none)")
 
 
 class XlaAccelerator(Accelerator):
@@ -145,8 +221,11 @@ class XlaAccelerator(Accelerator):
     def use_compile_cache(self, path: PathLike) -> None:
         import torch_xla.runtime as xr
 
-        # XLA:CPU writes entries but cannot load them back (PersistentCacheDeserializeFailure);
-        # TPU and GPU do load them, so a second identical run compiles nothing there.
+        # torch_xla 2.9 writes entries but no PJRT device of it loads them back: XLA:CPU counts
+        # PersistentCacheDeserializeFailure, a TPU fails with "Deserializing serialized executable
+        # not supported" (pytorch/xla#9094, open on 2.9.0; its fix, #9759, is an unreleased pull
+        # request) and XLA:GPU the same way (#8930). The run says so once (CACHE_UNLOADABLE) and
+        # counts loads as the runtime reports them (compile_stats: cache_hits, cache_load_failures).
         # The cache is the process's (environment variables), and a second call asserts that it
         # is not initialised yet (torch_xla 2.9's runtime.initialize_cache); on
         # Colab's TPU v2-8/v3-8 two replicas share a process as threads. So the first replica
@@ -158,6 +237,8 @@ class XlaAccelerator(Accelerator):
             if not _cache_set:
                 xr.initialize_cache(str(Path(path) / f"p{xr.process_index()}"), readonly=False)
                 _cache_set = True
+                if xr.global_ordinal() == 0:
+                    print(f"xla-train: {CACHE_UNLOADABLE}", flush=True)
 
     def wrap_loader(self, loader: torch.utils.data.DataLoader, sharding: Any = None) -> Iterable[Batch]:
         import torch_xla.distributed.parallel_loader as pl
@@ -288,16 +369,28 @@ class XlaAccelerator(Accelerator):
         return xp.Trace("train_step", _r=1, step_num=step)
 
     def device_memory(self) -> int | None:
-        return self._memory_info("bytes_limit")
+        # SPMD's virtual device has no memory of its own to ask about: each TPU device's HBM by its kind
+        return self._memory_info("bytes_limit") or (device_hbm(self.device_kind()) if self.virtual else None)
 
     def device_kind(self) -> str | None:
         import torch_xla.core.xla_model as xm
 
         try:
             kind = xm.xla_device_kind(self.device)  # PJRT's device kind: "TPU v4", "TPU v5 lite"; "cpu" here
-        except RuntimeError:  # a device the runtime does not describe (SPMD's virtual one may not)
-            return None
+        except RuntimeError:  # SPMD's virtual device ("Unknown device SPMD:0", seen here): the TPU VM's type
+            return self._tpu_type_kind()
         return None if kind.lower() == "cpu" else kind
+
+    def _tpu_type_kind(self) -> str | None:
+        """The device kind of this host's TPU by the VM's accelerator type, or None off a TPU."""
+        if pjrt_device() != "TPU":
+            return None
+        from torch_xla._internal import tpu
+
+        try:
+            return TPU_TYPE_KIND.get(tpu.get_tpu_type().lower())
+        except (OSError, KeyError, TypeError, ValueError):  # no metadata server, no accelerator type
+            return None
 
     def peak_memory(self) -> int | None:
         return self._memory_info("peak_bytes_used")

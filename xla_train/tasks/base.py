@@ -141,7 +141,8 @@ class Objective:
         "chunked" a chunk of tokens at a time, or None: none per token), the `attention`
         implementation that runs and whether a `dense_mask` is passed to it (padded batches' masks);
         optionally a `reference` pass in the step without gradients, its output "whole" or "chunked"
-        like `logits` (memory.plan)."""
+        like `logits` (memory.plan), and a `note` for the console (the attention path taken where it
+        is not the device's kernel)."""
         return {"logits": None, "attention": getattr(model.config, "_attn_implementation", None) or "eager",
                 "dense_mask": True}
 

@@ -209,14 +209,15 @@ def documents_memory_inputs(model: Any, device_kind: str, length: int, attention
                             chunked: bool = True) -> dict[str, Any]:
     """Objective.memory_inputs of `run_documents`'s path: the kernel that keeps documents apart
     (no dense mask) or the mask, and the head in chunks where head_of can compute it."""
-    from ..core.attention import choose, unwrapped
+    from ..core.attention import choose, fallback_note, unwrapped
     from ..core.lm_loss import head_of
 
     path = choose(attention, device_kind, model, length)
     implementation = getattr(model.config, "_attn_implementation", None) or "eager"
     kernels = {"flex": "flex_attention", "pallas": "xla_flash"}  # memory.O_S_ATTENTION's names
     return {"logits": "chunked" if chunked and head_of(unwrapped(model)) else "whole",
-            "attention": kernels.get(path, implementation), "dense_mask": path == "mask"}
+            "attention": kernels.get(path, implementation), "dense_mask": path == "mask",
+            "note": fallback_note(attention, device_kind, model, length)}
 
 
 def capture_outside_compilation(model: Any) -> None:
@@ -242,8 +243,8 @@ def capture_outside_compilation(model: Any) -> None:
 
 @dataclass(frozen=True)
 class DecoderModel(ModelPart):
-    """A pretrained decoder with its LM head; `max_length`: the rows' length, which a sliding
-    attention window must cover."""
+    """A pretrained decoder with its LM head; `max_length`: the rows' length (a sliding window
+    shorter than it is applied per layer type: core.attention)."""
 
     max_length: int = 128
     peft_task_type = "CAUSAL_LM"
@@ -261,14 +262,10 @@ class DecoderModel(ModelPart):
         (--precision bf16 is autocast), without a key/value cache (training reads each row once)."""
         import torch
 
-        from ..models import load_pretrained, no_cache, seed_host, shown_name
+        from ..models import load_pretrained, no_cache, seed_host
 
         seed_host(seed)
         model = load_pretrained(_causal_lm(), name, dtype=torch.float32)
-        window = window_shorter_than(model.config, self.max_length)
-        if window:
-            raise UserError(f"--max-length {self.max_length} is longer than {shown_name(name)}'s sliding attention "
-                            f"window ({window}); use --max-length {window} or less")
         return no_cache(model)
 
     def load_trained(self, folder: str) -> Any:
