@@ -289,3 +289,49 @@ def test_under_spmd_the_kernel_gets_the_batch_split_by_rows(tmp_path):
     proc = subprocess.run([sys.executable, "-c", SPMD_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == "('data', None, None, None) (4,) ('data',)"
+
+
+# ---------------------------------------------------------------------------------------------
+# Row lengths the kernel serves
+
+
+def _published(family):
+    """`family`'s config at its published size (FLOPs depend on it)."""
+    from transformers import CONFIG_MAPPING
+
+    entry = dict(td.ZOO[family]["config"])
+    entry = {k: v for k, v in entry.items() if not k.endswith("token_id")}
+    return CONFIG_MAPPING[entry["model_type"]].from_dict(entry)
+
+
+def test_packed_rows_are_rounded_up_to_a_length_the_kernel_serves():
+    """Packed rows (their added tokens are documents, so a token costs the same linear FLOPs and
+    the kernel skips half the attention): always cheaper at the next served length."""
+    config = _published("llama")
+    assert [A.row_length("auto", "xla-tpu", config, n, packed=True) for n in (100, 384, 512, 768, 1536, 2048)] == [
+        128, 512, 512, 1024, 2048, 2048]
+    assert A.row_length("pallas", "xla-tpu", config, 768, packed=True) == 1024
+    assert A.row_length("mask", "xla-tpu", config, 768, packed=True) == 768
+    for kind in ("xla", "cpu", "cuda", "tpu"):  # no kernel that refuses lengths there
+        assert A.row_length("auto", kind, config, 768, packed=True) == 768
+    assert A.row_length("auto", "xla-tpu", _published("gemma2"), 768, packed=True) == 768  # soft-capping: the mask
+    line = A.row_lengths_line("auto", "xla-tpu", [768], [1024])
+    assert "768 -> 1024" in line and "pallas" in line
+    assert A.row_lengths_line("auto", "xla-tpu", [512], [512]) is None
+
+
+def test_padded_buckets_are_rounded_up_only_where_cheaper_than_the_mask():
+    """Padded rows: the added tokens are padding. For Llama-3.2-1B's size the weights' FLOPs
+    dominate, so a bucket is rounded up only when nearly served (1,000 -> 1,024), not 200 -> 256."""
+    config = _published("llama")
+    assert A.row_length("auto", "xla-tpu", config, 1000, packed=False) == 1024
+    assert A.row_length("auto", "xla-tpu", config, 200, packed=False) == 200
+    assert A.row_length("auto", "xla-tpu", config, 256, packed=False) == 256
+
+
+def test_the_padding_share_of_buckets():
+    from xla_train.core.shapes import Padding
+    from xla_train.job import padding_share
+
+    assert padding_share(Padding("buckets", [4, 8]), [2, 4, 6, 8]) == pytest.approx(4 / 24)  # 2 -> 4, 6 -> 8
+    assert padding_share(Padding("buckets", [8]), [8, 8]) == 0.0

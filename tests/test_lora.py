@@ -2,7 +2,8 @@
 has no padding token (tiny random Llama, Qwen2, Gemma, Mistral and GPT-2, XLA:CPU). Only the
 adapters and the head train; the output folder holds the adapter, which `xla-train predict` reads;
 `--merge-lora` writes a whole model that plain transformers loads and that scores what the run
-reported."""
+reported. Which modules `--lora` adapts by default, on tiny random decoders of each family (in this
+process): the attention's projections, never a router, an expert or an MLP."""
 
 import csv
 import json
@@ -178,3 +179,94 @@ def test_lora_options_need_lora(capsys):
     assert capsys.readouterr().err == "xla-train: error: --merge-lora needs --lora\n"
     assert main(["train", "--lora", "--lora-dropout", "1", "--max-steps", "1"]) == 2
     assert "--lora-dropout must be in [0, 1), not 1.0" in capsys.readouterr().err
+
+
+# --lora's default targets (models.default_lora_targets): peft's own where its table names some for
+# the model type, else the attention's projections found by name; never a router, an expert or an MLP
+QUERY_VALUE = {"q_proj", "v_proj"}  # peft's table: llama, qwen2, qwen3, gemma3_text, mixtral
+ATTENTION = {"q_proj", "k_proj", "v_proj", "o_proj"}  # not in peft's table: found by name
+DEFAULT_TARGETS = {"llama": QUERY_VALUE, "qwen2": QUERY_VALUE, "qwen3": QUERY_VALUE, "gemma3": QUERY_VALUE,
+                   "mixtral": QUERY_VALUE, "smollm3": ATTENTION, "olmo2": ATTENTION, "granite": ATTENTION,
+                   "qwen3moe": ATTENTION, "gptoss": ATTENTION, "phi4mini": {"qkv_proj", "o_proj"}}
+
+
+def _causal_lm(family):
+    """`family`'s tiny random decoder (tests/tiny_decoders.py) over a 40-token vocabulary."""
+    import tiny_decoders as td
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(td.config(family, 40, bos=1, eos=2))
+
+
+def _with_lora(model, targets=None, task_type="CAUSAL_LM"):
+    """The package's LoRA as a run adds it (`--lora [--lora-targets targets]`)."""
+    from xla_train.models import add_adapters
+    from xla_train.options import TrainOptions
+
+    return add_adapters(model, TrainOptions(lora=True, lora_targets=targets).section("model"), task_type)
+
+
+def _adapted(model):
+    """{name: module} of the modules that got adapters."""
+    return {name: module for name, module in model.named_modules() if hasattr(module, "lora_A") and module.lora_A}
+
+
+@pytest.mark.parametrize("family", sorted(DEFAULT_TARGETS))
+def test_lora_adapts_the_attention_projections_only_by_default(family):
+    """Families peft's table lacks (SmolLM3, Phi-4-mini, OLMo-2, Granite, gpt-oss, Qwen3-MoE) or
+    whose entry peft's conversion of stacked experts empties (Mixtral) get adapters on their
+    attention projections; no router, expert or MLP module is adapted, and a training step puts
+    gradients on the adapters only."""
+    model = _with_lora(_causal_lm(family))
+    adapted = _adapted(model)
+    assert {name.rsplit(".", 1)[-1] for name in adapted} == DEFAULT_TARGETS[family]
+    for name in adapted:
+        assert "Attention" in type(model.get_submodule(name.rsplit(".", 1)[0])).__name__, name
+    assert not model.peft_config["default"].target_parameters  # no 3-D expert weight adapted
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable), trainable
+    assert not [n for n in trainable if any(w in n for w in ("mlp", "expert", "router", ".gate."))]
+    ids = torch.randint(3, 40, (2, 8), generator=torch.Generator().manual_seed(0))
+    model.train()
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert {n for n, p in model.named_parameters() if p.grad is not None} == trainable
+    assert any(p.grad.abs().sum() > 0 for n, p in model.named_parameters() if ".lora_B." in n)
+
+
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")  # peft's own call, unquieted
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma3"])
+def test_lora_default_targets_are_peft_own_where_peft_has_them(family):
+    """For a family in peft's table the adapters are those peft's own default (target_modules
+    None) gives: nothing changed for the families that worked before."""
+    from peft import LoraConfig, get_peft_model
+
+    ours = _with_lora(_causal_lm(family))
+    peft_own = get_peft_model(_causal_lm(family), LoraConfig(task_type="CAUSAL_LM", target_modules=None))
+    assert set(ours.peft_config["default"].target_modules) == set(peft_own.peft_config["default"].target_modules)
+    assert _adapted(ours).keys() == _adapted(peft_own).keys()
+
+
+@pytest.mark.parametrize("family,targets,expected", [
+    ("llama", "q_proj", {"q_proj"}), ("smollm3", "q_proj", {"q_proj"}),
+    ("mixtral", "q_proj,o_proj", {"q_proj", "o_proj"}), ("qwen3moe", "q_proj", {"q_proj"}),
+    ("phi4mini", "gate_up_proj", {"gate_up_proj"})])
+def test_lora_targets_override_the_default(family, targets, expected):
+    """--lora-targets names what is adapted, whatever the default would be (an MLP's too)."""
+    model = _with_lora(_causal_lm(family), targets)
+    assert {name.rsplit(".", 1)[-1] for name in _adapted(model)} == expected
+
+
+def test_lora_without_default_targets_is_one_line_naming_the_model_type():
+    """A model type peft's table lacks and whose attention has no projection of the usual names
+    (DistilBERT's q_lin, k_lin...): one line asking for --lora-targets; naming them works."""
+    from transformers import AutoModelForSequenceClassification, DistilBertConfig
+
+    from xla_train.core.errors import UserError
+
+    config = DistilBertConfig(vocab_size=40, dim=32, hidden_dim=64, n_layers=1, n_heads=2)
+    with pytest.raises(UserError) as e:
+        _with_lora(AutoModelForSequenceClassification.from_config(config), task_type="SEQ_CLS")
+    assert "'distilbert'" in str(e.value) and "--lora-targets" in str(e.value) and "\n" not in str(e.value)
+    model = _with_lora(AutoModelForSequenceClassification.from_config(config), "q_lin,v_lin", "SEQ_CLS")
+    assert {name.rsplit(".", 1)[-1] for name in _adapted(model)} == {"q_lin", "v_lin"}

@@ -9,11 +9,12 @@ from typing import TYPE_CHECKING, Any
 
 from transformers import AutoConfig
 
+from .core.attention import row_length, row_lengths_line
 from .core.batching import model_inputs_only
 from .core.clock import Startup
 from .core.errors import UserError
 from .core.launchers import pod_marker, watch_pod
-from .core.shapes import PaddingRequest, Shapes, check_steps, settle_padding
+from .core.shapes import Padding, PaddingRequest, Shapes, check_steps, settle_padding
 from .core.signals import StopRequest
 from .core.storage import is_remote, open_store
 from .models import (
@@ -107,7 +108,13 @@ def prepare(cfg, backend, resume=None, startup=None):
     test = task.prediction.read(cfg.test_file, tokenizer, settings) if cfg.test_file else None  # before the model
     shapes = Shapes(cfg.batch_size, backend.planned_data_parallel_size(), cfg.grad_accum)
     check_steps(shapes, len(splits["train"]))
-    data, truncated = tokenize_task(cfg, task, splits, tokenizer, test)
+    kind = backend.accelerator.kernel_kind()
+    max_length = cfg.max_length  # packed rows: of a length the device's attention kernel serves, where cheaper
+    if task.rows.packed:
+        max_length = row_length(cfg.attention, kind, config, cfg.max_length, packed=True)
+        max_length = max_length if max_length <= limit else cfg.max_length
+        _say(row_lengths_line(cfg.attention, kind, [cfg.max_length], [max_length]))
+    data, truncated = tokenize_task(cfg, task, splits, tokenizer, test, max_length)
     del splits  # the workers get the tokenised copy only
     if resume:
         resume.check(cfg, len(data["train"]), backend)
@@ -117,7 +124,17 @@ def prepare(cfg, backend, resume=None, startup=None):
     sized = {**data, "test": test.data} if test and task.prediction.pads_like_training else data
     shapes.padding = task.rows.padding(
         lambda: settle_padding(request, shapes, sized, task.eval_splits, backend.accelerator, resumed),
-        cfg.max_length, sized)
+        max_length, sized)
+    if shapes.padding.bucket_list:  # padded rows: buckets the kernel serves, where cheaper than the mask path
+        buckets = shapes.padding.bucket_list
+        served = sorted({row_length(cfg.attention, kind, config, b, packed=False) for b in buckets})
+        if served != buckets:
+            before = padding_share(shapes.padding, sized["train"]["length"])
+            shapes.padding = Padding("buckets", served, max(served[-1], cfg.max_length))
+            _say(row_lengths_line(cfg.attention, kind, buckets,
+                                  [row_length(cfg.attention, kind, config, b, packed=False) for b in buckets])
+                 + f"; padding {before:.1%} of the training tokens, now "
+                 f"{padding_share(shapes.padding, sized['train']['length']):.1%}")
     startup.lap("data")
     weights = resume.model_weights() if resume else None  # a corrupt file fails before any loading
     model = task.model.load(cfg.model, cfg.seed, tokenizer.pad_token_id)
@@ -139,15 +156,29 @@ def prepare(cfg, backend, resume=None, startup=None):
                samples=samples, test=test)
 
 
-def tokenize_task(cfg, task, splits, tokenizer, test=None):
+def _say(line):
+    if line:
+        print(line)
+
+
+def padding_share(padding, lengths):
+    """The share of padding in rows of these `lengths`, each padded as `padding` pads its batch."""
+    real = sum(lengths)
+    padded = sum(padding.pad_to(n) for n in lengths)
+    return (padded - real) / padded if padded else 0.0
+
+
+def tokenize_task(cfg, task, splits, tokenizer, test=None, max_length=None):
     """Every split tokenised once; the workers get this copy. `test`: --test-file's rows, read
-    (and tokenised) by the task's prediction part, counted here."""
-    data, truncated = task.rows.tokenize(splits, tokenizer, cfg.max_length)
+    (and tokenised) by the task's prediction part, counted here. `max_length`: the rows' length
+    (default --max-length)."""
+    max_length = max_length or cfg.max_length
+    data, truncated = task.rows.tokenize(splits, tokenizer, max_length)
     units = dict.fromkeys(truncated, task.rows.unit)
     if test is not None:
         truncated["test"], units["test"] = test.truncated, task.prediction.unit
     if any(truncated.values()):
-        print(f"truncated to --max-length {cfg.max_length} tokens: "
+        print(f"truncated to --max-length {max_length} tokens: "
               + ", ".join(f"{n} {split} {units[split]}" for split, n in truncated.items()))
     return data, truncated
 

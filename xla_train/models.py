@@ -139,14 +139,55 @@ def _peft_quiet():
 ADAPTER_FILE = "adapter_config.json"  # what peft's save_pretrained writes beside the adapter's weights
 
 
+# What `--lora` adapts by default where peft names nothing for the model type: the attention's
+# query, key, value and output projections (Phi-3's fused qkv_proj), in this order.
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj")
+
+
+def default_lora_targets(model):
+    """The modules `--lora` adapts when --lora-targets names none. One rule: peft's default for the
+    model type where its table names one that the model has (the attention's query and value
+    projections for Llama, Mistral, Mixtral, Qwen2, Qwen3, Gemma 1-3; GPT-2's c_attn; BERT's query
+    and value), else every attention projection found by name (ATTENTION_PROJECTIONS: Linear
+    modules of a module whose class is an attention; SmolLM3, Phi-3/4, OLMo-2, Granite, Qwen3-MoE,
+    gpt-oss). Never a mixture of experts' router or experts unless --lora-targets names them.
+
+    Names always go to peft, never None (read in peft 0.21.2): LoraModel._prepare_adapter_config
+    (peft/tuners/lora/model.py) takes TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+    (peft/utils/constants.py) only for target_modules=None, and on transformers 5's stacked experts
+    (Mixtral) BaseTuner.inject_adapter's earlier _convert_peft_config_moe
+    (peft/utils/transformers_weight_conversion.py) has turned that None into an empty set."""
+    import re
+
+    import torch
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_DEFAULTS
+
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    names = [name for name, _ in model.named_modules()]
+    peft_default = PEFT_DEFAULTS.get(model_type)
+    if isinstance(peft_default, str):  # a pattern of whole names (Gemma 4's language model)
+        if any(re.fullmatch(peft_default, n) for n in names):
+            return peft_default
+    elif peft_default and any(n == t or n.endswith("." + t) for n in names for t in peft_default):
+        return list(peft_default)
+    found = {name for parent in model.modules() if "Attention" in type(parent).__name__
+             for name, child in parent.named_children()
+             if name in ATTENTION_PROJECTIONS and isinstance(child, torch.nn.Linear)}
+    if not found:
+        raise UserError(f"--lora: no default targets for model type {model_type!r} (neither peft's default for it "
+                        f"nor an attention projection {'/'.join(ATTENTION_PROJECTIONS)} is in the model); name "
+                        "the modules to adapt with --lora-targets")
+    return [p for p in ATTENTION_PROJECTIONS if p in found]
+
+
 def add_adapters(model, adapters, peft_task_type):
-    """`model` with LoRA adapters (peft) on `adapters.lora_targets` (default: the attention
-    projections peft knows for the architecture); `adapters`: the options' model section (its
-    lora_ options); only the adapters and what `peft_task_type` keeps trainable (a classifier's
-    head) train."""
+    """`model` with LoRA adapters (peft) on `adapters.lora_targets` (default: `default_lora_targets`);
+    `adapters`: the options' model section (its lora_ options); only the adapters and what
+    `peft_task_type` keeps trainable (a classifier's head) train."""
     from peft import LoraConfig, get_peft_model
 
     targets = [t.strip() for t in adapters.lora_targets.split(",") if t.strip()] if adapters.lora_targets else None
+    targets = targets or default_lora_targets(model)
     config = LoraConfig(task_type=peft_task_type, r=adapters.lora_r, lora_alpha=adapters.lora_alpha,
                         lora_dropout=adapters.lora_dropout, target_modules=targets)
     try:

@@ -122,8 +122,10 @@ class TrainOptions:
     lora_r: int = option(8, "--lora: the adapters' rank", section="model")
     lora_alpha: float = option(16.0, "--lora: the adapters' scale numerator (scale alpha / r)", section="model")
     lora_dropout: float = option(0.05, "--lora: dropout on the adapters' input", section="model")
-    lora_targets: str = option(None, "--lora: module names to adapt, comma-separated (default: the attention "
-                               "projections peft knows for the architecture)", section="model")
+    lora_targets: str = option(None, "--lora: module names to adapt, comma-separated (default: peft's default for "
+                               "the architecture where it has one, else the attention's q/k/v/o projections found "
+                               "by name; a mixture of experts' router and experts only when named here)",
+                               section="model")
     merge_lora: bool = option(False, "--lora: write the merged whole model to OUTPUT_DIR instead of the adapter "
                               "(plain transformers loads it)", section="model")
     # optimizer: the course's hyperparameters (AdamW, linear schedule, 3 epochs, batch 8)

@@ -184,6 +184,60 @@ def fallback_note(attention: str, kind: str, model, length: int | None) -> str |
     return f"attention: the mask path ({length} x {length} per row), not {wanted}: {reason}" if reason else None
 
 
+def _config_refusal(path: str, kind: str, config) -> str | None:
+    """The reasons of `why_not` that the config alone tells (before the model loads)."""
+    kernel = KERNELS.get((kind, path))
+    if kernel is None:
+        return f"{path} does not run on {kind} devices"
+    if _config_value(config, "attention_dropout", "attn_pdrop"):
+        return "attention dropout"
+    if not kernel.softcap and getattr(config, "attn_logit_softcapping", None):
+        return "soft-capping"
+    return None
+
+
+def _flops(config, length: int, attention_share: float) -> float:
+    """Training FLOPs of one token in a row of `length` (PaLM's count, core.peaks.flops_per_token:
+    6 per weight, 12 x layers x width x length for attention), the attention's part scaled by
+    `attention_share` (a flash kernel skips the blocks above the diagonal: about half)."""
+    width = _config_value(config, "hidden_size", "n_embd") or 0
+    layers = _config_value(config, "num_hidden_layers", "n_layer") or 0
+    heads = _config_value(config, "num_attention_heads", "n_head") or 1
+    kv = _config_value(config, "num_key_value_heads") or heads
+    head_dim = _head_dim(config) or 0
+    inner = _config_value(config, "intermediate_size", "n_inner") or 4 * width
+    weights = layers * (2 * width * heads * head_dim + 2 * width * kv * head_dim + 3 * width * inner)
+    return 6 * weights + attention_share * 12 * layers * width * length
+
+
+def row_length(attention: str, kind: str, config, length: int, packed: bool) -> int:
+    """The row length to use for rows of `length` tokens: `length`, or where `attention` would
+    take the device's kernel but its blocks refuse `length`, the next length they serve
+    (Kernel.round_up), where that costs fewer FLOPs than the mask path at `length` (`_flops`):
+    per token for packed rows, whose added tokens are documents; per row for padded ones, whose
+    added tokens are padding. Not measured on a TPU: a first-order count."""
+    path = auto_kernel(kind) if attention == "auto" else attention
+    kernel = KERNELS.get((kind, path)) if path not in (None, "mask") else None
+    if kernel is None or kernel.round_up is None or _config_refusal(kernel.path, kind, config):
+        return length
+    head_dim = _head_dim(config)
+    refused = kernel.refusal(length, head_dim) if kernel.refusal else None
+    longer = kernel.round_up(length) if refused else length
+    if longer == length or (kernel.refusal and kernel.refusal(longer, head_dim)):
+        return length
+    rows = (1, 1) if packed else (length, longer)  # tokens a row costs, on the mask path and the kernel's
+    return longer if rows[1] * _flops(config, longer, 0.5) < rows[0] * _flops(config, length, 1.0) else length
+
+
+def row_lengths_line(attention: str, kind: str, lengths: list[int], rounded: list[int]) -> str | None:
+    """The console's line where `row_length` rounded any of `lengths` up."""
+    if lengths == rounded:
+        return None
+    path = auto_kernel(kind) if attention == "auto" else attention
+    pairs = ", ".join(f"{a} -> {b}" for a, b in zip(lengths, rounded) if a != b)
+    return f"attention: rows rounded up to lengths {path} serves ({pairs}), fewer FLOPs than the mask path"
+
+
 def layer_windows(config, length: int) -> dict[str | None, int | None]:
     """Each layer type's sliding window where it is shorter than `length` (else None): keyed by
     the types a config names (transformers' `config.layer_types`: "full_attention",

@@ -66,6 +66,7 @@ class Kernel:
     # why it cannot serve rows of `length` tokens (None: not known yet) with heads `head_dim` wide, or None
     refusal: Callable[[int | None, int | None], str | None] | None = None
     softcap: bool = True  # whether it soft-caps scores (Gemma 2's attn_logit_softcapping)
+    round_up: Callable[[int], int] | None = None  # the shortest row length it serves from `length` on
 
 
 KERNELS: dict[tuple[str, str], Kernel] = {}  # (device kind, path) -> the kernel, as the implementations declare them
@@ -102,6 +103,11 @@ class Accelerator(ABC):
 
     def describe(self) -> str:
         return str(self.device)
+
+    def kernel_kind(self) -> str:
+        """The kind its tensors are (core.attention.kind_of's names: the KERNELS it runs), told
+        without touching the device."""
+        return self.name
 
     def setup(self) -> None:
         """Called in each worker before anything touches the device."""

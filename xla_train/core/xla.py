@@ -94,6 +94,12 @@ def flash_serves(length: int, head_dim: int | None = None) -> bool:
     return rows and heads
 
 
+def flash_round_up(length: int) -> int:
+    """The shortest row length from `length` on that torch_xla 2.9's flash attention serves."""
+    served = [n for n in FLASH_SHORT_ROWS if n >= length]
+    return served[0] if served else -(-length // FLASH_ROW_MULTIPLE) * FLASH_ROW_MULTIPLE
+
+
 def flash_refusal(length: int | None, head_dim: int | None) -> str | None:
     """Why the TPU's Pallas flash attention cannot serve such rows, or None (see `flash_serves`)."""
     if importlib.util.find_spec("jax") is None:
@@ -107,7 +113,7 @@ def flash_refusal(length: int | None, head_dim: int | None) -> str | None:
     return None
 
 
-serve("xla-tpu", Kernel("pallas", auto=True, refusal=flash_refusal, softcap=False))
+serve("xla-tpu", Kernel("pallas", auto=True, refusal=flash_refusal, softcap=False, round_up=flash_round_up))
 
 
 def tpu_present(xla_problem: str | None = None) -> bool:
@@ -207,6 +213,9 @@ class XlaAccelerator(Accelerator):
         import torch_xla.runtime as xr
 
         return f"{self.device} ({xr.device_type()})"
+
+    def kernel_kind(self) -> str:
+        return "xla-tpu" if pjrt_device() == "TPU" else "xla"  # as core.attention.kind_of names an XLA tensor
 
     def adapt_model(self, model: torch.nn.Module) -> torch.nn.Module:
         # Only where the model's own sdpa path computes what its eager one does: Gemma 2's eager

@@ -110,6 +110,12 @@ class Rows:
 
     unit = "rows"  # what --max-length truncates, in console lines
 
+    @property
+    def packed(self) -> bool:
+        """Whether rows are filled with documents to exactly the maximum length rather than padded
+        (job.prepare then chooses that length for the device's attention kernel before packing)."""
+        return False
+
     def tokenize(self, splits: Any, tokenizer: Any, max_length: int) -> tuple[Any, dict[str, int]]:
         """The splits (a DatasetDict) as token ids; returns (data, rows truncated per split)."""
         raise NotImplementedError

@@ -82,6 +82,10 @@ class DocumentRows(Rows):
     packing: bool = True
     unit = "documents"
 
+    @property
+    def packed(self) -> bool:
+        return self.packing
+
     def tokenize(self, splits: Any, tokenizer: Any, max_length: int) -> tuple[Any, dict[str, int]]:
         """Every split as rows of documents (packed or one each); returns (data, documents
         truncated per split)."""
