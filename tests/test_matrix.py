@@ -342,8 +342,11 @@ def test_cell(family, device, precision, mode, zoo, tmp_path):
 # The zoo itself: the published flags, as transformers reads them from the saved folder
 
 # What each published checkpoint has, restated here (tiny_decoders.ZOO is the data; these are the
-# facts the matrix relies on): tied embeddings, query heads per key/value head, the padding token
-# (None: none), the token that ends an assistant turn in its chat template (None: no template).
+# facts the matrix relies on): tied embeddings, query heads per key/value head (of the tiny model:
+# 4 query heads), the padding token (None: none), the token that ends an assistant turn in its
+# chat template (None: no template), and where the trained assistant turn opens with markup
+# before the answer, that markup ("opens"). The late-2026 families (tiny_decoders.LATE_2026) are
+# checked here and in the chat-template test, not in the matrix.
 PUBLISHED = {
     "llama": dict(tied=True, heads_per_kv=4, pad=None, end_of_turn="<|eot_id|>"),
     "qwen2": dict(tied=True, heads_per_kv=2, pad="<|endoftext|>", end_of_turn="<|im_end|>"),
@@ -351,15 +354,31 @@ PUBLISHED = {
     "gemma2": dict(tied=True, heads_per_kv=2, pad="<pad>", end_of_turn="<end_of_turn>"),
     "mistral": dict(tied=False, heads_per_kv=4, pad=None, end_of_turn=None),
     "gpt2": dict(tied=True, heads_per_kv=1, pad=None, end_of_turn=None),
+    # an empty thought opens the last assistant turn
+    "qwen3": dict(tied=True, heads_per_kv=2, pad="<|endoftext|>", end_of_turn="<|im_end|>",
+                  opens="<think>\n\n</think>\n\n"),
+    "gemma3": dict(tied=True, heads_per_kv=4, pad="<pad>", end_of_turn="<end_of_turn>"),  # 4 over 1 published
+    # /no_think's empty thought opens every assistant turn
+    "smollm3": dict(tied=True, heads_per_kv=4, pad="<|finetune_right_pad_id|>", end_of_turn="<|im_end|>",
+                    opens="<think>\n\n</think>\n"),
+    "phi4mini": dict(tied=True, heads_per_kv=4, pad="<|endoftext|>", end_of_turn="<|end|>"),  # 3:1 published
+    "olmo2": dict(tied=False, heads_per_kv=1, pad="<|pad|>", end_of_turn=None),  # multi-head attention
+    "granite": dict(tied=True, heads_per_kv=4, pad="<|end_of_text|>", end_of_turn="<|end_of_text|>"),
+    "qwen3moe": dict(tied=False, heads_per_kv=4, pad="<|endoftext|>", end_of_turn="<|im_end|>",  # 8:1 published
+                     opens="<think>\n\n</think>\n\n"),
+    "mixtral": dict(tied=False, heads_per_kv=4, pad=None, end_of_turn=None),
+    # the answer in harmony's final channel, ended by <|return|>
+    "gptoss": dict(tied=False, heads_per_kv=4, pad="<|endoftext|>", end_of_turn="<|return|>",  # 8:1 published
+                   opens="<|channel|>final<|message|>"),
 }
 
 
-@pytest.mark.parametrize("family", td.FAMILIES)
+@pytest.mark.parametrize("family", [*td.FAMILIES, *td.LATE_2026])
 def test_the_zoo_carries_the_published_flags(family, zoo):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     z, facts = zoo[family], PUBLISHED[family]
-    assert set(PUBLISHED) == set(td.FAMILIES) and td.ZOO[family]["checkpoint"]
+    assert set(PUBLISHED) == {*td.FAMILIES, *td.LATE_2026} and td.ZOO[family]["checkpoint"]
     model = AutoModelForCausalLM.from_pretrained(z.path)
     tok = AutoTokenizer.from_pretrained(z.path)  # as the job loads it (transformers picks Qwen2's own class)
     config = model.config
@@ -372,10 +391,22 @@ def test_the_zoo_carries_the_published_flags(family, zoo):
     assert tok.pad_token == facts["pad"]
     # the config names the padding token where the published config.json does (Gemma's), not Qwen2.5's
     assert config.pad_token_id == (tok.pad_token_id if "pad_token_id" in td.ZOO[family]["config"] else None)
-    assert tok.eos_token_id == config.eos_token_id
+    # the tokenizer's end-of-sequence token is the config's (the first of Gemma 3's two)
+    eos = config.eos_token_id
+    assert tok.eos_token_id == (eos[0] if isinstance(eos, list) else eos)
     # the tokenizer reloaded from the folder encodes as the one the zoo built
     text = "reverse a b c = c b a"
     assert tok(text)["input_ids"] == td.family_tokenizer(family)(text)["input_ids"]
+    # the special tokens in the published order (a late family's published ids), and
+    # generation_config.json's token ids those the zoo names
+    spec = td.ZOO[family]["tokens"]
+    published = spec.get("published_ids", {})
+    assert sorted(published, key=published.get) == sorted(published, key=tok.convert_tokens_to_ids)
+    generation = GenerationConfig.from_pretrained(z.path)
+    for key, names in td.ZOO[family]["generation"].items():
+        if key.endswith("token_id"):
+            assert getattr(generation, key) == tok.convert_tokens_to_ids(names), key
+    assert bool(tok.chat_template) is (spec["template"] is not None)
     attention = model.model.layers[0].self_attn if family != "gpt2" else None
     if family == "llama":
         rope = config.rope_parameters
@@ -396,17 +427,49 @@ def test_the_zoo_carries_the_published_flags(family, zoo):
         assert tok.bos_token == tok.eos_token == "<|endoftext|>" and not tok.chat_template
 
 
-@pytest.mark.parametrize("family", [f for f in td.FAMILIES if PUBLISHED[f]["end_of_turn"]])
+@pytest.mark.parametrize("family", [f for f in (*td.FAMILIES, *td.LATE_2026) if PUBLISHED[f]["end_of_turn"]])
 def test_the_chat_template_ends_the_assistant_turn_and_the_loss_trains_it(family, zoo):
     """Rendered by the family's template, the assistant's turn ends with its end-of-turn token,
-    which the causal-LM task trains (with the newline after it, where the template puts one)."""
+    which the causal-LM task trains (with the newline after it, where the template puts one, or
+    Phi-4-mini's end-of-sequence token), and opens with the markup the family's template puts
+    before the answer (Qwen3's and SmolLM3's empty thought, gpt-oss's final channel), trained too."""
     from xla_train.tasks.causal_lm import chat
 
     z = zoo[family]
     messages = td.reverse_rows(1, 0, "messages")[0]["messages"]
     ids, trained = chat(messages, z.tok, "row 1")
-    trained_tokens = z.tok.convert_ids_to_tokens([i for i, t in zip(ids, trained) if t])
+    trained_ids = [i for i, t in zip(ids, trained) if t]
+    trained_tokens = z.tok.convert_ids_to_tokens(trained_ids)
     end = PUBLISHED[family]["end_of_turn"]
     assert end in trained_tokens and trained_tokens.index(end) >= len(trained_tokens) - 2, trained_tokens
-    answer = z.tok.decode([i for i, t in zip(ids, trained) if t], skip_special_tokens=True)
+    opens = z.tok(PUBLISHED[family].get("opens", ""), add_special_tokens=False)["input_ids"]
+    assert trained_ids[:len(opens)] == opens, trained_tokens
+    answer = z.tok.decode(trained_ids[len(opens):], skip_special_tokens=True)
     assert answer.split() == messages[1]["content"].split()
+
+
+@pytest.mark.parametrize("family", [f for f in (*td.FAMILIES, *td.LATE_2026) if PUBLISHED[f]["end_of_turn"]])
+def test_every_assistant_turn_of_a_conversation_is_trained(family, zoo):
+    """Two exchanges: both assistant answers are trained, each with its end of turn, and nothing
+    of the user turns. Qwen3 (the empty thought on the last turn only), gpt-oss (<|return|> on the
+    last turn, <|end|> before) and Phi-4-mini (end-of-sequence after the last turn) render an
+    earlier turn otherwise once later turns follow it."""
+    from xla_train.tasks.causal_lm import chat
+
+    z = zoo[family]
+    rows = td.reverse_rows(2, 1, "messages")
+    messages = rows[0]["messages"] + rows[1]["messages"]
+    ids, trained = chat(messages, z.tok, "row 1")
+    runs, run = [], []
+    for i, t in zip(ids, trained):
+        if t:
+            run.append(i)
+        elif run:
+            runs, run = runs + [run], []
+    runs += [run] if run else []
+    assert len(runs) == 2, [z.tok.decode(r) for r in runs]
+    # gpt-oss ends an earlier turn with <|end|>, its last with <|return|>: any special token
+    ends = {i for i, t in z.tok.added_tokens_decoder.items() if t.special}
+    for turn, answer in zip(runs, (rows[0]["messages"][1]["content"], rows[1]["messages"][1]["content"])):
+        assert ends & set(turn[-3:]), z.tok.convert_ids_to_tokens(turn)
+        assert "".join(z.tok.decode(turn, skip_special_tokens=True).split()).endswith("".join(answer.split()))

@@ -37,6 +37,69 @@ GEMMA_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% set role = 'model' i
                   "else m['role'] %}<start_of_turn>{{ role }}\n{{ m['content'] | trim }}<end_of_turn>\n{% endfor %}"
                   "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
 
+# The late-2026 families' templates, each the published markup of a user/assistant exchange (and
+# of a system turn where the published template has one) with the published default system text
+# left out; where each was read is in LATE_TOKENS below.
+# Qwen3 (Qwen3-0.6B's tokenizer_config.json; Qwen3-30B-A3B shares the tokenizer): ChatML; the
+# assistant turn after the last user turn opens with an empty thought ("<think>\n\n</think>\n\n",
+# reasoning_content's place), earlier assistant turns without it; enable_thinking=False puts the
+# empty thought in the generation prompt. Left out: tools, reasoning_content and <think> parsing.
+QWEN3_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'assistant' %}<|im_start|>assistant\n"
+                  "{% if loop.last %}<think>\n\n</think>\n\n{% endif %}{{ m['content'] }}<|im_end|>\n"
+                  "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+                  "{% if add_generation_prompt %}<|im_start|>assistant\n"
+                  "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
+                  "{% endif %}")
+# Gemma 3 (gemma-3-1b-it's template as a GGUF of it and gemma-3-4b-it's tokenizer_config.json
+# carry it): Gemma's turns, a system message folded into the first user turn, images left out
+GEMMA3_TEMPLATE = ("{{ bos_token }}{% if messages[0]['role'] == 'system' %}"
+                   "{% set first = messages[0]['content'] + '\n\n' %}{% set loop_messages = messages[1:] %}"
+                   "{% else %}{% set first = '' %}{% set loop_messages = messages %}{% endif %}"
+                   "{% for m in loop_messages %}{% set role = 'model' if m['role'] == 'assistant' else m['role'] %}"
+                   "<start_of_turn>{{ role }}\n{{ first if loop.first else '' }}{{ m['content'] | trim }}"
+                   "<end_of_turn>\n"
+                   "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+# SmolLM3-3B: its template in /no_think mode (a system message with "/no_think", or
+# enable_thinking=False): a system turn always first (published: "## Metadata" with the dates and
+# reasoning mode, then the custom instructions; here the instructions only), each assistant turn
+# opening with an empty thought "<think>\n\n</think>\n". The published default is /think, where the
+# generation prompt ends "<|im_start|>assistant\n<think>\n" and an assistant turn is rendered as its
+# content alone: a plain answer's rendering does not start with the generation prompt, so
+# xla_train.tasks.documents.chat refuses such rows unless the system message says /no_think.
+SMOLLM3_TEMPLATE = ("<|im_start|>system\n{% if messages[0]['role'] == 'system' %}"
+                    "{{ messages[0]['content'].replace('/no_think', '').replace('/think', '').rstrip() }}{% endif %}"
+                    "<|im_end|>\n{% for m in messages %}{% if m['role'] == 'user' %}"
+                    "<|im_start|>user\n{{ m['content'] }}<|im_end|>\n{% elif m['role'] == 'assistant' %}"
+                    "<|im_start|>assistant\n<think>\n\n</think>\n{{ m['content'].lstrip('\n') }}<|im_end|>\n"
+                    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# Phi-4-mini-instruct (tokenizer_config.json, tools left out): <|role|>content<|end|>, and the
+# end-of-sequence token after the last turn when there is no generation prompt (so a multi-turn
+# rendering does not start with the rendering of its first exchange)
+PHI4_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% else %}{{ eos_token }}{% endif %}")
+# granite-3.3-2b-instruct (llama.cpp's copy of its template): <|start_of_role|>role<|end_of_role|>
+# content<|end_of_text|>; left out: the default system turn the published template adds when
+# there is none ("Knowledge Cutoff Date: April 2024. Today's Date: ... You are Granite..."),
+# tools, documents and controls
+GRANITE_TEMPLATE = ("{% for m in messages %}<|start_of_role|>{{ m['role'] }}<|end_of_role|>{{ m['content'] }}"
+                    "<|end_of_text|>\n{% endfor %}"
+                    "{% if add_generation_prompt %}<|start_of_role|>assistant<|end_of_role|>{% endif %}")
+# gpt-oss-20b (harmony; openai/gpt-oss-120b's chat_template.jinja as llama.cpp copies it):
+# <|start|>role<|message|>content<|end|>, the assistant's answer in the final channel, and the
+# last assistant turn of a training rendering (no generation prompt) ending with <|return|>, not
+# <|end|> (so a multi-turn rendering does not start with the rendering of its first exchange).
+# Left out: the system message the published template always renders ("You are ChatGPT...",
+# knowledge cutoff, date, reasoning effort, channels), "# Instructions" before a developer
+# message, thinking (the analysis channel), tools.
+HARMONY_TEMPLATE = ("{% if messages[0]['role'] in ('system', 'developer') %}"
+                    "<|start|>developer<|message|>{{ messages[0]['content'] }}<|end|>"
+                    "{% set loop_messages = messages[1:] %}{% else %}{% set loop_messages = messages %}{% endif %}"
+                    "{% for m in loop_messages %}{% if m['role'] == 'assistant' %}"
+                    "<|start|>assistant<|channel|>final<|message|>{{ m['content'] }}"
+                    "{{ '<|return|>' if loop.last and not add_generation_prompt else '<|end|>' }}"
+                    "{% else %}<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}<|end|>{% endif %}{% endfor %}"
+                    "{% if add_generation_prompt %}<|start|>assistant{% endif %}")
+
 _GEMMA_TOKENS = {  # gemma-2b's and gemma-2-2b's tokenizer: <pad> 0, <eos> 1, <bos> 2, <unk> 3 (turns: 106, 107)
     "first": ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"], "last": [],
     "bos": "<bos>", "eos": "<eos>", "pad": "<pad>", "unk": "<unk>", "adds_bos": True, "template": GEMMA_TEMPLATE,
@@ -151,9 +214,10 @@ ZOO = {
 
 # The families of late 2026, each from its checkpoint's config.json as published, kept in
 # tests/published/FAMILY.json with where it was read (two, OLMo-2's and Granite's, are partly
-# reconstructed from a sibling checkpoint's file: their `reconstructed_keys` say which keys). They
-# join the zoo for the attention tests (tests/test_attention.py); the whole matrix
-# (tests/test_matrix.py) runs FAMILIES.
+# reconstructed from a sibling checkpoint's file: their `reconstructed_keys` say which keys), with
+# their tokenizers and generation_config.json (LATE_TOKENS). They join the zoo for the attention
+# tests (tests/test_attention.py) and test_matrix's zoo-flag and chat-template tests; the whole
+# matrix (tests/test_matrix.py) runs FAMILIES.
 LATE_2026 = ("qwen3", "gemma3", "smollm3", "phi4mini", "olmo2", "granite", "qwen3moe", "mixtral", "gptoss")
 EXPERTS = ("qwen3moe", "mixtral", "gptoss")
 # layers a tiny model keeps so that its pattern of layers shows once: Gemma 3's five sliding
@@ -161,6 +225,144 @@ EXPERTS = ("qwen3moe", "mixtral", "gptoss")
 LAYER_PATTERN = {"gemma3": 6, "smollm3": 4}
 for _family in LATE_2026:
     ZOO[_family] = json.loads((Path(__file__).parent / "published" / f"{_family}.json").read_text())
+
+# The late families' tokenizers and generation_config.json, as their checkpoints publish them,
+# in the older entries' form, with two more keys: "published_ids", the published id of each
+# special token named here (their config.json files, kept as published, carry ids: `config`
+# reads them as these tokens), and "plain", tokens added after the special ones that are not
+# special (Qwen3's <think> and </think>: decoding keeps them). Where each fact was read, and
+# what is not verified, is said with it. Ids the tokens spec and the published config share are
+# checked against each other by `config` (an id it cannot name fails).
+_QWEN3_TOKENS = {  # Qwen3-4B's tokenizer_config.json (the Qwen3 family's tokenizer): no beginning token
+    # (bos_token null, add_bos_token false), <|im_end|> ends, <|endoftext|> pads, no unknown token
+    # (byte-level); specials after the 151,643 words, then <think> 151667 and </think> 151668,
+    # added but not special. Qwen3-0.6B's and Qwen3-30B-A3B's own files not seen: their
+    # model_max_length (131072, as Qwen2.5's) is not verified.
+    "first": [], "last": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], "plain": ["<think>", "</think>"],
+    "published_ids": {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645, "<think>": 151667,
+                      "</think>": 151668},
+    "bos": None, "eos": "<|im_end|>", "pad": "<|endoftext|>", "unk": None, "adds_bos": False,
+    "template": QWEN3_TEMPLATE, "end_of_turn": "<|im_end|>", "limit": {"model_max_length": 131072}}
+# Qwen3-0.6B's generation_config.json, verbatim in two copies (a tutorial's json.load of it and a
+# training log's GenerationConfig); Qwen3-30B-A3B's not seen (taken as the family's)
+_QWEN3_GENERATION = {"bos_token_id": "<|endoftext|>", "do_sample": True,
+                     "eos_token_id": ["<|im_end|>", "<|endoftext|>"], "pad_token_id": "<|endoftext|>",
+                     "temperature": 0.6, "top_k": 20, "top_p": 0.95}
+LATE_TOKENS = {
+    "qwen3": {"tokens": _QWEN3_TOKENS, "generation": _QWEN3_GENERATION},
+    "qwen3moe": {"tokens": _QWEN3_TOKENS, "generation": _QWEN3_GENERATION},
+    "gemma3": {
+        # Gemma's tokenizer: <pad> 0, <eos> 1, <bos> 2, <unk> 3, <mask> 4, <start_of_turn> 105,
+        # <end_of_turn> 106 (a GGUF of gemma-3-1b-it: pad 0, eos 1, bos 2, unk 3; its config.json:
+        # eos [1, 106]); <bos> added (the template writes bos_token too, as published). eos_token
+        # <eos> is from gemma-3-4b's and Gemma 3n's tokenizer_config.json, not the 1b's own (not
+        # seen); model_max_length unset there (1e30), so none here.
+        "tokens": {"first": ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>"],
+                   "last": [], "published_ids": {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, "<mask>": 4,
+                                                 "<start_of_turn>": 105, "<end_of_turn>": 106},
+                   "bos": "<bos>", "eos": "<eos>", "pad": "<pad>", "unk": "<unk>", "adds_bos": True,
+                   "template": GEMMA3_TEMPLATE, "end_of_turn": "<end_of_turn>"},
+        # gemma-3-4b's generation_config.json as several fine-tuning scripts restate it ("the base
+        # checkpoint ships do_sample, top_k 64, top_p 0.95"); the 1b-it's own not seen
+        "generation": {"bos_token_id": "<bos>", "cache_implementation": "hybrid", "do_sample": True,
+                       "eos_token_id": ["<eos>", "<end_of_turn>"], "pad_token_id": "<pad>", "top_k": 64, "top_p": 0.95},
+    },
+    "smollm3": {
+        # Llama 3.2's vocabulary (128,000 words, then specials); its config.json: bos 128000, eos
+        # 128012, pad 128004. NOT VERIFIED (SmolLM3's tokenizer_config.json not seen): the names
+        # <|im_start|> 128011 and <|im_end|> 128012 (the ChatML markup its template writes; eos =
+        # the end of an assistant turn), <think> 128002 and </think> 128003 (special here),
+        # <|finetune_right_pad_id|> 128004 (Llama 3.2's name there) as the padding token,
+        # <|begin_of_text|> 128000 as bos and not added (its template writes none), no
+        # model_max_length.
+        "tokens": {"first": [], "last": ["<|begin_of_text|>", "<think>", "</think>", "<|finetune_right_pad_id|>",
+                                         "<|im_start|>", "<|im_end|>"],
+                   "published_ids": {"<|begin_of_text|>": 128000, "<think>": 128002, "</think>": 128003,
+                                     "<|finetune_right_pad_id|>": 128004, "<|im_start|>": 128011, "<|im_end|>": 128012},
+                   "bos": "<|begin_of_text|>", "eos": "<|im_end|>", "pad": "<|finetune_right_pad_id|>", "unk": None,
+                   "adds_bos": False, "template": SMOLLM3_TEMPLATE, "end_of_turn": "<|im_end|>"},
+        # the config's three ids; NOT VERIFIED: the file itself (the model card recommends
+        # temperature 0.6 and top_p 0.95; whether the file sets them is not known)
+        "generation": {"bos_token_id": "<|begin_of_text|>", "eos_token_id": "<|im_end|>",
+                       "pad_token_id": "<|finetune_right_pad_id|>"},
+    },
+    "phi4mini": {
+        # o200k words, <|endoftext|> 199999, then Phi's: <|assistant|> 200019, <|end|> 200020,
+        # <|user|> 200021, <|tool|> 200023 (an agent's token handler; <|system|> 200022 between
+        # them is inferred, not seen); bos_token <|endoftext|> (quoted from its
+        # tokenizer_config.json), eos_token <|endoftext|> (the handler: tokenizer.eos_token_id is
+        # <|endoftext|>), the config's pad 199999. NOT VERIFIED: pad_token and unk_token
+        # <|endoftext|> in tokenizer_config.json, no beginning token added, model_max_length 131072.
+        "tokens": {"first": [], "last": ["<|endoftext|>", "<|assistant|>", "<|end|>", "<|user|>", "<|system|>"],
+                   "published_ids": {"<|endoftext|>": 199999, "<|assistant|>": 200019, "<|end|>": 200020,
+                                     "<|user|>": 200021, "<|system|>": 200022},
+                   "bos": "<|endoftext|>", "eos": "<|endoftext|>", "pad": "<|endoftext|>", "unk": "<|endoftext|>",
+                   "adds_bos": False, "template": PHI4_TEMPLATE, "end_of_turn": "<|end|>",
+                   "limit": {"model_max_length": 131072}},
+        # eos [200020, 199999], pad and bos 199999: as Phi-4-mini's runtimes and a patch of
+        # Phi3ForCausalLM.generate read its generation_config.json (the file itself not seen)
+        "generation": {"bos_token_id": "<|endoftext|>", "eos_token_id": ["<|end|>", "<|endoftext|>"],
+                       "pad_token_id": "<|endoftext|>"},
+    },
+    "olmo2": {
+        # dolma2 (cl100k words): <|endoftext|> 100257 ends, <|pad|> 100277 pads, no beginning token
+        # (OLMo-core's dolma2 TokenizerConfig: eos 100257, pad 100277, bos None; config.json: no
+        # bos_token_id). A base model: no chat template. NOT VERIFIED (tokenizer_config.json not
+        # seen): bos_token and unk_token <|endoftext|> (as GPT-2's), that there is no chat_template,
+        # no model_max_length.
+        "tokens": {"first": [], "last": ["<|endoftext|>", "<|pad|>"],
+                   "published_ids": {"<|endoftext|>": 100257, "<|pad|>": 100277},
+                   "bos": "<|endoftext|>", "eos": "<|endoftext|>", "pad": "<|pad|>", "unk": "<|endoftext|>",
+                   "adds_bos": False, "template": None, "end_of_turn": None},
+        "generation": {"eos_token_id": "<|endoftext|>", "pad_token_id": "<|pad|>"},  # the config's; file NOT VERIFIED
+    },
+    "granite": {
+        # StarCoder-style: <|end_of_text|> 0 (then <fim_prefix> ... <reponame>, 1-18, left out),
+        # the words, <|start_of_role|> 49152, <|end_of_role|> 49153, <|tool_call|> 49154 (then
+        # cite and plugin tokens to 49158, left out): granite-io's list of Granite 3.3's special
+        # tokens, in order; config.json: bos = eos = pad = 0. <|end_of_text|> ends every turn
+        # (and the text, and pads). NOT VERIFIED: unk_token <|end_of_text|>, no beginning token
+        # added, no model_max_length.
+        "tokens": {"first": ["<|end_of_text|>"], "last": ["<|start_of_role|>", "<|end_of_role|>", "<|tool_call|>"],
+                   "published_ids": {"<|end_of_text|>": 0, "<|start_of_role|>": 49152, "<|end_of_role|>": 49153,
+                                     "<|tool_call|>": 49154},
+                   "bos": "<|end_of_text|>", "eos": "<|end_of_text|>", "pad": "<|end_of_text|>",
+                   "unk": "<|end_of_text|>", "adds_bos": False, "template": GRANITE_TEMPLATE,
+                   "end_of_turn": "<|end_of_text|>"},
+        "generation": {"bos_token_id": "<|end_of_text|>", "eos_token_id": "<|end_of_text|>",  # the config's;
+                       "pad_token_id": "<|end_of_text|>"},  # file NOT VERIFIED
+    },
+    "mixtral": {
+        # Mistral-7B-v0.1's tokenizer (config.json: bos 1, eos 2): <unk> 0, <s> 1, </s> 2, <s>
+        # added, no padding token; a base model: no chat template. Its own tokenizer_config.json
+        # and generation_config.json not seen.
+        "tokens": {"first": ["<unk>", "<s>", "</s>"], "last": [], "published_ids": {"<unk>": 0, "<s>": 1, "</s>": 2},
+                   "bos": "<s>", "eos": "</s>", "pad": None, "unk": "<unk>", "adds_bos": True, "template": None,
+                   "end_of_turn": None},
+        "generation": {"bos_token_id": "<s>", "eos_token_id": "</s>"},
+    },
+    "gptoss": {
+        # o200k_harmony: 199,998 words, then <|startoftext|> 199998, <|endoftext|> 199999,
+        # <|return|> 200002, <|constrain|> 200003, <|channel|> 200005, <|start|> 200006, <|end|>
+        # 200007, <|message|> 200008, <|call|> 200012 (reserved ones between, and <|endofprompt|>
+        # 200018, left out); bos_token <|startoftext|>, eos_token <|return|>, pad_token
+        # <|endoftext|> (its tokenizer_config.json, quoted in a client's source). NOT VERIFIED: no
+        # beginning token added (the harmony rendering writes none), no model_max_length.
+        "tokens": {"first": [], "last": ["<|startoftext|>", "<|endoftext|>", "<|return|>", "<|constrain|>",
+                                         "<|channel|>", "<|start|>", "<|end|>", "<|message|>", "<|call|>"],
+                   "published_ids": {"<|startoftext|>": 199998, "<|endoftext|>": 199999, "<|return|>": 200002,
+                                     "<|constrain|>": 200003, "<|channel|>": 200005, "<|start|>": 200006,
+                                     "<|end|>": 200007, "<|message|>": 200008, "<|call|>": 200012},
+                   "bos": "<|startoftext|>", "eos": "<|return|>", "pad": "<|endoftext|>", "unk": None,
+                   "adds_bos": False, "template": HARMONY_TEMPLATE, "end_of_turn": "<|return|>"},
+        # its generation_config.json as several copies quote it (bos 199998, eos [200002, 199999,
+        # 200012], pad 199999, do_sample true)
+        "generation": {"bos_token_id": "<|startoftext|>", "do_sample": True,
+                       "eos_token_id": ["<|return|>", "<|endoftext|>", "<|call|>"], "pad_token_id": "<|endoftext|>"},
+    },
+}
+for _family, _entry in LATE_TOKENS.items():
+    ZOO[_family].update(_entry)
 
 
 def _shrunk_late(family, size, layers):
@@ -233,11 +435,23 @@ def _token_ids(values, ids):
     return {k: one(v) if k.endswith("token_id") else v for k, v in values.items()}
 
 
+def _token_names(values, names):
+    """A published config's token ids replaced by the tokens' names (`names`: id -> name); an id
+    the family's tokens do not name fails (KeyError)."""
+    def one(v):
+        if isinstance(v, list):
+            return [one(x) for x in v]
+        return names[v] if isinstance(v, int) and not isinstance(v, bool) else v
+
+    return {k: one(v) if k.endswith("token_id") else v for k, v in values.items()}
+
+
 def config(family, vocab, size=64, layers=2, bos=None, eos=None, pad=None, token_ids=None):
     """`family`'s published config shrunk (`shrunk`) over a vocabulary of `vocab` tokens, read by
     transformers as it reads a config.json (legacy keys included). Token ids: the published
-    config's tokens by name in `token_ids` (a family tokenizer's vocabulary), else `bos`, `eos`
-    and `pad` (None: no such token)."""
+    config's tokens by name in `token_ids` (a family tokenizer's vocabulary; a late family's
+    published ids are read as the tokens its "published_ids" name), else `bos`, `eos` and `pad`
+    (None: no such token)."""
     from transformers import CONFIG_MAPPING
 
     entry = ZOO[family]
@@ -245,7 +459,8 @@ def config(family, vocab, size=64, layers=2, bos=None, eos=None, pad=None, token
     # gpt-oss ships its experts in MXFP4; a tiny random model is not quantised
     published.pop("quantization_config", None)
     if token_ids is not None:
-        published = _token_ids(published, token_ids)
+        names = {i: name for name, i in entry.get("tokens", {}).get("published_ids", {}).items()}
+        published = _token_ids(_token_names(published, names) if names else published, token_ids)
     else:
         published.update({k: v for k, v in (("bos_token_id", bos), ("eos_token_id", eos), ("pad_token_id", pad))
                           if k in published or v is not None})
@@ -297,13 +512,29 @@ def letters_tokenizer(chat=False):
     return tok
 
 
-# How each family's tokenizer splits text before its BPE merges: Llama 3's and Qwen2's regex then
-# bytes (byte-level BPE), GPT-2's bytes, Gemma's and Mistral's SentencePiece pieces ("▁" for a
-# space; Mistral's, like Llama 2's, with one before the text)
+# How each family's tokenizer splits text before its BPE merges: a regex then bytes (byte-level
+# BPE: Llama 3's, also SmolLM3's (Llama 3.2's vocabulary) and OLMo-2's (dolma2, cl100k's regex);
+# Qwen2's, also Qwen3's; o200k's for Phi-4-mini and gpt-oss), GPT-2's bytes (and Granite's,
+# StarCoder-style, after splitting digits one by one), or SentencePiece pieces ("▁" for a space:
+# Gemma's; Mistral's and Mixtral's, like Llama 2's, with one before the text)
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
                 r"\s*[\r\n]+|\s+(?!\S)|\s+")
 QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
                r"\s*[\r\n]+|\s+(?!\S)|\s+")  # transformers' Qwen2Tokenizer, which AutoTokenizer forces for qwen2
+# tiktoken's o200k_base pattern (the ones Phi-4-mini's and gpt-oss's tokenizer.json carry are not
+# seen: NOT VERIFIED that they are this one verbatim)
+O200K_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+               r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"
+               r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+               r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"
+               r"\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# family: the regex its byte-level BPE splits with (None: GPT-2's, in ByteLevel itself)
+BYTE_LEVEL = {"llama": LLAMA3_SPLIT, "qwen2": QWEN2_SPLIT, "gpt2": None, "qwen3": QWEN2_SPLIT,
+              "qwen3moe": QWEN2_SPLIT, "smollm3": LLAMA3_SPLIT, "olmo2": LLAMA3_SPLIT, "phi4mini": O200K_SPLIT,
+              "gptoss": O200K_SPLIT, "granite": None}
+NFC = ("qwen2", "qwen3", "qwen3moe")  # Qwen's tokenizers normalise to NFC first
+SENTENCEPIECE = ("gemma", "gemma2", "gemma3", "mistral", "mixtral")  # the others: byte-level
+PREPEND_SPACE = ("mistral", "mixtral")
 
 
 def _pipeline(family, raw):
@@ -313,51 +544,63 @@ def _pipeline(family, raw):
     from tokenizers import Regex, decoders, normalizers, pre_tokenizers
 
     chars = list(string.ascii_letters + string.digits + string.punctuation)
-    if family in ("llama", "qwen2", "gpt2"):
-        if family == "gpt2":
+    if family in BYTE_LEVEL:
+        split = BYTE_LEVEL[family]
+        if split is None:
             raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+            if family == "granite":  # NOT VERIFIED against granite-3.3's tokenizer.json (not seen)
+                raw.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                             pre_tokenizers.ByteLevel(add_prefix_space=False)])
         else:
-            split = pre_tokenizers.Split(Regex(LLAMA3_SPLIT if family == "llama" else QWEN2_SPLIT), behavior="isolated")
-            raw.pre_tokenizer = pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False,
-                                                                                          use_regex=False)])
-            if family == "qwen2":
-                raw.normalizer = normalizers.NFC()
+            raw.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                                                         pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                                                  use_regex=False)])
+        if family in NFC:
+            raw.normalizer = normalizers.NFC()
         raw.decoder = decoders.ByteLevel()
         return chars + ["\u0120", "\u010a"]  # a space and a newline as byte-level characters
-    prepend = "first" if family == "mistral" else "never"
+    assert family in SENTENCEPIECE, family
+    prepend = "first" if family in PREPEND_SPACE else "never"
     raw.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split("\n", behavior="isolated"),
                                                  pre_tokenizers.Metaspace(prepend_scheme=prepend)])
     raw.decoder = decoders.Metaspace(prepend_scheme=prepend)
     return chars + ["\u2581", "\n"]
 
 
-def _corpus():
+# words a family's template writes besides the roles: gpt-oss's channel and developer role
+TEMPLATE_WORDS = {"gptoss": ["final", "developer"]}
+
+
+def _corpus(family=None):
     """What the tiny tokenizers learn their merges from: the synthetic task's rows and the words
-    of the chat templates, each a token of its own once merged."""
+    of the chat templates (and `family`'s TEMPLATE_WORDS), each a token of its own once merged."""
     lines = []
     for row in reverse_rows(64, 0):
         answer = row["completion"].strip()
         lines += [row["prompt"] + row["completion"], f"user\n{row['prompt']}", f"user\n\n{row['prompt']}",
                   f"assistant\n{answer}", f"assistant\n\n{answer}", f"model\n{answer}", "system\n:"]
-    return lines
+    return lines + TEMPLATE_WORDS.get(family, [])
 
 
 def family_tokenizer(family):
-    """A tiny tokenizer of `family`'s kind (byte-level BPE for Llama 3, Qwen2 and GPT-2; BPE over
-    SentencePiece pieces for Gemma and Mistral), its merges learnt from the synthetic task (each
-    of its words one token), with the family's special tokens at their ends of the vocabulary
-    (Gemma's and Mistral's first, Llama's, Qwen's and GPT-2's last), whether it adds a beginning
-    token, which tokens begin, end and pad, and its chat template, shaped like the published one."""
+    """A tiny tokenizer of `family`'s kind (byte-level BPE, or BPE over SentencePiece pieces for
+    Gemma's, Mistral's and Mixtral's), its merges learnt from the synthetic task (each of its
+    words one token), with the family's special tokens at their ends of the vocabulary (Gemma's,
+    Mistral's, Mixtral's and Granite's <|end_of_text|> first, the others last, then Qwen3's tokens
+    that are added but not special), whether it adds a beginning token, which tokens begin, end,
+    pad and stand for unknown text, its length limit and its chat template, shaped like the
+    published one."""
     from tokenizers import AddedToken, Tokenizer, models, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     spec = ZOO[family]["tokens"]
-    raw = Tokenizer(models.BPE(unk_token=spec["unk"] if family in ("gemma", "gemma2", "mistral") else None))
+    raw = Tokenizer(models.BPE(unk_token=spec["unk"] if family in SENTENCEPIECE else None))
     alphabet = _pipeline(family, raw)
     trainer = trainers.BpeTrainer(vocab_size=1000, special_tokens=spec["first"], initial_alphabet=alphabet,
                                   show_progress=False)
-    raw.train_from_iterator(_corpus(), trainer)
+    raw.train_from_iterator(_corpus(family), trainer)
     raw.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in (*spec["first"], *spec["last"])])
+    raw.add_tokens([AddedToken(t, special=False, normalized=False) for t in spec.get("plain", [])])
     if spec["adds_bos"]:
         raw.post_processor = processors.TemplateProcessing(single=f"{spec['bos']} $A",
                                                            special_tokens=[(spec["bos"], raw.token_to_id(spec["bos"]))])

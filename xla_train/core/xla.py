@@ -26,6 +26,7 @@ from typing import Any, Literal
 import torch
 
 from .errors import UserError
+from .experts import static_experts
 from .roles import (
     Accelerator,
     Batch,
@@ -225,6 +226,7 @@ class XlaAccelerator(Accelerator):
         if (hasattr(hf, "set_attn_implementation") and hf.config._attn_implementation in ("sdpa", "eager")
                 and getattr(hf, "_supports_sdpa", True)):
             hf.set_attn_implementation(XLA_ATTENTION)
+        static_experts(model)  # a mixture of experts with shapes that do not depend on the routing
         return model
 
     def use_compile_cache(self, path: PathLike) -> None:

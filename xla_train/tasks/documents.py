@@ -95,7 +95,11 @@ def _turns(messages, where):
 def chat(messages, tokenizer, where):
     """A conversation rendered with the chat template; the assistant turns are the characters
     each one adds to the rendering of the turns before it with the generation prompt (so their
-    end-of-turn markup is trained, and the prompt's markup is not)."""
+    end-of-turn markup is trained, and the prompt's markup is not). Where the template renders a
+    turn otherwise once later turns follow it (Qwen3's empty thinking on the last turn only,
+    gpt-oss's <|return|> against <|end|>, Phi-4's end-of-sequence after the last turn), the turn
+    is its content found in the rendering after the turns before it, and the special token that
+    follows it (its end of turn)."""
     messages = _turns(messages, where)
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if not turns:
@@ -109,13 +113,27 @@ def chat(messages, tokenizer, where):
     text, spans = render(len(messages)), []
     for i in turns:
         start, end = render(i, prompt=True), render(i + 1)
-        if not (text.startswith(start) and text.startswith(end) and len(end) > len(start)):
+        if text.startswith(start) and text.startswith(end) and len(end) > len(start):
+            spans.append((len(start), len(end)))
+            continue
+        after = max(spans[-1][1] if spans else 0, len(start) if text.startswith(start) else 0)
+        content = messages[i]["content"].strip() if isinstance(messages[i]["content"], str) else ""
+        at = text.find(content, after) if content else -1
+        if at < 0:
             raise UserError(f"{where}: the chat template does not render earlier turns as the start of later ones, "
-                            "so the assistant turns cannot be found in it")
-        spans.append((len(start), len(end)))
+                            f"and assistant turn {i + 1}'s text is not in the rendering after them, so the assistant "
+                            "turns cannot be found in it")
+        stop = at + len(content)
+        ends = [t for t in _special_tokens(tokenizer) if text.startswith(t, stop)]
+        spans.append((at, stop + max(map(len, ends), default=0)))
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     trained = [any(s <= a < e for s, e in spans) for a, _ in enc["offset_mapping"]]
     return enc["input_ids"], trained
+
+
+def _special_tokens(tokenizer):
+    """The tokenizer's special tokens as text (an end of turn among them)."""
+    return [t.content for t in tokenizer.added_tokens_decoder.values() if t.special]
 
 
 def _string(value, column, where):

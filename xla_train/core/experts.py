@@ -1,0 +1,118 @@
+"""Mixture-of-experts layers with static shapes, for XLA (issue 51).
+
+transformers 5.24 runs a MoE family's experts (Qwen3-MoE, Mixtral, gpt-oss: the classes decorated
+with `use_experts_implementation`, transformers/integrations/moe.py) through the function that
+`config._experts_implementation` names in `ALL_EXPERTS_FUNCTIONS` (an `ExpertsInterface`); a model
+made without a choice gets "grouped_mm" (modeling_utils.PreTrainedModel.
+get_correct_experts_implementation). None of the three stock ones suits XLA:
+
+  eager       (e.g. Qwen3MoeExperts.forward) loops over `nonzero()` of the routing and gathers each
+              expert's tokens with `torch.where`: shapes that depend on the routing, so on XLA a
+              host sync per layer (aten::nonzero, aten::_local_scalar_dense run on the CPU) and new
+              graphs at every step (measured on XLA:CPU, tiny Qwen3-MoE: 42 transfers and 6
+              compilations a step, after the first step's 19).
+  grouped_mm  (grouped_mm_experts_forward) counts tokens per expert with `torch.histc` on int32,
+              which torch_xla hands back to the CPU, where it fails: `NotImplementedError:
+              "histogram_cpu" not implemented for 'Int'`; its matmul, `torch._grouped_mm`, has no
+              XLA lowering either.
+  batched_mm  (batched_mm_experts_forward) is static, but gathers a copy of its experts' weights
+              for every (token, expert) pair, `gate_up_proj[expert_ids]` and `down_proj[...]`:
+              tokens x top-k x 3 x intermediate x hidden numbers per layer, kept for the backward
+              pass (Mixtral-8x7B in bf16: 0.7 GB per token per layer; Qwen3-30B-A3B: 75 MB).
+
+`dense_experts_forward`, registered here as XLA_EXPERTS, runs every expert on every token and
+weights each output by the token's routing weight, which is zero outside its top-k (the router's
+own weights, scattered into a tokens x experts matrix): two plain matmuls over all experts at once,
+the same numbers as eager up to the order of additions (fp32: within 1e-5, outputs and gradients),
+static for any routing. Its cost: experts / top-k times the experts' FLOPs (Mixtral 4x, gpt-oss-20b
+8x, Qwen3-30B-A3B 16x), tokens x experts x 3 x intermediate activations per layer (about 1/(top-k x
+hidden / experts) of batched_mm's gathered weights: Qwen3-30B-A3B 128x less, Mixtral 1024x less).
+(A TPU could do better with torch_xla's Pallas grouped matmul, torch_xla.experimental.
+custom_kernel.gmm, which XLA:CPU cannot run.)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+XLA_EXPERTS = "xla_dense"
+# the stock implementations XLA cannot run statically (see above); others (CUDA kernels, FP8) are left alone
+REPLACED = ("eager", "grouped_mm", "batched_mm")
+
+
+def dense_experts_forward(self: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                          top_k_weights: torch.Tensor) -> torch.Tensor:
+    """An experts module's forward (`self`: a class decorated by transformers'
+    `use_experts_implementation`, with its flags has_gate, has_bias, is_transposed and
+    has_post_expert_norm) over every expert: hidden_states (tokens, hidden), top_k_index and
+    top_k_weights (tokens, top-k) -> (tokens, hidden), as batched_mm_experts_forward computes it."""
+    if getattr(self, "_is_expert_parallel", False):
+        raise NotImplementedError(f"{XLA_EXPERTS} experts do not shard experts over devices (expert parallelism)")
+    tokens, hidden = hidden_states.shape
+    experts = self.num_experts
+    # (tokens, experts): each token's routing weight of every expert, zero outside its top-k
+    routing = torch.zeros(tokens, experts, dtype=top_k_weights.dtype, device=hidden_states.device)
+    routing = routing.scatter(1, top_k_index, top_k_weights)
+
+    # --- up (and gate) projection of every expert: one (tokens, hidden) x (hidden, experts * out) matmul
+    up = self.gate_up_proj if self.has_gate else self.up_proj
+    up_bias = (self.gate_up_proj_bias if self.has_gate else self.up_proj_bias) if self.has_bias else None
+    # (experts, hidden, out) where transposed, else (experts, out, hidden)
+    up_t = up if self.is_transposed else up.transpose(1, 2)
+    out_dim = up_t.size(2)
+    proj = torch.matmul(hidden_states, up_t.permute(1, 0, 2).reshape(hidden, experts * out_dim))
+    if up_bias is not None:
+        proj = proj + up_bias.reshape(experts * out_dim)
+    proj = proj.view(tokens, experts, out_dim)
+    # the module's own gate (gpt-oss: interleaved halves, clamped) or activation, on the last dimension
+    act = self._apply_gate(proj) if self.has_gate else self.act_fn(proj)  # (tokens, experts, intermediate)
+    inner = act.size(2)
+
+    # --- down projection, weighted by the routing
+    down_t = self.down_proj if self.is_transposed else self.down_proj.transpose(1, 2)  # (experts, inner, hidden)
+    down_bias = self.down_proj_bias if self.has_bias else None
+    if self.has_post_expert_norm:
+        # the norm comes between an expert's output and its weight: each expert's output is kept
+        out = torch.matmul(act.transpose(0, 1), down_t)  # (experts, tokens, hidden)
+        if down_bias is not None:
+            out = out + down_bias[:, None, :]
+        out = self.post_expert_norm(out)
+        final = (out * routing.t().to(out.dtype)[:, :, None]).sum(0)
+    else:
+        # weight first, then one matmul that sums over experts and the intermediate dimension together
+        weighted = act * routing.to(act.dtype)[:, :, None]
+        final = torch.matmul(weighted.reshape(tokens, experts * inner), down_t.reshape(experts * inner, hidden))
+        if down_bias is not None:
+            final = final + torch.matmul(routing.to(down_bias.dtype), down_bias)
+    return final.to(hidden_states.dtype)
+
+
+def _register() -> None:
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register(XLA_EXPERTS, dense_experts_forward)
+
+
+def has_experts(model: torch.nn.Module) -> bool:
+    """Whether `model` holds an experts module that transformers dispatches through
+    `ExpertsInterface` (decorated by `use_experts_implementation`, which gives it `has_gate`)."""
+    return any(hasattr(m, "has_gate") and hasattr(m, "is_transposed") for m in model.modules())
+
+
+def static_experts(model: torch.nn.Module) -> bool:
+    """Sets the experts of a transformers MoE model (Qwen3-MoE, Mixtral, gpt-oss, ...) to
+    `dense_experts_forward` (XLA_EXPERTS), whose shapes do not depend on the routing, where they
+    run one of transformers' own implementations (eager, grouped_mm, batched_mm: see the module's
+    docstring; transformers/integrations/moe.py); through the model's `set_experts_implementation`
+    (transformers/modeling_utils.py), which sets its sub-models' too. Does nothing to any other
+    model. Returns whether it set them."""
+    hf: Any = model  # a transformers model, or a peft model that forwards attributes to it
+    if not (hasattr(hf, "set_experts_implementation") and has_experts(model)):
+        return False
+    if getattr(hf.config, "_experts_implementation", None) not in REPLACED:
+        return False
+    _register()
+    hf.set_experts_implementation(XLA_EXPERTS)
+    return True
