@@ -363,7 +363,8 @@ def stop_and_resume(args, out, tmp_path, sig=signal.SIGTERM, env=None, stopped=N
 # ("device_ready_queues_ ... INTERNAL ASSERT FAILED", engine.cpp). The runtime is therefore started
 # right after collection, before any test runs, where tests that need it were collected.
 IN_PROCESS_XLA = "xla_in_process"  # the marker of such tests (test_matrix.py adds it)
-XLA_COMPILE_FLAGS = "--xla_backend_optimization_level=0"  # LLVM -O0: the same graphs, about 3x faster to compile
+# LLVM -O0: the same graphs, about 3x faster to compile (XLA_TRAIN_TEST_XLA_FLAGS replaces it)
+XLA_COMPILE_FLAGS = os.environ.get("XLA_TRAIN_TEST_XLA_FLAGS", "--xla_backend_optimization_level=0")
 
 
 def pytest_configure(config):

@@ -1,5 +1,6 @@
 """The model-family matrix: every decoder of the zoo (tiny_decoders.ZOO: tiny models with the
-flags of Llama-3.2-1B, Qwen2.5-0.5B-Instruct, gemma-2b, gemma-2-2b, Mistral-7B-v0.1 and gpt2)
+flags of Llama-3.2-1B, Qwen2.5-0.5B-Instruct, gemma-2b, gemma-2-2b, Mistral-7B-v0.1 and gpt2, and
+of the late-2026 families, tiny_decoders.LATE_2026, on the CPU and in one XLA cell: LATE_XLA_CELL)
 x {fp32, bf16} x {full, LoRA} x {CPU, XLA:CPU} trains, evaluates, saves and reloads, and generates,
 in pytest's own process through the package's own functions (what `xla-train train` and
 `xla-train predict` call): Engine, the causal-LM task, checkpoint.save and Resume,
@@ -49,15 +50,29 @@ EPOCHS, BATCH, TRAIN_DOCS, EVAL_DOCS, MAX_LENGTH, MAX_NEW_TOKENS = 3, 4, 16, 6, 
 LR = 1e-2
 LORA = SimpleNamespace(lora_targets=None, lora_r=8, lora_alpha=16, lora_dropout=0.0)  # peft's default targets
 
+# The late-2026 families (tiny_decoders.LATE_2026) run every CPU cell and one XLA cell: bf16 full
+# fine-tuning, what a TPU user runs first. Run together in one process, their 36 XLA cells crashed
+# torch_xla (a segmentation fault in torch_xla.sync, after 26 or 28 cells, in a bf16 cell of
+# Qwen3-MoE or Mixtral, 2026-11-28); each family's four cells alone, and the three expert families'
+# twelve together, pass.
+LATE_XLA_CELL = ("bf16", "full")
+
 # Cells that fail on current code: {(family, device, precision, mode): (exception, reason)}
-KNOWN = {}
+KNOWN = {
+    ("phi4mini", "xla", "bf16", "full"): (
+        AssertionError, "LongRoPE (transformers 5.24 modeling_rope_utils.longrope_frequency_update) makes its "
+        "long_inv_freq on the device at a model's first forward pass, inside that graph, so a reloaded model's "
+        "first evaluation compiles a graph of its own (one more compilation per fresh model and shape)"),
+}
 
 
 def _cells():
-    for family in td.FAMILIES:
+    for family in (*td.FAMILIES, *td.LATE_2026):
         for device in DEVICES:
             for precision in PRECISIONS:
                 for mode in MODES:
+                    if family in td.LATE_2026 and device == "xla" and (precision, mode) != LATE_XLA_CELL:
+                        continue  # see LATE_XLA_CELL
                     # XLA cells: torch_xla needed (skipped without it), its runtime started in this
                     # process after collection (conftest.start_xla_in_process), left out of make test-fast
                     marks = [pytest.mark.xla, pytest.mark.xla_in_process, pytest.mark.slow] if device == "xla" else []
@@ -233,8 +248,11 @@ def run_cell(z, device, precision, mode, out):
             assert counters()["compiles"] == before["compiles"], (before, counters())
         m.eval()
         with engine.inference_mode(), engine.autocast():
-            head = objective.forward(m, {k: v for k, v in batch.items() if k != "labels"})  # causal_lm.HeadInput
-            logits = (head.hidden.float() @ head.weight.float().T)  # the head's logits, whole
+            head = objective.forward(m, {k: v for k, v in batch.items() if k != "labels"})
+            if hasattr(head, "logits"):  # a head outside lm_loss.PLAIN_HEADS (Granite's scaling): the model's own
+                logits = head.logits.float()
+            else:  # causal_lm.HeadInput: the head's logits, whole
+                logits = (head.hidden.float() @ head.weight.float().T)
         (logits,) = engine.to_host([logits])
         return columns, logits
 

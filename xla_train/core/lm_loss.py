@@ -139,7 +139,7 @@ def chunked_token_losses(hidden, weight, labels, bias=None, softcap=None, chunk_
 # LlamaForCausalLM.forward, Gemma2ForCausalLM.forward). Others may rescale the logits after the head
 # (Granite divides by logits_scaling, Cohere multiplies by logit_scale): they keep the whole head.
 PLAIN_HEADS = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2",
-                         "gemma3_text", "phi", "phi3", "gpt2", "starcoder2", "olmo2", "smollm3"})
+                         "gemma3_text", "phi", "phi3", "gpt2", "starcoder2", "olmo2", "smollm3", "gpt_oss"})
 
 
 def head_of(model):
