@@ -363,11 +363,14 @@ def stop_and_resume(args, out, tmp_path, sig=signal.SIGTERM, env=None, stopped=N
 # ("device_ready_queues_ ... INTERNAL ASSERT FAILED", engine.cpp). The runtime is therefore started
 # right after collection, before any test runs, where tests that need it were collected.
 IN_PROCESS_XLA = "xla_in_process"  # the marker of such tests (test_matrix.py adds it)
-# LLVM -O0: the same graphs, about 3x faster to compile (XLA_TRAIN_TEST_XLA_FLAGS replaces it)
+# LLVM -O0: the same graphs and counters, about 3x faster to compile (XLA_TRAIN_TEST_XLA_FLAGS
+# replaces it). Set for the whole session, so the XLA:CPU runs tests start (CLI runs, workers)
+# compile at -O0 too; a test that gives its own XLA_FLAGS (an HLO dump) replaces it.
 XLA_COMPILE_FLAGS = os.environ.get("XLA_TRAIN_TEST_XLA_FLAGS", "--xla_backend_optimization_level=0")
 
 
 def pytest_configure(config):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {XLA_COMPILE_FLAGS}".strip()
     config.addinivalue_line("markers", f"{IN_PROCESS_XLA}: runs torch_xla in pytest's own process (its runtime is "
                             "started after collection: conftest.start_xla_in_process)")
 
@@ -382,18 +385,12 @@ def pytest_collection_finish(session):
 
 
 def start_xla_in_process():
-    """Starts XLA's runtime in this process on PJRT's CPU device, its compiler at -O0; XLA reads its
-    flags at the first compilation, made here, so the environment is restored at once (CLI runs
-    that tests start later do not inherit the flag). Idempotent."""
+    """Starts XLA's runtime in this process on PJRT's CPU device, its compiler at -O0 (the
+    session's XLA_FLAGS, pytest_configure). Idempotent."""
     os.environ.setdefault("PJRT_DEVICE", "CPU")
     import torch
     import torch_xla  # appends its default flags to XLA_FLAGS
 
     if torch_xla._XLAC._xla_runtime_is_initialized():
         return
-    flags = os.environ.get("XLA_FLAGS", "")
-    os.environ["XLA_FLAGS"] = f"{flags} {XLA_COMPILE_FLAGS}".strip()
-    try:
-        (torch.ones(2, device=torch_xla.device()) + 1).cpu()
-    finally:
-        os.environ["XLA_FLAGS"] = flags
+    (torch.ones(2, device=torch_xla.device()) + 1).cpu()

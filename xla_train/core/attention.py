@@ -51,7 +51,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .errors import UserError
-from .roles import KERNELS
 
 if TYPE_CHECKING:
     import torch
@@ -116,6 +115,14 @@ def _config_value(config, *names):
 _WHAT = {"flex": "torch's FlexAttention", "pallas": "torch_xla's Pallas flash attention"}
 
 
+def _kernels():
+    """The kernels the device roles declared (roles.KERNELS; imported here, not at the top: the
+    options import this module, and `--help` imports no torch)."""
+    from .roles import KERNELS
+
+    return KERNELS
+
+
 def _head_dim(config) -> int | None:
     heads = _config_value(config, "num_attention_heads", "n_head")
     width = _config_value(config, "hidden_size", "n_embd")
@@ -137,9 +144,9 @@ def why_not(path: str, kind: str, model, length: int | None = None) -> str | Non
         return f"attention {path!r} is none of {', '.join(PATHS)}"
     if path in ("mask", "auto"):
         return None
-    kernel = KERNELS.get((kind, path))
+    kernel = _kernels().get((kind, path))
     if kernel is None:
-        where = sorted(k for k, p in KERNELS if p == path)
+        where = sorted(k for k, p in _kernels() if p == path)
         return (f"{path} ({_WHAT[path]}) does not run on {kind} devices"
                 + (f" (it runs on {', '.join(where)})" if where else "")
                 + ("; pallas runs on a TPU through torch_xla" if path == "pallas" else ""))
@@ -150,12 +157,11 @@ def why_not(path: str, kind: str, model, length: int | None = None) -> str | Non
         return f"{type(hf).__name__}'s attention does not take a registered attention function"
     if _implementation(config) not in ("sdpa", "eager", "xla_sdpa"):
         return f"the model runs {_implementation(config)} attention"
-    if _config_value(config, "attention_dropout", "attn_pdrop"):  # neither kernel drops attention weights
-        return "the model drops attention weights (attention dropout > 0), which the kernels do not"
     if _has_sinks(hf):
         return f"the model adds attention sinks (gpt-oss's s_aux), which {path} does not take"
-    if not kernel.softcap and getattr(config, "attn_logit_softcapping", None):
-        return f"the model soft-caps its attention scores (Gemma 2), which {path} does not"
+    reason = _config_refusal(kernel, config)
+    if reason:
+        return reason
     return kernel.refusal(length, _head_dim(config)) if kernel.refusal else None
 
 
@@ -174,7 +180,7 @@ def choose(attention: str, kind: str, model, length: int | None = None) -> str:
 
 def auto_kernel(kind: str) -> str | None:
     """The kernel `attention="auto"` takes on a `kind` device where it can serve, or None."""
-    return next((path for (k, path), kernel in KERNELS.items() if k == kind and kernel.auto), None)
+    return next((path for (k, path), kernel in _kernels().items() if k == kind and kernel.auto), None)
 
 
 def fallback_note(attention: str, kind: str, model, length: int | None) -> str | None:
@@ -184,15 +190,12 @@ def fallback_note(attention: str, kind: str, model, length: int | None) -> str |
     return f"attention: the mask path ({length} x {length} per row), not {wanted}: {reason}" if reason else None
 
 
-def _config_refusal(path: str, kind: str, config) -> str | None:
-    """The reasons of `why_not` that the config alone tells (before the model loads)."""
-    kernel = KERNELS.get((kind, path))
-    if kernel is None:
-        return f"{path} does not run on {kind} devices"
-    if _config_value(config, "attention_dropout", "attn_pdrop"):
-        return "attention dropout"
+def _config_refusal(kernel, config) -> str | None:
+    """The reasons of `why_not` that the config alone tells (row_length asks before the model loads)."""
+    if _config_value(config, "attention_dropout", "attn_pdrop"):  # neither kernel drops attention weights
+        return "the model drops attention weights (attention dropout > 0), which the kernels do not"
     if not kernel.softcap and getattr(config, "attn_logit_softcapping", None):
-        return "soft-capping"
+        return f"the model soft-caps its attention scores (Gemma 2), which {kernel.path} does not"
     return None
 
 
@@ -200,6 +203,8 @@ def _flops(config, length: int, attention_share: float) -> float:
     """Training FLOPs of one token in a row of `length` (PaLM's count, core.peaks.flops_per_token:
     6 per weight, 12 x layers x width x length for attention), the attention's part scaled by
     `attention_share` (a flash kernel skips the blocks above the diagonal: about half)."""
+    from .peaks import flops_per_token
+
     width = _config_value(config, "hidden_size", "n_embd") or 0
     layers = _config_value(config, "num_hidden_layers", "n_layer") or 0
     heads = _config_value(config, "num_attention_heads", "n_head") or 1
@@ -207,7 +212,7 @@ def _flops(config, length: int, attention_share: float) -> float:
     head_dim = _head_dim(config) or 0
     inner = _config_value(config, "intermediate_size", "n_inner") or 4 * width
     weights = layers * (2 * width * heads * head_dim + 2 * width * kv * head_dim + 3 * width * inner)
-    return 6 * weights + attention_share * 12 * layers * width * length
+    return 6 * weights + attention_share * flops_per_token(config, 0, length)
 
 
 def row_length(attention: str, kind: str, config, length: int, packed: bool) -> int:
@@ -217,8 +222,8 @@ def row_length(attention: str, kind: str, config, length: int, packed: bool) -> 
     per token for packed rows, whose added tokens are documents; per row for padded ones, whose
     added tokens are padding. Not measured on a TPU: a first-order count."""
     path = auto_kernel(kind) if attention == "auto" else attention
-    kernel = KERNELS.get((kind, path)) if path not in (None, "mask") else None
-    if kernel is None or kernel.round_up is None or _config_refusal(kernel.path, kind, config):
+    kernel = _kernels().get((kind, path)) if path not in (None, "mask") else None
+    if kernel is None or kernel.round_up is None or _config_refusal(kernel, config):
         return length
     head_dim = _head_dim(config)
     refused = kernel.refusal(length, head_dim) if kernel.refusal else None
