@@ -16,6 +16,11 @@ import xla_train.core.xla  # noqa: F401  (declares pallas on a TPU through torch
 from xla_train.core import attention as A
 from xla_train.core.errors import UserError
 
+# The TPU's Pallas kernel needs jax (make test's .venv has it; make test-torch's .venv-torch not):
+# without it `auto` takes the mask on a TPU too (test_without_jax_a_tpu_takes_the_mask)
+JAX = importlib.util.find_spec("jax") is not None
+needs_jax = pytest.mark.skipif(not JAX, reason="the Pallas kernel needs jax (make test's .venv has it)")
+
 IGNORE = -100
 VOCAB = 40
 LENGTH = 64
@@ -212,9 +217,10 @@ def test_the_mask_path_is_todays_mask_and_eager_gets_a_bias():
 
 
 @pytest.mark.parametrize("kind, family, length, path", [
-    ("xla-tpu", "llama", 128, "pallas"),  # torch_xla on a TPU
-    ("xla-tpu", "qwen2", 1024, "pallas"),
-    ("xla-tpu", "gemma3", 2048, "pallas"),  # the global layers; the local ones take the mask
+    pytest.param("xla-tpu", "llama", 128, "pallas", marks=needs_jax),  # torch_xla on a TPU
+    pytest.param("xla-tpu", "qwen2", 1024, "pallas", marks=needs_jax),
+    # the global layers; the local ones take the mask
+    pytest.param("xla-tpu", "gemma3", 2048, "pallas", marks=needs_jax),
     ("xla-tpu", "llama", 64, "mask"),  # rows the kernel's blocks refuse
     ("xla-tpu", "llama", 384, "mask"),
     ("xla-tpu", "llama", 1536, "mask"),
@@ -231,6 +237,7 @@ def test_auto_chooses_per_device(kind, family, length, path):
     assert A.choose("auto", kind, model_of(family), length) == path
 
 
+@needs_jax
 def test_the_mask_path_is_said_once_where_the_device_has_a_kernel():
     model = model_of("llama")
     assert "not pallas" in A.fallback_note("auto", "xla-tpu", model, 384)
@@ -240,6 +247,17 @@ def test_the_mask_path_is_said_once_where_the_device_has_a_kernel():
     assert A.fallback_note("mask", "xla-tpu", model, 384) is None
 
 
+@pytest.mark.skipif(JAX, reason="jax is installed here; make test-torch's .venv-torch has none")
+def test_without_jax_a_tpu_takes_the_mask():
+    model = model_of("llama")
+    assert A.choose("auto", "xla-tpu", model, 512) == "mask"
+    assert "needs jax" in A.fallback_note("auto", "xla-tpu", model, 512)
+    with pytest.raises(UserError, match="needs jax"):
+        A.choose("pallas", "xla-tpu", model, 512)
+    assert A.row_length("auto", "xla-tpu", model.config, 768, packed=True) == 768
+
+
+@needs_jax
 def test_an_explicit_path_that_cannot_serve_says_why():
     with pytest.raises(UserError, match="pallas.*TPU"):
         A.choose("pallas", "cpu", model_of("llama"))
@@ -304,6 +322,7 @@ def _published(family):
     return CONFIG_MAPPING[entry["model_type"]].from_dict(entry)
 
 
+@needs_jax
 def test_packed_rows_are_rounded_up_to_a_length_the_kernel_serves():
     """Packed rows (their added tokens are documents, so a token costs the same linear FLOPs and
     the kernel skips half the attention): always cheaper at the next served length."""
@@ -320,6 +339,7 @@ def test_packed_rows_are_rounded_up_to_a_length_the_kernel_serves():
     assert A.row_lengths_line("auto", "xla-tpu", [512], [512]) is None
 
 
+@needs_jax
 def test_padded_buckets_are_rounded_up_only_where_cheaper_than_the_mask():
     """Padded rows: the added tokens are padding. For Llama-3.2-1B's size the weights' FLOPs
     dominate, so a bucket is rounded up only when nearly served (1,000 -> 1,024), not 200 -> 256."""
