@@ -127,12 +127,12 @@ def prepare(cfg, backend, resume=None, startup=None):
         max_length, sized)
     if shapes.padding.bucket_list:  # padded rows: buckets the kernel serves, where cheaper than the mask path
         buckets = shapes.padding.bucket_list
-        served = sorted({row_length(cfg.attention, kind, config, b, packed=False) for b in buckets})
+        rounded = [row_length(cfg.attention, kind, config, b, packed=False) for b in buckets]
+        served = sorted(set(rounded))
         if served != buckets:
             before = padding_share(shapes.padding, sized["train"]["length"])
             shapes.padding = Padding("buckets", served, max(served[-1], cfg.max_length))
-            _say(row_lengths_line(cfg.attention, kind, buckets,
-                                  [row_length(cfg.attention, kind, config, b, packed=False) for b in buckets])
+            _say(row_lengths_line(cfg.attention, kind, buckets, rounded)
                  + f"; padding {before:.1%} of the training tokens, now "
                  f"{padding_share(shapes.padding, sized['train']['length']):.1%}")
     startup.lap("data")
