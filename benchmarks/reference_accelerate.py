@@ -66,9 +66,10 @@ def main():
 
     bar = tqdm(range(steps), disable=not accelerator.is_main_process)
     model.train()
-    t0, done = time.perf_counter(), 0
+    t0, done, first_step_at = time.perf_counter(), 0, None
     for _epoch in range(args.epochs):
         for batch in train_dl:
+            first_step_at = first_step_at or time.time()  # start-up ends here (bench_startup.py)
             loss = model(**batch).loss
             accelerator.backward(loss)
             optimizer.step()
@@ -104,7 +105,8 @@ def main():
     out = {"backend": accelerator.device.type, "device": str(accelerator.device), "steps": done,
            "train_samples": done * 8, "train_seconds": round(train_seconds, 3),
            "train_samples_per_s": round(done * 8 / train_seconds, 3), "eval": result,
-           "padding": args.padding, "mixed_precision": args.mixed_precision, "xla": None}
+           "padding": args.padding, "mixed_precision": args.mixed_precision, "xla": None,
+           "first_step_at": first_step_at}
     if accelerator.device.type == "xla":
         import torch_xla.debug.metrics as met
 

@@ -172,17 +172,115 @@ def learned_run(reverse_task, tmp_path_factory):
     return m, out / "run"
 
 
-def run_cli(args, tmp_path, env=None, timeout=900):
-    """Runs `python -m xla_train train ARGS --metrics-out ...` in a fresh process.
+def run_cli(args, tmp_path, env=None, timeout=900, fresh=None):
+    """Runs `xla-train train ARGS --metrics-out ...`: in a fresh process where the run needs one
+    (`needs_fresh_process`, or `fresh=True`), else in this one through the command's entry
+    function (`in_process`), which is what the command runs after its imports.
 
     Returns (completed process, metrics dict or None).
     """
     out = tmp_path / f"metrics-{len(list(tmp_path.glob('metrics-*.json')))}.json"
-    full_env = {**os.environ, "PJRT_DEVICE": "CPU", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
-    proc = subprocess.run([sys.executable, "-m", "xla_train", "train", *map(str, args), "--metrics-out", str(out)],
-                          cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+    proc = cli("train", [*args, "--metrics-out", out], env=env, timeout=timeout, fresh=fresh)
     metrics = json.loads(out.read_text()) if out.exists() else None
     return proc, metrics
+
+
+# What a run may be given in its environment and still run in pytest's process: variables read
+# when they are used. Others (XLA_FLAGS, CPU_NUM_DEVICES, HF_HUB_OFFLINE, PYTHONPATH, ...) are read
+# once, at an import or at a runtime's start: those runs get a process of their own.
+READ_WHEN_USED = {"MLFLOW_TRACKING_URI", "STORAGE_EMULATOR_HOST", "TOKENIZERS_PARALLELISM", "PJRT_DEVICE"}
+
+
+def needs_fresh_process(command, args, env=None):
+    """Why a command must run in a process of its own, or None. XLA (its compilation counters and
+    caches are per process, and its runtime starts once), torch.compile (its caches too), worker
+    processes and process groups (--num-processes, --strategy), and an environment read at import."""
+    import argparse
+
+    pre = argparse.ArgumentParser(add_help=False)
+    for flag in ("--backend", "--num-processes", "--strategy", "--config"):
+        pre.add_argument(flag)
+    pre.add_argument("--compile", action="store_true")
+    known, _ = pre.parse_known_args([str(a) for a in args])
+    if command not in ("train", "predict"):
+        return f"{command} is not a run"
+    if known.config:
+        return "a recipe may name any backend"
+    if (known.backend or "auto") == "auto":
+        from xla_train.core.select import auto_choice
+
+        known.backend = auto_choice()[0]
+    if known.backend != "cpu":
+        return f"--backend {known.backend}"
+    if known.num_processes not in (None, "1") or known.strategy not in (None, "ddp"):
+        return "workers or a process group"
+    if known.compile:
+        return "torch.compile"
+    if set(env or {}) - READ_WHEN_USED:
+        return f"the environment's {sorted(set(env) - READ_WHEN_USED)}"
+    return None
+
+
+def cli(command, args, env=None, timeout=900, fresh=None):
+    """`xla-train COMMAND ARGS` as a completed process (returncode, stdout, stderr): a fresh
+    process where `needs_fresh_process` says so or `fresh` is True, else `in_process`."""
+    args = [str(a) for a in args]
+    if fresh is None:
+        fresh = needs_fresh_process(command, args, env) is not None
+    if not fresh:
+        return in_process([command, *args], env)
+    full_env = {**os.environ, "PJRT_DEVICE": "CPU", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "xla_train", command, *args], cwd=ROOT, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def in_process(argv, env=None):
+    """`xla_train.commands.cli.main(argv)` in this process, as `python -m xla_train ARGV` runs it
+    after its imports: stdout and stderr captured (print, tqdm, the libraries' loggers, Python's
+    warnings shown as a fresh interpreter shows them), the exit code returned, an exception that
+    escapes shown as its traceback with code 1; os.environ and the working folder restored."""
+    import contextlib
+    import io
+    import logging
+    import traceback
+    import warnings
+
+    from xla_train.commands.cli import main
+
+    saved_env, saved_cwd = dict(os.environ), os.getcwd()
+    out, err = io.StringIO(), io.StringIO()
+    handlers = [h for lg in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
+                for h in getattr(lg, "handlers", []) if type(h) is logging.StreamHandler]
+    streams = [h.stream for h in handlers]
+    for once in ("warning_once", "info_once"):  # transformers' once-per-process messages: once per run here
+        getattr(getattr(logging.Logger, once, None), "cache_clear", lambda: None)()
+    os.environ.update({"PJRT_DEVICE": "CPU", "TOKENIZERS_PARALLELISM": "false", **(env or {})})
+    try:
+        os.chdir(ROOT)
+        for h in handlers:
+            h.setStream(err)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
+            warnings.resetwarnings()  # a fresh interpreter's filters and display (pytest records them otherwise)
+            for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+                warnings.simplefilter("ignore", category)
+            warnings.filterwarnings("default", category=DeprecationWarning, module="__main__")
+            warnings.showwarning = warnings._showwarning_orig
+            try:
+                code = main(argv)
+            except SystemExit as e:  # argparse's exit 2
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+                if not isinstance(e.code, (int, type(None))):
+                    print(e.code, file=sys.stderr)
+            except BaseException:  # what the interpreter would print, and its exit code
+                traceback.print_exc()
+                code = 1
+    finally:
+        for h, stream in zip(handlers, streams):
+            h.setStream(stream)
+        os.chdir(saved_cwd)
+        os.environ.clear()
+        os.environ.update(saved_env)
+    return subprocess.CompletedProcess(argv, code or 0, out.getvalue(), err.getvalue())
 
 
 @pytest.fixture(scope="session")
@@ -235,7 +333,7 @@ def assert_same_weights(a, b, atol=1e-6, file="model.safetensors"):
 # this process. A test is slow when it, one of its fixtures, or a helper of its module starts a
 # process (a CLI run, gloo workers, an XLA:CPU run with fresh counters, the storage emulator).
 
-STARTS_PROCESSES = ("run_cli(", "start_cli(", "subprocess.", "Popen(", "ProcessPoolExecutor", "gcs_emulator",
+STARTS_PROCESSES = ("run_cli(", 'cli("', "start_cli(", "subprocess.", "Popen(", "ProcessPoolExecutor", "gcs_emulator",
                     "NotebookClient(", "launch(")
 
 
@@ -261,7 +359,7 @@ def _slow_names(module):
         slow |= more
 
 
-RUNS = ("run_cli(", "start_cli(", "subprocess.run(")  # a fixture that trains (or predicts) once for many tests
+RUNS = ("run_cli(", 'cli("', "start_cli(", "subprocess.run(")  # a fixture that trains (or predicts) once for many tests
 
 
 def _shared_runs(item):
@@ -369,10 +467,28 @@ IN_PROCESS_XLA = "xla_in_process"  # the marker of such tests (test_matrix.py ad
 XLA_COMPILE_FLAGS = os.environ.get("XLA_TRAIN_TEST_XLA_FLAGS", "--xla_backend_optimization_level=0")
 
 
+_DATA_CACHE = []  # the session's data cache folder, where this process made it
+
+
 def pytest_configure(config):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {XLA_COMPILE_FLAGS}".strip()
+    # The runs' data cache (xla_train/data_cache.py) in a folder of the session's own, shared by
+    # pytest-xdist's workers (they inherit it), so that no entry outlives the session or comes
+    # from an earlier one; a run that must start cold gives its own.
+    if "HF_DATASETS_CACHE" not in os.environ:
+        import tempfile
+
+        _DATA_CACHE.append(tempfile.mkdtemp(prefix="xla-train-test-datasets-"))
+        os.environ["HF_DATASETS_CACHE"] = _DATA_CACHE[0]
     config.addinivalue_line("markers", f"{IN_PROCESS_XLA}: runs torch_xla in pytest's own process (its runtime is "
                             "started after collection: conftest.start_xla_in_process)")
+
+
+def pytest_unconfigure(config):
+    import shutil
+
+    for folder in _DATA_CACHE:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def pytest_collection_finish(session):

@@ -98,17 +98,24 @@ def test_env_and_a_default_run_print_no_library_warning(mrpc_slice, tmp_path):
     assert not noisy, noisy
 
 
-def test_help_starts_no_library():
-    """`--help` of the tool and of both commands imports neither torch, transformers, datasets
-    nor torch_xla (it printed in 4-12 s when the parser imported the training module)."""
+def test_help_and_mistakes_of_the_options_start_no_library():
+    """`--help` of the tool and of both commands, and a mistake the options show (exit 2), import
+    neither torch, transformers, datasets nor torch_xla (--help printed in 4-12 s when the parser
+    imported the training module; a wrong --backend waited for torch and transformers)."""
     code = ("import sys\nfrom xla_train.commands.cli import main\n"
-            "for args in (['--help'], ['train', '--help'], ['predict', '--help']):\n"
-            "    try:\n        main(args)\n    except SystemExit:\n        pass\n"
+            "codes = []\n"
+            "for args in (['--help'], ['train', '--help'], ['predict', '--help'], ['train', '--lr', 'nan'],\n"
+            "             ['train', '--backend', 'gpu'], ['train', '--strategy', 'zero'], ['train', '--epochs', '0'],\n"
+            "             ['predict', '--backend', 'gpu', '--model', '.', '--input', 'a', '--output', 'b.jsonl'],\n"
+            "             ['train', '--batch-size', 'eight']):\n"
+            "    try:\n        codes.append(main(args))\n    except SystemExit as e:\n        codes.append(e.code)\n"
+            "print('codes:', codes)\n"
             "print('loaded:', [m for m in ('torch', 'transformers', 'datasets', 'torch_xla') if m in sys.modules])")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip().splitlines()[-1] == "loaded: []"
+    assert proc.stdout.strip().splitlines()[-2:] == ["codes: [0, 0, 0, 2, 2, 2, 2, 2, 2]", "loaded: []"]
     assert "--early-stopping-patience" in proc.stdout and "--buckets BUCKETS" in proc.stdout
+    assert proc.stderr.count("xla-train: error: ") == 6, proc.stderr
 
 
 @pytest.mark.parametrize("command", ["train", "predict"])

@@ -4,13 +4,10 @@ XLA:CPU (the static-shape loop) alike; XLA compiles a bounded number of graphs w
 number of prompts; chat rows, an adapter folder and each bad input as one line."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import tiny_decoders as td
-from conftest import ROOT, reverse_args, run_cli
+from conftest import cli, reverse_args, run_cli
 
 from xla_train.commands.cli import main
 
@@ -23,9 +20,7 @@ def run_predict(args, tmp_path, name, env=None):
     """`python -m xla_train predict ARGS` in a fresh process (fresh compilation counters), into
     tmp_path/NAME.jsonl, with `env` added; returns (the output's rows, the metrics)."""
     out, metrics = tmp_path / f"{name}.jsonl", tmp_path / f"{name}-metrics.json"
-    proc = subprocess.run([sys.executable, "-m", "xla_train", "predict", *map(str, args), "--output", str(out),
-                           "--metrics-out", str(metrics)], cwd=ROOT, capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "PJRT_DEVICE": "CPU", "TOKENIZERS_PARALLELISM": "false", **(env or {})})
+    proc = cli("predict", [*args, "--output", out, "--metrics-out", metrics], env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads(line) for line in out.read_text().splitlines()], json.loads(metrics.read_text())
 

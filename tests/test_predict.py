@@ -3,13 +3,10 @@ resume), for real on the CPU, two gloo workers, and XLA:CPU (one device and SPMD
 
 import csv
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import ROOT, assert_same_weights, run_cli
+from conftest import assert_same_weights, cli, run_cli
 
 from xla_train.commands.cli import main
 from xla_train.tasks import BUNDLED_MRPC, read_glue_tsv
@@ -21,9 +18,7 @@ SELECT = ["--label-column", "score", "--eval-every", 1, "--metric-for-best", "ms
 
 
 def run_predict(args, env=None):
-    return subprocess.run([sys.executable, "-m", "xla_train", "predict", *map(str, args)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "PJRT_DEVICE": "CPU", **(env or {})})
+    return cli("predict", args, env=env)
 
 
 @pytest.fixture(scope="session")

@@ -22,7 +22,7 @@ from conftest import ROOT, run_cli
 from test_fallback import PINNED_LOSSES
 
 from xla_train.commands import cli
-from xla_train.commands.cli import main, train_options
+from xla_train.commands.cli import main
 from xla_train.options import (
     RUN_CONTROL,
     SECTIONS,
@@ -39,9 +39,12 @@ RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
 
 @pytest.fixture
 def trained(monkeypatch):
-    """`main` with training replaced by a list that receives the TrainOptions it would run."""
+    """`main` with the training itself replaced by a list that receives the TrainOptions it would
+    run (the command line's own steps before it run: the options checked, USE_TORCH_XLA set)."""
+    from xla_train.commands import train
+
     seen = []
-    monkeypatch.setattr(cli, "cmd_train", lambda args: seen.append(train_options(args)))
+    monkeypatch.setattr(train, "run", lambda options, started=None: seen.append(options))
     return seen
 
 
@@ -100,8 +103,9 @@ def test_help_with_a_recipe_reads_no_recipe_nor_yaml():
 
 # --- reading recipes, and flags over them --------------------------------------------------------
 def test_a_flag_given_overrides_the_recipe(tmp_path, trained):
-    recipe = write(tmp_path / "r.yaml", "optimizer:\n  lr: 1e-3\n  batch-size: 4\n  epochs: 2\n"
-                   "shapes:\n  packing: true\n  buckets: [32, 64]\nsystem:\n  backend: cpu\n  profile_steps: 12:16\n")
+    recipe = write(tmp_path / "r.yaml", "data:\n  problem: causal-lm\noptimizer:\n  lr: 1e-3\n  batch-size: 4\n  epochs: 2\n"
+                   "shapes:\n  packing: true\n  buckets: [32, 64]\nsystem:\n  backend: cpu\n  profile_steps: 12:16\n"
+                   f"checkpoints:\n  output_dir: {tmp_path / 'out'}\n")  # --profile-steps writes there
     assert main(["train", "--config", recipe, "--lr", "2e-3", "--batch-size", "8", "--no-packing"]) == 0
     cfg = trained[-1]
     assert cfg.lr == 2e-3  # the flag
@@ -109,7 +113,7 @@ def test_a_flag_given_overrides_the_recipe(tmp_path, trained):
     assert cfg.packing is False and cfg.epochs == 2 and cfg.backend == "cpu"  # --no-packing; the recipe's
     assert cfg.buckets == "32,64" and cfg.profile_steps == "12:16"  # a list; A:B stays a string (not 736)
     assert cfg.seed == 42 and cfg.max_length == 128  # in neither: the defaults
-    assert main(["train", f"--config={recipe}"]) == 0 and trained[-1].lr == 1e-3 and trained[-1].batch_size == 4
+    assert main(["train", f"--config={recipe}", "--no-packing"]) == 0 and trained[-1].lr == 1e-3 and trained[-1].batch_size == 4
 
 
 def test_later_recipes_override_earlier_ones(tmp_path, trained):

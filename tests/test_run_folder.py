@@ -135,6 +135,7 @@ def test_a_fresh_run_prints_what_matters(tmp_path):
     the progress bar, no load report, no XLA warning, no shard-writing bar."""
     data = write_slice(tmp_path / "data", 16, 16)
     env = {k: v for k, v in os.environ.items() if k != "PJRT_DEVICE"}
+    env["HF_DATASETS_CACHE"] = str(tmp_path / "datasets")  # a fresh user's: no entry of the data cache
     proc = subprocess.run([sys.executable, "-m", "xla_train", "train", "--backend", "cpu", "--data-dir", str(data),
                            "--max-steps", "2", "--output-dir", str(tmp_path / "out")], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)

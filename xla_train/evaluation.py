@@ -26,10 +26,12 @@ class Evaluator:
     def __init__(self, engine, task, loaders, samples=None):
         self.engine, self.task, self.loaders = engine, task, loaders
         self.main = task.main  # the metric the best model is chosen by, unless --metric-for-best
-        self.metric = task.objective.load_metric()
+        self._metric = None  # loaded at the first evaluation: `evaluate` is not imported before the first step
         self.samples = samples and samples.generator(engine)  # --eval-samples: the task's samples
 
     def __call__(self, model):
         """(the scores of every split, the sample completions written or None)."""
-        results = evaluate_all(self.engine, model, self.task, self.loaders, self.metric)
+        if self._metric is None:
+            self._metric = self.task.objective.load_metric()
+        results = evaluate_all(self.engine, model, self.task, self.loaders, self._metric)
         return results, (self.samples(model) if self.samples else None)

@@ -9,12 +9,13 @@ from typing import TYPE_CHECKING, Any
 
 from transformers import AutoConfig
 
+from . import data_cache
 from .core.attention import row_length, row_lengths_line
 from .core.batching import model_inputs_only
 from .core.clock import Startup
 from .core.errors import UserError
 from .core.launchers import pod_marker, watch_pod
-from .core.shapes import Padding, PaddingRequest, Shapes, check_steps, settle_padding
+from .core.shapes import Padding, PaddingRequest, Shapes, check_steps, lengths, settle_padding
 from .core.signals import StopRequest
 from .core.storage import is_remote, open_store
 from .models import (
@@ -114,7 +115,8 @@ def prepare(cfg, backend, resume=None, startup=None):
         max_length = row_length(cfg.attention, kind, config, cfg.max_length, packed=True)
         max_length = max_length if max_length <= limit else cfg.max_length
         _say(row_lengths_line(cfg.attention, kind, [cfg.max_length], [max_length]))
-    data, truncated = tokenize_task(cfg, task, splits, tokenizer, test, max_length)
+    entry = data_cache.key(cfg, max_length) if cfg.data_cache else None
+    data, truncated = tokenize_task(cfg, task, splits, tokenizer, test, max_length, entry)
     del splits  # the workers get the tokenised copy only
     if resume:
         resume.check(cfg, len(data["train"]), backend)
@@ -130,11 +132,11 @@ def prepare(cfg, backend, resume=None, startup=None):
         rounded = [row_length(cfg.attention, kind, config, b, packed=False) for b in buckets]
         served = sorted(set(rounded))
         if served != buckets:
-            before = padding_share(shapes.padding, sized["train"]["length"])
+            before = padding_share(shapes.padding, lengths(sized["train"]))
             shapes.padding = Padding("buckets", served, max(served[-1], cfg.max_length))
             _say(row_lengths_line(cfg.attention, kind, buckets, rounded)
                  + f"; padding {before:.1%} of the training tokens, now "
-                 f"{padding_share(shapes.padding, sized['train']['length']):.1%}")
+                 f"{padding_share(shapes.padding, lengths(sized['train'])):.1%}")
     startup.lap("data")
     weights = resume.model_weights() if resume else None  # a corrupt file fails before any loading
     model = task.model.load(cfg.model, cfg.seed, tokenizer.pad_token_id)
@@ -168,12 +170,16 @@ def padding_share(padding, lengths):
     return (padded - real) / padded if padded else 0.0
 
 
-def tokenize_task(cfg, task, splits, tokenizer, test=None, max_length=None):
+def tokenize_task(cfg, task, splits, tokenizer, test=None, max_length=None, entry=None):
     """Every split tokenised once; the workers get this copy. `test`: --test-file's rows, read
     (and tokenised) by the task's prediction part, counted here. `max_length`: the rows' length
-    (default --max-length)."""
+    (default --max-length). `entry`: the data cache's entry for these rows (data_cache.key), read
+    where it exists, written where not."""
     max_length = max_length or cfg.max_length
-    data, truncated = task.rows.tokenize(splits, tokenizer, max_length)
+    data, truncated, cached = data_cache.tokenised(entry, lambda: task.rows.tokenize(splits, tokenizer, max_length))
+    if cached:
+        print(f"data: the tokenised rows from the cache ({data_cache.folder() / entry}; --no-data-cache "
+              "tokenises again)")
     units = dict.fromkeys(truncated, task.rows.unit)
     if test is not None:
         truncated["test"], units["test"] = test.truncated, task.prediction.unit

@@ -187,6 +187,10 @@ class TrainOptions:
                                 "persistent cache, which it writes but cannot load (pytorch/xla#9094), so there it "
                                 "saves nothing yet; the metrics count the graphs taken from it (default: none)",
                                 section="system")
+    data_cache: bool = option(True, "keep the tokenised rows of local data files in datasets' cache folder "
+                              "(HF_DATASETS_CACHE or HF_HOME), keyed by the files, the tokenizer and the options that "
+                              "shape rows, so that a second run of the same data starts from them; --no-data-cache "
+                              "tokenises every time and keeps nothing", section="system")
     tf32: bool = option(False, "cuda: fp32 matrix products on TensorFloat-32 tensor cores "
                         "(torch.set_float32_matmul_precision('high'), as the HF Trainer's tf32); faster, fp32's "
                         "exactness traded for a 10-bit mantissa. Other backends refuse it", section="system")
@@ -212,7 +216,10 @@ class TrainOptions:
 
     def validate(self):
         """Every check of the options alone (files and data are checked when they are read)."""
-        _check_choices(self, {"padding": PADDING_MODES, "precision": PRECISIONS, "dpo_loss": DPO_LOSSES})
+        from .core.select import BACKENDS, STRATEGIES
+
+        _check_choices(self, {"padding": PADDING_MODES, "precision": PRECISIONS, "dpo_loss": DPO_LOSSES,
+                              "backend": BACKENDS, "strategy": STRATEGIES})
         _at_least_one(self, ("epochs", "batch_size", "grad_accum", "log_every", "max_length"),
                       ("max_steps", "save_every", "keep_last", "eval_every", "eval_samples", "early_stopping_patience",
                        "max_new_tokens"))
@@ -298,6 +305,9 @@ class PredictOptions:
                               "and, on XLA, the compilations as JSON here")
 
     def validate(self):
+        from .core.select import BACKENDS
+
+        _check_choices(self, {"backend": BACKENDS})
         _at_least_one(self, ("batch_size",), ("max_length", "max_new_tokens"))
         _check_numbers(self, {
             "temperature": (lambda x: x >= 0, "a number >= 0"),

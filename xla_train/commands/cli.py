@@ -4,9 +4,11 @@ import argparse
 import functools
 import os
 import sys
+import time
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
+from .. import STARTED
 from ..core.errors import ExitError, Stopped, UserError, show_parameters
 
 if TYPE_CHECKING:
@@ -126,17 +128,26 @@ def train_options(args: argparse.Namespace) -> "TrainOptions":
     return TrainOptions(**{k: v for k, v in vars(args).items() if k != "command"})
 
 
-def cmd_train(args):
+def cmd_train(args, started=None):
+    """`started`: when the command began (time.time()), where start-up is counted from; default:
+    the package's import, the process's start near enough."""
+    options = train_options(args)
+    options.validate()  # a mistake the options show is one line before torch is imported
+    _no_xla_unless_used(options.backend)
     from .train import run
 
-    run(train_options(args))
+    run(options, started)
 
 
 def cmd_predict(args):
     from ..options import PredictOptions
+
+    options = PredictOptions(**{k: v for k, v in vars(args).items() if k != "command"})
+    options.validate()
+    _no_xla_unless_used(options.backend)
     from .predict import run
 
-    run(PredictOptions(**{k: v for k, v in vars(args).items() if k != "command"}))
+    run(options)
 
 
 def cmd_report(args):
@@ -171,22 +182,15 @@ def cmd_env(args):
     print(f"--backend auto -> {choice}: {reason}")
 
 
-def _no_xla_unless_used(argv, backend="auto"):
+def _no_xla_unless_used(backend):
     """transformers imports torch_xla at its own import whenever it is installed (slow, and it
     prints `Defaulting to PJRT_DEVICE=CPU`) unless USE_TORCH_XLA, read once then, says no: say no
-    before anything imports transformers when this run will not use XLA. `backend`: a recipe's."""
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("command", nargs="?")
-    pre.add_argument("--backend", default=backend)
-    known, _ = pre.parse_known_args(argv)
-    if known.command not in ("train", "predict") or {"-h", "--help"} & set(argv):
-        return  # --help starts no library (a test checks)
-    name = known.backend
-    if name == "auto":
+    before anything imports transformers when this run (on `backend`) will not use XLA."""
+    if backend == "auto":
         from ..core.select import auto_choice
 
-        name, _ = auto_choice()
-    if name in ("cpu", "cuda", "tpu"):
+        backend, _ = auto_choice()
+    if backend in ("cpu", "cuda", "tpu"):
         os.environ.setdefault("USE_TORCH_XLA", "0")
 
 
@@ -202,6 +206,7 @@ def as_flags(message: str) -> str:
 
 
 def main(argv=None):
+    started = STARTED if argv is None else time.time()  # a command called again in one process starts anew
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     pjrt_device = os.environ.get("PJRT_DEVICE")  # as given: importing torch_xla sets a default
     show_parameters(as_flags)  # the core's `num_processes` is --num-processes here, in every error line
@@ -209,13 +214,15 @@ def main(argv=None):
         argv, configs = _take_configs(argv)
         helping = {"-h", "--help"} & set(argv)
         recipe = _read_recipes(configs) if configs and not helping else {}  # --help reads no recipe (nor yaml)
-        _no_xla_unless_used(argv, recipe.get("backend") or "auto")
         args = build_parser().parse_args(argv)  # every flag checked, with the defaults
         if configs:
             args = _over_recipe(recipe, argv)
         if args.command == "env":
             args.pjrt_device = pjrt_device
-        {"train": cmd_train, "predict": cmd_predict, "report": cmd_report, "env": cmd_env}[args.command](args)
+        if args.command == "train":
+            cmd_train(args, started)
+        else:
+            {"predict": cmd_predict, "report": cmd_report, "env": cmd_env}[args.command](args)
     except ExitError as e:
         # under torchrun every rank runs this; a stop (the same on every rank) is told once
         if str(e) and not (isinstance(e, Stopped) and os.environ.get("RANK", "0") != "0"):

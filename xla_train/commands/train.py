@@ -38,9 +38,10 @@ from ..tasks import scores
 # In the launching process: every check, then the job, then the workers
 
 
-def run(cfg):
-    """Runs the whole job: data in this process, then training on every local worker."""
-    startup = Startup(STARTED)
+def run(cfg, started=None):
+    """Runs the whole job: data in this process, then training on every local worker. `started`:
+    when the command began (default: the package's import, the process's start near enough)."""
+    startup = Startup(started or STARTED)
     startup.lap("imports")  # this module's imports: torch, transformers, the package
     cfg.validate()
     backend = select_roles(cfg.backend, cfg.num_processes, cfg.strategy)

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from .shapes import Padding
+from .shapes import lengths as column_lengths
 
 MODEL_INPUTS = ("input_ids", "token_type_ids", "attention_mask")
 
@@ -156,7 +157,7 @@ class PadCollator:
 def make_loader(ds, tokenizer, batch_size, padding, shuffle, seed, fill, lengths=None, collate=None):
     """A DataLoader over a tokenised split whose batches follow a `BatchPlan` padded by `padding`
     (a `shapes.Padding`), padded by `collate` (default: the tokenizer's own `pad`)."""
-    plan = BatchPlan(ds["length"] if lengths is None else lengths, batch_size, padding=padding, shuffle=shuffle,
+    plan = BatchPlan(column_lengths(ds) if lengths is None else lengths, batch_size, padding=padding, shuffle=shuffle,
                      seed=seed, fill=fill)
     # Its own generator: a DataLoader draws a seed for every iterator it starts, and drawing it
     # from the global generator would shift dropout masks (a resumed run starts one mid-epoch).

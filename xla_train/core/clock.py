@@ -131,7 +131,7 @@ class RunClock:
     def goodput(self):
         """The run's wall time so far split into phases that add up to it, the share that trained,
         and start-up's parts: {"seconds": {phase: s, ..., "wall": s}, "ratio": training steps /
-        wall, "startup": {"imports": s, "data": s, "model": s, "device": s}}."""
+        wall, "startup": {"imports": s, "data": s, "model": s, "device": s}, "started_at": Unix time}."""
         now = time.time()
         wall, first_step = now - self.started, self.first_start or now
         compiling = self.train_compile_seconds + self.eval_compile_seconds
@@ -147,7 +147,8 @@ class RunClock:
         seconds = {**{k: round(v, 3) for k, v in parts.items()}, "wall": round(wall, 3)}
         # from the rounded seconds, so that the ratio is the one the written numbers give
         return {"seconds": seconds, "ratio": round(seconds["train_steps"] / max(seconds["wall"], 1e-3), 4),
-                "startup": {k: round(v, 3) for k, v in self.startup.split(first_step).items()}}
+                "startup": {k: round(v, 3) for k, v in self.startup.split(first_step).items()},
+                "started_at": round(self.started, 3)}  # the Unix time the wall time counts from
 
     def end_of_epoch(self):
         if self.first_epoch_compiles is None:

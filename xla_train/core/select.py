@@ -2,14 +2,17 @@
 accelerator, a strategy and a launcher (like Lightning Fabric's connector). Implementations are
 imported only once chosen, so the fallback works on a machine without torch_xla."""
 
+from __future__ import annotations
+
 import importlib
 import importlib.util
 from collections.abc import Callable
-
-import torch
+from typing import TYPE_CHECKING
 
 from .errors import UserError, check_choice
-from .roles import Roles
+
+if TYPE_CHECKING:  # torch is imported where it is used: the options check the names here without it
+    from .roles import Roles
 
 BACKENDS = ("auto", "xla", "tpu", "cuda", "cpu")
 # ddp: one replica per device; spmd: one process shards the batch (XLA); fsdp: the model too (FSDPv2 on
@@ -46,6 +49,8 @@ def torch_accelerator():
     device extension (entry point `torch.backends` -> torch_tpu._loader:load, which torch calls at
     its import); load() registers "tpu" only when it finds TPU chips (torch_tpu 0.2.0's _loader.py,
     load; the device renamed from PrivateUse1 in its _init_device_impl)."""
+    import torch
+
     accelerator = torch.accelerator.current_accelerator(check_available=True)  # a CUDA build sees no GPU
     return accelerator.type if accelerator is not None else None
 
@@ -81,6 +86,8 @@ def auto_backend(tpu_attached, accelerator, runtimes):
 
 def xla_problem():
     """Why the installed torch_xla cannot be imported beside this torch, or None."""
+    import torch
+
     return xla_torch_mismatch(torch.__version__, installed_version("torch_xla"))
 
 
@@ -121,6 +128,8 @@ def select_roles(name="auto", num_processes=None, strategy="ddp"):
         return _xla_roles(num_processes, strategy)
     if strategy == "spmd":
         raise UserError(f"`strategy` spmd needs the xla backend, not {name}")
+    import torch
+
     if name == "cuda" and not torch.cuda.is_available():
         raise UserError("`backend` cuda: no CUDA device is visible")
     if name == "tpu":
@@ -175,6 +184,7 @@ def _xla_roles(num_processes, strategy):
     if mismatch:
         raise UserError(mismatch)
     from . import launchers, xla
+    from .roles import Roles
 
     # ddp: replicas under xmp.spawn; spmd and fsdp: one process per host on a virtual device
     strategies = {"ddp": (xla.XlaDdp, launchers.XmpLauncher), "spmd": (xla.XlaSpmd, launchers.HostLauncher),

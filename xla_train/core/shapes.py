@@ -11,6 +11,13 @@ import numpy as np
 from .errors import UserError
 
 
+def lengths(rows):
+    """The `length` column of tokenised rows (a datasets.Dataset, or a dict of lists) as a list:
+    iterating datasets' own Column formats one row at a time (70 ms for MRPC's 4,000 rows), its
+    slice reads the column at once."""
+    return rows["length"][:]
+
+
 class Padding:
     """How a batch's length is chosen: "buckets" (the smallest bucket that holds its longest row),
     "max_length" (always `max_length`) or "dynamic" (its longest row: the course's per-batch
@@ -142,7 +149,7 @@ def settle_padding(request, shapes, data, eval_splits, accelerator, resumed_buck
     (`resumed_buckets`: the data order depends on them), or `auto`'s choice for this job. Every
     row must fit them."""
     given = resumed_buckets or request.buckets
-    return padding_for(request.mode, given, request.max_length, [split["length"] for split in data.values()],
+    return padding_for(request.mode, given, request.max_length, [lengths(split) for split in data.values()],
                        lambda: _auto_buckets(request, shapes, data, eval_splits, accelerator))
 
 
@@ -153,8 +160,8 @@ def _auto_buckets(request, shapes, data, eval_splits, accelerator):
     steps = shapes.total_steps(rows, request.epochs, request.max_steps)
     compile_s = accelerator.compile_seconds if request.compile_seconds is None else request.compile_seconds
     cost = CostModel(compile_seconds=compile_s, token_seconds=accelerator.token_seconds)
-    eval_lengths = [n for split in [*eval_splits, "test"] if split in data for n in data[split]["length"]]
-    buckets, estimate = auto_buckets(data["train"]["length"], eval_lengths, steps, shapes.rows_per_step, request.epochs,
+    eval_lengths = [n for split in [*eval_splits, "test"] if split in data for n in lengths(data[split])]
+    buckets, estimate = auto_buckets(lengths(data["train"]), eval_lengths, steps, shapes.rows_per_step, request.epochs,
                                      request.max_length, cost)
     estimate.update(steps=steps, devices=shapes.devices, rows_per_step=shapes.rows_per_step,
                     steps_per_epoch=shapes.steps_per_epoch(rows))

@@ -119,11 +119,11 @@ class DocumentRows(Rows):
 
     def padding(self, settle: Callable[[], Any], max_length: int, data: Any) -> Any:
         """Packed rows are exactly `max_length` tokens long: one shape."""
-        from ..core.shapes import padding_for
+        from ..core.shapes import lengths, padding_for
 
         if not self.packing:
             return settle()
-        return padding_for("max_length", None, max_length, [split["length"] for split in data.values()])
+        return padding_for("max_length", None, max_length, [lengths(split) for split in data.values()])
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..core.errors import UserError
-from ..core.shapes import forward_padding, padding_for
+from ..core.shapes import forward_padding, lengths, padding_for
 from .base import row_name
 from .documents import encode, prompt_ids, window_shorter_than
 from .files import read_table
@@ -95,8 +95,8 @@ def fit_prompts(prompts, model, accelerator, max_length, buckets, max_new_tokens
     from ..core.generate import Sampling
 
     data, tokenizer = prompts.data, prompts.tokenizer
-    padding = forward_padding(data["length"], accelerator, buckets, max_length, graphs=2)
-    check_lengths(model, tokenizer, max(data["length"]), padding.buckets[-1] + max_new_tokens, max_new_tokens,
+    padding = forward_padding(lengths(data), accelerator, buckets, max_length, graphs=2)
+    check_lengths(model, tokenizer, max(lengths(data)), padding.buckets[-1] + max_new_tokens, max_new_tokens,
                   accelerator.static_shapes)
     eos = end_ids(tokenizer, model)
     tokenizer = left_padded(tokenizer, eos)
@@ -258,8 +258,8 @@ class Samples:
         from ..core.generate import generate_rows
         from ..core.inference import predict_loader
 
-        longest = max(self.data["length"])
-        padding = padding_for("buckets", [longest], longest, [self.data["length"]])
+        longest = max(lengths(self.data))
+        padding = padding_for("buckets", [longest], longest, [lengths(self.data)])
         loader = predict_loader(engine, left_padded(self.tokenizer, self.sampling.eos_ids), self.data,
                                 self.batch_size, padding)
 
@@ -280,7 +280,7 @@ def eval_samples(rows, form, tokenizer, model, max_length, static, batch_size):
         ids.append(prompt_ids(prompt, prompt_form, tokenizer, where))
         new = max(new, len(encode(full, form, tokenizer, where)[0]) - len(ids[-1]))
     data, _ = prompt_data(ids, max_length)
-    longest = max(data["length"])
+    longest = max(lengths(data))
     check_lengths(model, tokenizer, longest, longest + new, new, static)
     eos = end_ids(tokenizer, model)
     pad = left_padded(tokenizer, eos).pad_token_id

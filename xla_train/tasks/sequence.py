@@ -328,10 +328,14 @@ def tokenize(ds, tokenizer, max_length):
     if quiet:
         datasets.disable_progress_bars()
     try:
-        out = ds.map(encode, batched=True, desc="Tokenising")
+        # in memory, under a fingerprint of its own: datasets would otherwise hash the tokenizer
+        # (0.4 s for MiniLM's) to name a cache file; the data cache keeps the result (data_cache.py)
+        out = datasets.DatasetDict({name: split.map(encode, batched=True, desc="Tokenising", keep_in_memory=True,
+                                                    new_fingerprint=f"{split._fingerprint}-tokenised-{max_length}")
+                                    for name, split in ds.items()})
     finally:
         if quiet:
             datasets.enable_progress_bars()
     out = out.remove_columns([c for c in next(iter(out.values())).column_names if c not in keep])
-    truncated = {split: int(sum(out[split]["truncated"])) for split in out}
+    truncated = {split: int(sum(out[split]["truncated"][:])) for split in out}
     return out.remove_columns("truncated"), truncated

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from ..core.errors import UserError
 from ..core.files import atomic_write
+from ..core.shapes import lengths
 from .files import read_table, text_columns_of
 from .glue import GLUE, glue_columns, submission
 
@@ -194,7 +195,7 @@ class Scores:
         from ..core.batching import model_inputs_only
         from ..core.shapes import forward_padding
 
-        padding = training_padding or forward_padding(rows.data["length"], accelerator, settings.buckets,
+        padding = training_padding or forward_padding(lengths(rows.data), accelerator, settings.buckets,
                                                       settings.max_length)
         return dataclasses.replace(rows, data=model_inputs_only(rows.data, model), padding=padding)
 
