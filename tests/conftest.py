@@ -472,6 +472,13 @@ _DATA_CACHE = []  # the session's data cache folder, where this process made it
 
 def pytest_configure(config):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {XLA_COMPILE_FLAGS}".strip()
+    # Several test processes (make test: -n 2): torch's intra-op threads split the cores between
+    # them, inherited by every process a test starts. With each taking all the cores, OpenMP's
+    # waiting threads spin against the other process's work: a CPU matrix cell took 7 s beside a
+    # busy process instead of 0.7 s (2026-11-28). Set before torch is imported, which reads it once.
+    workers = getattr(config.option, "numprocesses", None) or 0
+    if isinstance(workers, int) and workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
     # The runs' data cache (xla_train/data_cache.py) in a folder of the session's own, shared by
     # pytest-xdist's workers (they inherit it), so that no entry outlives the session or comes
     # from an earlier one; a run that must start cold gives its own.

@@ -103,7 +103,8 @@ def test_help_with_a_recipe_reads_no_recipe_nor_yaml():
 
 # --- reading recipes, and flags over them --------------------------------------------------------
 def test_a_flag_given_overrides_the_recipe(tmp_path, trained):
-    recipe = write(tmp_path / "r.yaml", "data:\n  problem: causal-lm\noptimizer:\n  lr: 1e-3\n  batch-size: 4\n  epochs: 2\n"
+    recipe = write(tmp_path / "r.yaml", "data:\n  problem: causal-lm\n"  # --packing is causal-lm's
+                   "optimizer:\n  lr: 1e-3\n  batch-size: 4\n  epochs: 2\n"
                    "shapes:\n  packing: true\n  buckets: [32, 64]\nsystem:\n  backend: cpu\n  profile_steps: 12:16\n"
                    f"checkpoints:\n  output_dir: {tmp_path / 'out'}\n")  # --profile-steps writes there
     assert main(["train", "--config", recipe, "--lr", "2e-3", "--batch-size", "8", "--no-packing"]) == 0
@@ -113,7 +114,8 @@ def test_a_flag_given_overrides_the_recipe(tmp_path, trained):
     assert cfg.packing is False and cfg.epochs == 2 and cfg.backend == "cpu"  # --no-packing; the recipe's
     assert cfg.buckets == "32,64" and cfg.profile_steps == "12:16"  # a list; A:B stays a string (not 736)
     assert cfg.seed == 42 and cfg.max_length == 128  # in neither: the defaults
-    assert main(["train", f"--config={recipe}", "--no-packing"]) == 0 and trained[-1].lr == 1e-3 and trained[-1].batch_size == 4
+    assert main(["train", f"--config={recipe}", "--no-packing"]) == 0
+    assert trained[-1].lr == 1e-3 and trained[-1].batch_size == 4
 
 
 def test_later_recipes_override_earlier_ones(tmp_path, trained):
@@ -128,7 +130,7 @@ def test_later_recipes_override_earlier_ones(tmp_path, trained):
 
 
 def test_a_recipes_backend_keeps_torch_xla_out(tmp_path, trained):
-    """As `--backend cpu` does (cli._no_xla_unless_used): transformers does not import torch_xla."""
+    """As `--backend cpu` does (cli._only_the_runtimes_used): transformers does not import torch_xla."""
     assert "USE_TORCH_XLA" not in os.environ  # conftest's fixture restores it after each test
     assert main(["train", "--config", write(tmp_path / "r.yaml", "system:\n  backend: cpu\n")]) == 0
     assert os.environ.get("USE_TORCH_XLA") == "0" and trained[-1].backend == "cpu"

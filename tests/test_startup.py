@@ -20,26 +20,29 @@ NOT_ON_THE_CPU = ("torch_xla", "jax", "jaxlib", "torch_tpu", "libtpu", "tensorfl
 
 
 def test_a_cpu_run_of_each_kind_imports_no_tpu_runtime(mrpc_slice, tiny_model, tmp_path):
-    """A classification (--backend auto, which picks the CPU here), a causal-LM and a DPO run in
-    one fresh process, torch_xla and jax installed beside them (make test's .venv): none of them
-    imports a TPU runtime."""
+    """A causal-LM and a DPO run (--backend cpu) and a classification (--backend auto, which picks
+    the CPU here) in one fresh process, torch_xla and jax installed beside them (make test's
+    .venv): none of them imports a TPU runtime (TorchTPU is not installed here: the variable that
+    keeps torch from loading it is checked instead)."""
     model = td.save("llama", tmp_path / "llama", letters=True)
     texts = td.write_jsonl(tmp_path / "texts.jsonl", [{"text": " ".join(r["prompt"].split()[1:4])}
                                                       for r in pairs(64, 1)])
     prefs = td.write_jsonl(tmp_path / "pairs.jsonl", pairs(64, 1))
-    runs = [["--model", tiny_model, "--data-dir", mrpc_slice],
-            ["--backend", "cpu", "--problem", "causal-lm", "--model", model, "--train-file", texts,
+    runs = [["--backend", "cpu", "--problem", "causal-lm", "--model", model, "--train-file", texts,
              "--validation-file", texts, "--max-length", 32],
             ["--backend", "cpu", "--problem", "dpo", "--model", model, "--train-file", prefs, "--validation-file",
-             prefs, "--max-length", 32, "--buckets", 32]]
+             prefs, "--max-length", 32, "--buckets", 32],
+            ["--model", tiny_model, "--data-dir", mrpc_slice]]
     runs = [[str(a) for a in run] for run in runs]
-    code = ("import json, sys\nfrom xla_train.commands.cli import main\n"
+    code = ("import json, os, sys\nfrom xla_train.commands.cli import main\n"
             f"codes = [main(['train', *args, '--max-steps', '1', '--batch-size', '8']) for args in {runs!r}]\n"
-            f"print(json.dumps([codes, [m for m in {NOT_ON_THE_CPU!r} if m in sys.modules]]))")
+            f"print(json.dumps([codes, [m for m in {NOT_ON_THE_CPU!r} if m in sys.modules], "
+            "os.environ.get('TORCH_DEVICE_BACKEND_AUTOLOAD'), os.environ.get('USE_TORCH_XLA')]))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PJRT_DEVICE": "CPU"})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [[0, 0, 0], []]
+    # the first --backend cpu, before torch is imported, kept torch's device extensions (TorchTPU) unloaded
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [[0, 0, 0], [], "0", "0"]
 
 
 # ---------------------------------------------------------------------------------------------

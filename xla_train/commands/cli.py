@@ -133,7 +133,7 @@ def cmd_train(args, started=None):
     the package's import, the process's start near enough."""
     options = train_options(args)
     options.validate()  # a mistake the options show is one line before torch is imported
-    _no_xla_unless_used(options.backend)
+    _only_the_runtimes_used(options.backend)
     from .train import run
 
     run(options, started)
@@ -144,7 +144,7 @@ def cmd_predict(args):
 
     options = PredictOptions(**{k: v for k, v in vars(args).items() if k != "command"})
     options.validate()
-    _no_xla_unless_used(options.backend)
+    _only_the_runtimes_used(options.backend)
     from .predict import run
 
     run(options)
@@ -182,10 +182,15 @@ def cmd_env(args):
     print(f"--backend auto -> {choice}: {reason}")
 
 
-def _no_xla_unless_used(backend):
-    """transformers imports torch_xla at its own import whenever it is installed (slow, and it
-    prints `Defaulting to PJRT_DEVICE=CPU`) unless USE_TORCH_XLA, read once then, says no: say no
-    before anything imports transformers when this run (on `backend`) will not use XLA."""
+def _only_the_runtimes_used(backend):
+    """Before anything imports torch or transformers, keep the TPU runtimes this run (on `backend`)
+    will not use from loading. transformers imports torch_xla at its own import whenever it is
+    installed (slow, and it prints `Defaulting to PJRT_DEVICE=CPU`) unless USE_TORCH_XLA, read once
+    then, says no; torch loads TorchTPU, a device extension, at its own import unless
+    TORCH_DEVICE_BACKEND_AUTOLOAD says no (torch/__init__.py, _import_device_backends). `auto`
+    needs torch to choose (and TorchTPU's device to see a TPU): only the first applies there."""
+    if backend != "auto" and backend != "tpu" and "torch" not in sys.modules:
+        os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
     if backend == "auto":
         from ..core.select import auto_choice
 
