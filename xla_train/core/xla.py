@@ -88,11 +88,17 @@ FLASH_SHORT_ROWS = (128, 256, 512)
 FLASH_ROW_MULTIPLE = 1024
 
 
+def _flash_rows(length: int) -> bool:
+    return length in FLASH_SHORT_ROWS or length % FLASH_ROW_MULTIPLE == 0
+
+
+def _flash_heads(length: int, head_dim: int | None) -> bool:
+    return head_dim is None or length <= FLASH_SHORT_ROWS[-1] or head_dim <= 128 or head_dim % 128 == 0
+
+
 def flash_serves(length: int, head_dim: int | None = None) -> bool:
     """Whether torch_xla 2.9's flash attention serves rows of `length` tokens with heads `head_dim` wide."""
-    rows = length in FLASH_SHORT_ROWS or length % FLASH_ROW_MULTIPLE == 0
-    heads = head_dim is None or length <= FLASH_SHORT_ROWS[-1] or head_dim <= 128 or head_dim % 128 == 0
-    return rows and heads
+    return _flash_rows(length) and _flash_heads(length, head_dim)
 
 
 def flash_round_up(length: int) -> int:
@@ -106,11 +112,13 @@ def flash_refusal(length: int | None, head_dim: int | None) -> str | None:
     if importlib.util.find_spec("jax") is None:
         return ("it needs jax, which is not installed (pip install 'xla-train[tpu]' brings the jax that "
                 "torch_xla 2.9's pallas extra pins)")
-    if length is not None and not flash_serves(length, head_dim):
+    if length is None:
+        return None
+    if not _flash_rows(length):
         served = ", ".join(map(str, FLASH_SHORT_ROWS)) + f" or a multiple of {FLASH_ROW_MULTIPLE}"
-        if length in FLASH_SHORT_ROWS or length % FLASH_ROW_MULTIPLE == 0:
-            return f"its blocks take heads of up to 128 or multiples of 128 in rows over 512 tokens, not {head_dim}"
         return f"its blocks (torch_xla 2.9's) serve rows of {served} tokens, not {length}"
+    if not _flash_heads(length, head_dim):
+        return f"its blocks take heads of up to 128 or multiples of 128 in rows over 512 tokens, not {head_dim}"
     return None
 
 

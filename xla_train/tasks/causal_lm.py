@@ -247,10 +247,9 @@ def capture_outside_compilation(model: Any) -> None:
 
 @dataclass(frozen=True)
 class DecoderModel(ModelPart):
-    """A pretrained decoder with its LM head; `max_length`: the rows' length (a sliding window
-    shorter than it is applied per layer type: core.attention)."""
+    """A pretrained decoder with its LM head (a sliding window shorter than the rows is applied per
+    layer type: core.attention)."""
 
-    max_length: int = 128
     peft_task_type = "CAUSAL_LM"
 
     def check(self, config: Any, name: str) -> None:
@@ -319,7 +318,7 @@ class CausalLM(Task):
 
     @cached_property
     def model(self):
-        return DecoderModel(self.max_length)
+        return DecoderModel()
 
     @cached_property
     def prediction(self):

@@ -427,7 +427,7 @@ class DPO(Task):
 
     @cached_property
     def model(self) -> ModelPart:
-        return PreferenceModel(self.max_length)
+        return PreferenceModel()
 
     @cached_property
     def prediction(self):
