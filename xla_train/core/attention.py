@@ -112,7 +112,8 @@ def _config_value(config, *names):
     return None
 
 
-_WHAT = {"flex": "torch's FlexAttention", "pallas": "torch_xla's Pallas flash attention"}
+# what each kernel is, for the messages (where it runs is its device roles' to declare: roles.serve)
+_WHAT = {"flex": "torch's FlexAttention", "pallas": "torch_xla's Pallas flash attention, a TPU kernel"}
 
 
 def _kernels():
@@ -148,8 +149,7 @@ def why_not(path: str, kind: str, model, length: int | None = None) -> str | Non
     if kernel is None:
         where = sorted(k for k, p in _kernels() if p == path)
         return (f"{path} ({_WHAT[path]}) does not run on {kind} devices"
-                + (f" (it runs on {', '.join(where)})" if where else "")
-                + ("; pallas runs on a TPU through torch_xla" if path == "pallas" else ""))
+                + (f" (it runs on {', '.join(where)})" if where else ""))
     hf = unwrapped(model)
     config = getattr(hf, "config", None)
     # the family's attention goes through transformers' attention functions with their keywords
