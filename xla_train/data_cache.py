@@ -4,7 +4,8 @@ An entry is the tokenised splits (datasets' `save_to_disk`, read back memory-map
 each split cut to the length, under a key that hashes everything the rows depend on: the data
 files' bytes, the model folder's files other than its weights (tokenizer, chat template, config),
 the options that shape rows (the data, shapes and model sections, and --seed), the rows' length as
-the job settled it, and the package's own source. A changed file, tokenizer or option is a new
+the job settled it, the package's own source and the versions of the libraries that tokenise and
+store rows (transformers, tokenizers, datasets, jinja2). A changed file, tokenizer or option is a new
 entry; nothing is ever read from an entry of other inputs. Data from the hub or from gs:// is not
 cached (its bytes are not read here to hash). `--no-data-cache` turns it off.
 
@@ -28,6 +29,7 @@ from . import __version__
 SECTIONS = ("data", "shapes", "model")  # the options that shape rows, with --seed
 WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
 SOURCE = Path(__file__).resolve().parent
+LIBRARIES = ("transformers", "tokenizers", "datasets", "jinja2")  # tokenising, chat templates, storing
 
 
 def _hash_files(digest, root: Path, skip=()) -> None:
@@ -76,13 +78,26 @@ def key(cfg, max_length: int) -> str | None:
         return None
     digest = hashlib.sha256()
     options = {name: value for section in SECTIONS for name, value in cfg.section(section).items()}
-    digest.update(json.dumps({"version": __version__, "options": options, "seed": cfg.seed,
-                              "max_length": max_length}, sort_keys=True, default=str).encode())
+    digest.update(json.dumps({"version": __version__, "libraries": _library_versions(), "options": options,
+                              "seed": cfg.seed, "max_length": max_length}, sort_keys=True, default=str).encode())
     for path in inputs:
         _hash_files(digest, path)
     _hash_files(digest, model, skip=WEIGHTS)
     _hash_files(digest, SOURCE, skip=(".tsv", ".json", ".txt", ".md"))  # the package's code, not its data
     return digest.hexdigest()[:32]
+
+
+def _library_versions() -> dict[str, str | None]:
+    """The versions of the libraries that tokenise and store the rows: an upgrade is a new entry."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out: dict[str, str | None] = {}
+    for name in LIBRARIES:
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = None
+    return out
 
 
 def folder() -> Path:
