@@ -118,6 +118,20 @@ def test_a_flag_given_overrides_the_recipe(tmp_path, trained):
     assert trained[-1].lr == 1e-3 and trained[-1].batch_size == 4
 
 
+def test_a_flat_recipe_is_read_as_its_sections(tmp_path, trained):
+    """TRL's config files are flat: the same options at the top level (dashes or underscores), mixed
+    with sections or not, give the same run."""
+    sectioned = write(tmp_path / "s.yaml", "optimizer:\n  lr: 2.0e-5\n  batch_size: 16\nmodel:\n  lora: true\n"
+                      "system:\n  backend: cpu\n")
+    flat = write(tmp_path / "f.yaml", "lr: 2.0e-5\nbatch-size: 16\nlora: true\nsystem:\n  backend: cpu\n")
+    assert main(["train", "--config", sectioned]) == 0 and main(["train", "--config", flat]) == 0
+    assert trained[-1] == trained[-2] == TrainOptions(lr=2e-5, batch_size=16, lora=True, backend="cpu")
+    # `model` names a section and an option: a folder at the top level is the option
+    folder = trained[-1].model  # the bundled model's folder
+    assert main(["train", "--config", write(tmp_path / "m.yaml", f"model: {folder}\nlora: true\n")]) == 0
+    assert trained[-1].model == folder and trained[-1].lora
+
+
 def test_later_recipes_override_earlier_ones(tmp_path, trained):
     base = write(tmp_path / "base.yaml", "optimizer:\n  lr: 1.0e-3\n  epochs: 2\nmodel:\n  lora: true\n")
     tpu = write(tmp_path / "tpu.yaml", "optimizer:\n  lr: 3.0e-4\nsystem:\n  strategy: fsdp\n")
@@ -146,10 +160,11 @@ def test_without_a_recipe_nothing_changes(trained):
      "r.yaml: no option 'data.trian_file' (did you mean 'train_file'?); the data section has: task, data_dir, "
      "train_file, validation_file, text_columns, label_column, problem, test_file"),
     ("data:\n  lr: 1.0e-3\n", "r.yaml: no option 'data.lr'; lr is in the optimizer section"),
-    ("optimiser:\n  lr: 1.0e-3\n", "r.yaml: no section 'optimiser' (did you mean 'optimizer'?); a recipe's sections "
-     "are: data, shapes, model, optimizer, evaluation, checkpoints, system"),
-    ("lr: 1.0e-3\n", "r.yaml: 'lr' is not a section but an option of the optimizer section: write it under "
-     "'optimizer:'"),
+    ("optimiser:\n  lr: 1.0e-3\n", "r.yaml: no section or option 'optimiser' (did you mean 'optimizer'?); a "
+     "recipe's sections are: data, shapes, model, optimizer, evaluation, checkpoints, system"),
+    ("learning_rate: 1.0e-3\n", "r.yaml: no section or option 'learning_rate'"),
+    ("lr: 1.0e-3\noptimizer:\n  lr: 2.0e-3\n", "r.yaml: optimizer.lr is given twice"),
+    ("lr: fast\n", "r.yaml: optimizer.lr must be a number, not 'fast'"),
     ("optimizer:\n  batch_size: eight\n", "r.yaml: optimizer.batch_size must be an integer, not 'eight'"),
     ("optimizer:\n  batch_size: 8.5\n", "r.yaml: optimizer.batch_size must be an integer, not 8.5"),
     ("optimizer:\n  lr: fast\n", "r.yaml: optimizer.lr must be a number, not 'fast'"),

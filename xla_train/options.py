@@ -3,7 +3,7 @@ and, for training, the section it belongs to.
 
 The CLI's parsers are built from these dataclasses (`cli.py`), and `validate()` is the one check
 of a whole set of options. A YAML recipe (`xla-train train --config recipe.yaml`) holds training's
-options by section (`SECTIONS`): `read_recipe` checks one, `recipe_text` writes one. This module
+options by section (`SECTIONS`), or flat: `read_recipe` checks one, `recipe_text` writes one. This module
 imports no torch, transformers, datasets or torch_xla (nor yaml until a recipe is read), so
 `--help` starts at once.
 """
@@ -381,7 +381,8 @@ def option_fields(cls):
 #     optimizer:
 #       lr: 2.0e-4
 #       epochs: 1
-# Names are the fields' (dashes accepted too); a flag given on the command line overrides the
+# or flat (`lr: 2.0e-4` at the top level, as TRL's config files are). Names are the fields' (dashes
+# accepted too); a flag given on the command line overrides the
 # recipe (cli.py). These say what a command does with the output folder, not what the job is: a
 # recorded recipe holds them at their defaults, so that it reruns the job.
 RUN_CONTROL = ("resume", "overwrite", "resume_from")
@@ -456,20 +457,32 @@ def from_sections(recipe: Mapping[str, Mapping[str, Any] | None], where: str = "
 
 
 def recipe_values(recipe: Mapping[str, Any], where: str = "recipe") -> dict[str, Any]:
-    """The options a sectioned recipe sets, flat ({name: value}), each checked: its section, its
-    name and its type (the CLI's conversions: 8 or "8" for an int, 5e-5 or "5e-5" for a float)."""
+    """The options a recipe sets, flat ({name: value}), each checked: its name, its section where
+    it is under one, and its type (the CLI's conversions: 8 or "8" for an int, 5e-5 or "5e-5" for a
+    float). A recipe holds options by section, or flat at its top level as TRL's config files do
+    (`learning_rate`'s counterpart `lr: 2.0e-5`): every option's name is unique, so its section is
+    known. Both may be mixed; an option given twice is refused."""
     names = section_names()
     owner = {key: name for name, keys in names.items() for key in keys}
     values: dict[str, Any] = {}
+
+    def take(section: str, given: Any, value: Any) -> None:
+        key = str(given).replace("-", "_")
+        if key in values:
+            raise UserError(f"{where}: {section}.{key} is given twice")
+        values[key] = _convert(f"{where}: {section}.{key}", _FIELDS[key], value)
+
     for name, body in recipe.items():
         name = str(name)
-        if name not in SECTIONS:
-            key = name.replace("-", "_")
-            if key in owner:
-                raise UserError(f"{where}: {name!r} is not a section but an option of the {owner[key]} section: "
-                                f"write it under '{owner[key]}:'")
-            raise UserError(f"{where}: no section {name!r}{_did_you_mean(name, SECTIONS)}; a recipe's sections "
-                            f"are: {', '.join(SECTIONS)}")
+        key = name.replace("-", "_")
+        if name not in SECTIONS or (key in owner and body is not None and not isinstance(body, Mapping)):
+            # flat (`model` is a section and an option: a string under it is the option)
+            if key not in owner:
+                raise UserError(f"{where}: no section or option {name!r}"
+                                f"{_did_you_mean(key, [*SECTIONS, *owner])}; a recipe's sections are: "
+                                f"{', '.join(SECTIONS)}")
+            take(owner[key], name, body)  # flat: the option at the top level
+            continue
         if body is None:  # `optimizer:` with nothing under it
             continue
         if not isinstance(body, Mapping):
@@ -481,9 +494,7 @@ def recipe_values(recipe: Mapping[str, Any], where: str = "recipe") -> dict[str,
                     raise UserError(f"{where}: no option '{name}.{given}'; {key} is in the {owner[key]} section")
                 raise UserError(f"{where}: no option '{name}.{given}'{_did_you_mean(key, names[name])}; the {name} "
                                 f"section has: {', '.join(names[name])}")
-            if key in values:
-                raise UserError(f"{where}: {name}.{key} is given twice")
-            values[key] = _convert(f"{where}: {name}.{key}", _FIELDS[key], value)
+            take(name, given, value)
     return values
 
 
