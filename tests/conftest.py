@@ -258,7 +258,7 @@ def in_process(argv, env=None):
     try:
         os.chdir(ROOT)
         for h in handlers:
-            h.setStream(err)
+            h.stream = err  # not setStream: it flushes the old stream, which a test's capsys may have closed
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
             warnings.resetwarnings()  # a fresh interpreter's filters and display (pytest records them otherwise)
             for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
@@ -276,7 +276,7 @@ def in_process(argv, env=None):
                 code = 1
     finally:
         for h, stream in zip(handlers, streams):
-            h.setStream(stream)
+            h.stream = stream
         os.chdir(saved_cwd)
         os.environ.clear()
         os.environ.update(saved_env)

@@ -1,5 +1,6 @@
 """Mistakes a user can make end with one clear line on stderr and exit code 2."""
 
+import argparse
 import os
 import subprocess
 import sys
@@ -124,12 +125,14 @@ def test_every_option_is_declared_once(command):
     from dataclasses import MISSING, fields
 
     from xla_train.commands.cli import build_parser
-    from xla_train.options import PredictOptions, TrainOptions
+    from xla_train.options import PredictOptions, TrainOptions, kind_option_fields, option_fields
 
     parser = build_parser()._subparsers._group_actions[0].choices[command]
     actions = {a.dest: a for a in parser._actions if a.dest != "help"}
-    declared = fields(TrainOptions if command == "train" else PredictOptions)
-    assert list(actions) == [f.name for f in declared]
+    declared = [f for _, f in option_fields(TrainOptions if command == "train" else PredictOptions)]
+    own = list(kind_option_fields()) if command == "train" else []  # each kind's own, one flag per name
+    assert list(actions) == [f.name for f in declared] + own
+    assert all(actions[name].default is argparse.SUPPRESS for name in own)  # given ones only: TrainOptions.own
     for f in declared:
         assert actions[f.name].default == (None if f.default is MISSING else f.default), f.name
         assert actions[f.name].help == f.metadata["help"]

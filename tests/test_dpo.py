@@ -283,9 +283,9 @@ def test_bad_inputs_are_one_line_naming_the_file_and_row(pair_task, tiny_model, 
     assert "--packing" in err
     # the preference options belong to this kind
     assert main(["train", "--backend", "cpu", "--beta", "0.5"]) == 2
-    assert "--beta applies to preference pairs" in capsys.readouterr().err
+    assert "--beta applies to --problem dpo" in capsys.readouterr().err
     assert main(["train", "--backend", "cpu", "--problem", "causal-lm", "--dpo-loss", "ipo"]) == 2
-    assert "--dpo-loss applies to preference pairs" in capsys.readouterr().err
+    assert "--dpo-loss applies to --problem dpo" in capsys.readouterr().err
     assert main(["train", "--backend", "cpu", "--problem", "dpo", "--dpo-loss", "hinge"]) == 2
     assert "--dpo-loss" in capsys.readouterr().err
 

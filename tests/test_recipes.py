@@ -28,6 +28,8 @@ from xla_train.options import (
     SECTIONS,
     TrainOptions,
     from_sections,
+    option_fields,
+    recipe_values,
     read_recipe,
     recipe_text,
     section_names,
@@ -58,9 +60,38 @@ def test_every_option_is_in_exactly_one_section():
     names = section_names()
     assert list(names) == list(SECTIONS) and all(names.values())
     placed = [n for keys in names.values() for n in keys]
-    assert sorted(placed) == sorted(f.name for f in fields(TrainOptions)) and len(placed) == len(set(placed))
+    assert sorted(placed) == sorted(f.name for _, f in option_fields(TrainOptions)) and len(placed) == len(set(placed))
     assert "lr" in names["optimizer"] and "lora_r" in names["model"] and "output_dir" in names["checkpoints"]
     assert "backend" in names["system"] and "buckets" in names["shapes"] and "train_file" in names["data"]
+
+
+def test_a_kinds_own_options_are_its_section(tmp_path, capsys, trained):
+    """DPO's beta lives in the `dpo:` section (TRL's DPOConfig), flat or as a flag too; another
+    kind's options are refused by one rule, and a recorded recipe writes the chosen kind's section."""
+    cfg = TrainOptions(**recipe_values({"problem": "dpo", "dpo": {"beta": 0.3}, "rpo_alpha": 1}))
+    assert cfg.kind_options().beta == 0.3 and cfg.kind_options().rpo_alpha == 1.0
+    assert cfg.kind_options().dpo_loss == "sigmoid" and cfg.own == {"beta": 0.3, "rpo_alpha": 1.0}
+    text = recipe_text(cfg)
+    assert "\n# dpo's own options\ndpo:\n  beta: 0.3\n  dpo_loss: sigmoid\n  rpo_alpha: 1.0\n" in text
+    assert TrainOptions(**recipe_values(__import__("yaml").safe_load(text))) == cfg
+    assert "dpo" not in sections(TrainOptions())  # a kind without options of its own writes no section
+    recipe = write(tmp_path / "r.yaml", "problem: dpo\ntrain_file: p.jsonl\ndpo:\n  beta: 0.3\n")
+    assert main(["train", "--config", recipe, "--beta", "0.7"]) == 0  # the flag over the recipe
+    assert trained[-1].kind_options().beta == 0.7
+    for argv, message in [
+        (["--beta", "0.5"], "--beta applies to --problem dpo"),
+        (["--problem", "causal-lm", "--rpo-alpha", "1"], "--rpo-alpha applies to --problem dpo"),
+        (["--config", write(tmp_path / "d.yaml", "dpo:\n  beta: 0.2\n")],
+         "the recipe's dpo section applies to --problem dpo"),
+        (["--config", write(tmp_path / "o.yaml", "optimizer:\n  beta: 0.2\n")],
+         "no option 'optimizer.beta'; beta is in the dpo section"),
+        (["--config", write(tmp_path / "t.yaml", "dpo:\n  betta: 0.2\n")], "did you mean 'beta'?"),
+        (["--config", write(tmp_path / "w.yaml", "beta: 0.2\ndpo:\n  beta: 0.3\n")], "beta is given twice"),
+        (["--problem", "dpo", "--beta", "0"], "--beta must be a positive number, not 0.0"),
+    ]:
+        assert main(["train", *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, (argv, err)
 
 
 def test_sections_and_back():
@@ -230,7 +261,7 @@ def test_the_shipped_recipes_validate():
 def test_the_mrpc_recipe_is_the_defaults_written_out():
     path = ROOT / "recipes" / "mrpc.yaml"
     values = read_recipe(str(path))
-    assert sorted(values) == sorted(f.name for f in fields(TrainOptions))  # every option
+    assert sorted(values) == sorted(f.name for _, f in option_fields(TrainOptions))  # every option
     cfg = TrainOptions(**values)
     assert cfg == TrainOptions()
     assert (cfg.lr, cfg.epochs, cfg.batch_size, cfg.task, cfg.data_dir) == (5e-5, 3, 8, None, None)
@@ -269,7 +300,7 @@ def test_the_recorded_recipe_runs_the_same_job(tmp_path, capsys):
     assert f"xla-train train --config {path}" in text
     assert "model: null  # the bundled MiniLM-L6-H384" in text  # not this environment's path
     values = read_recipe(str(path))
-    assert sorted(values) == sorted(f.name for f in fields(TrainOptions))  # every option, defaults included
+    assert sorted(values) == sorted(f.name for _, f in option_fields(TrainOptions))  # every option, defaults included
     assert TrainOptions(**values) == replace(cfg, resume=False)  # the run-control options at their defaults
     assert set(RUN_CONTROL) == {"resume", "overwrite", "resume_from"}
     assert capsys.readouterr().out == ""  # a new run says nothing of it

@@ -11,24 +11,25 @@ imports no torch, transformers, datasets or torch_xla (nor yaml until a recipe i
 from __future__ import annotations
 
 import difflib
-import math
 import re
 from collections.abc import Mapping
-from dataclasses import Field, dataclass, field, fields
+from dataclasses import Field, asdict, dataclass, field, fields
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
 from .core.attention import PATHS as ATTENTION_PATHS
-from .core.errors import UserError, check_choice
+from .core.errors import UserError, check_choice, check_number
 from .core.shapes import parse_buckets
 from .models import BUNDLED_MODEL, bundled_model_path
 from .observe.trackers import TRACKERS, trackers
-from .tasks import FILE_FORMATS, PROBLEMS, TASKS, check_choices, kind_of
+from .tasks import FILE_FORMATS, KINDS, PROBLEMS, TASKS, check_choices, kind_of
+from .tasks.declare import flag_name, option
 
 PADDING_MODES = ("buckets", "max_length", "dynamic")
 PRECISIONS = ("fp32", "bf16")
-DPO_LOSSES = ("sigmoid", "ipo")
+
+OWN = "own"  # the section metadata of TrainOptions.own, the kinds' own options
 
 # The sections of training's options, in a recipe's order, each with what it holds (the
 # groups of `xla-train train --help`). Every TrainOptions field names one in its `section`.
@@ -43,16 +44,6 @@ SECTIONS: Mapping[str, str] = MappingProxyType({
 })
 
 
-def option(default: Any, help: str, choices: tuple[str, ...] | None = None, required: bool = False,
-           section: str | None = None) -> Any:
-    """A dataclass field that is also a command-line option (`--name-with-dashes`); `section`:
-    where a recipe holds it (one of SECTIONS; training's options only)."""
-    if section is not None and section not in SECTIONS:
-        raise ValueError(f"unknown section {section!r}")
-    return field(default=default, metadata={"help": help, "choices": choices, "required": required,
-                                            "section": section})
-
-
 def backend_option(section: str | None = None) -> Any:
     """--backend, the same for train and predict (the names are checked where they are chosen:
     core/select.py)."""
@@ -64,10 +55,6 @@ def strategy_option(section: str | None = None) -> Any:
     return option("ddp", "ddp (a replica per device), spmd (XLA: one process shards each batch over all devices) or "
                   "fsdp (the model's weights, gradients and AdamW state sharded over all devices too: FSDPv2 on XLA, "
                   "FSDP2 on CUDA and the CPU)", section=section)
-
-
-def flag_name(name):
-    return "--" + name.replace("_", "-")
 
 
 @dataclass
@@ -139,12 +126,6 @@ class TrainOptions:
     max_grad_norm: float = option(None, "clip gradients to this norm (default: no clipping)", section="optimizer")
     max_steps: int = option(None, "stop after this many optimizer steps (default: all epochs)", section="optimizer")
     seed: int = option(42, "the new head's weights, dropout and the data order", section="optimizer")
-    beta: float = option(0.1, "dpo: how far the policy may move from the reference model (DPO's beta; IPO's "
-                         "tau); the rewards are beta times the log-probability ratios", section="optimizer")
-    dpo_loss: str = option("sigmoid", "dpo: sigmoid (DPO's loss) or ipo (IPO's squared loss on the per-token "
-                           "mean log-probability ratios, as TRL computes it)", DPO_LOSSES, section="optimizer")
-    rpo_alpha: float = option(None, "dpo: add this weight times the chosen completions' negative log-likelihood "
-                              "(token mean) to the loss (RPO; default: none)", section="optimizer")
     # evaluation: when to evaluate, model selection, generation
     eval_every: int = option(None, "evaluate every N optimizer steps (default: at the end of each epoch)",
                              section="evaluation")
@@ -205,8 +186,27 @@ class TrainOptions:
                             "whatever this says (the report reads them): 'tensorboard' adds nothing, 'none' no "
                             "other tracker", section="system")
 
+    # the chosen kind's own options ({name: value}, those given): a recipe's section named after the kind
+    # (`dpo:`, `grpo:`), flat names, or their flags; `kind_options()` reads them with the kind's defaults
+    own: dict = field(default_factory=dict, metadata={"section": OWN, "help": "", "choices": None, "required": False,
+                                                      "repeat": False})
+
     def __post_init__(self):
         self.model = self.model or bundled_model_path()
+        own: dict[str, Any] = {}
+        for key, value in (self.own or {}).items():  # `problem.name` (a recipe's kind section) is `name`
+            kind, _, name = key.rpartition(".")
+            own.pop(name if kind == self.problem else key, None)  # a later value overrides (flags a recipe)
+            own[name if kind == self.problem else key] = value
+        options = kind_of(self.problem).Options  # a value at the kind's default is as good as none
+        defaults = {f.name: f.default for f in fields(options)} if options else {}
+        self.own = {k: v for k, v in own.items() if k not in defaults or v != defaults[k]}
+
+    def kind_options(self) -> Any:
+        """The chosen kind's own options (its `Options` dataclass, defaults where not given), or
+        None for a kind without any."""
+        options = kind_of(self.problem).Options
+        return options(**{k: v for k, v in self.own.items() if "." not in k}) if options else None
 
     def section(self, name: str) -> Section:
         """One section's options and values, read-only: `cfg.section("optimizer").lr` (or `["lr"]`).
@@ -218,8 +218,8 @@ class TrainOptions:
         """Every check of the options alone (files and data are checked when they are read)."""
         from .core.select import BACKENDS, STRATEGIES
 
-        _check_choices(self, {"padding": PADDING_MODES, "precision": PRECISIONS, "dpo_loss": DPO_LOSSES,
-                              "backend": BACKENDS, "strategy": STRATEGIES})
+        _check_choices(self, {"padding": PADDING_MODES, "precision": PRECISIONS, "backend": BACKENDS,
+                              "strategy": STRATEGIES})
         _at_least_one(self, ("epochs", "batch_size", "grad_accum", "log_every", "max_length"),
                       ("max_steps", "save_every", "keep_last", "eval_every", "eval_samples", "early_stopping_patience",
                        "max_new_tokens"))
@@ -231,13 +231,12 @@ class TrainOptions:
             "compile_seconds": (lambda x: x >= 0, "a number of seconds >= 0"),
             "lora_alpha": (lambda x: x > 0, "a positive number"),
             "lora_dropout": (lambda x: 0 <= x < 1, "in [0, 1)"),
-            "beta": (lambda x: x > 0, "a positive number"),
-            "rpo_alpha": (lambda x: x >= 0, "a number >= 0"),
         })
         self._check_lora()
         if not 0 <= self.seed < 2**32:
             raise UserError(f"--seed must be in [0, 2**32), not {self.seed}")
         check_choices(self.task, self.problem)
+        self._check_own()
         kind_of(self.problem).check_options(self)  # the kind's own flags (--packing, --max-new-tokens, ...)
         if self.test_file and not self.output_dir:
             raise UserError("--test-file needs --output-dir, where predictions.EXT is written")
@@ -252,6 +251,26 @@ class TrainOptions:
         if self.metrics_out:
             check_output_file(self.metrics_out, "--metrics-out")
 
+
+    def _check_own(self):
+        """The options given of a kind's own are the chosen kind's, each of its type and choices;
+        then the kind's own checks of their values (its `Options.check`)."""
+        options = kind_of(self.problem).Options
+        names = {f.name: f for f in fields(options)} if options else {}
+        for key, value in self.own.items():
+            kind, _, name = key.rpartition(".")
+            if kind:
+                raise UserError(f"the recipe's {kind} section applies to --problem {kind}")
+            if name not in names:
+                owners = [k for k, cls in KINDS.items() if cls.Options and name in {f.name for f in fields(cls.Options)}]
+                if not owners:
+                    raise UserError(f"no option {flag_name(name)}")
+                raise UserError(f"{flag_name(name)} applies to --problem {' or '.join(owners)}")
+            _convert(flag_name(name), names[name], value)
+        if options:
+            own = self.kind_options()
+            _check_choices(own, {f.name: f.metadata["choices"] for f in fields(own) if f.metadata["choices"]})
+            own.check()
 
     def _check_lora(self):
         given = [name for name in ("lora_targets", "merge_lora") if getattr(self, name)]
@@ -339,9 +358,7 @@ def _at_least_one(opts, always, when_given):
 
 def _check_numbers(opts, rules):
     for name, (ok, what) in rules.items():
-        value = getattr(opts, name)
-        if value is not None and not (math.isfinite(value) and ok(value)):
-            raise UserError(f"{flag_name(name)} must be {what}, not {value}")
+        check_number(flag_name(name), getattr(opts, name), ok, what)
 
 
 def check_model_path(name, need=False):
@@ -372,8 +389,18 @@ def check_output_file(name, option, formats=None):
 
 
 def option_fields(cls):
-    """(flag, field) of every option of `cls`, in declaration order."""
-    return [(flag_name(f.name), f) for f in fields(cls)]
+    """(flag, field) of every option of `cls`, in declaration order (TrainOptions: the shared ones)."""
+    return [(flag_name(f.name), f) for f in fields(cls) if f.metadata.get("section") != OWN]
+
+
+def kind_option_fields() -> dict[str, list[tuple[str, Field]]]:
+    """{name: [(kind, field), ...]} of every kind's own options: a name may be several kinds' (TRL's
+    `beta` is DPO's and GRPO's), one flag for all of them."""
+    out: dict[str, list[tuple[str, Field]]] = {}
+    for kind, cls in KINDS.items():
+        for f in fields(cls.Options) if cls.Options else ():
+            out.setdefault(f.name, []).append((kind, f))
+    return out
 
 
 # --- sections and recipes ------------------------------------------------------------------------
@@ -429,7 +456,7 @@ class Section(Mapping[str, Any]):
 def section_names(cls: type = TrainOptions) -> dict[str, list[str]]:
     """{section: its options' names, in declaration order}, every section of SECTIONS."""
     out: dict[str, list[str]] = {name: [] for name in SECTIONS}
-    for f in fields(cls):
+    for flag, f in option_fields(cls):
         out[f.metadata["section"]].append(f.name)
     return out
 
@@ -446,8 +473,11 @@ def _section(name: str) -> str:
 
 
 def sections(cfg: TrainOptions) -> dict[str, dict[str, Any]]:
-    """{section: {option: value}}: every option of `cfg`, by section (SECTIONS' order)."""
-    return {name: {key: getattr(cfg, key) for key in keys} for name, keys in section_names(type(cfg)).items()}
+    """{section: {option: value}}: every option of `cfg`, by section (SECTIONS' order), then the
+    chosen kind's own in the section named after it (where the kind has any)."""
+    out = {name: {key: getattr(cfg, key) for key in keys} for name, keys in section_names(type(cfg)).items()}
+    own = cfg.kind_options()
+    return {**out, cfg.problem: asdict(own)} if own is not None else out
 
 
 def from_sections(recipe: Mapping[str, Mapping[str, Any] | None], where: str = "recipe") -> TrainOptions:
@@ -464,24 +494,40 @@ def recipe_values(recipe: Mapping[str, Any], where: str = "recipe") -> dict[str,
     known. Both may be mixed; an option given twice is refused."""
     names = section_names()
     owner = {key: name for name, keys in names.items() for key in keys}
+    kinds = kind_option_fields()
     values: dict[str, Any] = {}
+    own: dict[str, Any] = {}
 
-    def take(section: str, given: Any, value: Any) -> None:
+    def take(section: str, given: Any, value: Any, kind: str | None = None) -> None:
         key = str(given).replace("-", "_")
-        if key in values:
+        if key in values or any(k.rpartition(".")[2] == key for k in own):
             raise UserError(f"{where}: {section}.{key} is given twice")
-        values[key] = _convert(f"{where}: {section}.{key}", _FIELDS[key], value)
+        if key in owner:
+            values[key] = _convert(f"{where}: {section}.{key}", _FIELDS[key], value)
+            return
+        fields_of = dict(kinds[key])  # a kind's own option: checked for the kind chosen (TrainOptions._check_own)
+        field_ = fields_of.get(kind) or next(iter(fields_of.values()))
+        own[f"{kind}.{key}" if kind else key] = _convert(f"{where}: {section}.{key}", field_, value)
 
     for name, body in recipe.items():
         name = str(name)
         key = name.replace("-", "_")
+        if name in KINDS and isinstance(body, Mapping | None):  # a kind's own section
+            mine = [k for k, pairs in kinds.items() if any(kind == name for kind, _ in pairs)]
+            for given, value in (body or {}).items():
+                if str(given).replace("-", "_") not in mine:
+                    raise UserError(f"{where}: no option '{name}.{given}'"
+                                    f"{_did_you_mean(str(given), mine)}; the {name} section has: "
+                                    f"{', '.join(mine) or 'nothing'}")
+                take(name, given, value, name)
+            continue
         if name not in SECTIONS or (key in owner and body is not None and not isinstance(body, Mapping)):
             # flat (`model` is a section and an option: a string under it is the option)
-            if key not in owner:
+            if key not in owner and key not in kinds:
                 raise UserError(f"{where}: no section or option {name!r}"
-                                f"{_did_you_mean(key, [*SECTIONS, *owner])}; a recipe's sections are: "
-                                f"{', '.join(SECTIONS)}")
-            take(owner[key], name, body)  # flat: the option at the top level
+                                f"{_did_you_mean(key, [*SECTIONS, *owner, *kinds])}; a recipe's sections are: "
+                                f"{', '.join([*SECTIONS, *(k for k in KINDS if KINDS[k].Options)])}")
+            take(owner.get(key) or "/".join(k for k, _ in kinds[key]), name, body)  # flat: the option at the top level
             continue
         if body is None:  # `optimizer:` with nothing under it
             continue
@@ -492,10 +538,13 @@ def recipe_values(recipe: Mapping[str, Any], where: str = "recipe") -> dict[str,
             if key not in names[name]:
                 if key in owner:
                     raise UserError(f"{where}: no option '{name}.{given}'; {key} is in the {owner[key]} section")
+                if key in kinds:
+                    raise UserError(f"{where}: no option '{name}.{given}'; {key} is in the "
+                                    f"{' or '.join(k for k, _ in kinds[key])} section")
                 raise UserError(f"{where}: no option '{name}.{given}'{_did_you_mean(key, names[name])}; the {name} "
                                 f"section has: {', '.join(names[name])}")
             take(name, given, value)
-    return values
+    return {**values, "own": own} if own else values
 
 
 def _did_you_mean(word: str, choices: Any) -> str:
@@ -537,10 +586,10 @@ def _convert(what: str, f: Field, value: Any) -> Any:
         return value
     elif isinstance(value, (int, float)):
         return str(value)
-    elif f.name in COMMA_LISTS and isinstance(value, list) and value and \
+    elif (f.name in COMMA_LISTS or f.metadata.get("repeat")) and isinstance(value, list) and value and \
             all(isinstance(v, (str, int)) and not isinstance(v, bool) for v in value):
         return ",".join(map(str, value))
-    words = _WORDS[kind] + (" or a list" if f.name in COMMA_LISTS else "")
+    words = _WORDS[kind] + (" or a list" if f.name in COMMA_LISTS or f.metadata.get("repeat") else "")
     shown = str(value).lower() if isinstance(value, bool) else repr(value)  # as YAML writes it
     raise UserError(f"{what} must be {words}, not {shown}")
 
@@ -613,7 +662,10 @@ def non_defaults(values: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     for key, value in values.items():
         if key in defaults and value != defaults[key] and not (key == "model" and value == bundled_model_path()):
             out.setdefault(section_of(key), {})[key] = value
-    return {name: out[name] for name in SECTIONS if name in out}
+    for key, value in values.get("own", {}).items():  # a kind's own options, as given
+        kind, _, name = key.rpartition(".")
+        out.setdefault(kind or values.get("problem") or "own", {})[name] = value
+    return {name: out[name] for name in [*SECTIONS, *out] if name in out}
 
 
 def recipe_text(cfg: TrainOptions, header: tuple[str, ...] | list[str] = ()) -> str:
@@ -627,7 +679,8 @@ def recipe_text(cfg: TrainOptions, header: tuple[str, ...] | list[str] = ()) -> 
                          allow_unicode=True)
         if name == "model" and values["model"] is None:
             text = text.replace("\n  model: null\n", f"\n  model: null  # {BUNDLED_MODEL}\n", 1)
-        lines += ["", f"# {SECTIONS[name]}", text.rstrip("\n")]
+        about = SECTIONS.get(name) or f"{name}'s own options"
+        lines += ["", f"# {about}", text.rstrip("\n")]
     return "\n".join(lines).lstrip("\n") + "\n"
 
 
@@ -666,7 +719,7 @@ def _yaml() -> tuple[Any, Any, Any]:
     return _YAML
 
 
-_FIELDS: dict[str, Field] = {f.name: f for f in fields(TrainOptions)}
+_FIELDS: dict[str, Field] = {f.name: f for _, f in option_fields(TrainOptions)}
 _unplaced = [name for name, f in _FIELDS.items() if f.metadata["section"] not in SECTIONS]
 if _unplaced:  # declared once: a new option names its section
     raise TypeError(f"TrainOptions fields without a section: {', '.join(_unplaced)}")

@@ -43,6 +43,7 @@ def build_parser(given_only: bool = False) -> argparse.ArgumentParser:
                 description="Options come from the flags below, over the YAML recipe of --config (docs/recipes.md).")
     _add_config_help(train)
     _add_options(train, TrainOptions, given_only)
+    _add_kind_options(train)
     _add_options(add("predict", help="predict labels for a file with a fine-tuned classifier, or generate "
                                 "completions with a fine-tuned causal LM"),
                  PredictOptions)
@@ -84,8 +85,33 @@ def _add_options(parser, options, given_only=False):
         if f.type in (bool, "bool"):  # --name and --no-name: a recipe's `true` can be turned off here
             where.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=meta["help"])
             continue
-        kind = {"int": int, "float": float}.get(f.type if isinstance(f.type, str) else f.type.__name__)
-        where.add_argument(flag, type=kind, default=default, required=meta["required"], help=meta["help"])
+        where.add_argument(flag, type=_type(f), default=default, required=meta["required"], help=meta["help"])
+
+
+def _type(f):
+    return {"int": int, "float": float}.get(f.type if isinstance(f.type, str) else f.type.__name__)
+
+
+def _add_kind_options(parser):
+    """The kinds' own options (a recipe's section named after the kind): one flag per name, which
+    the chosen kind reads (TRL's `beta` is DPO's and GRPO's); none has a default here, so that the
+    namespace holds those given (TrainOptions.own)."""
+    from ..options import flag_name, kind_option_fields
+
+    group = parser.add_argument_group("the kinds' own options", "each applies to the --problem it names (a recipe's "
+                                      "section named after the kind)")
+    for name, owners in kind_option_fields().items():
+        f = owners[0][1]
+        text = "; ".join(dict.fromkeys(kf.metadata["help"] for _, kf in owners))
+        defaults = ", ".join(f"{kind} {kf.default}" for kind, kf in owners if kf.default not in (None, False))
+        text += f" (default: {defaults})" if defaults and "default" not in text else ""
+        if f.type in (bool, "bool"):
+            group.add_argument(flag_name(name), action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                               help=text)
+        elif f.metadata.get("repeat"):
+            group.add_argument(flag_name(name), action="append", default=argparse.SUPPRESS, help=text)
+        else:
+            group.add_argument(flag_name(name), type=_type(f), default=argparse.SUPPRESS, help=text)
 
 
 def _take_configs(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -122,10 +148,17 @@ def _over_recipe(recipe: dict[str, Any], argv: list[str]) -> argparse.Namespace:
 
 
 def train_options(args: argparse.Namespace) -> "TrainOptions":
-    """train's options from its parsed arguments (options missing from `args` keep their defaults)."""
-    from ..options import TrainOptions
+    """train's options from its parsed arguments (options missing from `args` keep their defaults;
+    the kinds' own, given as flags, over a recipe's, into `own`)."""
+    from ..options import TrainOptions, kind_option_fields
 
-    return TrainOptions(**{k: v for k, v in vars(args).items() if k != "command"})
+    values = {k: v for k, v in vars(args).items() if k != "command"}
+    own = dict(values.pop("own", None) or {})
+    for name in kind_option_fields():
+        if name in values:
+            value = values.pop(name)
+            own[name] = ",".join(value) if isinstance(value, list) else value  # a repeated flag's values
+    return TrainOptions(**values, own=own)
 
 
 def cmd_train(args, started=None):
@@ -204,9 +237,9 @@ def as_flags(message: str) -> str:
     Engine passed them; on the command line each one is its flag (--num-processes)."""
     import re
 
-    from ..options import PredictOptions, TrainOptions, flag_name
+    from ..options import PredictOptions, TrainOptions, flag_name, kind_option_fields
 
-    names = {f.name for cls in (TrainOptions, PredictOptions) for f in fields(cls)}
+    names = {f.name for cls in (TrainOptions, PredictOptions) for f in fields(cls)} | set(kind_option_fields())
     return re.sub(r"`([a-z_][a-z0-9_]*)`", lambda m: flag_name(m[1]) if m[1] in names else m[0], message)
 
 

@@ -60,6 +60,15 @@ def check_choice(option, value, allowed):
         raise UserError(f"{option} must be one of {', '.join(allowed)}, not {value!r}")
 
 
+def check_number(option, value, allowed, what):
+    """An option's number is finite and `allowed(value)`, else one line saying it must be `what`
+    (None: not given)."""
+    import math
+
+    if value is not None and not (math.isfinite(value) and allowed(value)):
+        raise UserError(f"{option} must be {what}, not {value}")
+
+
 def first_line(e):
     """An exception's message in one line (its type's name if it has none)."""
     text = str(e).strip()

@@ -21,7 +21,6 @@ Kinds today: `sequence.Classification`, `sequence.Regression` and `causal_lm.Cau
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 from collections.abc import Callable
@@ -241,6 +240,9 @@ class Task:
     max_length: int = 128  # the rows' length in training (a folder's record says it to predict)
 
     kind: ClassVar[str | None] = None  # the --problem name of the subclass (its registration in tasks.kinds)
+    # the kind's own options: a dataclass of `declare.option` fields with a `check()` of their values (TRL's
+    # per-algorithm config), the recipe section named after the kind; None: the kind has none
+    Options: ClassVar[type | None] = None
 
     @property
     def problem(self) -> str | None:
@@ -264,7 +266,6 @@ class Task:
                             "or dpo")
         if opts.attention != "auto":
             raise UserError("--attention keeps a causal LM's packed documents apart: it applies to --problem causal-lm")
-        refuse_preference_options(opts)
 
     @classmethod
     def load(cls, source: Source) -> tuple[Task, Any]:
@@ -327,19 +328,6 @@ class Task:
     def describe(self, splits: Any) -> str:
         """The console line that says what trains on `splits`."""
         raise NotImplementedError
-
-
-PREFERENCE_OPTIONS = ("beta", "dpo_loss", "rpo_alpha")  # the preference kinds' own options
-
-
-def refuse_preference_options(opts: Any) -> None:
-    """Stops with one line where `opts` (options.TrainOptions) set a preference kind's option
-    (--beta, --dpo-loss, --rpo-alpha) away from its default: kinds that train on anything but
-    preference pairs call it."""
-    defaults = {f.name: f.default for f in dataclasses.fields(opts)}
-    for name in PREFERENCE_OPTIONS:
-        if getattr(opts, name) != defaults[name]:
-            raise UserError(f"--{name.replace('_', '-')} applies to preference pairs (--problem dpo)")
 
 
 def read_config(folder):

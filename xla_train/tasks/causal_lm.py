@@ -25,7 +25,7 @@ from functools import cached_property
 from typing import Any
 
 from ..core.errors import UserError
-from .base import ModelPart, Objective, Rows, Task, refuse_preference_options, row_name
+from .base import ModelPart, Objective, Rows, Task, row_name
 from .completion import Completions, eval_samples
 from .documents import (
     FORMS,
@@ -298,7 +298,6 @@ class CausalLM(Task):
                             "--no-packing")
         if opts.max_new_tokens and not opts.test_file:
             raise UserError("--max-new-tokens applies to a causal LM's --test-file (--problem causal-lm)")
-        refuse_preference_options(opts)
 
     @classmethod
     def load(cls, source):

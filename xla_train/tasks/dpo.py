@@ -23,13 +23,15 @@ log-probabilities are computed once, before training, by the model as it starts 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
 from ..core.errors import UserError
-from .base import PREFERENCE_OPTIONS, ModelPart, Objective, Rows, Task, row_name
+from .base import ModelPart, Objective, Rows, Task, row_name
+from .declare import option
 from .causal_lm import (
     DecoderModel,
     HeadInput,
@@ -374,6 +376,24 @@ class PreferenceObjective(Objective):
 # The model and the kind
 
 
+@dataclass(frozen=True)
+class DPOOptions:
+    """DPO's own options (TRL's DPOConfig names where it has them), a recipe's `dpo:` section."""
+
+    beta: float = option(0.1, "dpo: how far the policy may move from the reference model (DPO's beta; IPO's tau); "
+                         "the rewards are beta times the log-probability ratios")
+    dpo_loss: str = option("sigmoid", "dpo: sigmoid (DPO's loss) or ipo (IPO's squared loss on the per-token mean "
+                           "log-probability ratios, as TRL computes it)", LOSSES)
+    rpo_alpha: float = option(None, "dpo: add this weight times the chosen completions' negative log-likelihood "
+                              "(token mean) to the loss (RPO; default: none)")
+
+    def check(self) -> None:
+        from ..core.errors import check_number
+
+        check_number("--beta", self.beta, lambda x: x > 0, "a positive number")
+        check_number("--rpo-alpha", self.rpo_alpha, lambda x: x >= 0, "a number >= 0")
+
+
 class PreferenceModel(DecoderModel):
     def check(self, config: Any, name: str) -> None:
         from ..models import shown_name
@@ -390,6 +410,7 @@ class DPO(Task):
     """Direct preference optimisation of a decoder on chosen/rejected pairs."""
 
     kind = "dpo"
+    Options = DPOOptions
     form: str | None = None  # "strings" or "conversational"
     files: dict[str, str] | None = None
     attention: str = "auto"
@@ -412,7 +433,8 @@ class DPO(Task):
         check_own_rows(source, "dpo", "own preference pairs",
                        "preference rows have 'prompt', 'chosen' and 'rejected' columns")
         # the kind's own options (the task's defaults where no options are given: load_task in a loop)
-        settings = {k: getattr(source.options, k) for k in PREFERENCE_OPTIONS} if source.options else {}
+        own = source.options.kind_options() if source.options else DPOOptions()
+        settings = dataclasses.asdict(own)
         return load_pairs(source.train_file, source.validation_file, source.seed, source.max_length, cls,
                           source.attention, settings)
 
