@@ -122,7 +122,7 @@ def test_help_and_mistakes_of_the_options_start_no_library():
 @pytest.mark.parametrize("command", ["train", "predict"])
 def test_every_option_is_declared_once(command):
     """The parser is built from the options' dataclass: the same names, defaults and help."""
-    from dataclasses import MISSING, fields
+    from dataclasses import MISSING
 
     from xla_train.commands.cli import build_parser
     from xla_train.options import PredictOptions, TrainOptions, kind_option_fields, option_fields

@@ -13,7 +13,7 @@ import re
 import shlex
 import subprocess
 import sys
-from dataclasses import fields, replace
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -29,9 +29,9 @@ from xla_train.options import (
     TrainOptions,
     from_sections,
     option_fields,
-    recipe_values,
     read_recipe,
     recipe_text,
+    recipe_values,
     section_names,
     sections,
 )

@@ -173,7 +173,7 @@ def test_gpu_fallback_registers_its_roles():
         select._REGISTERED["cpu"] = saved
 
 
-PROBLEMS = {"classification", "regression", "causal-lm", "dpo"}  # --problem's kinds
+PROBLEMS = {"classification", "regression", "causal-lm", "dpo", "grpo"}  # --problem's kinds
 KIND_ATTRIBUTES = {"problem", "generates", "packing", "kind"}  # a task's kind, asked as it is
 
 

@@ -191,7 +191,7 @@ class TrainOptions:
     own: dict = field(default_factory=dict, metadata={"section": OWN, "help": "", "choices": None, "required": False,
                                                       "repeat": False})
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         self.model = self.model or bundled_model_path()
         own: dict[str, Any] = {}
         for key, value in (self.own or {}).items():  # `problem.name` (a recipe's kind section) is `name`
@@ -262,7 +262,7 @@ class TrainOptions:
             if kind:
                 raise UserError(f"the recipe's {kind} section applies to --problem {kind}")
             if name not in names:
-                owners = [k for k, cls in KINDS.items() if cls.Options and name in {f.name for f in fields(cls.Options)}]
+                owners = [kind for kind, _ in kind_option_fields().get(name, [])]
                 if not owners:
                     raise UserError(f"no option {flag_name(name)}")
                 raise UserError(f"{flag_name(name)} applies to --problem {' or '.join(owners)}")
@@ -456,7 +456,7 @@ class Section(Mapping[str, Any]):
 def section_names(cls: type = TrainOptions) -> dict[str, list[str]]:
     """{section: its options' names, in declaration order}, every section of SECTIONS."""
     out: dict[str, list[str]] = {name: [] for name in SECTIONS}
-    for flag, f in option_fields(cls):
+    for _, f in option_fields(cls):
         out[f.metadata["section"]].append(f.name)
     return out
 
@@ -506,7 +506,7 @@ def recipe_values(recipe: Mapping[str, Any], where: str = "recipe") -> dict[str,
             values[key] = _convert(f"{where}: {section}.{key}", _FIELDS[key], value)
             return
         fields_of = dict(kinds[key])  # a kind's own option: checked for the kind chosen (TrainOptions._check_own)
-        field_ = fields_of.get(kind) or next(iter(fields_of.values()))
+        field_ = fields_of.get(kind or "") or next(iter(fields_of.values()))
         own[f"{kind}.{key}" if kind else key] = _convert(f"{where}: {section}.{key}", field_, value)
 
     for name, body in recipe.items():
@@ -664,7 +664,7 @@ def non_defaults(values: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
             out.setdefault(section_of(key), {})[key] = value
     for key, value in values.get("own", {}).items():  # a kind's own options, as given
         kind, _, name = key.rpartition(".")
-        out.setdefault(kind or values.get("problem") or "own", {})[name] = value
+        out.setdefault(kind or str(values.get("problem") or "own"), {})[name] = value
     return {name: out[name] for name in [*SECTIONS, *out] if name in out}
 
 

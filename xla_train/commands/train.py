@@ -115,7 +115,7 @@ class Trainer:
         self.model, self.optimizer = engine.prepare(model, optimizer)
 
         def loader(ds, split, order=False):  # filler: repeats to train on, masked rows to score
-            return make_loader(ds, job.tokenizer, cfg.batch_size, self.shapes.padding,
+            return make_loader(ds, job.tokenizer, self.shapes.batch_size, self.shapes.padding,
                                shuffle=split == "train" and not order, seed=cfg.seed,
                                fill="repeat" if split == "train" and not order else "mask",
                                collate=task.rows.collator(job.tokenizer))
@@ -137,7 +137,9 @@ class Trainer:
         self.state.track(self.model, self.optimizer, self.scheduler, self.clock,
                          {"buckets": padding.bucket_list, "n_train": n_train, "run_id": job.run_id,
                           "config": dataclasses.asdict(cfg)})
-        self.evaluator = Evaluator(engine, task, dict(zip(task.eval_splits, eval_dls)), job.samples)
+        # what makes the step's batch of a loaded one: the batch itself, or a kind's rollouts (GRPO)
+        self.source = task.objective.batch_source(engine, job.tokenizer, data, self.model, self.total_steps)
+        self.evaluator = Evaluator(engine, task, dict(zip(task.eval_splits, eval_dls)), job.samples, self.source)
         self.profile = Profile(engine, cfg.profile_steps, self.state.store)  # --profile-steps
 
     def train(self) -> None:
@@ -161,14 +163,15 @@ class Trainer:
                     state.batch += 1
                     engine.seed_micro_batch(cfg.seed, state.epoch, state.batch)  # dropout: from the position
                     with self.profile.micro_batch(state.step + 1):  # inside --profile-steps' window: annotated
-                        labels = batch.pop("labels")  # the loss is the job's own: no model head can add a host sync
+                        inputs = self.source(model, batch, step=state.step, epoch=state.epoch)  # GRPO: a rollout
+                        labels = inputs.pop("labels")  # the loss is the job's own: no model head can add a host sync
                         with engine.autocast():
-                            output = objective.forward(model, batch)  # forward
+                            output = objective.forward(model, inputs)  # forward
                             loss = objective.loss(output, labels)
                         engine.backward(loss)
                         state.tracker.add(loss)  # on the device: read at log points
                         state.metrics.add(objective.step_metrics(output, labels))  # the kind's own, if any
-                        del output
+                        del output, inputs
                         stepped = engine.optimizer_step(self.optimizer)  # at the last micro-batch of a step
                     if not stepped:
                         continue
@@ -304,6 +307,7 @@ def plan_memory(engine, cfg, shapes, model, objective):
 
     length = max(shapes.padding.lengths or [cfg.max_length])
     path = objective.memory_inputs(model, kind_of(torch.empty(0, device=engine.device)), length)
+    length = path.get("length", length)  # the rows the step runs, where the kind makes them longer (a completion)
     if path.get("note"):  # the attention path taken, where it is not the device's kernel
         engine.print(path["note"])
 

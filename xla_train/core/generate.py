@@ -22,13 +22,15 @@ from .inference import predict_rows
 
 @dataclass
 class Sampling:
-    """How tokens are chosen: greedy (temperature 0) or sampled with a temperature and top-p."""
+    """How tokens are chosen: greedy (temperature 0) or sampled with a temperature, top-p and
+    top-k (0: every token)."""
 
     max_new_tokens: int
     eos_ids: tuple  # any of these ends a row
     pad_id: int  # what a row that ended emits
     temperature: float = 0.0
     top_p: float = 1.0
+    top_k: int = 0
 
     @property
     def greedy(self):
@@ -38,10 +40,14 @@ class Sampling:
 def pick(logits, sampling):
     """The next token of each row from its last logits (rows, vocabulary): the argmax, or a sample
     drawn with the Gumbel-max trick (the argmax of logits / temperature plus Gumbel noise) on the
-    device, from the smallest set of likeliest tokens whose probability reaches top-p."""
+    device, from the top-k likeliest tokens (where top-k is set), then the smallest set of likeliest
+    tokens whose probability reaches top-p (transformers' order: TopKLogitsWarper, then TopPLogitsWarper)."""
     if sampling.greedy:
         return logits.argmax(-1)
     logits = logits.float() / sampling.temperature
+    if 0 < sampling.top_k < logits.shape[-1]:  # a static k: the graph keeps its shape
+        kth = logits.topk(sampling.top_k, -1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
     order = None
     if sampling.top_p < 1:
         logits, order = logits.sort(-1, descending=True)
@@ -109,7 +115,8 @@ def eager_generate(model, input_ids, attention_mask, sampling):
     from transformers import GenerationConfig
 
     model.generation_config = GenerationConfig()
-    sample = {} if sampling.greedy else {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": 0}
+    sample = {} if sampling.greedy else {"temperature": sampling.temperature, "top_p": sampling.top_p,
+                                         "top_k": sampling.top_k}
     config = GenerationConfig(max_new_tokens=sampling.max_new_tokens, do_sample=not sampling.greedy,
                               eos_token_id=list(sampling.eos_ids), pad_token_id=sampling.pad_id, use_cache=True,
                               **sample)

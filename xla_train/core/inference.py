@@ -7,10 +7,11 @@ from tqdm.auto import tqdm
 from .batching import make_loader
 
 
-def infer(engine, model, loader, columns, desc=None, forward=None):
+def infer(engine, model, loader, columns, desc=None, forward=None, prepare=None):
     """`columns(batch, output)` gives a batch's 1-D tensors of one dtype; they are gathered on the
     device per batch and copied to the host once, at the end (a per-batch copy would make the host
-    wait for every batch). `forward(model, inputs)` runs the model (default: `model(**inputs)`).
+    wait for every batch). `forward(model, inputs)` runs the model (default: `model(**inputs)`);
+    `prepare(model, batch)` makes the batch it runs on of the loaded one (default: as loaded).
     Returns the host columns, filler rows dropped."""
     model.eval()
     parts = []
@@ -18,6 +19,7 @@ def infer(engine, model, loader, columns, desc=None, forward=None):
                leave=False)
     with engine.inference_mode(), bar:
         for batch in loader:
+            batch = prepare(model, batch) if prepare else batch
             inputs = {k: v for k, v in batch.items() if k not in ("labels", "row")}
             with engine.autocast():
                 output = forward(model, inputs) if forward else model(**inputs)

@@ -18,13 +18,15 @@ from .causal_lm import CausalLM
 from .dpo import DPO
 from .files import FILE_FORMATS, read_source, read_table, text_columns_of
 from .glue import BUNDLED_MRPC, GLUE, TASKS, glue_columns, load_mrpc, read_glue_tsv
+from .grpo import GRPO
 from .kinds import KINDS, problems, register
 from .sequence import Classification, Regression, SequenceTask, load_glue_folder, load_glue_hub
 
 PROBLEMS = problems()  # the package's own kinds (`problems()` adds any registered since)
 
 __all__ = ["BUNDLED_MRPC", "FILE_FORMATS", "GLUE", "KINDS", "MINIMISED", "PROBLEMS", "RECORD", "TASKS",
-           "DPO", "CausalLM", "Classification", "PredictSettings", "Regression", "Source", "Task", "check_choices",
+           "DPO", "GRPO", "CausalLM", "Classification", "PredictSettings", "Regression", "Source", "Task",
+           "check_choices",
            "from_folder", "glue_columns", "kind_of", "load_glue_folder", "load_glue_hub", "load_metric", "load_mrpc",
            "load_task", "problems", "read_glue_tsv", "read_source", "read_table", "register", "scores",
            "text_columns_of"]

@@ -115,6 +115,10 @@ class Rows:
         (job.prepare then chooses that length for the device's attention kernel before packing)."""
         return False
 
+    def batch_rows(self, batch_size: int) -> int:
+        """The rows a micro-batch of --batch-size takes (GRPO: the prompts of batch_size completions)."""
+        return batch_size
+
     def tokenize(self, splits: Any, tokenizer: Any, max_length: int) -> tuple[Any, dict[str, int]]:
         """The splits (a DatasetDict) as token ids; returns (data, rows truncated per split)."""
         raise NotImplementedError
@@ -150,6 +154,13 @@ class Objective:
         is not the device's kernel)."""
         return {"logits": None, "attention": getattr(model.config, "_attn_implementation", None) or "eager",
                 "dense_mask": True}
+
+    def batch_source(self, engine: Any, tokenizer: Any, data: Any, model: Any, total_steps: int) -> Callable[..., Any]:
+        """What turns a loaded batch into the step's (`source(model, batch, split=, step=, epoch=)`),
+        made once per worker after `before_training`: the batch as loaded by default; a kind that
+        generates its own rows returns its rollouts (grpo.Rollouts: prompts to completions, rewards
+        and advantages). Evaluation batches go through it too (`split` is their split's name)."""
+        return as_loaded
 
     def forward(self, model: Any, inputs: dict[str, Any]) -> Any:
         """The model on a batch's inputs (labels taken out)."""
@@ -328,6 +339,11 @@ class Task:
     def describe(self, splits: Any) -> str:
         """The console line that says what trains on `splits`."""
         raise NotImplementedError
+
+
+def as_loaded(model: Any, batch: dict[str, Any], **where: Any) -> dict[str, Any]:
+    """The batch source of kinds that train on their rows as loaded."""
+    return batch
 
 
 def read_config(folder):

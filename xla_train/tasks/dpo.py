@@ -31,7 +31,6 @@ from typing import Any
 
 from ..core.errors import UserError
 from .base import ModelPart, Objective, Rows, Task, row_name
-from .declare import option
 from .causal_lm import (
     DecoderModel,
     HeadInput,
@@ -44,6 +43,7 @@ from .causal_lm import (
     run_documents,
 )
 from .completion import Completions, eval_samples
+from .declare import option
 from .documents import IGNORE, SOURCE_ROW, _turns, encode
 from .kinds import register
 from .sequence import is_classifier_config

@@ -1,0 +1,552 @@
+"""Reinforcement learning from rewards: `--problem grpo` (GRPO, Dr. GRPO, DAPO, BNPO), the policy
+generating its own completions inside the training step, on the same devices (no second copy of
+the weights, no weight transfer).
+
+Rows are TRL's prompt-only forms: `prompt` as text, or as chat turns (rendered with the chat
+template and its generation prompt). Every other column of a row is handed to the reward
+functions (tasks/rewards.py), as TRL does.
+
+One step, read top to bottom in `Rollouts.__call__` and `GroupObjective.loss`:
+
+    prompts     a batch of --batch-size / --num-generations prompts, left-padded to a length bucket
+    rollout     each prompt repeated --num-generations times; completions of --max-completion-length
+                tokens sampled with static shapes (core/generate.py: a fixed-size cache, a prefill and
+                a decode graph per bucket, stops by masks); the tokens cross to the host once
+    scoring     the reward functions on the decoded completions; their weighted sum per completion
+    advantages  each reward less its group's mean, divided by the group's standard deviation
+                (TRL's scale_rewards "group"; "batch": the batch's; "none": not divided)
+    update      the policy's log-probabilities of the completion tokens (one forward with gradients,
+                the head in chunks), TRL's clipped surrogate and, with beta > 0, its KL estimate to the
+                reference; the loss normalised as --loss-type says
+
+A micro-batch holds every completion of its prompts, so a group's advantages need no collective:
+--batch-size (completions per device, TRL's per_device_train_batch_size) must be a multiple of
+--num-generations. TRL only asks the whole generation batch to divide and gathers rewards across
+processes; this package is stricter so that no group straddles replicas.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+from ..core.errors import UserError, check_number
+from .base import ModelPart, Objective, Rows, Task, row_name
+from .causal_lm import (
+    DecoderModel,
+    HeadInput,
+    check_own_rows,
+    documents_memory_inputs,
+    is_decoder_config,
+    own_splits,
+    run_documents,
+)
+from .completion import Completions, end_ids, left_padded
+from .declare import option
+from .documents import IGNORE, SOURCE_ROW, prompt_ids
+from .dpo import peft_model_of
+from .kinds import register
+from .rewards import Reward, TrainerState, rewards_of, score
+from .sequence import is_classifier_config
+
+LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")
+SCALE_REWARDS = ("group", "batch", "none")
+EXTRA = "columns"  # a row's prompt and other columns (JSON), for the reward functions
+# the step's metrics under TRL's names, computed on the host with the rewards (one transfer with the advantages)
+ROLLOUT_KEYS = ("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length", "completions/min_length",
+                "completions/max_length", "completions/clipped_ratio")
+LOSS_KEYS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")  # computed with the loss
+
+
+@dataclass(frozen=True)
+class GRPOOptions:
+    """GRPO's own options, TRL's GRPOConfig names and defaults; a recipe's `grpo:` section."""
+
+    reward: str = option(None, "grpo: a reward function, module:function or path/file.py:function, called as TRL "
+                         "calls one (xla_train.rewards has exact_match, number_match, think_format); repeat the flag "
+                         "for several", repeat=True)
+    reward_weights: str = option(None, "grpo: each --reward's weight in the reward, comma-separated (default: 1 each)")
+    num_generations: int = option(8, "grpo: completions sampled per prompt (a group)")
+    max_completion_length: int = option(256, "grpo: tokens a completion may take")
+    temperature: float = option(1.0, "grpo: the sampling temperature of the rollouts (evaluation is greedy)")
+    top_p: float = option(1.0, "grpo: sample from the likeliest tokens whose probability reaches this share")
+    top_k: int = option(0, "grpo: sample from the k likeliest tokens only (0: all)")
+    beta: float = option(0.0, "grpo: the weight of the KL estimate to the reference model (0: no reference, TRL's "
+                         "default); above 0 needs --lora, whose base with its adapters disabled is the reference")
+    epsilon: float = option(0.2, "grpo: the clipping range of the importance ratio, below 1 and (without "
+                            "--epsilon-high) above")
+    epsilon_high: float = option(None, "grpo: the upper clipping range (DAPO's clip-higher; default: --epsilon)")
+    loss_type: str = option("dapo", "grpo: grpo (each completion's token mean, averaged), dr_grpo (token sum over "
+                            "completions x --max-completion-length), dapo (token mean over the step's completions "
+                            "on every replica) or bnpo (token mean over the micro-batch)", LOSS_TYPES)
+    scale_rewards: str = option("group", "grpo: divide the advantages by the group's reward standard deviation "
+                                "(group), the batch's (batch) or not at all (none)", SCALE_REWARDS)
+    mask_truncated_completions: bool = option(False, "grpo: leave completions that reach --max-completion-length "
+                                              "without ending out of the loss")
+
+    def check(self) -> None:
+        if self.num_generations < 2:
+            raise UserError(f"--num-generations must be at least 2 (a group's advantages compare its completions), "
+                            f"not {self.num_generations}")
+        if self.max_completion_length < 1:
+            raise UserError(f"--max-completion-length must be at least 1, not {self.max_completion_length}")
+        check_number("--temperature", self.temperature, lambda x: x > 0, "above 0 (rollouts are sampled)")
+        check_number("--top-p", self.top_p, lambda x: 0 < x <= 1, "in (0, 1]")
+        check_number("--top-k", self.top_k, lambda x: x >= 0, "an integer >= 0")
+        check_number("--beta", self.beta, lambda x: x >= 0, "a number >= 0")
+        check_number("--epsilon", self.epsilon, lambda x: 0 < x < 1, "in (0, 1)")
+        check_number("--epsilon-high", self.epsilon_high, lambda x: x > 0, "a positive number")
+        rewards_of(self.reward, self.reward_weights)  # each function found now, before any data is read
+
+    @property
+    def upper(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+
+# ---------------------------------------------------------------------------------------------
+# Rows: prompts
+
+
+def form_of(ds, path):
+    """"strings" or "conversational", told by the first row's prompt; one line without a prompt."""
+    if "prompt" not in ds.column_names:
+        raise UserError(f"{path}: GRPO's rows need a 'prompt' column (text or chat turns); the other columns go to "
+                        f"the reward functions (columns: {', '.join(ds.column_names)})")
+    if not len(ds):
+        raise UserError(f"{path}: no rows")
+    return "conversational" if isinstance(ds[0]["prompt"], list) else "strings"
+
+
+class PromptCollator:
+    """Left-pads a planned batch of prompts to its planned length (generation starts where every
+    prompt ends): token ids with the pad token, the attention mask with 0; each row's number."""
+
+    def __init__(self, pad_id: int) -> None:
+        self.pad_id = pad_id
+
+    def __call__(self, items: list) -> dict[str, Any]:
+        import torch
+
+        features, pads, valid = zip(*items)
+        ids = [[self.pad_id] * (pads[0] - len(f["input_ids"])) + f["input_ids"] for f in features]
+        mask = [[0] * (pads[0] - len(f["input_ids"])) + [1] * len(f["input_ids"]) for f in features]
+        return {"input_ids": torch.tensor(ids), "attention_mask": torch.tensor(mask),
+                "row": torch.tensor([f["row"] for f in features]), "valid": torch.tensor(valid, dtype=torch.long)}
+
+
+@dataclass(frozen=True)
+class PromptRows(Rows):
+    """A prompt per row, its last --max-length tokens (TRL's max_prompt_length), padded on the left
+    to length buckets; the row's columns kept beside it for the reward functions."""
+
+    form: str | None = None
+    files: dict[str, str] | None = None
+    completions: int = 8  # --num-generations: the completions a prompt makes in a batch
+    unit = "prompts (each keeps its last tokens)"
+
+    def batch_rows(self, batch_size: int) -> int:
+        """A micro-batch of --batch-size completions holds batch_size / num_generations prompts."""
+        return batch_size // self.completions
+
+    def tokenize(self, splits: Any, tokenizer: Any, max_length: int) -> tuple[Any, dict[str, int]]:
+        import datasets
+
+        if self.form == "conversational" and not tokenizer.chat_template:
+            raise UserError(f"{(self.files or {}).get('train', 'train')}: the prompts are chat turns, which need a "
+                            "chat template, and the model's tokenizer has none; give the prompts as text")
+        data, truncated = {}, {}
+        for split, ds in splits.items():
+            path = (self.files or {}).get(split, split)
+            ids, extra = [], []
+            for i, row in enumerate(ds.to_list()):
+                where = f"{path}: {row_name(path, row.pop(SOURCE_ROW, i))}"
+                form = "prompt" if self.form == "strings" else "messages"
+                if self.form == "strings" and not isinstance(row["prompt"], str):
+                    raise UserError(f"{where}: 'prompt' must be text, as the first row's is; found "
+                                    f"{str(row['prompt'])[:60]!r}")
+                ids.append(prompt_ids({form: row["prompt"]}, form, tokenizer, where))
+                extra.append(json.dumps({**row, "_where": where}, default=str))
+            truncated[split] = sum(len(x) > max_length for x in ids)
+            ids = [x[-max_length:] for x in ids]
+            data[split] = datasets.Dataset.from_dict({"input_ids": ids, "length": [len(x) for x in ids],
+                                                      "row": list(range(len(ids))), EXTRA: extra})
+        return datasets.DatasetDict(data), truncated
+
+    def collator(self, tokenizer: Any) -> PromptCollator:
+        return PromptCollator(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rollouts: prompts to completions, rewards and advantages, inside the step
+
+
+@dataclass
+class Rollout:
+    """What a rollout hands the loss besides the model's inputs (the batch's `labels`)."""
+
+    labels: Any  # [rows, length]: each completion token's id where the loss covers it (shifted), else IGNORE
+    advantages: Any  # [rows]
+    normalizer: Any  # 0-d: what dapo divides the token sum by (the step's completion tokens per replica)
+    metrics: Any  # [len(ROLLOUT_KEYS) + 2 x functions]: the rollout's metrics, host-computed, on the device
+    rewards: Any  # [rows]: each completion's reward
+    per_function: Any  # [rows, functions]: each function's reward (NaN: none)
+
+
+class Rollouts:
+    """The batch source of a GRPO run: a batch of prompts in, the step's batch out (see the module
+    docstring). One per worker, made by `GroupObjective.batch_source`."""
+
+    def __init__(self, objective: GroupObjective, engine: Any, tokenizer: Any, data: Any, model: Any,
+                 total_steps: int = 0) -> None:
+        from ..core.generate import Sampling
+
+        self.objective, self.engine, self.data = objective, engine, data
+        plain = engine.unwrap_model(model)
+        self.eos = end_ids(tokenizer, plain)
+        self.tokenizer = left_padded(tokenizer, self.eos)  # decodes; its pad token fills ended rows
+        own = objective.settings
+        self.sampling = Sampling(own.max_completion_length, self.eos, self.tokenizer.pad_token_id, own.temperature,
+                                 own.top_p, own.top_k)
+        self.greedy = dataclasses.replace(self.sampling, temperature=0.0)
+        self.state = TrainerState(max_steps=total_steps)
+        # each split's rows' columns, read at first use
+        self.columns: dict[str, list[dict] | None] = dict.fromkeys(data)
+
+    def __call__(self, model: Any, batch: dict[str, Any], split: str = "train", step: int = 0,
+                 epoch: float = 0.0) -> dict[str, Any]:
+        """The step's batch from a batch of prompts: the rollout, its rewards and advantages.
+        Evaluation (`split` not train): one greedy completion per prompt, scored."""
+        import torch
+
+        from ..core.generate import static_generate
+
+        training = split == "train"
+        group = self.objective.settings.num_generations if training else 1
+        ids, mask = (batch[k].repeat_interleave(group, 0) for k in ("input_ids", "attention_mask"))
+        plain = self.engine.unwrap_model(model)
+        was_training = model.training
+        model.eval()
+        with torch.no_grad():
+            tokens = static_generate(plain, ids, mask, self.sampling if training else self.greedy,
+                                     self.engine.cut_graph)
+        model.train(was_training)
+        # the one transfer of the rollout: the row numbers and the completions' tokens, for the rewards
+        rows_and_tokens = torch.cat([batch["row"].repeat_interleave(group, 0)[:, None], tokens], 1)
+        host = self.engine.accelerator.to_host([rows_and_tokens])[0]
+        self.state.global_step, self.state.epoch = step, epoch
+        per_function, rewards, metrics = self.score(host[:, 0].tolist(), host[:, 1:], split, group)
+        advantages = self.objective.advantages(rewards, group)
+        return self.batch(ids, mask, tokens, (advantages, metrics, rewards, per_function), training)
+
+    def score(self, rows: list[int], tokens: Any, split: str, group: int) -> tuple[Any, Any, Any]:
+        """Every completion's rewards, per function ([completions, functions], NaN for None) and
+        their weighted sum (NaN-skipping, as TRL's nansum), and the rollout's metrics (ROLLOUT_KEYS,
+        then each function's mean and std)."""
+        import torch
+
+        table = self.columns[split]
+        if table is None:
+            table = self.columns[split] = [json.loads(x) for x in self.data[split][EXTRA]]
+        texts, lengths, ended = [], [], []
+        for row in tokens.tolist():
+            end = next((i for i, t in enumerate(row) if t in self.eos), None)
+            texts.append(self.tokenizer.decode(row[:end], skip_special_tokens=True))
+            lengths.append(len(row) if end is None else end + 1)
+            ended.append(end is not None)
+        found = [table[r] for r in rows]
+        prompts = [f["prompt"] for f in found]
+        completions = texts if not isinstance(prompts[0], list) else \
+            [[{"role": "assistant", "content": t}] for t in texts]
+        keys = [k for k in found[0] if k not in ("prompt", "completion", "completion_ids", "_where")]
+        columns = {k: [f.get(k) for f in found] for k in keys}
+        ids = [row[:n] for row, n in zip(tokens.tolist(), lengths)]
+        per_function, _ = score(self.objective.rewards, prompts, completions, ids, columns, self.state,
+                                [f["_where"] for f in found])
+        values = torch.tensor(per_function, dtype=torch.float32)  # [completions, functions]
+        weights = torch.tensor([r.weight for r in self.objective.rewards])
+        rewards = (values * weights).nansum(1)
+        grouped = rewards.view(-1, group)
+        std = grouped.std(1) if group > 1 else torch.zeros(len(grouped))
+        counts = torch.tensor(lengths, dtype=torch.float32)
+        metrics = [rewards.mean(), std.mean(), torch.isclose(std, torch.zeros_like(std)).float().mean(),
+                   counts.mean(), counts.min(), counts.max(), 1 - torch.tensor(ended, dtype=torch.float32).mean()]
+        for column in values.T:
+            metrics += [column.nanmean(), _nanstd(column)]
+        return values, rewards, torch.stack(metrics)
+
+    def batch(self, ids: Any, mask: Any, tokens: Any, scored: tuple, training: bool) -> dict[str, Any]:
+        """The update's inputs: prompt and completion in one row, positions from the prompt's first
+        token, segment 1 for real tokens (padding 0); labels the completion's tokens up to its first
+        end-of-sequence token (shifted: a token's label is the next token)."""
+        import torch
+
+        device = ids.device
+        own = self.objective.settings
+        eos = torch.tensor(self.eos, device=device)
+        is_eos = (tokens[..., None] == eos).any(-1)
+        after = (is_eos.long().cumsum(1) - is_eos.long()) > 0  # past the first end-of-sequence token
+        kept = ~after
+        trained = kept
+        if own.mask_truncated_completions and training:
+            trained = kept & is_eos.any(1, keepdim=True)
+        real = torch.cat([mask.bool(), kept], 1)
+        length = ids.shape[1]
+        labels = torch.full_like(real, IGNORE, dtype=torch.long)
+        labels[:, length - 1:-1] = torch.where(trained, tokens, torch.full_like(tokens, IGNORE))
+        normalizer = trained.sum().float()
+        if training and own.loss_type == "dapo" and self.engine.strategy.peers > 1:
+            normalizer = self.engine.strategy.gather(normalizer[None]).mean()  # the step's tokens per replica
+        sizes = [t.numel() for t in scored]
+        parts = torch.cat([t.reshape(-1) for t in scored]).to(device).split(sizes)  # one copy to the device
+        advantages, metrics, rewards, per_function = parts
+        rollout = Rollout(labels, advantages, normalizer, metrics, rewards, per_function.view(len(rewards), -1))
+        if not training:  # evaluation scores the completions; the policy need not run
+            return {"labels": rollout}
+        return {"input_ids": torch.cat([ids, tokens], 1), "position_ids": (real.long().cumsum(1) - 1).clamp(min=0),
+                "segments": real.long(), "labels": rollout}
+
+
+def _nanstd(x):
+    import torch
+
+    x = x[~torch.isnan(x)]
+    return x.std() if len(x) > 1 else torch.zeros(())
+
+
+# ---------------------------------------------------------------------------------------------
+# The objective
+
+
+@dataclass
+class PolicyOutput:
+    """The policy's head input (causal_lm.HeadInput, or the model's output), and the reference's
+    where beta > 0; the loss keeps its metrics here for `step_metrics`."""
+
+    head: Any
+    reference: Any = None
+    metrics: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class GroupObjective(Objective):
+    """TRL's GRPO loss over a rollout's completions (`Rollouts` makes the batch)."""
+
+    attention: str = "auto"
+    settings: GRPOOptions = GRPOOptions()
+    rewards: tuple[Reward, ...] = ()
+
+    def batch_source(self, engine: Any, tokenizer: Any, data: Any, model: Any, total_steps: int) -> Rollouts:
+        return Rollouts(self, engine, tokenizer, data, model, total_steps)
+
+    def memory_inputs(self, model: Any, device_kind: str, length: int) -> dict[str, Any]:
+        """The causal-LM forward's over a prompt bucket plus a completion; with beta > 0 the
+        reference pass (the adapters disabled) in the step too."""
+        length = length + self.settings.max_completion_length
+        path = documents_memory_inputs(model, device_kind, length, self.attention)
+        return {**path, "length": length, "reference": path["logits"] if self.settings.beta else None}
+
+    @staticmethod
+    def token_logps(head: Any, labels: Any) -> Any:
+        """Each label's log-probability, [rows, length] fp32 (0 where the label is IGNORE)."""
+        import torch.nn.functional as F
+
+        from ..core.lm_loss import chunked_token_losses
+
+        if isinstance(head, HeadInput):
+            return -chunked_token_losses(head.hidden, head.weight, labels, head.bias, head.softcap,
+                                         ignore_index=IGNORE)
+        return -F.cross_entropy(head.logits.float().transpose(1, 2), labels, ignore_index=IGNORE, reduction="none")
+
+    def forward(self, model: Any, inputs: dict[str, Any]) -> PolicyOutput | None:
+        """The policy on the rollout's rows (causal_lm.run_documents: the final hidden states and
+        the head, the head computed in chunks), and with beta > 0 the reference's (the adapters
+        disabled), without gradients. An evaluation's rollout has no rows to run: None."""
+        import torch
+
+        if "input_ids" not in inputs:
+            return None
+        out = PolicyOutput(run_documents(model, inputs, self.attention))
+        if self.settings.beta:
+            with torch.no_grad(), peft_model_of(model).disable_adapter():
+                out.reference = run_documents(model, inputs, self.attention)
+        return out
+
+    def advantages(self, rewards: Any, group: int) -> Any:
+        """Each reward less its group's mean, scaled as --scale-rewards says (TRL's 1e-4 guard)."""
+        grouped = rewards.view(-1, group)
+        centred = (grouped - grouped.mean(1, keepdim=True)).view(-1)
+        if self.settings.scale_rewards == "none" or group < 2:
+            return centred
+        std = grouped.std(1).repeat_interleave(group) if self.settings.scale_rewards == "group" else rewards.std()
+        return centred / (std + 1e-4)
+
+    def policy_loss(self, logps: Any, rollout: Rollout, reference: Any = None,
+                    old: Any = None) -> tuple[Any, dict[str, Any]]:
+        """TRL 1.16's `_compute_loss` for the token-level losses (trainer/grpo_trainer.py): the
+        clipped surrogate, plus beta times the k3 KL estimate weighted by the importance ratio,
+        normalised per --loss-type; and its metrics. `old`: the log-probabilities the completions
+        were sampled with, where they differ from the policy's now (None: the same, detached)."""
+        import torch
+
+        own = self.settings
+        mask = (rollout.labels != IGNORE).float()
+        old = logps.detach() if old is None else old  # one update per rollout: the ratio is 1, its gradient not
+        ratio = torch.exp(logps - old)
+        advantages = rollout.advantages[:, None]
+        clipped = torch.clamp(ratio, 1 - own.epsilon, 1 + own.upper)
+        per_token = -torch.min(ratio * advantages, clipped * advantages)
+        metrics = {}
+        if own.beta:  # the k3 estimate, times the ratio (TRL's use_bias_correction_kl, its default)
+            delta = reference - logps
+            kl = (torch.exp(delta) - delta - 1) * ratio
+            per_token = per_token + own.beta * kl
+            metrics["kl"] = (kl * mask).sum() / mask.sum().clamp(min=1)
+        masked = per_token * mask
+        if own.loss_type == "grpo":
+            loss = (masked.sum(-1) / mask.sum(-1).clamp(min=1)).mean()
+        elif own.loss_type == "bnpo":
+            loss = masked.sum() / mask.sum().clamp(min=1)
+        elif own.loss_type == "dr_grpo":
+            loss = masked.sum() / (masked.shape[0] * own.max_completion_length)
+        else:  # dapo
+            loss = masked.sum() / rollout.normalizer.clamp(min=1)
+        low = ((ratio < 1 - own.epsilon) & (advantages < 0)).float()
+        high = ((ratio > 1 + own.upper) & (advantages > 0)).float()
+        share = mask.sum().clamp(min=1)
+        metrics.update({"clip_ratio/low_mean": (low * mask).sum() / share,
+                        "clip_ratio/high_mean": (high * mask).sum() / share,
+                        "clip_ratio/region_mean": (((low + high) > 0).float() * mask).sum() / share})
+        return loss, metrics
+
+    def loss(self, output: PolicyOutput, labels: Rollout) -> Any:
+        """The step's loss on a rollout (`labels`); its metrics kept on `output`."""
+        import torch
+
+        logps = self.token_logps(output.head, labels.labels)
+        reference = None
+        if output.reference is not None:
+            with torch.no_grad():
+                reference = self.token_logps(output.reference, labels.labels)
+        loss, output.metrics = self.policy_loss(logps, labels, reference)
+        return loss
+
+    def step_metrics(self, output: Any, labels: Any) -> dict[str, Any] | None:
+        names = [*ROLLOUT_KEYS, *(f"rewards/{r.name}/{s}" for r in self.rewards for s in ("mean", "std"))]
+        return {**dict(zip(names, labels.metrics.unbind())), **output.metrics}
+
+    # --- evaluation: the validation prompts' greedy completions, scored -----------------------
+    def keys(self) -> list[str]:
+        return ["reward", *(f"rewards/{r.name}/mean" for r in self.rewards), "completions/mean_length"]
+
+    def load_metric(self) -> None:
+        return None
+
+    def eval_columns(self, batch: dict[str, Any], output: Any) -> tuple:
+        """Per validation prompt: its greedy completion's reward, each function's, its length."""
+        rollout = batch["labels"]
+        return (rollout.rewards, *rollout.per_function.T, (rollout.labels != IGNORE).sum(1).float())
+
+    def score(self, metric: Any, columns: tuple) -> dict[str, float]:
+        n = len(columns[0])
+        return {**{k: float(c.double().nanmean()) if n else math.nan for k, c in zip(self.keys(), columns)}, "n": n}
+
+
+# ---------------------------------------------------------------------------------------------
+# The model and the kind
+
+
+class PolicyModel(DecoderModel):
+    def check(self, config: Any, name: str) -> None:
+        from ..models import shown_name
+
+        if not is_decoder_config(config):
+            raise UserError(f"--model {shown_name(name)}: {config.model_type} is not a decoder with a causal LM head "
+                            f"(architectures: {', '.join(config.architectures or ['none'])}); --problem grpo "
+                            "trains decoders such as Llama, Qwen2, Gemma, Mistral or GPT-2")
+
+
+@register
+@dataclass(frozen=True)
+class GRPO(Task):
+    """Group relative policy optimisation of a decoder on prompts and reward functions."""
+
+    kind = "grpo"
+    Options = GRPOOptions
+    form: str | None = None  # "strings" or "conversational"
+    files: dict[str, str] | None = None
+    attention: str = "auto"
+    settings: GRPOOptions = GRPOOptions()
+    rewards: tuple[Reward, ...] = ()
+
+    # --- options ----------------------------------------------------------------------------
+    @classmethod
+    def check_options(cls, opts):
+        own = opts.kind_options()
+        if opts.batch_size % own.num_generations:
+            raise UserError(f"--batch-size {opts.batch_size} (completions per device, TRL's "
+                            f"per_device_train_batch_size) must be a multiple of --num-generations "
+                            f"{own.num_generations}, so that each prompt's group stays on one device and its "
+                            "advantages need no collective")
+        if opts.packing is not None:
+            raise UserError(f"--{'' if opts.packing else 'no-'}packing: --problem grpo puts a prompt and a completion "
+                            "in each row, padded to --buckets")
+        if opts.max_new_tokens and not opts.test_file:
+            raise UserError("--max-new-tokens applies to --test-file's completions (rollouts take "
+                            "--max-completion-length)")
+        if opts.eval_samples:
+            raise UserError("--eval-samples: a GRPO run scores its validation prompts' completions at every "
+                            "evaluation already (reward, per function)")
+        if own.beta and not opts.lora:
+            raise UserError("--beta above 0 needs --lora: the reference is the base with the adapters disabled (a "
+                            "frozen copy of the whole model is not built)")
+
+    @classmethod
+    def load(cls, source):
+        check_own_rows(source, "grpo", "prompts", "GRPO's rows have a 'prompt' column")
+        own = source.options.kind_options() if source.options else GRPOOptions()
+        splits, files, form = own_splits(source.train_file, source.validation_file, source.seed, form_of, "prompts")
+        return (cls("custom", None, main="reward", max_length=source.max_length, form=form, files=files,
+                    attention=source.attention, settings=own, rewards=rewards_of(own.reward, own.reward_weights)),
+                splits)
+
+    # --- the parts --------------------------------------------------------------------------
+    @cached_property
+    def rows(self):
+        return PromptRows(self.form, self.files, self.settings.num_generations)
+
+    @cached_property
+    def objective(self):
+        return GroupObjective(None, self.eval_splits, self.attention, self.settings, self.rewards)
+
+    @cached_property
+    def model(self) -> ModelPart:
+        return PolicyModel()
+
+    @cached_property
+    def prediction(self):
+        return Completions(self)
+
+    # --- what the output folder records -----------------------------------------------------
+    @classmethod
+    def claims(cls, config):
+        return not is_classifier_config(config) and is_decoder_config(config)
+
+    @classmethod
+    def from_config(cls, config, saved):
+        return cls(saved.get("task") or "custom", None, main="reward", max_length=saved.get("max_length", 128),
+                   form=saved.get("form"))
+
+    def record(self):
+        return {"task": self.name, "problem": self.problem, "labels": None, "form": self.form,
+                "max_length": self.max_length, "grpo": dataclasses.asdict(self.settings)}
+
+    def describe(self, splits):
+        sizes = ", ".join(f"{len(ds)} {split}" for split, ds in splits.items())
+        own = self.settings
+        return (f"task {self.name}: grpo ({own.loss_type} loss, {own.num_generations} completions of up to "
+                f"{own.max_completion_length} tokens per prompt, rewards {', '.join(r.name for r in self.rewards)}) "
+                f"on {self.form} prompts; {sizes} prompts")

@@ -1,0 +1,170 @@
+"""The reward functions a GRPO run names (`--reward`, `--reward-weights`): found, then called as
+TRL's GRPOTrainer calls them, their answers checked.
+
+    --reward my_rewards.py:correct          a function in a file (a path, relative to where the command runs)
+    --reward mypackage.rewards:correct      a function in an importable module
+    --reward xla_train.rewards:think_format the package's own (xla_train/rewards.py); trl.rewards' too
+
+A function is called `f(prompts=..., completions=..., completion_ids=..., **columns, trainer_state=...,
+log_extra=..., log_metric=...)`, TRL 1.16's keyword arguments (trainer/grpo_trainer.py,
+`_calculate_rewards`): the prompts and completions of the batch (text, or chat turns for chat
+prompts), each completion's token ids, every other column of the rows (a list each, one value per
+completion), where training stands (`global_step`, `max_steps`, `epoch`), and two callbacks: extra
+columns for the samples table and extra scalars for the log. It returns a number (or None) per
+completion; an async function is awaited. Anything else stops the run with one line naming the
+function and the row.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import importlib.util
+import inspect
+import math
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..core.errors import UserError, first_line
+
+
+@dataclass(frozen=True)
+class Reward:
+    name: str  # the function's name, as TRL names it (its __name__), in the metrics' keys
+    spec: str  # as --reward gave it
+    weight: float = 1.0
+
+    @property
+    def function(self) -> Callable[..., Any]:
+        return find(self.spec)
+
+
+@dataclass
+class TrainerState:
+    """What TRL's `trainer_state` gives a reward function that shapes its reward by progress."""
+
+    global_step: int = 0
+    max_steps: int = 0
+    epoch: float = 0.0
+
+
+@dataclass
+class Logged:
+    """What reward functions logged through `log_extra` and `log_metric` in one call."""
+
+    extra: dict[str, list] = field(default_factory=dict)
+    metrics: dict[str, list[float]] = field(default_factory=dict)
+
+
+def rewards_of(specs: str | None, weights: str | None) -> tuple[Reward, ...]:
+    """The --reward functions (comma-separated, or repeated flags) with their --reward-weights
+    (default 1 each), each found now: a mistake stops the run before any model loads."""
+    names = [s.strip() for s in (specs or "").split(",") if s.strip()]
+    if not names:
+        raise UserError("--problem grpo needs --reward: a function that scores completions (module:function or "
+                        "path/file.py:function; xla_train.rewards has exact_match, number_match, think_format)")
+    if weights is None:
+        values = [1.0] * len(names)
+    else:
+        try:
+            values = [float(w) for w in str(weights).split(",")]
+        except ValueError:
+            raise UserError(f"--reward-weights must be numbers, comma-separated, not {weights!r}") from None
+        if len(values) != len(names) or not all(math.isfinite(v) for v in values):
+            raise UserError(f"--reward-weights gives {len(values)} weight(s) for {len(names)} --reward function(s); "
+                            "give one finite number for each")
+    out = []
+    for spec, weight in zip(names, values):
+        out.append(Reward(getattr(find(spec), "__name__", spec.rpartition(":")[2]), spec, weight))
+    return tuple(out)
+
+
+_FOUND: dict[str, Callable[..., Any]] = {}
+
+
+def find(spec: str) -> Callable[..., Any]:
+    """The function `spec` names: `module:function` (importable) or `path/file.py:function`."""
+    if spec in _FOUND:
+        return _FOUND[spec]
+    where, _, name = spec.rpartition(":")
+    if not where or not name:
+        raise UserError(f"--reward {spec}: name a function as module:function or path/file.py:function")
+    try:
+        if where.endswith(".py"):
+            path = Path(where).expanduser()
+            if not path.is_file():
+                raise UserError(f"--reward {spec}: no such file {where}")
+            module_name = f"xla_train_reward_{abs(hash(str(path.resolve())))}"
+            loader = importlib.util.spec_from_file_location(module_name, path)
+            assert loader is not None and loader.loader is not None
+            module = importlib.util.module_from_spec(loader)
+            sys.modules[module_name] = module  # pickled by name in spawned workers' imports
+            loader.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+    except UserError:
+        raise
+    except Exception as e:  # the user's module: any error of its import
+        raise UserError(f"--reward {spec}: {where} cannot be imported ({type(e).__name__}: {first_line(e)})") from None
+    function = getattr(module, name, None)
+    if not callable(function):
+        raise UserError(f"--reward {spec}: {where} has no function {name!r}")
+    _FOUND[spec] = function
+    return function
+
+
+def score(rewards: tuple[Reward, ...], prompts: list, completions: list, completion_ids: list[list[int]],
+          columns: dict[str, list], state: TrainerState, rows: list[str]) -> tuple[list[list[float]], Logged]:
+    """Every function's rewards of every completion ([completion][function], NaN for None), as
+    TRL calls them; `rows`: where each completion's row is, for messages."""
+    logged = Logged()
+
+    def log_extra(column: str, values: list) -> None:
+        logged.extra[column] = list(values)
+
+    def log_metric(name: str, value: float) -> None:
+        logged.metrics.setdefault(name, []).append(float(value))
+
+    kwargs = {**columns, "trainer_state": state, "log_extra": log_extra, "log_metric": log_metric}
+    table = []
+    for reward in rewards:
+        try:
+            values = reward.function(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
+            if inspect.isawaitable(values):
+                values = asyncio.run(_awaited(values))
+        except UserError:
+            raise
+        except Exception as e:  # the user's function: whatever it raises stops the run with one line
+            raise UserError(f"--reward {reward.spec} raised {type(e).__name__}: {first_line(e)} (scoring {rows[0]}"
+                            f"{' and others' if len(rows) > 1 else ''})") from None
+        table.append(_checked(reward, values, len(completions), rows))
+    return [list(r) for r in zip(*table)], logged
+
+
+async def _awaited(values: Any) -> Any:
+    return await values
+
+
+def _checked(reward: Reward, values: Any, n: int, rows: list[str]) -> list[float]:
+    try:
+        values = list(values)
+    except TypeError:
+        raise UserError(f"--reward {reward.spec} returned {type(values).__name__}, not a list of numbers") from None
+    if len(values) != n:
+        raise UserError(f"--reward {reward.spec} returned {len(values)} rewards for {n} completions; it must return "
+                        "one per completion")
+    out = []
+    for value, row in zip(values, rows):
+        if value is None:
+            out.append(math.nan)
+            continue
+        if not isinstance(value, (int, float)) and not hasattr(value, "__float__"):
+            raise UserError(f"--reward {reward.spec} returned {value!r} for {row}: a number or None is needed")
+        number = float(value)
+        if not math.isfinite(number):
+            raise UserError(f"--reward {reward.spec} returned {number} for {row}: a finite number or None is needed")
+        out.append(number)
+    return out
