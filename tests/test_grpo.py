@@ -393,3 +393,52 @@ def test_stopped_and_resumed_draws_the_same_completions(base, sft_model, slow_re
     assert_same_weights(tmp_path / "run", tmp_path / "whole", atol=0)
     assert resumed["eval"] == whole["eval"]
     assert resumed["train_metrics"][-1] == whole["train_metrics"][-1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("devices,extra", [
+    (1, ["--lora", "--lora-r", 4, "--beta", 0.04]),
+    (4, ["--strategy", "fsdp", "--precision", "bf16"]),
+], ids=["one-device-lora-beta", "fsdp4-bf16"])
+def test_xla_compiles_a_bounded_number_of_graphs(devices, extra, base, sft_model, tmp_path):
+    """2 epochs of 32 prompts on XLA:CPU, 4 prompts x 4 completions a step: one device with LoRA
+    and the KL to the reference (the adapters disabled, in the step); four devices under FSDPv2 in
+    bf16. A prefill and a decode graph per shape (training's and evaluation's), the step's graph:
+    none after the first epoch, no aten fallback, one host transfer a step (the rollout's tokens)
+    besides the log points'."""
+    train = td.write_jsonl(tmp_path / "train.jsonl", prompts(32, 9))
+    args = grpo_args(sft_model, {**base, "train": train}, "--num-generations", 4, "--batch-size", 16 // devices,
+                     "--epochs", 2, "--log-every", 4, *extra)
+    args[args.index("cpu")] = "xla"
+    proc, m = run_cli(args, tmp_path, env={"CPU_NUM_DEVICES": str(devices)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    xla = m["xla"]
+    assert xla["compiles"] <= 10 and xla["compiles_after_first_epoch"] == 0, xla
+    assert xla["aten_fallbacks"] == 0 and xla["host_syncs_per_step"] <= 1.3, xla
+    assert m["world_size"] == devices and m["steps"] == 16 and m["eval"]["n"] == 64
+    assert all(math.isfinite(loss) for _, loss, _ in m["train_loss"]) and math.isfinite(m["eval"]["reward"])
+    if "--beta" in extra:
+        assert all(math.isfinite(metrics["kl"]) for _, metrics in m["train_metrics"])
+
+
+@pytest.mark.slow
+def test_lora_in_bf16_merged_and_predicted_on_two_gloo_processes(base, sft_model, tmp_path):
+    """Two CPU processes (gloo DDP), each rolling out its own prompts (a group never straddles
+    them), LoRA in bf16 with beta > 0, --merge-lora and --test-file; `xla-train predict` completes
+    prompts with the merged folder."""
+    from conftest import cli
+
+    out = tmp_path / "run"
+    proc, m = run_cli(grpo_args(sft_model, base, "--batch-size", 16, "--max-steps", 6, "--num-processes", 2, "--lora",
+                                "--precision", "bf16", "--beta", 0.04, "--merge-lora", "--test-file",
+                                base["validation"], "--output-dir", out, "--log-every", 2), tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert m["world_size"] == 2 and m["steps"] == 6 and m["trainable_params"] < 0.5 * m["total_params"]
+    assert math.isfinite(m["eval"]["reward"]) and m["eval"]["n"] == 64
+    predictions = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+    assert len(predictions) == 64 and all(set(p) == {"prompt", "answer", "completion"} for p in predictions)
+    predicted = cli("predict", ["--model", out, "--input", base["validation"], "--output", tmp_path / "p.jsonl",
+                                "--backend", "cpu", "--max-new-tokens", 8])
+    assert predicted.returncode == 0, predicted.stderr[-3000:]
+    assert [json.loads(line)["completion"] for line in open(tmp_path / "p.jsonl")][:8] == \
+        [p["completion"] for p in predictions[:8]]

@@ -236,7 +236,7 @@ class Rollouts:
         model.train(was_training)
         # the one transfer of the rollout: the row numbers and the completions' tokens, for the rewards
         rows_and_tokens = torch.cat([batch["row"].repeat_interleave(group, 0)[:, None], tokens], 1)
-        host = self.engine.accelerator.to_host([rows_and_tokens])[0]
+        host = self.engine.to_host([rows_and_tokens])[0]  # split over devices (SPMD): shard by shard
         self.state.global_step, self.state.epoch = step, epoch
         per_function, rewards, metrics = self.score(host[:, 0].tolist(), host[:, 1:], split, group)
         advantages = self.objective.advantages(rewards, group)
