@@ -442,3 +442,23 @@ def test_lora_in_bf16_merged_and_predicted_on_two_gloo_processes(base, sft_model
     assert predicted.returncode == 0, predicted.stderr[-3000:]
     assert [json.loads(line)["completion"] for line in open(tmp_path / "p.jsonl")][:8] == \
         [p["completion"] for p in predictions[:8]]
+
+
+def test_the_memory_plan_holds_the_rollouts_cache(base):
+    """The plan of a GRPO step: rows of a prompt bucket plus a completion, and the rollout's
+    key/value cache, which is what transformers' StaticCache allocates for that many tokens."""
+    from transformers import AutoModelForCausalLM, StaticCache
+
+    from xla_train.memory import needed, plan
+    from xla_train.tasks.grpo import GRPOOptions, GroupObjective
+
+    model = AutoModelForCausalLM.from_pretrained(base["model"], dtype=torch.float32)
+    path = GroupObjective(settings=GRPOOptions(max_completion_length=8)).memory_inputs(model, "cpu", 16)
+    assert path.length == 24 and path.cache_tokens == 24 and path.reference is None
+    memory, _ = plan(model, 32, path.length, logits=True, chunked_logits=True, cache_tokens=path.cache_tokens)
+    cache = StaticCache(config=model.config, max_cache_len=24)
+    ids = torch.ones(32, 4, dtype=torch.long)
+    model(input_ids=ids, past_key_values=cache, use_cache=True)
+    allocated = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+    assert memory["cache_bytes"] == allocated
+    assert needed(memory) >= memory["param_bytes_per_device"] + memory["cache_bytes"]

@@ -107,14 +107,14 @@ def test_dpo_with_adapters_plans_its_reference_pass():
         step(reference)
         peaks[name] = measure_peak(lambda: step(reference))  # noqa: B023
     path = objective.memory_inputs(model, "cpu", length)
-    assert path["reference"] == "chunked" and path["logits"] == "chunked"
+    assert path.reference == "chunked" and path.logits == "chunked"
     memory, _ = plan(model, rows, length, logits=True, attention="sdpa", chunked_logits=True,
-                     reference=path["reference"])
+                     reference=path.reference)
     assert memory["reference_bytes"] == rows * length * cfg.hidden_size * 4
     assert abs((peaks["adapters"] - peaks["precomputed"]) / memory["reference_bytes"] - 1) <= 0.05, peaks
     without, _ = plan(model, rows, length, logits=True, attention="sdpa", chunked_logits=True)
     assert needed(memory) == needed(without) + memory["reference_bytes"]
-    assert objective.memory_inputs(model.get_base_model(), "cpu", length)["reference"] is None
+    assert objective.memory_inputs(model.get_base_model(), "cpu", length).reference is None
     # a head computed whole (LoRA on it, a family that rescales its logits): the whole logits, bf16 here
     whole, _ = plan(model, rows, length, "bf16", logits=True, attention="sdpa", reference="whole")
     assert whole["reference_bytes"] == rows * length * cfg.vocab_size * 2

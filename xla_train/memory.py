@@ -131,7 +131,8 @@ def _linear_weights(model):
 
 
 def plan(model, rows, length, precision="fp32", shards=1, device_bytes=None, checkpointed=False, logits=False,
-         attention="sdpa", chunked_logits=False, dense_mask=True, chunk_tokens=CHUNK_TOKENS, reference=None):
+         attention="sdpa", chunked_logits=False, dense_mask=True, chunk_tokens=CHUNK_TOKENS, reference=None,
+         cache_tokens=0):
     """The memory plan of `model` trained with AdamW on `rows` rows of `length` tokens per device,
     its parameters split over `shards` devices (1: every device holds them all), its blocks'
     activations `checkpointed` (recomputed in the backward pass) or kept, computed through the
@@ -143,7 +144,9 @@ def plan(model, rows, length, precision="fp32", shards=1, device_bytes=None, che
     final hidden states, or its whole logits, in the compute dtype. (While it runs, that pass
     also holds every block's output, which transformers returns with the hidden states, beside
     the policy's activations; the plan leaves this moment out: the chunked head's logits, in the
-    backward pass, outweigh it for the vocabularies of LLMs.)
+    backward pass, outweigh it for the vocabularies of LLMs.) With `cache_tokens`, a generation in
+    the step (GRPO's rollout) holds a key/value cache of that many tokens a row, in the weights'
+    dtype, before the update's forward pass begins: a peak of its own (`cache_bytes`).
 
     The peak (`peak_bytes_estimate`): parameters + AdamW's state + the larger of what the backward
     pass begins with (the activations, the logits at their peak and, under bf16 autocast, the bf16
@@ -175,6 +178,7 @@ def plan(model, rows, length, precision="fp32", shards=1, device_bytes=None, che
                                 // (max(1, d["layers"]) if checkpointed else 1)
                                 if precision == "bf16" else 0),
         "reference_bytes": rows * length * width * (2 if precision == "bf16" else param_bytes),
+        "cache_bytes": 2 * d["layers"] * d["kv_heads"] * d["head_dim"] * rows * cache_tokens * param_bytes,
         "attention": attention,
         "chunked_logits": bool(logits and chunked_logits),
         "gradient_checkpointing": checkpointed,
@@ -189,13 +193,14 @@ def needed(memory):
     """Bytes per device at the plan's peak: parameters + optimizer state + the larger of the
     backward pass's start (activations, logits, autocast's weight copies) and its end (gradients
     and one block's activations, the blocks' inputs too where checkpointed), with a reference
-    pass's output at both."""
+    pass's output at both; or, where it is larger, a generation's key/value cache in the step."""
     start = sum(memory.get(k) or 0 for k in ("activation_bytes_estimate", "logit_bytes", "autocast_copy_bytes",
                                              "reference_bytes"))
     end = sum(memory.get(k) or 0 for k in ("grad_bytes_per_device", "layer_bytes", "reference_bytes"))
     if memory.get("gradient_checkpointing"):
         end += memory.get("activation_bytes_estimate") or 0
-    return (memory["param_bytes_per_device"] + memory["optimizer_bytes_per_device"]) + max(start, end)
+    return (memory["param_bytes_per_device"] + memory["optimizer_bytes_per_device"]) + max(start, end,
+                                                                                           memory.get("cache_bytes") or 0)
 
 
 def checkpointing_needed(kept, checkpointed):
@@ -233,6 +238,7 @@ def describe(memory, counts):
             f"{', logits ' + mib('logit_bytes') if memory.get('logit_bytes') else ''}"
             f"{' (chunked)' if memory.get('chunked_logits') else ''}"
             f"{', reference pass ' + mib('reference_bytes') if memory.get('reference_bytes') else ''}"
+            f"{', generation cache ' + mib('cache_bytes') if memory.get('cache_bytes') else ''}"
             f", peak ~{needed(memory) / MIB:.1f} MiB; "
             f"device {device}; "
             f"{counts['trainable_params']:,} of {counts['total_params']:,} parameters trained")

@@ -163,7 +163,8 @@ class Trainer:
                     state.batch += 1
                     engine.seed_micro_batch(cfg.seed, state.epoch, state.batch)  # dropout: from the position
                     with self.profile.micro_batch(state.step + 1):  # inside --profile-steps' window: annotated
-                        inputs = self.source(model, batch, step=state.step, epoch=state.epoch)  # GRPO: a rollout
+                        with clock.rolling_out():  # GRPO: a rollout (generation, rewards), timed apart
+                            inputs = self.source(model, batch, step=state.step, epoch=state.epoch)
                         labels = inputs.pop("labels")  # the loss is the job's own: no model head can add a host sync
                         with engine.autocast():
                             output = objective.forward(model, inputs)  # forward
@@ -307,16 +308,16 @@ def plan_memory(engine, cfg, shapes, model, objective):
 
     length = max(shapes.padding.lengths or [cfg.max_length])
     path = objective.memory_inputs(model, kind_of(torch.empty(0, device=engine.device)), length)
-    length = path.get("length", length)  # the rows the step runs, where the kind makes them longer (a completion)
-    if path.get("note"):  # the attention path taken, where it is not the device's kernel
-        engine.print(path["note"])
+    length = path.length or length  # the rows the step runs, where the kind makes them longer (a completion)
+    if path.note:  # the attention path taken, where it is not the device's kernel
+        engine.print(path.note)
 
     def plan(checkpointed):
         return plan_of(model, cfg.batch_size, length, cfg.precision, shards=engine.strategy.param_shards,
                        device_bytes=device_bytes(engine.accelerator), checkpointed=checkpointed,
-                       logits=path["logits"] is not None, attention=path["attention"],
-                       chunked_logits=path["logits"] == "chunked", dense_mask=path["dense_mask"],
-                       reference=path.get("reference"))
+                       logits=path.logits is not None, attention=path.attention,
+                       chunked_logits=path.logits == "chunked", dense_mask=path.dense_mask,
+                       reference=path.reference, cache_tokens=path.cache_tokens)
 
     checkpointed = cfg.gradient_checkpointing
     memory, counts = plan(checkpointed)

@@ -48,6 +48,7 @@ class RunClock:
         self.first_start = None  # when the first training phase began: start-up ends there
         self.checkpoint_seconds = 0.0
         self.data_seconds = 0.0  # waiting in the training loader for the next batch
+        self.rollout_seconds = 0.0  # a kind's rows made inside the step (GRPO: generation and rewards)
         self.eval_seconds = self.eval_compile_seconds = self.train_compile_seconds = 0.0
         self.transfers = 0  # device-to-host transfers during training phases only
         self.first_epoch_compiles = None
@@ -120,6 +121,16 @@ class RunClock:
             yield batch
 
     @contextmanager
+    def rolling_out(self):
+        """Inside a training phase, the step's rows made by the model (a rollout: generating and
+        scoring completions): its time counted apart, its compilations the compile phase's. It
+        ends with the rollout's copy to the host, which waits for the generation."""
+        t0, before = time.perf_counter(), self._stats().get("compile_seconds", 0)
+        yield
+        compiled = self._stats().get("compile_seconds", 0) - before
+        self.rollout_seconds += max(time.perf_counter() - t0 - compiled, 0.0)
+
+    @contextmanager
     def evaluating(self):
         """An evaluation: its time, and its compilations' apart."""
         t0, before = time.perf_counter(), self._stats().get("compile_seconds", 0)
@@ -138,8 +149,10 @@ class RunClock:
         parts = {
             "startup": first_step - self.started,  # imports, data, model, device set-up: `startup` below
             "compile": compiling,
-            "train_steps": max(self.seconds - self.train_compile_seconds - self.data_seconds, 0.0),
+            "train_steps": max(self.seconds - self.train_compile_seconds - self.data_seconds - self.rollout_seconds,
+                               0.0),
             "data": self.data_seconds,
+            **({"rollout": self.rollout_seconds} if self.rollout_seconds else {}),  # kinds that roll out
             "eval": max(self.eval_seconds - self.eval_compile_seconds, 0.0),
             "checkpoint": self.checkpoint_seconds,
         }

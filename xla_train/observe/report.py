@@ -64,7 +64,8 @@ def time_split(metrics):
 STARTUP_NAMES = {"imports": "imports", "data": "data (reading, tokenising)", "model": "model loading",
                  "device": "device set-up"}
 GOODPUT_NAMES = {"startup": "start-up (imports, data, model, device set-up)", "compile": "compiling",
-                 "train_steps": "training steps", "data": "waiting for data", "eval": "evaluation",
+                 "train_steps": "training steps", "data": "waiting for data",
+                 "rollout": "rollouts (generating, scoring)", "eval": "evaluation",
                  "checkpoint": "checkpoints", "other": "other"}
 
 

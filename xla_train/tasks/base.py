@@ -136,6 +136,26 @@ class Rows:
 
 
 @dataclass(frozen=True)
+class PassInputs:
+    """What the memory plan (memory.plan) needs of a kind's step (Objective.memory_inputs): the
+    `attention` implementation that runs (transformers' names: sdpa, eager, flash_attention_2, ...; the
+    kernels' xla_flash, flex_attention) and whether a `dense_mask` is passed to it; `logits` per
+    token, "whole" or "chunked" (None: none per token); a `reference` pass without gradients, its
+    output "whole" or "chunked" (None: none); the rows' `length` in the step where the kind makes
+    them longer than its loaded rows (GRPO: a prompt bucket and a completion; None: the loaded
+    rows'); `cache_tokens`, a generation's key/value cache per row in the step (GRPO's rollouts; 0:
+    none); and a `note` for the console."""
+
+    attention: str = "eager"
+    dense_mask: bool = True
+    logits: str | None = None
+    reference: str | None = None
+    length: int | None = None
+    cache_tokens: int = 0
+    note: str | None = None
+
+
+@dataclass(frozen=True)
 class Objective:
     """A kind's objective: the forward call, the loss, what evaluation gathers and how it scores.
     `metric_name` is the task_metric config; `eval_splits` the splits evaluation scores."""
@@ -143,17 +163,12 @@ class Objective:
     metric_name: str | None = None
     eval_splits: tuple[str, ...] = ("validation",)
 
-    def memory_inputs(self, model: Any, device_kind: str, length: int) -> dict[str, Any]:
-        """What the memory plan (memory.plan) needs of this objective's forward pass with `model`
-        (not yet prepared) on a `device_kind` device (core.attention.kind_of's names) for rows of
-        `length` tokens: its `logits` per token ("whole" as the model's head computes them,
-        "chunked" a chunk of tokens at a time, or None: none per token), the `attention`
-        implementation that runs and whether a `dense_mask` is passed to it (padded batches' masks);
-        optionally a `reference` pass in the step without gradients, its output "whole" or "chunked"
-        like `logits` (memory.plan), and a `note` for the console (the attention path taken where it
-        is not the device's kernel)."""
-        return {"logits": None, "attention": getattr(model.config, "_attn_implementation", None) or "eager",
-                "dense_mask": True}
+    def memory_inputs(self, model: Any, device_kind: str, length: int) -> PassInputs:
+        """What the memory plan needs of this objective's step with `model` (not yet prepared) on
+        a `device_kind` device (core.attention.kind_of's names) for loaded rows of `length` tokens
+        (`PassInputs`: the attention path and its mask, the logits, a reference pass, a generation's
+        cache, a note for the console where the path taken is not the device's kernel)."""
+        return PassInputs(getattr(model.config, "_attn_implementation", None) or "eager")
 
     def batch_source(self, engine: Any, tokenizer: Any, data: Any, model: Any, total_steps: int) -> Callable[..., Any]:
         """What turns a loaded batch into the step's (`source(model, batch, split=, step=, epoch=)`),

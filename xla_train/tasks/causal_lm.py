@@ -25,7 +25,7 @@ from functools import cached_property
 from typing import Any
 
 from ..core.errors import UserError
-from .base import ModelPart, Objective, Rows, Task, row_name
+from .base import ModelPart, Objective, PassInputs, Rows, Task, row_name
 from .completion import Completions, eval_samples
 from .documents import (
     FORMS,
@@ -148,7 +148,7 @@ class NextToken(Objective):
     attention: str = "auto"
     chunked_logits: bool = True
 
-    def memory_inputs(self, model: Any, device_kind: str, length: int) -> dict[str, Any]:
+    def memory_inputs(self, model: Any, device_kind: str, length: int) -> PassInputs:
         return documents_memory_inputs(model, device_kind, length, self.attention, self.chunked_logits)
 
     def forward(self, model: Any, inputs: dict[str, Any]) -> Any:
@@ -210,7 +210,7 @@ def run_documents(model: Any, inputs: dict[str, Any], attention: str = "auto", c
 
 
 def documents_memory_inputs(model: Any, device_kind: str, length: int, attention: str = "auto",
-                            chunked: bool = True) -> dict[str, Any]:
+                            chunked: bool = True) -> PassInputs:
     """Objective.memory_inputs of `run_documents`'s path: the kernel that keeps documents apart
     (no dense mask) or the mask, and the head in chunks where head_of can compute it."""
     from ..core.attention import choose, fallback_note, unwrapped
@@ -219,9 +219,9 @@ def documents_memory_inputs(model: Any, device_kind: str, length: int, attention
     path = choose(attention, device_kind, model, length)
     implementation = getattr(model.config, "_attn_implementation", None) or "eager"
     kernels = {"flex": "flex_attention", "pallas": "xla_flash"}  # memory.O_S_ATTENTION's names
-    return {"logits": "chunked" if chunked and head_of(unwrapped(model)) else "whole",
-            "attention": kernels.get(path, implementation), "dense_mask": path == "mask",
-            "note": fallback_note(attention, device_kind, model, length)}
+    return PassInputs(kernels.get(path, implementation), path == "mask",
+                      "chunked" if chunked and head_of(unwrapped(model)) else "whole",
+                      note=fallback_note(attention, device_kind, model, length))
 
 
 def capture_outside_compilation(model: Any) -> None:

@@ -30,7 +30,7 @@ from functools import cached_property
 from typing import Any
 
 from ..core.errors import UserError
-from .base import ModelPart, Objective, Rows, Task, row_name
+from .base import ModelPart, Objective, PassInputs, Rows, Task, row_name
 from .causal_lm import (
     DecoderModel,
     HeadInput,
@@ -241,10 +241,10 @@ class PreferenceObjective(Objective):
     loss_type: str = "sigmoid"
     rpo_alpha: float | None = None
 
-    def memory_inputs(self, model: Any, device_kind: str, length: int) -> dict[str, Any]:
+    def memory_inputs(self, model: Any, device_kind: str, length: int) -> PassInputs:
         """The causal-LM forward's; with adapters, the reference pass in the step as well."""
         path = documents_memory_inputs(model, device_kind, length, self.attention)
-        return {**path, "reference": path["logits"] if peft_model_of(model) is not None else None}
+        return dataclasses.replace(path, reference=path.logits if peft_model_of(model) is not None else None)
 
     def forward(self, model: Any, inputs: dict[str, Any]) -> PairOutput:
         """The policy on the pairs (causal_lm.run_documents: the final hidden states and the head,

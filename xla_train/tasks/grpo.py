@@ -35,7 +35,7 @@ from functools import cached_property
 from typing import Any
 
 from ..core.errors import UserError, check_number
-from .base import ModelPart, Objective, Rows, Task, row_name
+from .base import ModelPart, Objective, PassInputs, Rows, Task, row_name
 from .causal_lm import (
     DecoderModel,
     HeadInput,
@@ -342,12 +342,13 @@ class GroupObjective(Objective):
     def batch_source(self, engine: Any, tokenizer: Any, data: Any, model: Any, total_steps: int) -> Rollouts:
         return Rollouts(self, engine, tokenizer, data, model, total_steps)
 
-    def memory_inputs(self, model: Any, device_kind: str, length: int) -> dict[str, Any]:
+    def memory_inputs(self, model: Any, device_kind: str, length: int) -> PassInputs:
         """The causal-LM forward's over a prompt bucket plus a completion; with beta > 0 the
-        reference pass (the adapters disabled) in the step too."""
+        reference pass (the adapters disabled) in the step too; the rollout's key/value cache."""
         length = length + self.settings.max_completion_length
         path = documents_memory_inputs(model, device_kind, length, self.attention)
-        return {**path, "length": length, "reference": path["logits"] if self.settings.beta else None}
+        return dataclasses.replace(path, length=length, cache_tokens=length,
+                                   reference=path.logits if self.settings.beta else None)
 
     @staticmethod
     def token_logps(head: Any, labels: Any) -> Any:
