@@ -450,7 +450,7 @@ def test_the_memory_plan_holds_the_rollouts_cache(base):
     from transformers import AutoModelForCausalLM, StaticCache
 
     from xla_train.memory import needed, plan
-    from xla_train.tasks.grpo import GRPOOptions, GroupObjective
+    from xla_train.tasks.grpo import GroupObjective, GRPOOptions
 
     model = AutoModelForCausalLM.from_pretrained(base["model"], dtype=torch.float32)
     path = GroupObjective(settings=GRPOOptions(max_completion_length=8)).memory_inputs(model, "cpu", 16)
