@@ -176,3 +176,21 @@ def test_bad_generation_input(case, tiny_model, tmp_path, capsys):
     assert code == 2, err
     assert err.count("\n") == 1 and err.startswith("xla-train: error: "), err
     assert message in err
+
+
+def test_eager_generation_leaves_the_models_generation_config(tmp_path):
+    """transformers' `generate` runs with the package's settings only, and the model keeps its own
+    generation config (a chat model's end-of-turn token), which the run saves with it at its end:
+    --eval-samples on the CPU once wrote an empty one."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from xla_train.core.generate import Sampling, eager_generate
+
+    model = AutoModelForCausalLM.from_pretrained(td.save("llama", tmp_path / "llama", chat=True, letters=True))
+    model.generation_config.eos_token_id = [2, 3]
+    model.generation_config.top_k = 7
+    before = model.generation_config.to_dict()
+    tokens = eager_generate(model.eval(), torch.tensor([[1, 5, 6]]), torch.ones(1, 3, dtype=torch.long),
+                            Sampling(4, (2,), 0))
+    assert tokens.shape == (1, 4) and model.generation_config.to_dict() == before

@@ -231,6 +231,23 @@ def test_the_rollouts_rows_are_the_completions_log_probabilities(base):
     assert (rollout.labels[1] != -100).sum() == 2  # a token and its end-of-sequence token
 
 
+def test_the_built_in_rewards():
+    """xla_train.rewards: an answer matched after its extraction, a number matched as GSM8K writes
+    it, TRL's think format (the same verdicts as trl.rewards.think_format_reward)."""
+    from xla_train.rewards import exact_match, format_match, match_on, number_match, think_format
+
+    assert exact_match(["<answer> 4</answer>", "5", "4"], answer=["4", "4", "4"]) == [1.0, 0.0, 1.0]
+    assert number_match(["so it is 1,234.0", "x", "#### 7"], answer=["#### 1234", "3", "7"]) == [1.0, 0.0, 1.0]
+    boxed = match_on(r"\\boxed\{([^}]*)\}", column="solution", name="boxed")
+    assert boxed(["a \\boxed{12} b", "none"], solution=["12", "12"]) == [1.0, 0.0] and boxed.__name__ == "boxed"
+    assert format_match(r"\d+", name="digits")(["12", "1a"]) == [1.0, 0.0]
+    turns = [[{"role": "assistant", "content": c}] for c in ("<think>\nr\n</think>\nA", "<think>r A",
+                                                             "x<think>a</think>", "<think>a</think><think>b</think>")]
+    assert think_format(turns) == [1.0, 0.0, 0.0, 0.0]
+    trl = pytest.importorskip("trl.rewards")
+    assert think_format(turns) == trl.think_format_reward(turns)
+
+
 # ---------------------------------------------------------------------------------------------
 # Mistakes: one line each, before the model loads where they can be told then
 
@@ -354,7 +371,8 @@ def test_grpo_raises_the_reward_of_a_model_taught_part_of_the_task(base, sft_mod
     before = greedy_reward(sft_model, base["validation"])
     out = tmp_path / "run"
     proc, m = run_cli(grpo_args(sft_model, base, "--lr", 2e-4, "--temperature", 0.7, "--max-steps", 300,
-                                "--eval-every", 150, "--log-every", 50, "--output-dir", out), tmp_path)
+                                "--eval-every", 150, "--log-every", 50, "--eval-samples", 2, "--output-dir", out),
+                      tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     after = m["eval"]["reward"]
     assert after == pytest.approx(greedy_reward(out, base["validation"]), abs=1e-6)
@@ -365,6 +383,12 @@ def test_grpo_raises_the_reward_of_a_model_taught_part_of_the_task(base, sft_mod
                 "rewards/reversed_letters/mean", "clip_ratio/region_mean"):
         assert key in logged and math.isfinite(logged[key]), key
     assert m["eval"]["n"] == 64 and 1 <= m["eval"]["completions/mean_length"] <= 8
+    samples = [json.loads(line) for line in (out / "samples" / "step-300.jsonl").read_text().splitlines()]
+    validation = [json.loads(line) for line in open(base["validation"])][:2]
+    assert [(s["prompt"], s["answer"]) for s in samples] == [(v["prompt"], v["answer"]) for v in validation]
+    assert all(s["reward"] == s["rewards/reversed_letters"] == pytest.approx(
+        sum(a == b for a, b in zip(s["completion"].split(), s["answer"].split())) / len(s["answer"].split()))
+        for s in samples)
 
 
 @pytest.fixture

@@ -199,8 +199,8 @@ def needed(memory):
     end = sum(memory.get(k) or 0 for k in ("grad_bytes_per_device", "layer_bytes", "reference_bytes"))
     if memory.get("gradient_checkpointing"):
         end += memory.get("activation_bytes_estimate") or 0
-    return (memory["param_bytes_per_device"] + memory["optimizer_bytes_per_device"]) + max(start, end,
-                                                                                           memory.get("cache_bytes") or 0)
+    rollout = memory.get("cache_bytes") or 0
+    return (memory["param_bytes_per_device"] + memory["optimizer_bytes_per_device"]) + max(start, end, rollout)
 
 
 def checkpointing_needed(kept, checkpointed):

@@ -18,7 +18,7 @@ Own variants: `match_on(extract, column)` and `format_match(pattern)` make one, 
 named with `--reward my_rewards.py:boxed`:
 
     from xla_train.rewards import match_on
-    boxed = match_on(r"\\boxed\\{([^}]*)\\}", column="solution")
+    boxed = match_on(r"\\boxed\\{([^}]*)\\}", column="solution", name="boxed")
 """
 
 from __future__ import annotations
@@ -38,10 +38,11 @@ def text_of(completion: Any) -> str:
     return str(completion)
 
 
-def match_on(extract: str | None = None, column: str = "answer") -> Callable[..., list[float]]:
+def match_on(extract: str | None = None, column: str = "answer", name: str = "match") -> Callable[..., list[float]]:
     """A reward of 1.0 where the completion's answer, `extract`'s last match in it (its first group
     where it has one; no match: no answer), equals the row's `column` (both stripped), else 0.0.
-    Without `extract`: the last <answer>...</answer>, else the whole completion."""
+    Without `extract`: the last <answer>...</answer>, else the whole completion. `name`: its name
+    in the metrics (rewards/NAME/mean), as a function's __name__ is."""
     pattern = re.compile(extract, re.DOTALL) if extract else None
 
     def answer_of(text: str) -> str | None:
@@ -59,6 +60,7 @@ def match_on(extract: str | None = None, column: str = "answer") -> Callable[...
             raise KeyError(f"the rows have no {column!r} column (columns: {', '.join(sorted(kwargs)) or 'none'})")
         return [float(answer_of(text_of(c)) == str(a).strip()) for c, a in zip(completions, kwargs[column])]
 
+    reward.__name__ = reward.__qualname__ = name
     return reward
 
 
@@ -77,16 +79,17 @@ def number_match(completions: list, answer: list, **kwargs: Any) -> list[float]:
             for c, a in zip(completions, answer)]
 
 
-def format_match(pattern: str) -> Callable[..., list[float]]:
+def format_match(pattern: str, name: str = "format") -> Callable[..., list[float]]:
     """A reward of 1.0 where the whole completion matches the regular expression `pattern`
-    (re.fullmatch, DOTALL), else 0.0."""
+    (re.fullmatch, DOTALL), else 0.0; `name` as match_on's."""
     compiled = re.compile(pattern, re.DOTALL)
 
     def reward(completions: list, **kwargs: Any) -> list[float]:
         return [float(compiled.fullmatch(text_of(c)) is not None) for c in completions]
 
+    reward.__name__ = reward.__qualname__ = name
     return reward
 
 
-exact_match = match_on()
-think_format = format_match(r"<think>(?!.*<think>).*?</think>.*")
+exact_match = match_on(name="exact_match")
+think_format = format_match(r"<think>(?!.*<think>).*?</think>.*", name="think_format")

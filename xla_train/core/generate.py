@@ -114,7 +114,7 @@ def eager_generate(model, input_ids, attention_mask, sampling):
     GenerationMixin._prepare_generation_config)."""
     from transformers import GenerationConfig
 
-    model.generation_config = GenerationConfig()
+    saved, model.generation_config = model.generation_config, GenerationConfig()  # given back below: it is saved
     sample = {} if sampling.greedy else {"temperature": sampling.temperature, "top_p": sampling.top_p,
                                          "top_k": sampling.top_k}
     config = GenerationConfig(max_new_tokens=sampling.max_new_tokens, do_sample=not sampling.greedy,
@@ -125,8 +125,11 @@ def eager_generate(model, input_ids, attention_mask, sampling):
     # transformers sharded (transformers 5.24's distributed/fsdp.py, is_fsdp_managed_module), not for
     # torch's own fully_shard.
     synced = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
-    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
-                         synced_gpus=synced)
+    try:
+        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
+                             synced_gpus=synced)
+    finally:  # the model's own (a chat model's end-of-turn token) is written with it at the end of a run
+        model.generation_config = saved
     tokens = out[:, input_ids.shape[1]:]
     # generate stops once every row has ended: fill up to max_new_tokens with padding
     return torch.nn.functional.pad(tokens, (0, sampling.max_new_tokens - tokens.shape[1]), value=sampling.pad_id)

@@ -123,9 +123,11 @@ class Monitor:
         if not self.on:
             return
         for row in rows:
-            prompt = row["prompt"] if "prompt" in row else row["messages"][-1]["content"]
-            self.engine.print(f"  sample: {_short(prompt)} -> {_short(row['completion'])} (reference: "
-                              f"{_short(row['reference'])})")
+            prompt = row["prompt"] if "prompt" in row else row["messages"]
+            prompt = prompt[-1]["content"] if isinstance(prompt, list) else prompt  # chat turns: the last one's
+            told = (f"reference: {_short(row['reference'])}" if "reference" in row else
+                    f"reward {row['reward']:.3f}")  # a kind scored by rewards (GRPO) has none
+            self.engine.print(f"  sample: {_short(prompt)} -> {_short(row['completion'])} ({told})")
         lines = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
         if self.out:
             atomic_write(self.out / "samples" / f"step-{step}.jsonl", lines)

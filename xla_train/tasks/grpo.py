@@ -45,7 +45,7 @@ from .causal_lm import (
     own_splits,
     run_documents,
 )
-from .completion import Completions, end_ids, left_padded
+from .completion import Completions, Samples, end_ids, left_padded
 from .declare import option
 from .documents import IGNORE, SOURCE_ROW, prompt_ids
 from .dpo import peft_model_of
@@ -456,6 +456,34 @@ class GroupObjective(Objective):
         return {**{k: float(c.double().nanmean()) if n else math.nan for k, c in zip(self.keys(), columns)}, "n": n}
 
 
+@dataclass
+class ScoredSamples(Samples):
+    """--eval-samples of a GRPO run: each validation prompt's greedy completion with its rewards."""
+
+    rewards: tuple[Reward, ...] = ()
+
+    def generator(self, engine: Any) -> Any:
+        generate = super().generator(engine)
+
+        def scored(model: Any) -> list[dict]:
+            rows = generate(model)
+            texts = [row["completion"] for row in rows]
+            prompts = [row["prompt"] for row in rows]
+            completions = texts if not isinstance(prompts[0], list) else \
+                [[{"role": "assistant", "content": t}] for t in texts]
+            columns = {k: [row.get(k) for row in rows] for k in rows[0] if k not in ("prompt", "completion")}
+            ids = [self.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+            values, _ = score(self.rewards, prompts, completions, ids, columns, TrainerState(),
+                              [f"--eval-samples: validation row {i + 1}" for i in range(len(rows))])
+            for row, per_function in zip(rows, values):
+                weighted = [v * r.weight for v, r in zip(per_function, self.rewards) if not math.isnan(v)]
+                row["reward"] = sum(weighted)
+                row.update({f"rewards/{r.name}": v for r, v in zip(self.rewards, per_function)})
+            return rows
+
+        return scored
+
+
 # ---------------------------------------------------------------------------------------------
 # The model and the kind
 
@@ -498,9 +526,6 @@ class GRPO(Task):
         if opts.max_new_tokens and not opts.test_file:
             raise UserError("--max-new-tokens applies to --test-file's completions (rollouts take "
                             "--max-completion-length)")
-        if opts.eval_samples:
-            raise UserError("--eval-samples: a GRPO run scores its validation prompts' completions at every "
-                            "evaluation already (reward, per function)")
         if own.beta and not opts.lora:
             raise UserError("--beta above 0 needs --lora: the reference is the base with the adapters disabled (a "
                             "frozen copy of the whole model is not built)")
@@ -530,6 +555,30 @@ class GRPO(Task):
     @cached_property
     def prediction(self):
         return Completions(self)
+
+    # --- --eval-samples ---------------------------------------------------------------------
+    def sample_rows(self, splits, n):
+        """The first `n` validation rows (their prompt and the columns the rewards read)."""
+        split = splits[self.eval_splits[0]]
+        return [{k: v for k, v in row.items() if k != SOURCE_ROW}
+                for row in split.select(range(min(n, len(split)))).to_list()]
+
+    def samples(self, rows, tokenizer, model, static, batch_size):
+        """Greedy completions of `rows`' prompts at every evaluation, each with its reward and every
+        function's, as training scores them."""
+        from ..core.generate import Sampling
+        from .completion import check_lengths, prompt_data
+
+        form = "prompt" if self.form == "strings" else "messages"
+        ids = [prompt_ids({form: row["prompt"]}, form, tokenizer, f"--eval-samples: validation row {i + 1}")
+               for i, row in enumerate(rows)]
+        data, _ = prompt_data(ids, self.max_length)
+        new = self.settings.max_completion_length
+        longest = max(len(x) for x in data["input_ids"])
+        check_lengths(model, tokenizer, longest, longest + new, new, static)
+        eos = end_ids(tokenizer, model)
+        return ScoredSamples(rows, data, Sampling(new, eos, left_padded(tokenizer, eos).pad_token_id), tokenizer,
+                             min(batch_size, len(rows)), rewards=self.rewards)
 
     # --- what the output folder records -----------------------------------------------------
     @classmethod

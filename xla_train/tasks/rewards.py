@@ -76,9 +76,12 @@ def rewards_of(specs: str | None, weights: str | None) -> tuple[Reward, ...]:
         if len(values) != len(names) or not all(math.isfinite(v) for v in values):
             raise UserError(f"--reward-weights gives {len(values)} weight(s) for {len(names)} --reward function(s); "
                             "give one finite number for each")
-    out = []
+    out: list[Reward] = []
     for spec, weight in zip(names, values):
-        out.append(Reward(getattr(find(spec), "__name__", spec.rpartition(":")[2]), spec, weight))
+        name = getattr(find(spec), "__name__", spec.rpartition(":")[2])
+        taken = [r.name for r in out]
+        name = name if name not in taken else f"{name}_{len(taken) + 1}"  # its metrics' keys stay apart
+        out.append(Reward(name, spec, weight))
     return tuple(out)
 
 
