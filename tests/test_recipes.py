@@ -79,12 +79,12 @@ def test_a_kinds_own_options_are_its_section(tmp_path, capsys, trained):
     assert main(["train", "--config", recipe, "--beta", "0.7"]) == 0  # the flag over the recipe
     assert trained[-1].kind_options().beta == 0.7
     for argv, message in [
-        (["--beta", "0.5"], "--beta applies to --problem dpo"),
+        (["--beta", "0.5"], "--beta applies to --problem dpo or grpo"),
         (["--problem", "causal-lm", "--rpo-alpha", "1"], "--rpo-alpha applies to --problem dpo"),
         (["--config", write(tmp_path / "d.yaml", "dpo:\n  beta: 0.2\n")],
          "the recipe's dpo section applies to --problem dpo"),
         (["--config", write(tmp_path / "o.yaml", "optimizer:\n  beta: 0.2\n")],
-         "no option 'optimizer.beta'; beta is in the dpo section"),
+         "no option 'optimizer.beta'; beta is in the dpo or grpo section"),
         (["--config", write(tmp_path / "t.yaml", "dpo:\n  betta: 0.2\n")], "did you mean 'beta'?"),
         (["--config", write(tmp_path / "w.yaml", "beta: 0.2\ndpo:\n  beta: 0.3\n")], "beta is given twice"),
         (["--problem", "dpo", "--beta", "0"], "--beta must be a positive number, not 0.0"),
