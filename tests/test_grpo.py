@@ -75,7 +75,8 @@ def _rollout_rows(model, tokenizer, settings, prompts_ids, completions):
     return objective, source.batch(ids, mask, completions, scored, training=True), ids, mask
 
 
-CASES = [("grpo", 0.0), ("dr_grpo", 0.0), ("dapo", 0.0), ("bnpo", 0.0), ("dapo", 0.04)]
+CASES = [("grpo", 0.0, 1.0), ("dr_grpo", 0.0, 1.0), ("dapo", 0.0, 1.0), ("bnpo", 0.0, 1.0), ("dapo", 0.04, 1.0),
+         ("grpo", 0.04, 0.7)]  # (--loss-type, --beta, --temperature)
 
 TRL_REFERENCE = """
 import sys, torch, datasets
@@ -86,11 +87,11 @@ model_dir, inputs_path, out_path, work = sys.argv[1:5]
 saved = torch.load(inputs_path)
 tokenizer = AutoTokenizer.from_pretrained(model_dir)
 results = {"version": trl.__version__}
-for loss_type, beta in saved["cases"]:
+for loss_type, beta, temperature in saved["cases"]:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     config = GRPOConfig(output_dir=work, per_device_train_batch_size=4, num_generations=2, max_completion_length=6,
                         loss_type=loss_type, beta=beta, epsilon=0.2, epsilon_high=0.28, report_to="none", bf16=False,
-                        use_cpu=True)
+                        use_cpu=True, temperature=temperature)
     trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=config,
                           train_dataset=datasets.Dataset.from_list(saved["rows"]), processing_class=tokenizer)
     inputs = {k: saved[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages",
@@ -101,7 +102,7 @@ for loss_type, beta in saved["cases"]:
     trainer.current_gradient_accumulation_steps = 1  # as Trainer.training_step sets it, one micro-batch a step
     loss = trainer._compute_loss(model, inputs)
     loss.backward()
-    results[(loss_type, beta)] = {"loss": loss.detach(), "grads": [p.grad.clone() for p in model.parameters()],
+    results[(loss_type, beta, temperature)] = {"loss": loss.detach(), "grads": [p.grad.clone() for p in model.parameters()],
                                   "metrics": {k: v[-1] for k, v in trainer._metrics["train"].items()}}
 torch.save(results, out_path)
 """
@@ -110,7 +111,7 @@ torch.save(results, out_path)
 @pytest.fixture(scope="module")
 def trl_reference(base, tmp_path_factory):
     """TRL 1.16's GRPOTrainer._compute_loss on a rollout's completions of the tiny model, each
-    --loss-type (and beta 0.04 with dapo), in a process of its own (accelerate would put the model
+    --loss-type (and beta 0.04, and a sampling temperature of 0.7), in a process of its own (accelerate would put the model
     on XLA in this one): the inputs, and per case the loss, gradients and metrics."""
     pytest.importorskip("trl")
     from transformers import AutoTokenizer
@@ -143,22 +144,24 @@ def trl_reference(base, tmp_path_factory):
     return saved, torch.load(work / "out.pt", weights_only=False)
 
 
-@pytest.mark.parametrize("loss_type, beta", CASES)
-def test_the_loss_is_trls(base, trl_reference, loss_type, beta):
+@pytest.mark.parametrize("loss_type, beta, temperature", CASES)
+def test_the_loss_is_trls(base, trl_reference, loss_type, beta, temperature):
     """The loss of a rollout's completions as TRL 1.16's GRPOTrainer._compute_loss computes it, on
     the same model, tokens, advantages and old log-probabilities (ratios away from 1, some clipped):
-    each --loss-type's value and gradients, the clip ratios, and with beta the KL term. The rows
+    each --loss-type's value and gradients, the clip ratios, the entropy, with beta the KL term and
+    with a temperature the log-probabilities of the logits divided by it, as TRL's are. The rows
     are the rollout's own (Rollouts.batch: left-padded prompts, completions, padding after the end)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from xla_train.tasks.grpo import GroupObjective, GRPOOptions
 
     saved, reference = trl_reference
-    theirs = reference[(loss_type, beta)]
+    theirs = reference[(loss_type, beta, temperature)]
     assert reference["version"].startswith("1.16")
     tokenizer = AutoTokenizer.from_pretrained(base["model"])
     model = AutoModelForCausalLM.from_pretrained(base["model"], dtype=torch.float32).train()
-    settings = GRPOOptions(loss_type=loss_type, beta=beta, max_completion_length=6, epsilon=0.2, epsilon_high=0.28)
+    settings = GRPOOptions(loss_type=loss_type, beta=beta, max_completion_length=6, epsilon=0.2, epsilon_high=0.28,
+                           temperature=temperature)
     prompts_ids = [row[mask.bool()].tolist() for row, mask in zip(saved["prompt_ids"], saved["prompt_mask"])]
     objective, batch, ids, _ = _rollout_rows(model, tokenizer, settings, prompts_ids, saved["completion_ids"])
     rollout = batch.pop("labels")
@@ -173,7 +176,9 @@ def test_the_loss_is_trls(base, trl_reference, loss_type, beta):
         return out
 
     policy = GroupObjective().forward(model, batch)  # the policy's pass alone (the reference's values are given)
-    logps = objective.token_logps(policy.head, rollout.labels)
+    logps = objective.token_logps(policy.head, rollout.labels, temperature)
+    mask = (rollout.labels != -100).float()
+    entropy = (objective.token_entropy(policy.head, temperature) * mask).sum() / mask.sum()
     loss, metrics = objective.policy_loss(logps, rollout, wide(saved["ref_per_token_logps"]) if beta else None,
                                           old=wide(saved["old_per_token_logps"]))
     loss.backward()
@@ -182,6 +187,7 @@ def test_the_loss_is_trls(base, trl_reference, loss_type, beta):
         torch.testing.assert_close(mine, trls, atol=1e-6, rtol=1e-4)
     for key in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", *(["kl"] if beta else [])):
         assert float(metrics[key]) == pytest.approx(theirs["metrics"][key], abs=1e-6), key
+    assert float(entropy) == pytest.approx(theirs["metrics"]["entropy"], abs=1e-5)
     assert 0 < float(metrics["clip_ratio/region_mean"]) < 1  # the clipping was exercised
 
 

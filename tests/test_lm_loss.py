@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from xla_train.core.lm_loss import chunked_lm_loss
+from xla_train.core.lm_loss import chunked_entropy, chunked_lm_loss, chunked_token_losses
 from xla_train.memory import measure_peak
 
 ROWS, LENGTH, HIDDEN, VOCAB = 3, 10, 16, 50
@@ -53,6 +53,29 @@ def test_the_chunks_give_the_whole_heads_loss_and_gradients(chunk, bias, softcap
         assert g.dtype == w.dtype, name
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5, msg=name)
     assert got[1].tolist() == [6.0, 10.0, 7.0]
+
+
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_a_temperature_divides_the_capped_logits_and_the_entropy_is_the_whole_heads(softcap):
+    """GRPO's log-probabilities at its sampling temperature (TRL divides the logits by it): each
+    token's loss and every gradient as the whole head's logits / temperature give them, soft-capped
+    first; the chunks' entropy per token is the whole distribution's."""
+    leaves, labels, coef = _inputs(True)
+    hidden, weight, bias = leaves
+    logits = hidden @ weight.t() + bias
+    logits = (softcap * torch.tanh(logits / softcap) if softcap else logits) / 0.7
+    want = F.cross_entropy(logits.float().transpose(1, 2), labels, ignore_index=-100, reduction="none")
+    (want * coef[:, None]).sum().backward()
+    expected = [want.detach()] + [t.grad.clone() for t in leaves]
+    logp = logits.detach().log_softmax(-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    leaves, labels, coef = _inputs(True)
+    got = chunked_token_losses(*leaves[:2], labels, leaves[2], softcap, chunk_tokens=7, temperature=0.7)
+    (got * coef[:, None]).sum().backward()
+    for g, w in zip([got.detach()] + [t.grad for t in leaves], expected):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(chunked_entropy(*[t.detach() for t in leaves[:2]], leaves[2].detach(), softcap,
+                                               chunk_tokens=7, temperature=0.7), entropy, atol=1e-5, rtol=1e-5)
 
 
 def test_a_frozen_head_gets_no_gradient_and_an_all_ignored_row_counts_zero():

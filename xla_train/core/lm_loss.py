@@ -32,16 +32,17 @@ def _compute_dtype(x):
     return x.dtype
 
 
-def _chunk_logits(x, w, b, softcap):
-    """One chunk's fp32 logits (soft-capped where asked) and, with soft-capping, tanh's value for
-    the backward pass."""
+def _chunk_logits(x, w, b, softcap, temperature=1.0):
+    """One chunk's fp32 logits (soft-capped where asked, then divided by `temperature`) and, with
+    soft-capping, tanh's value for the backward pass."""
     z = (x @ w.t()).float()  # a fresh buffer: the steps below work in place
     if b is not None:
         z = z.add_(b.float())
-    if softcap is None:
-        return z, None
-    t = z.div_(softcap).tanh_()
-    return t * softcap, t
+    t = None
+    if softcap is not None:
+        t = z.div_(softcap).tanh_()
+        z = t * softcap
+    return (z if temperature == 1 else z.div_(temperature)), t
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -49,7 +50,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     [vocab, hidden], [vocab] or None, [tokens]); ignored tokens give 0."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, softcap, chunk, dtype, ignore_index):
+    def forward(ctx, hidden, weight, bias, labels, softcap, chunk, dtype, ignore_index, temperature=1.0):
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(dtype)
             b = None if bias is None else bias
@@ -57,19 +58,19 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             target = torch.where(valid, labels, torch.zeros_like(labels)).unsqueeze(1)
             losses, lses = [], []
             for start in range(0, hidden.shape[0], chunk):  # fixed by the shape
-                z, _ = _chunk_logits(hidden[start:start + chunk].to(dtype), w, b, softcap)
+                z, _ = _chunk_logits(hidden[start:start + chunk].to(dtype), w, b, softcap, temperature)
                 lse = torch.logsumexp(z, dim=-1)
                 losses.append(lse - z.gather(1, target[start:start + chunk]).squeeze(1))
                 lses.append(lse)
             loss = torch.where(valid, torch.cat(losses), torch.zeros((), dtype=torch.float32, device=hidden.device))
         ctx.save_for_backward(hidden, weight, bias, target, valid, torch.cat(lses))
-        ctx.softcap, ctx.chunk, ctx.dtype = softcap, chunk, dtype
+        ctx.softcap, ctx.chunk, ctx.dtype, ctx.temperature = softcap, chunk, dtype, temperature
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
         hidden, weight, bias, target, valid, lse = ctx.saved_tensors
-        softcap, chunk, dtype = ctx.softcap, ctx.chunk, ctx.dtype
+        softcap, chunk, dtype, temperature = ctx.softcap, ctx.chunk, ctx.dtype, ctx.temperature
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(dtype)
@@ -78,11 +79,13 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             for start in range(0, hidden.shape[0], chunk):
                 stop = start + chunk
                 x = hidden[start:stop].to(dtype)
-                z, t = _chunk_logits(x, w, bias, softcap)
+                z, t = _chunk_logits(x, w, bias, softcap, temperature)
                 # d(lse - z[target])/dz = softmax(z) - onehot(target), times the token's incoming gradient
                 s = scale[start:stop, None]
                 g = z.sub_(lse[start:stop, None]).exp_().mul_(s)  # in place: one chunk-sized buffer
                 g = g.scatter_add_(1, target[start:stop], -s)
+                if temperature != 1:  # the logits were divided by it
+                    g = g.div_(temperature)
                 if t is not None:  # z = cap * tanh(z0 / cap): dz/dz0 = 1 - tanh^2
                     g = g.mul_(t.mul_(t).neg_().add_(1))
                     del t
@@ -101,7 +104,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         return (torch.cat(grad_h) if need_h else None,
                 grad_w.to(weight.dtype) if need_w else None,
                 grad_b.to(bias.dtype) if need_b else None,
-                None, None, None, None, None)
+                None, None, None, None, None, None)
 
 
 def chunked_lm_loss(hidden, weight, labels, bias=None, softcap=None, chunk_tokens=CHUNK_TOKENS,
@@ -121,17 +124,35 @@ def chunked_lm_loss(hidden, weight, labels, bias=None, softcap=None, chunk_token
 
 
 def chunked_token_losses(hidden, weight, labels, bias=None, softcap=None, chunk_tokens=CHUNK_TOKENS,
-                         ignore_index=IGNORE_INDEX):
+                         ignore_index=IGNORE_INDEX, temperature=1.0):
     """`chunked_lm_loss`'s per-token cross-entropy, [rows, length] fp32 (0 where the label is
     `ignore_index`): minus each label's log-probability, for objectives that sum tokens their own
-    way (a preference pair's two sequences apart). Differentiable as `chunked_lm_loss` is."""
+    way (a preference pair's two sequences apart). Differentiable as `chunked_lm_loss` is. With
+    `temperature`, of the logits divided by it (after soft-capping): the distribution a sampler at
+    that temperature drew from (TRL's GRPO computes its log-probabilities so)."""
     rows = labels.shape[:-1]
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     flat_labels = labels.reshape(-1)
     chunk = max(1, min(int(chunk_tokens), flat_hidden.shape[0]))
     losses = _ChunkedLinearCrossEntropy.apply(flat_hidden, weight, bias, flat_labels, softcap, chunk,
-                                              _compute_dtype(flat_hidden), ignore_index)
+                                              _compute_dtype(flat_hidden), ignore_index, temperature)
     return losses.view(*rows, labels.shape[-1])
+
+
+def chunked_entropy(hidden, weight, bias=None, softcap=None, chunk_tokens=CHUNK_TOKENS, temperature=1.0):
+    """Each token's predictive entropy, [rows, length] fp32, from the head computed in chunks of
+    tokens as `chunked_token_losses` computes it (the same logits), without gradients."""
+    rows = hidden.shape[:-1]
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    chunk = max(1, min(int(chunk_tokens), flat.shape[0]))
+    dtype = _compute_dtype(flat)
+    out = []
+    with torch.no_grad(), torch.autocast(flat.device.type, enabled=False):
+        w = weight.to(dtype)
+        for start in range(0, flat.shape[0], chunk):  # fixed by the shape
+            logp = _chunk_logits(flat[start:start + chunk].to(dtype), w, bias, softcap, temperature)[0].log_softmax(-1)
+            out.append(-(logp.exp() * logp).sum(-1))
+    return torch.cat(out).view(*rows)
 
 
 # The families whose causal-LM forward computes `logits = lm_head(hidden)`, soft-capped where the

@@ -59,7 +59,6 @@ EXTRA = "columns"  # a row's prompt and other columns (JSON), for the reward fun
 # the step's metrics under TRL's names, computed on the host with the rewards (one transfer with the advantages)
 ROLLOUT_KEYS = ("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length", "completions/min_length",
                 "completions/max_length", "completions/clipped_ratio")
-LOSS_KEYS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")  # computed with the loss
 
 
 @dataclass(frozen=True)
@@ -351,16 +350,32 @@ class GroupObjective(Objective):
                                    reference=path.logits if self.settings.beta else None)
 
     @staticmethod
-    def token_logps(head: Any, labels: Any) -> Any:
-        """Each label's log-probability, [rows, length] fp32 (0 where the label is IGNORE)."""
+    def token_logps(head: Any, labels: Any, temperature: float = 1.0) -> Any:
+        """Each label's log-probability, [rows, length] fp32 (0 where the label is IGNORE), under
+        the logits divided by the sampling `temperature` (TRL's GRPO: the distribution the
+        completions were drawn from)."""
         import torch.nn.functional as F
 
         from ..core.lm_loss import chunked_token_losses
 
         if isinstance(head, HeadInput):
             return -chunked_token_losses(head.hidden, head.weight, labels, head.bias, head.softcap,
-                                         ignore_index=IGNORE)
-        return -F.cross_entropy(head.logits.float().transpose(1, 2), labels, ignore_index=IGNORE, reduction="none")
+                                         ignore_index=IGNORE, temperature=temperature)
+        logits = head.logits.float() / temperature
+        return -F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=IGNORE, reduction="none")
+
+    @staticmethod
+    def token_entropy(head: Any, temperature: float = 1.0) -> Any:
+        """Each position's predictive entropy, [rows, length] fp32, without gradients."""
+        import torch
+
+        from ..core.lm_loss import chunked_entropy
+
+        if isinstance(head, HeadInput):
+            return chunked_entropy(head.hidden, head.weight, head.bias, head.softcap, temperature=temperature)
+        with torch.no_grad():
+            logp = (head.logits.float() / temperature).log_softmax(-1)
+            return -(logp.exp() * logp).sum(-1)
 
     def forward(self, model: Any, inputs: dict[str, Any]) -> PolicyOutput | None:
         """The policy on the rollout's rows (causal_lm.run_documents: the final hidden states and
@@ -427,12 +442,16 @@ class GroupObjective(Objective):
         """The step's loss on a rollout (`labels`); its metrics kept on `output`."""
         import torch
 
-        logps = self.token_logps(output.head, labels.labels)
+        temperature = self.settings.temperature
+        logps = self.token_logps(output.head, labels.labels, temperature)
         reference = None
         if output.reference is not None:
             with torch.no_grad():
-                reference = self.token_logps(output.reference, labels.labels)
+                reference = self.token_logps(output.reference, labels.labels, temperature)
         loss, output.metrics = self.policy_loss(logps, labels, reference)
+        mask = (labels.labels != IGNORE).float()
+        entropy = self.token_entropy(output.head, temperature)
+        output.metrics["entropy"] = (entropy * mask).sum() / mask.sum().clamp(min=1)
         return loss
 
     def step_metrics(self, output: Any, labels: Any) -> dict[str, Any] | None:
