@@ -102,8 +102,9 @@ for loss_type, beta, temperature in saved["cases"]:
     trainer.current_gradient_accumulation_steps = 1  # as Trainer.training_step sets it, one micro-batch a step
     loss = trainer._compute_loss(model, inputs)
     loss.backward()
-    results[(loss_type, beta, temperature)] = {"loss": loss.detach(), "grads": [p.grad.clone() for p in model.parameters()],
-                                  "metrics": {k: v[-1] for k, v in trainer._metrics["train"].items()}}
+    results[(loss_type, beta, temperature)] = {"loss": loss.detach(),
+                                               "grads": [p.grad.clone() for p in model.parameters()],
+                                               "metrics": {k: v[-1] for k, v in trainer._metrics["train"].items()}}
 torch.save(results, out_path)
 """
 
@@ -111,8 +112,9 @@ torch.save(results, out_path)
 @pytest.fixture(scope="module")
 def trl_reference(base, tmp_path_factory):
     """TRL 1.16's GRPOTrainer._compute_loss on a rollout's completions of the tiny model, each
-    --loss-type (and beta 0.04, and a sampling temperature of 0.7), in a process of its own (accelerate would put the model
-    on XLA in this one): the inputs, and per case the loss, gradients and metrics."""
+    --loss-type (and beta 0.04, and a sampling temperature of 0.7), in a process of its own
+    (accelerate would put the model on XLA in this one): the inputs, and per case the loss,
+    gradients and metrics."""
     pytest.importorskip("trl")
     from transformers import AutoTokenizer
 
