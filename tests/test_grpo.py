@@ -494,3 +494,34 @@ def test_the_memory_plan_holds_the_rollouts_cache(base):
     allocated = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
     assert memory["cache_bytes"] == allocated
     assert needed(memory) >= memory["param_bytes_per_device"] + memory["cache_bytes"]
+
+
+def test_a_reward_model_folder_is_a_reward(base, tmp_path):
+    """--reward FOLDER: a sequence classifier scores each prompt and completion by its first
+    logit, as TRL's GRPOTrainer scores with a reward model; a folder that is not a classifier is
+    one line."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from xla_train.core.errors import UserError
+    from xla_train.models import bundled_model_path
+    from xla_train.tasks.rewards import TrainerState, rewards_of, score
+
+    folder = tmp_path / "reward-model"
+    torch.manual_seed(0)
+    AutoModelForSequenceClassification.from_pretrained(bundled_model_path(), num_labels=1).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(bundled_model_path()).save_pretrained(folder)
+    rewards = rewards_of(f"{folder},{REWARD}", "0.5,1")
+    assert [r.name for r in rewards] == ["reward-model", "reversed_letters"]
+    prompts, completions = ["reverse a b =", "reverse c d e ="], [" b a", " e c d"]
+    values, _ = score(rewards, prompts, completions, [[1], [2]], {"answer": ["b a", "e d c"]}, TrainerState(),
+                      ["r1", "r2"])
+    model = AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    inputs = tokenizer([p + c for p, c in zip(prompts, completions)], return_tensors="pt", padding=True,
+                       add_special_tokens=False)
+    with torch.no_grad():
+        expected = model(**inputs).logits[:, 0].tolist()
+    assert [v[0] for v in values] == pytest.approx(expected, abs=1e-6)
+    assert [v[1] for v in values] == [1.0, 1 / 3]
+    with pytest.raises(UserError, match="not a reward model"):
+        rewards_of(str(base["model"]), None)

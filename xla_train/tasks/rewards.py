@@ -4,6 +4,8 @@ TRL's GRPOTrainer calls them, their answers checked.
     --reward my_rewards.py:correct          a function in a file (a path, relative to where the command runs)
     --reward mypackage.rewards:correct      a function in an importable module
     --reward xla_train.rewards:think_format the package's own (xla_train/rewards.py); trl.rewards' too
+    --reward runs/reward-model             a sequence-classification folder: its first logit of the
+                                           prompt and completion (TRL's reward models)
 
 A function is called `f(prompts=..., completions=..., completion_ids=..., **columns, trainer_state=...,
 log_extra=..., log_metric=...)`, TRL 1.16's keyword arguments (trainer/grpo_trainer.py,
@@ -89,12 +91,17 @@ _FOUND: dict[str, Callable[..., Any]] = {}
 
 
 def find(spec: str) -> Callable[..., Any]:
-    """The function `spec` names: `module:function` (importable) or `path/file.py:function`."""
+    """The function `spec` names: `module:function` (importable) or `path/file.py:function`, or a
+    reward model's folder."""
     if spec in _FOUND:
+        return _FOUND[spec]
+    if (Path(spec).expanduser() / "config.json").is_file():
+        _FOUND[spec] = RewardModel.checked(spec)
         return _FOUND[spec]
     where, _, name = spec.rpartition(":")
     if not where or not name:
-        raise UserError(f"--reward {spec}: name a function as module:function or path/file.py:function")
+        raise UserError(f"--reward {spec}: name a function as module:function or path/file.py:function, or a "
+                        "reward model's folder (a sequence classifier)")
     try:
         if where.endswith(".py"):
             path = Path(where).expanduser()
@@ -117,6 +124,44 @@ def find(spec: str) -> Callable[..., Any]:
         raise UserError(f"--reward {spec}: {where} has no function {name!r}")
     _FOUND[spec] = function
     return function
+
+
+class RewardModel:
+    """A sequence classifier as a reward function, as TRL calls one: each prompt and completion
+    (text joined, or chat turns rendered by the classifier's chat template) scored by its first
+    logit. It runs on the host's CPU in each worker, loaded at its first call, in fp32."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder, self.__name__ = folder, Path(folder).expanduser().resolve().name
+        self._model: Any = None
+        self._tokenizer: Any = None
+
+    @classmethod
+    def checked(cls, folder: str) -> RewardModel:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(folder)
+        if not any(a.endswith("ForSequenceClassification") for a in config.architectures or []):
+            raise UserError(f"--reward {folder}: not a reward model (a sequence classifier); its architectures: "
+                            f"{', '.join(config.architectures or ['none'])}")
+        return cls(folder)
+
+    def __call__(self, prompts: list, completions: list, **kwargs: Any) -> list[float]:
+        import torch
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        if self._model is None:
+            self._tokenizer = AutoTokenizer.from_pretrained(self.folder)
+            self._model = AutoModelForSequenceClassification.from_pretrained(self.folder,
+                                                                              dtype=torch.float32).eval()
+        if isinstance(prompts[0], list):  # chat turns (TRL: apply_chat_template of prompt + completion)
+            texts = [self._tokenizer.apply_chat_template(p + c, tokenize=False) for p, c in zip(prompts, completions)]
+        else:
+            texts = [p + c for p, c in zip(prompts, completions)]
+        inputs = self._tokenizer(texts, return_tensors="pt", padding=True, padding_side="right",
+                                 add_special_tokens=False)
+        with torch.inference_mode():
+            return self._model(**inputs).logits[:, 0].float().tolist()
 
 
 def score(rewards: tuple[Reward, ...], prompts: list, completions: list, completion_ids: list[list[int]],
