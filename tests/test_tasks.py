@@ -233,7 +233,7 @@ BAD = {  # name: (load_task arguments given a scratch folder, expected message)
                                              validation_file=bad(t, "b.json", '[{"text": "x", "label": 1}]')),
                               "a.json: cannot read it as JSON: "),
     "unknown problem": (lambda t: dict(train_file=t / "a.csv", validation_file=t / "b.csv", problem="ranking"),
-                        "--problem must be one of classification, regression, causal-lm, dpo, not 'ranking'"),
+                        "--problem must be one of classification, regression, causal-lm, dpo, grpo, not 'ranking'"),
 }
 
 
@@ -284,7 +284,7 @@ def test_task_and_problem_names_have_one_check():
     with pytest.raises(UserError, match=r"^--task must be one of cola, sst2, mrpc, qqp, stsb, mnli, qnli, rte, wnli, "
                                         r"not 'squad'$"):
         check_choices(task="squad")
-    expected = r"^--problem must be one of classification, regression, causal-lm, dpo, not 'ranking'$"
+    expected = r"^--problem must be one of classification, regression, causal-lm, dpo, grpo, not 'ranking'$"
     with pytest.raises(UserError, match=expected):
         check_choices(problem="ranking")
 

@@ -134,7 +134,9 @@ def prepare(cfg, backend, resume=None, startup=None):
         if served != buckets:
             before = padding_share(shapes.padding, lengths(sized["train"]))
             shapes.padding = Padding("buckets", served, max(served[-1], cfg.max_length))
-            _say(row_lengths_line(cfg.attention, kind, buckets, rounded)
+            line = row_lengths_line(cfg.attention, kind, buckets, rounded)
+            assert line is not None  # served != buckets (sorted, distinct): some were rounded up
+            _say(line
                  + f"; padding {before:.1%} of the training tokens, now "
                  f"{padding_share(shapes.padding, lengths(sized['train'])):.1%}")
     startup.lap("data")

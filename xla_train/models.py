@@ -164,7 +164,7 @@ def default_lora_targets(model):
 
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     names = [name for name, _ in model.named_modules()]
-    peft_default = PEFT_DEFAULTS.get(model_type)
+    peft_default = PEFT_DEFAULTS.get(model_type) if model_type is not None else None
     if isinstance(peft_default, str):  # a pattern of whole names (Gemma 4's language model)
         if any(re.fullmatch(peft_default, n) for n in names):
             return peft_default

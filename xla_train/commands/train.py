@@ -237,6 +237,7 @@ class Trainer:
     def _log(self, step, lr, grad_norm):
         """A log point, once its step has run: the mean loss since the previous one, from the
         running sum and the gradient norm (one transfer), to the bar and the monitor."""
+        assert self.bar is not None  # a log point comes inside train(), which makes the bar
         metrics = self.state.metrics
         host = self.engine.strategy.read([self.state.tracker.t] + ([grad_norm] if grad_norm is not None else [])
                                          + ([metrics.t] if metrics.t is not None else []))

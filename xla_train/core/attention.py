@@ -440,6 +440,7 @@ def _spmd_layout():
     import torch_xla.distributed.spmd as xs
 
     mesh = xs.get_global_mesh() or xs.get_1d_mesh("data")
+    assert mesh.axis_names is not None  # get_1d_mesh names its axis, and no global mesh here is unnamed
     return (mesh.axis_names[0], None, None, None), mesh
 
 

@@ -108,7 +108,7 @@ class BatchPlan(torch.utils.data.Sampler):
     def padding_by_length(self):
         """Per padded length, over one epoch of this plan: {length: {"batches", "real_tokens",
         "padded_tokens", "efficiency"}} (filler rows count as padding)."""
-        out = {}
+        out: dict[int, dict[str, float]] = {}
         for rows, pad_to, n_real in self.global_batches():
             b = out.setdefault(int(pad_to), {"batches": 0, "real_tokens": 0, "padded_tokens": 0})
             b["batches"] += 1

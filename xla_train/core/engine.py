@@ -187,6 +187,7 @@ class Engine:
             plan.shard(loaders, self.rank)
             plan.batch_size *= self.data_parallel_size // loaders  # the devices this process feeds
         elif loaders > 1:
+            sampler: torch.utils.data.DistributedSampler[int]
             sampler = torch.utils.data.DistributedSampler(loader.dataset, loaders, self.rank,
                                                           shuffle=not isinstance(loader.sampler,
                                                                                  torch.utils.data.SequentialSampler))

@@ -15,6 +15,8 @@ written for torch_xla too: the chunks are fixed by the shapes (no data-dependent
 fill a whole one.
 """
 
+from typing import cast
+
 import torch
 
 IGNORE_INDEX = -100
@@ -101,9 +103,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 if need_b:
                     part = g.sum(0)
                     grad_b = part if grad_b is None else grad_b + part
+        # grad_w and grad_b are set where needed: the loop ran at least once (forward's torch.cat did too)
         return (torch.cat(grad_h) if need_h else None,
-                grad_w.to(weight.dtype) if need_w else None,
-                grad_b.to(bias.dtype) if need_b else None,
+                cast(torch.Tensor, grad_w).to(weight.dtype) if need_w else None,
+                cast(torch.Tensor, grad_b).to(bias.dtype) if need_b else None,
                 None, None, None, None, None, None)
 
 

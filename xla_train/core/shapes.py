@@ -212,7 +212,7 @@ def choose_buckets(lengths, weights, max_length, cost, multiple=8):
     slot = np.searchsorted(cands, lengths)
     load = np.bincount(slot, weights=weights, minlength=len(cands))
     # best[j] = (cost, buckets) of covering every row up to cands[j], the last bucket being cands[j]
-    best = []
+    best: list[tuple[float, list[int]]] = []
     for j, length in enumerate(cands):
         choices = []
         for i in range(-1, j):  # the previous bucket ends at cands[i] (none when i = -1)
@@ -230,7 +230,7 @@ def choose_buckets(lengths, weights, max_length, cost, multiple=8):
     return buckets, estimate
 
 
-def job_rows(train_lengths, eval_lengths, steps, rows_per_step, epochs):
+def job_rows(train_lengths, eval_lengths, steps, rows_per_step, epochs) -> tuple[np.ndarray, np.ndarray]:
     """(lengths, weights) of every row a job of `steps` optimizer steps of `rows_per_step` training
     rows (batch x replicas x accumulation) feeds, evaluating after each of up to `epochs` epochs;
     a row's weight is its cost in training-row passes."""

@@ -21,7 +21,7 @@ class StopRequest:
     SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
     # Process-wide, so that a signal caught by the launcher's request before the training loop
     # began (start-up, the first compilation) still stops the loop; reset by the outermost one.
-    signum = None
+    signum: int | None = None
     _depth = 0
 
     def __init__(self):
@@ -46,8 +46,10 @@ class StopRequest:
             return
         StopRequest.signum = signum
         for child in multiprocessing.active_children():
+            assert child.pid is not None  # an active child has started
             os.kill(child.pid, signum)
 
     @property
     def name(self):
+        assert self.signum is not None  # read once a signal has arrived (train.Trainer.check_stop)
         return signal.Signals(self.signum).name

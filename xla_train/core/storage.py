@@ -219,7 +219,7 @@ class GCSStore:
         return self._call(f"listing {self.url}", lambda: list(self.bucket.list_blobs(prefix=prefix)))
 
     def checkpoints(self):
-        found = {}
+        found: dict[int, bool] = {}
         base = self._key("checkpoints") + "/"
         for blob in self._blobs("checkpoints"):
             name, _, rest = blob.name[len(base):].partition("/")

@@ -11,7 +11,7 @@ import torch
 
 def ties(model):
     """Groups of (module, parameter name) that hold one Parameter, for `retie` after a move."""
-    holders = {}
+    holders: dict[int, list[tuple[torch.nn.Module, str]]] = {}
     for module in model.modules():
         for name, p in module._parameters.items():
             if p is not None:
@@ -46,7 +46,7 @@ def first_names_only(model, weights):
     (an XLA run before 2026-11-26) holds both names apart, the first one trained: loaded whole,
     the later name's stale values would overwrite it in the one tensor."""
     state = model.state_dict(keep_vars=True)
-    first = {}
+    first: dict[int, str] = {}
     for key, value in state.items():
         first.setdefault(id(value), key)
     later = {k for k, v in state.items() if first[id(v)] != k and k in weights}

@@ -878,7 +878,7 @@ def _shard_output(output, mesh, strategy):
     import torch_xla.distributed.spmd as xs
 
     if isinstance(output, torch.Tensor):
-        tensor = output
+        tensor: torch.Tensor | None = output
     elif getattr(output, "logits", None) is not None:
         tensor = output.logits
     else:

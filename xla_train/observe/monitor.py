@@ -144,6 +144,7 @@ class Monitor:
             shutil.rmtree(self._tmp, ignore_errors=True)
         if not self.out:
             return
+        assert self._writer is not None  # opened with self.out (_open_files)
         self._writer.close()
         atomic_write(self.out / "metrics.json", json.dumps(metrics, indent=2) + "\n")
         log = {"compilations": self.compilations, "warning": self.warning, "threshold": self.threshold,

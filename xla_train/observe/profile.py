@@ -40,8 +40,10 @@ class Profile:
         at the last one the optimizer step), entered once the loader has handed its batch out. The
         capture starts at step A's first micro-batch, and ends at the first micro-batch after step
         B: the loader's `next()` has then dispatched step B's last graph (see `ended`)."""
-        if self.session is not None and step > self.window[1]:
-            self.close()
+        if self.session is not None:
+            assert self.window is not None  # set while a capture runs (close() clears both)
+            if step > self.window[1]:
+                self.close()
         if self.window is None or not self.window[0] <= step <= self.window[1]:
             return nullcontext()
         if self.session is None:
@@ -52,14 +54,17 @@ class Profile:
     def ended(self, step):
         """At the graph cut that ends an epoch's loop, after step `step`: the capture ends there if
         step B has run (the run's last step, or an epoch's)."""
-        if self.session is not None and step >= self.window[1]:
-            self.close()
+        if self.session is not None:
+            assert self.window is not None  # set while a capture runs (close() clears both)
+            if step >= self.window[1]:
+                self.close()
 
     def close(self):
         """Writes the capture to OUTPUT_DIR/profile/ (also when the run stops inside the window)."""
         if self.session is None:
             return
         session, self.session, self.window = self.session, None, None
+        assert self.folder is not None  # made with the session (micro_batch)
         self.accelerator.stop_profile(session)
         for f in sorted(p for p in self.folder.rglob("*") if p.is_file()):
             self.store.put_file(f, Path("profile", f.relative_to(self.folder)).as_posix())

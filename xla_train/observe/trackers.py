@@ -104,7 +104,7 @@ def _wandb_key():
         return False
 
 
-KINDS = {"mlflow": MLflow, "wandb": Wandb}
+KINDS: dict[str, type[MLflow | Wandb]] = {"mlflow": MLflow, "wandb": Wandb}
 # --report-to's names: TensorBoard is the monitor's own writer (always on where the output folder is
 # local: the report reads its events), the others are KINDS
 TRACKERS = ("tensorboard", *KINDS)
@@ -123,7 +123,7 @@ class Trackers:
     def __init__(self, engine, report_to, params, out, name):
         """`report_to`: the trackers' names (the --report-to value); `params`: what they record
         as the run's hyperparameters (every option)."""
-        self.active = {}
+        self.active: dict[str, MLflow | Wandb] = {}
         names = [n for n in trackers(report_to) if n in KINDS]
         if not names:
             return

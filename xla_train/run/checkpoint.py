@@ -56,6 +56,7 @@ def split_moments(optimizer):
     device). The rest (steps, hyperparameters) is small and the same on every host."""
     saved = optimizer.state_dict()
     params = optimizer_params(optimizer)
+    states: dict[int, dict]
     states, moments = {}, {}
     for i, s in saved["state"].items():
         states[i] = {}
@@ -94,6 +95,7 @@ def save(engine, store, model, optimizer, scheduler, state, keep_last=None):
         # others upload theirs, and the main one writes the rest once all have (on_every agrees)
         def write_shards():
             folder = staging if engine.is_main_process else store.staging(name)
+            assert folder is not None  # the main process staged it before (stage, on_main)
             with _removed_on_failure(folder):
                 strategy.save_shards({"model": model_state, "optimizer": moments},
                                      folder / SHARDS / f"host-{strategy.rank}")
@@ -108,6 +110,7 @@ def save(engine, store, model, optimizer, scheduler, state, keep_last=None):
     def write():
         if staging is None:
             stage()
+        assert staging is not None  # set by stage()
         model_state, opt_state = host
         with _removed_on_failure(staging):
             if model_state is not None:

@@ -89,6 +89,7 @@ class RunFolder:
         finished = (self.record or {}).get("finished")
         if not (self.cfg.resume and finished):
             return None
+        assert self.record is not None  # `finished` was read from it
         saved = self.record["config"]
         if (self.cfg.max_steps, self.cfg.epochs) != (saved.get("max_steps"), saved.get("epochs")):
             return None  # a longer (or shorter) run: continue from its checkpoint

@@ -67,6 +67,7 @@ def save_outputs(engine, job, t, results):
     def write_files():
         task.write_record(folder)
         if result is not None:
+            assert predictions is not None  # set with result, above
             task.prediction.write(folder / Path(predictions).name, job.test, result, seconds)
         write_finished(folder, job.run_id, cfg, state.step, results, state.best, state.stopped_early)
         state.store.publish()

@@ -54,6 +54,7 @@ class MetricTracker:
         if self.names is None:  # uploaded from the CPU, as LossTracker's: no constant graph of its own
             self.names = list(values)
             self.t = torch.zeros(len(self.names)).to(self.engine.device)
+        assert self.t is not None  # made with `names`, above
         self.t = self.t + torch.stack([values[name].detach().float() for name in self.names])
 
 
@@ -82,6 +83,8 @@ class RunState:
         self.grad_accum = grad_accum
         self.bad_step = None  # the first optimizer step whose loss was not finite, once known
         # the latest checkpoint, and the position it holds
+        self.saved: str | None
+        self.saved_at: tuple[int, int, int] | None
         self.saved, self.saved_at = (resume.url, self.position) if resume else (None, None)
         self._checkpoint_args = None
 
@@ -104,6 +107,7 @@ class RunState:
         """Records a log point's kind metrics from `MetricTracker.t` on the host: each one's mean
         over the micro-steps since the previous read, in `train_metrics` and returned."""
         prev_step, prev = self._metrics_read
+        assert self.metrics.names is not None  # a log point reads metrics once a micro-step gave some
         sums = [float(x) for x in sums]
         micro = max(1, (step - prev_step) * self.grad_accum)
         means = {name: round((s - (prev[i] if prev else 0.0)) / micro, 6)
@@ -170,6 +174,7 @@ class RunState:
         patience = self.evaluation.early_stopping_patience
         if patience and self.bad_evals >= patience:
             self.stopped_early = True
+            assert self.best is not None  # every evaluation has set it: the first one always improves
             self.engine.print(f"early stopping at step {self.step}: {name} has not improved in {patience} "
                               f"evaluation(s); the best, {self.best['value']:.4f}, was at step {self.best['step']}")
 
@@ -196,6 +201,7 @@ class RunState:
         """Writes a checkpoint of this position (once; every replica calls it). Returns its URL."""
         if self.saved_at == self.position:
             return self.saved
+        assert self._checkpoint_args is not None  # set by track(), before the first save
         model, optimizer, scheduler, clock, extra = self._checkpoint_args
         # The pending step's graph is cut here, so its log point's read (a step closure) is
         # counted as the training's sync, not the checkpoint's (the wait for the step's device

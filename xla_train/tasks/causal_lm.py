@@ -377,6 +377,8 @@ def pack(lengths, capacity):
     """Whole documents into rows of at most `capacity` tokens, best-fit decreasing: each document,
     longest first, goes to the row with the least room that still holds it. Returns the rows'
     document indices."""
+    rows: list[list[int]]
+    room: list[tuple[int, int]]
     rows, room = [], []  # room: sorted (free tokens, row index)
     for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
         at = bisect_left(room, (lengths[i], -1))
@@ -393,8 +395,9 @@ def pack(lengths, capacity):
 def join(docs, rows):
     """The columns of rows made of documents: tokens, labels, positions from 0 in each document,
     segments numbered from 1, the real length and the trained tokens."""
-    out = {c: [] for c in (*COLUMNS, "length", "trained")}
+    out: dict[str, list] = {c: [] for c in (*COLUMNS, "length", "trained")}
     for row in rows:
+        positions: list[int]
         ids, labels, positions, segments = [], [], [], []
         for n, d in enumerate(row, 1):
             doc_ids, doc_labels = docs[d]

@@ -170,6 +170,15 @@ class SequenceTask(Task):
         names or None, {split: targets})."""
         raise NotImplementedError
 
+    @staticmethod
+    def labels_of(config):
+        """A saved model's label names (None for none), from its transformers config."""
+        raise NotImplementedError
+
+    def describe_target(self):
+        """What the rows are scored as, in a few words (`describe`)."""
+        raise NotImplementedError
+
     def head_options(self):
         """The config of the new head."""
         return {"num_labels": self.num_labels}
@@ -181,6 +190,10 @@ class SequenceTask(Task):
     @cached_property
     def model(self):
         return SequenceModel(self.head_options(), self.num_labels)
+
+    @cached_property
+    def objective(self) -> ClassifierObjective | RegressionObjective:
+        raise NotImplementedError
 
     @cached_property
     def prediction(self):

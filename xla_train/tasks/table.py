@@ -14,7 +14,7 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 from ..core.errors import UserError
 from ..core.files import atomic_write
@@ -97,7 +97,7 @@ def write_rows(path, header, rows, glue=False):
 
     def write(f):
         if suffix in (".csv", ".tsv"):
-            quoting = csv.QUOTE_NONE if glue else csv.QUOTE_MINIMAL
+            quoting: Literal[0, 1, 2, 3] = csv.QUOTE_NONE if glue else csv.QUOTE_MINIMAL  # csv's QUOTE_* values
             writer = csv.DictWriter(f, header, delimiter="\t" if suffix == ".tsv" else ",", quoting=quoting,
                                     escapechar="\\" if glue else None)
             writer.writeheader()
@@ -151,11 +151,22 @@ class ScoredTask(Protocol):
     """What `Scores` asks of its kind (sequence.SequenceTask's members and parts)."""
 
     kind: ClassVar[str | None]
-    name: str | None
-    text_columns: list[str] | None
-    rows: Rows
-    model: ModelPart
-    objective: ScoringObjective
+
+    # read-only, as a frozen dataclass's fields and its cached parts are
+    @property
+    def name(self) -> str | None: ...
+
+    @property
+    def text_columns(self) -> list[str] | None: ...
+
+    @property
+    def rows(self) -> Rows: ...
+
+    @property
+    def model(self) -> ModelPart: ...
+
+    @property
+    def objective(self) -> ScoringObjective: ...
 
 
 class Scores:
