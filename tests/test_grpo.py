@@ -391,6 +391,7 @@ def test_grpo_raises_the_reward_of_a_model_taught_part_of_the_task(base, sft_mod
                 "rewards/reversed_letters/mean", "clip_ratio/region_mean"):
         assert key in logged and math.isfinite(logged[key]), key
     assert m["eval"]["n"] == 64 and 1 <= m["eval"]["completions/mean_length"] <= 8
+    assert m["goodput"]["seconds"]["rollout"] > 0  # the rollouts' time, apart from the update's
     samples = [json.loads(line) for line in (out / "samples" / "step-300.jsonl").read_text().splitlines()]
     validation = [json.loads(line) for line in open(base["validation"])][:2]
     assert [(s["prompt"], s["answer"]) for s in samples] == [(v["prompt"], v["answer"]) for v in validation]

@@ -9,6 +9,7 @@
 its finish.
 """
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -33,6 +34,7 @@ from ..observe.profile import Profile
 from ..run import outputs
 from ..run.state import RunState
 from ..tasks import scores
+from ..tasks.base import as_loaded
 
 # ---------------------------------------------------------------------------------------------
 # In the launching process: every check, then the job, then the workers
@@ -163,7 +165,7 @@ class Trainer:
                     state.batch += 1
                     engine.seed_micro_batch(cfg.seed, state.epoch, state.batch)  # dropout: from the position
                     with self.profile.micro_batch(state.step + 1):  # inside --profile-steps' window: annotated
-                        with clock.rolling_out():  # GRPO: a rollout (generation, rewards), timed apart
+                        with self.rollout_phase():  # GRPO: a rollout (generation, rewards), timed apart
                             inputs = self.source(model, batch, step=state.step, epoch=state.epoch)
                         labels = inputs.pop("labels")  # the loss is the job's own: no model head can add a host sync
                         with engine.autocast():
@@ -201,6 +203,11 @@ class Trainer:
                 clock.end_of_epoch()
                 if self.save_due(end_of_epoch=True):
                     state.save()  # every epoch by default; the end of the run in any case
+
+    def rollout_phase(self):
+        """The clock's rollout phase around the batch source where the kind makes its rows in the
+        step (its source is not the loaded batch itself); else nothing to time."""
+        return self.clock.rolling_out() if self.source is not as_loaded else contextlib.nullcontext()
 
     # --- the loop's decisions ---------------------------------------------------------------
     def unfinished(self) -> bool:

@@ -251,14 +251,15 @@ class DecoderModel(ModelPart):
     layer type: core.attention)."""
 
     peft_task_type = "CAUSAL_LM"
+    problem: str = "causal-lm"  # the kind that trains it, for messages
 
     def check(self, config: Any, name: str) -> None:
         from ..models import shown_name
 
         if not is_decoder_config(config):
             raise UserError(f"--model {shown_name(name)}: {config.model_type} is not a decoder with a causal LM head "
-                            f"(architectures: {', '.join(config.architectures or ['none'])}); --problem causal-lm "
-                            "fine-tunes decoders such as Llama, Qwen2, Gemma, Mistral or GPT-2")
+                            f"(architectures: {', '.join(config.architectures or ['none'])}); --problem "
+                            f"{self.problem} trains decoders such as Llama, Qwen2, Gemma, Mistral or GPT-2")
 
     def load(self, name: str, seed: int, pad_token_id: int | None = None) -> Any:
         """The pretrained decoder with its LM head, in fp32 whatever the checkpoint holds

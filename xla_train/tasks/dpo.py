@@ -394,16 +394,6 @@ class DPOOptions:
         check_number("--rpo-alpha", self.rpo_alpha, lambda x: x >= 0, "a number >= 0")
 
 
-class PreferenceModel(DecoderModel):
-    def check(self, config: Any, name: str) -> None:
-        from ..models import shown_name
-
-        if not is_decoder_config(config):
-            raise UserError(f"--model {shown_name(name)}: {config.model_type} is not a decoder with a causal LM head "
-                            f"(architectures: {', '.join(config.architectures or ['none'])}); --problem dpo "
-                            "tunes decoders such as Llama, Qwen2, Gemma, Mistral or GPT-2")
-
-
 @register
 @dataclass(frozen=True)
 class DPO(Task):
@@ -449,7 +439,7 @@ class DPO(Task):
 
     @cached_property
     def model(self) -> ModelPart:
-        return PreferenceModel()
+        return DecoderModel("dpo")
 
     @cached_property
     def prediction(self):

@@ -507,16 +507,6 @@ class ScoredSamples(Samples):
 # The model and the kind
 
 
-class PolicyModel(DecoderModel):
-    def check(self, config: Any, name: str) -> None:
-        from ..models import shown_name
-
-        if not is_decoder_config(config):
-            raise UserError(f"--model {shown_name(name)}: {config.model_type} is not a decoder with a causal LM head "
-                            f"(architectures: {', '.join(config.architectures or ['none'])}); --problem grpo "
-                            "trains decoders such as Llama, Qwen2, Gemma, Mistral or GPT-2")
-
-
 @register
 @dataclass(frozen=True)
 class GRPO(Task):
@@ -569,7 +559,7 @@ class GRPO(Task):
 
     @cached_property
     def model(self) -> ModelPart:
-        return PolicyModel()
+        return DecoderModel("grpo")
 
     @cached_property
     def prediction(self):
