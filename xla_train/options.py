@@ -556,6 +556,11 @@ def _kind(f: Field) -> type:
     return _KINDS[f.type] if isinstance(f.type, str) else f.type
 
 
+def _takes_a_list(f: Field) -> bool:
+    """A comma-separated option (or a kind's repeatable one), which a recipe may give as a YAML list."""
+    return f.name in COMMA_LISTS or bool(f.metadata.get("repeat"))
+
+
 def _convert(what: str, f: Field, value: Any) -> Any:
     """A recipe's value of option `f`, as the command line would have it, or one line saying what
     it must be."""
@@ -586,10 +591,10 @@ def _convert(what: str, f: Field, value: Any) -> Any:
         return value
     elif isinstance(value, (int, float)):
         return str(value)
-    elif (f.name in COMMA_LISTS or f.metadata.get("repeat")) and isinstance(value, list) and value and \
+    elif _takes_a_list(f) and isinstance(value, list) and value and \
             all(isinstance(v, (str, int)) and not isinstance(v, bool) for v in value):
         return ",".join(map(str, value))
-    words = _WORDS[kind] + (" or a list" if f.name in COMMA_LISTS or f.metadata.get("repeat") else "")
+    words = _WORDS[kind] + (" or a list" if _takes_a_list(f) else "")
     shown = str(value).lower() if isinstance(value, bool) else repr(value)  # as YAML writes it
     raise UserError(f"{what} must be {words}, not {shown}")
 

@@ -288,8 +288,8 @@ class Task:
         if opts.max_new_tokens:
             raise UserError("--max-new-tokens applies to a causal LM's --test-file (--problem causal-lm)")
         if opts.eval_samples:
-            raise UserError("--eval-samples generates text from evaluation prompts: it needs --problem causal-lm "
-                            "or dpo")
+            raise UserError("--eval-samples generates text from evaluation prompts: it needs --problem causal-lm, "
+                            "dpo or grpo")
         if opts.attention != "auto":
             raise UserError("--attention keeps a causal LM's packed documents apart: it applies to --problem causal-lm")
 

@@ -71,6 +71,12 @@ def is_decoder_config(config):
             and config.model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES)
 
 
+def fine_tuned_decoder(config):
+    """Whether a saved folder's config is one a decoder kind fine-tuned (causal-lm, dpo, grpo): a
+    decoder with its causal-LM head, not a decoder classifier."""
+    return not is_classifier_config(config) and is_decoder_config(config)
+
+
 @dataclass(frozen=True)
 class DocumentRows(Rows):
     """Rows of whole documents, packed into rows of exactly the maximum length (best-fit
@@ -354,7 +360,7 @@ class CausalLM(Task):
     # --- what the output folder records -----------------------------------------------------
     @classmethod
     def claims(cls, config):
-        return not is_classifier_config(config) and is_decoder_config(config)
+        return fine_tuned_decoder(config)
 
     @classmethod
     def from_config(cls, config, saved):

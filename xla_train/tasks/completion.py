@@ -279,12 +279,18 @@ def eval_samples(rows, form, tokenizer, model, max_length, static, batch_size):
         where = f"--eval-samples: validation row {i + 1}"
         ids.append(prompt_ids(prompt, prompt_form, tokenizer, where))
         new = max(new, len(encode(full, form, tokenizer, where)[0]) - len(ids[-1]))
+    shown = [{**prompt, "reference": reference} for prompt, _, reference, _ in rows]
+    return samples_of(ids, shown, new, tokenizer, model, max_length, static, batch_size)
+
+
+def samples_of(ids, shown, new, tokenizer, model, max_length, static, batch_size, kind=None, **fields):
+    """`Samples` (or the `kind` of them, with its `fields`) of prompts' token `ids`, each shown as
+    `shown` says, completed greedily up to `new` tokens; checked against the model's positions."""
+    from ..core.generate import Sampling
+
     data, _ = prompt_data(ids, max_length)
     longest = max(lengths(data))
     check_lengths(model, tokenizer, longest, longest + new, new, static)
     eos = end_ids(tokenizer, model)
     pad = left_padded(tokenizer, eos).pad_token_id
-    shown = [{**prompt, "reference": reference} for prompt, _, reference, _ in rows]
-    from ..core.generate import Sampling
-
-    return Samples(shown, data, Sampling(new, eos, pad), tokenizer, min(batch_size, len(rows)))
+    return (kind or Samples)(shown, data, Sampling(new, eos, pad), tokenizer, min(batch_size, len(shown)), **fields)

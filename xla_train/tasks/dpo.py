@@ -37,7 +37,7 @@ from .causal_lm import (
     PackCollator,
     check_own_rows,
     documents_memory_inputs,
-    is_decoder_config,
+    fine_tuned_decoder,
     join,
     own_splits,
     run_documents,
@@ -46,7 +46,6 @@ from .completion import Completions, eval_samples
 from .declare import option
 from .documents import IGNORE, SOURCE_ROW, _turns, encode
 from .kinds import register
-from .sequence import is_classifier_config
 
 COLUMNS = ("prompt", "chosen", "rejected")
 REFERENCE = ("ref_chosen", "ref_rejected")  # the precomputed reference log-probabilities, per row
@@ -474,7 +473,7 @@ class DPO(Task):
     # --- what the output folder records -----------------------------------------------------
     @classmethod
     def claims(cls, config):
-        return not is_classifier_config(config) and is_decoder_config(config)
+        return fine_tuned_decoder(config)
 
     @classmethod
     def from_config(cls, config, saved):

@@ -41,17 +41,16 @@ from .causal_lm import (
     HeadInput,
     check_own_rows,
     documents_memory_inputs,
-    is_decoder_config,
+    fine_tuned_decoder,
     own_splits,
     run_documents,
 )
-from .completion import Completions, Samples, end_ids, left_padded
+from .completion import Completions, Samples, end_ids, left_padded, samples_of
 from .declare import option
 from .documents import IGNORE, SOURCE_ROW, prompt_ids
 from .dpo import peft_model_of
 from .kinds import register
-from .rewards import Reward, TrainerState, rewards_of, score
-from .sequence import is_classifier_config
+from .rewards import Reward, TrainerState, completions_of, rewards_of, score, total
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")
 SCALE_REWARDS = ("group", "batch", "none")
@@ -250,27 +249,23 @@ class Rollouts:
         table = self.columns[split]
         if table is None:
             table = self.columns[split] = [json.loads(x) for x in self.data[split][EXTRA]]
-        texts, lengths, ended = [], [], []
+        texts, ids, ended = [], [], []
         for row in tokens.tolist():
             end = next((i for i, t in enumerate(row) if t in self.eos), None)
             texts.append(self.tokenizer.decode(row[:end], skip_special_tokens=True))
-            lengths.append(len(row) if end is None else end + 1)
+            ids.append(row if end is None else row[:end + 1])  # the end-of-sequence token counted
             ended.append(end is not None)
         found = [table[r] for r in rows]
         prompts = [f["prompt"] for f in found]
-        completions = texts if not isinstance(prompts[0], list) else \
-            [[{"role": "assistant", "content": t}] for t in texts]
         keys = [k for k in found[0] if k not in ("prompt", "completion", "completion_ids", "_where")]
         columns = {k: [f.get(k) for f in found] for k in keys}
-        ids = [row[:n] for row, n in zip(tokens.tolist(), lengths)]
-        per_function, _ = score(self.objective.rewards, prompts, completions, ids, columns, self.state,
-                                [f["_where"] for f in found])
+        per_function, _ = score(self.objective.rewards, prompts, completions_of(prompts, texts), ids, columns,
+                                self.state, [f["_where"] for f in found])
         values = torch.tensor(per_function, dtype=torch.float32)  # [completions, functions]
-        weights = torch.tensor([r.weight for r in self.objective.rewards])
-        rewards = (values * weights).nansum(1)
+        rewards = total(self.objective.rewards, values)
         grouped = rewards.view(-1, group)
         std = grouped.std(1) if group > 1 else torch.zeros(len(grouped))
-        counts = torch.tensor(lengths, dtype=torch.float32)
+        counts = torch.tensor([len(x) for x in ids], dtype=torch.float32)
         metrics = [rewards.mean(), std.mean(), torch.isclose(std, torch.zeros_like(std)).float().mean(),
                    counts.mean(), counts.min(), counts.max(), 1 - torch.tensor(ended, dtype=torch.float32).mean()]
         for column in values.T:
@@ -488,15 +483,12 @@ class ScoredSamples(Samples):
             rows = generate(model)
             texts = [row["completion"] for row in rows]
             prompts = [row["prompt"] for row in rows]
-            completions = texts if not isinstance(prompts[0], list) else \
-                [[{"role": "assistant", "content": t}] for t in texts]
             columns = {k: [row.get(k) for row in rows] for k in rows[0] if k not in ("prompt", "completion")}
             ids = [self.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
-            values, _ = score(self.rewards, prompts, completions, ids, columns, TrainerState(),
+            values, _ = score(self.rewards, prompts, completions_of(prompts, texts), ids, columns, TrainerState(),
                               [f"--eval-samples: validation row {i + 1}" for i in range(len(rows))])
-            for row, per_function in zip(rows, values):
-                weighted = [v * r.weight for v, r in zip(per_function, self.rewards) if not math.isnan(v)]
-                row["reward"] = sum(weighted)
+            for row, per_function, reward in zip(rows, values, total(self.rewards, values).tolist()):
+                row["reward"] = reward
                 row.update({f"rewards/{r.name}": v for r, v in zip(self.rewards, per_function)})
             return rows
 
@@ -575,24 +567,16 @@ class GRPO(Task):
     def samples(self, rows, tokenizer, model, static, batch_size):
         """Greedy completions of `rows`' prompts at every evaluation, each with its reward and every
         function's, as training scores them."""
-        from ..core.generate import Sampling
-        from .completion import check_lengths, prompt_data
-
         form = "prompt" if self.form == "strings" else "messages"
         ids = [prompt_ids({form: row["prompt"]}, form, tokenizer, f"--eval-samples: validation row {i + 1}")
                for i, row in enumerate(rows)]
-        data, _ = prompt_data(ids, self.max_length)
-        new = self.settings.max_completion_length
-        longest = max(len(x) for x in data["input_ids"])
-        check_lengths(model, tokenizer, longest, longest + new, new, static)
-        eos = end_ids(tokenizer, model)
-        return ScoredSamples(rows, data, Sampling(new, eos, left_padded(tokenizer, eos).pad_token_id), tokenizer,
-                             min(batch_size, len(rows)), rewards=self.rewards)
+        return samples_of(ids, rows, self.settings.max_completion_length, tokenizer, model, self.max_length, static,
+                          batch_size, ScoredSamples, rewards=self.rewards)
 
     # --- what the output folder records -----------------------------------------------------
     @classmethod
     def claims(cls, config):
-        return not is_classifier_config(config) and is_decoder_config(config)
+        return fine_tuned_decoder(config)
 
     @classmethod
     def from_config(cls, config, saved):

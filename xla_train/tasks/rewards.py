@@ -164,6 +164,22 @@ class RewardModel:
             return self._model(**inputs).logits[:, 0].float().tolist()
 
 
+def completions_of(prompts: list, texts: list[str]) -> list:
+    """The completions as TRL hands them to reward functions: text, or for chat prompts a list
+    holding the assistant's turn."""
+    return texts if not isinstance(prompts[0], list) else [[{"role": "assistant", "content": t}] for t in texts]
+
+
+def total(rewards: tuple[Reward, ...], values: Any) -> Any:
+    """Each completion's reward: its functions' values ([completions, functions], NaN for none)
+    weighted and summed, NaN skipped (TRL's nansum): a tensor of the values' precision (Python
+    floats: float64)."""
+    import torch
+
+    values = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.float64)
+    return (values * torch.tensor([r.weight for r in rewards], dtype=values.dtype)).nansum(1)
+
+
 def score(rewards: tuple[Reward, ...], prompts: list, completions: list, completion_ids: list[list[int]],
           columns: dict[str, list], state: TrainerState, rows: list[str]) -> tuple[list[list[float]], Logged]:
     """Every function's rewards of every completion ([completion][function], NaN for None), as
