@@ -65,7 +65,7 @@ def _rollout_rows(model, tokenizer, settings, prompts_ids, completions):
 
     objective = GroupObjective(settings=settings)
     data = {"train": None}
-    source = Rollouts(objective, _engine(), tokenizer, data, model)
+    source = Rollouts(objective, _engine(), tokenizer, data, model, initial=lambda: model)  # (no reference pass here)
     length = max(len(p) for p in prompts_ids)
     pad = source.tokenizer.pad_token_id
     ids = torch.tensor([[pad] * (length - len(p)) + p for p in prompts_ids])
@@ -286,7 +286,8 @@ def test_mistakes_are_one_line(base, bad_rewards, tmp_path, capsys):
         (["--batch-size", 12], "--batch-size 12 (completions per device, TRL's per_device_train_batch_size) must be "
                                "a multiple of --num-generations 8"),
         (["--num-generations", 1, "--batch-size", 4], "--num-generations must be at least 2"),
-        (["--beta", "0.1"], "--beta above 0 needs --lora"),
+        (["--num-iterations", 2, "--save-every", 3], "--save-every 3 must be a multiple of --num-iterations 2"),
+        (["--num-iterations", 0], "--num-iterations must be at least 1, not 0"),
         (["--loss-type", "ppo"], "--loss-type must be one of grpo, dr_grpo, dapo, bnpo, not 'ppo'"),
         (["--temperature", "0"], "--temperature must be above 0"),
         (["--packing"], "--packing: --problem grpo puts a prompt and a completion in each row"),
@@ -413,11 +414,15 @@ def slow_reward(tmp_path):
 
 
 @pytest.mark.slow
-def test_stopped_and_resumed_draws_the_same_completions(base, sft_model, slow_reward, tmp_path):
+@pytest.mark.parametrize("extra", [[], ["--num-iterations", 2, "--grad-accum", 2, "--batch-size", 16]],
+                         ids=["one-update", "two-updates-accumulated"])
+def test_stopped_and_resumed_draws_the_same_completions(base, sft_model, slow_reward, extra, tmp_path):
     """SIGTERM after a checkpoint, then --resume: the sampling generator's state comes back with
     the checkpoint, so the resumed run draws the completions of an uninterrupted one and ends
-    with its weights, metrics and evaluation."""
-    args = grpo_args(sft_model, base, "--max-steps", 10, "--save-every", 4, "--log-every", 2, "--lr", 1e-3)
+    with its weights, metrics and evaluation. With --num-iterations 2 (and two micro-batches a
+    step) each rollout trains two steps in a row: the second update sees the first's rollout (the
+    same rewards) and ratios away from 1, and a signal stops the run between rollouts only."""
+    args = grpo_args(sft_model, base, "--max-steps", 10, "--save-every", 4, "--log-every", 1, "--lr", 1e-3, *extra)
     args[args.index(REWARD)] = slow_reward
     proc, whole = run_cli([*args, "--output-dir", tmp_path / "whole"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -425,7 +430,36 @@ def test_stopped_and_resumed_draws_the_same_completions(base, sft_model, slow_re
     assert 4 <= stopped_at < 10 and resumed["steps"] == 10
     assert_same_weights(tmp_path / "run", tmp_path / "whole", atol=0)
     assert resumed["eval"] == whole["eval"]
-    assert resumed["train_metrics"][-1] == whole["train_metrics"][-1]
+    assert resumed["train_metrics"][-1] == whole["train_metrics"][-1]  # the metrics' sums come back too
+    logged = [dict(metrics) for _, metrics in whole["train_metrics"]]
+    assert len(logged) == 10
+    if extra:
+        assert stopped_at % 2 == 0  # between rollouts
+        firsts, seconds = logged[::2], logged[1::2]
+        assert all(a["reward"] == b["reward"] and a["completions/mean_length"] == b["completions/mean_length"]
+                   for a, b in zip(firsts, seconds))  # the same rollout, trained on again
+        assert all(a["clip_ratio/region_mean"] == 0 for a in firsts)  # sampled by these weights: ratio 1
+        assert any(b["clip_ratio/region_mean"] > 0 for b in seconds)  # one update later, some ratios clipped
+        assert sum(b["reward"] != a["reward"] for b, a in zip(seconds, firsts[1:])) >= 3  # then a new rollout
+
+
+def test_each_steps_batches_come_as_often_as_it_trains_on_them():
+    """--num-iterations K: the loader hands each optimizer step's micro-batches K times in a row
+    (Shapes.repeats); an epoch's last micro-batches that cannot fill a step are left out, and
+    the epoch has K times the steps."""
+    from xla_train.core.batching import BatchPlan
+    from xla_train.core.shapes import Shapes
+
+    def batches(**kw):
+        plan = BatchPlan([4] * 10, 2, padding="max_length", max_length=8, **kw)
+        return [tuple(r for r, _, _ in b) for b in plan], len(plan)
+
+    plain, n = batches()
+    assert n == 5 and len(set(plain)) == 5
+    repeated, n = batches(repeats=3, grad_accum=2)
+    assert n == len(repeated) == 12
+    assert repeated == [*plain[0:2] * 3, *plain[2:4] * 3]
+    assert Shapes(2, 1, 2, repeats=3).steps_per_epoch(10) == 6 == Shapes(2, 1, 2).steps_per_epoch(10) * 3
 
 
 @pytest.mark.slow
@@ -452,6 +486,22 @@ def test_xla_compiles_a_bounded_number_of_graphs(devices, extra, base, sft_model
     assert all(math.isfinite(loss) for _, loss, _ in m["train_loss"]) and math.isfinite(m["eval"]["reward"])
     if "--beta" in extra:
         assert all(math.isfinite(metrics["kl"]) for _, metrics in m["train_metrics"])
+
+
+@pytest.mark.slow
+def test_the_kl_to_a_frozen_copy_without_adapters_on_two_fsdp_processes(base, sft_model, tmp_path):
+    """beta > 0 without --lora, full fine-tuning under FSDP2 on two gloo processes: the reference is
+    a frozen copy of the model as it began, sharded like it and counted by the memory plan. The KL
+    is 0 at the first step (the policy is the reference) and grows once the policy moves; with
+    --num-iterations 2, each rollout's second update has ratios away from 1."""
+    proc, m = run_cli(grpo_args(sft_model, base, "--batch-size", 16, "--max-steps", 6, "--num-processes", 2,
+                                "--strategy", "fsdp", "--beta", 0.04, "--lr", 1e-3, "--num-iterations", 2,
+                                "--log-every", 1), tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "reference weights" in proc.stdout + proc.stderr
+    kl = [metrics["kl"] for _, metrics in m["train_metrics"]]
+    assert kl[0] == 0 and all(k > 0 for k in kl[2:]), kl
+    assert m["trainable_params"] == m["total_params"] and math.isfinite(m["eval"]["reward"])
 
 
 @pytest.mark.slow
@@ -495,6 +545,19 @@ def test_the_memory_plan_holds_the_rollouts_cache(base):
     allocated = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
     assert memory["cache_bytes"] == allocated
     assert needed(memory) >= memory["param_bytes_per_device"] + memory["cache_bytes"]
+    # beta > 0 without adapters: a frozen copy of the weights beside the trained ones; with them, none
+    assert not path.reference_copy
+    path = GroupObjective(settings=GRPOOptions(max_completion_length=8, beta=0.04)).memory_inputs(model, "cpu", 16)
+    assert path.reference_copy
+    with_copy, _ = plan(model, 32, path.length, logits=True, chunked_logits=True, cache_tokens=path.cache_tokens,
+                        reference_copy=True, shards=2)
+    half = plan(model, 32, path.length, logits=True, chunked_logits=True, cache_tokens=path.cache_tokens, shards=2)[0]
+    assert with_copy["reference_param_bytes"] == half["param_bytes_per_device"] > 0
+    assert needed(with_copy) == needed(half) + half["param_bytes_per_device"]
+    from peft import LoraConfig, get_peft_model
+
+    lora = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    assert not GroupObjective(settings=GRPOOptions(beta=0.04)).memory_inputs(lora, "cpu", 16).reference_copy
 
 
 def test_a_reward_model_folder_is_a_reward(base, tmp_path):

@@ -107,7 +107,8 @@ def prepare(cfg, backend, resume=None, startup=None):
     startup.lap("model")
     settings = PredictSettings(cfg.model, cfg.max_length, cfg.buckets, max_new_tokens=cfg.max_new_tokens)
     test = task.prediction.read(cfg.test_file, tokenizer, settings) if cfg.test_file else None  # before the model
-    shapes = Shapes(task.rows.batch_rows(cfg.batch_size), backend.planned_data_parallel_size(), cfg.grad_accum)
+    shapes = Shapes(task.rows.batch_rows(cfg.batch_size), backend.planned_data_parallel_size(), cfg.grad_accum,
+                    repeats=task.objective.updates_per_batch)
     check_steps(shapes, len(splits["train"]))
     kind = backend.accelerator.kernel_kind()
     max_length = cfg.max_length  # packed rows: of a length the device's attention kernel serves, where cheaper

@@ -132,7 +132,7 @@ def _linear_weights(model):
 
 def plan(model, rows, length, precision="fp32", shards=1, device_bytes=None, checkpointed=False, logits=False,
          attention="sdpa", chunked_logits=False, dense_mask=True, chunk_tokens=CHUNK_TOKENS, reference=None,
-         cache_tokens=0):
+         cache_tokens=0, reference_copy=False):
     """The memory plan of `model` trained with AdamW on `rows` rows of `length` tokens per device,
     its parameters split over `shards` devices (1: every device holds them all), its blocks'
     activations `checkpointed` (recomputed in the backward pass) or kept, computed through the
@@ -146,7 +146,8 @@ def plan(model, rows, length, precision="fp32", shards=1, device_bytes=None, che
     the policy's activations; the plan leaves this moment out: the chunked head's logits, in the
     backward pass, outweigh it for the vocabularies of LLMs.) With `cache_tokens`, a generation in
     the step (GRPO's rollout) holds a key/value cache of that many tokens a row, in the weights'
-    dtype, before the update's forward pass begins: a peak of its own (`cache_bytes`).
+    dtype, before the update's forward pass begins: a peak of its own (`cache_bytes`). With
+    `reference_copy`, a frozen copy of the weights, sharded like them (`reference_param_bytes`).
 
     The peak (`peak_bytes_estimate`): parameters + AdamW's state + the larger of what the backward
     pass begins with (the activations, the logits at their peak and, under bf16 autocast, the bf16
@@ -167,6 +168,7 @@ def plan(model, rows, length, precision="fp32", shards=1, device_bytes=None, che
     out = {
         "param_bytes_total": tensor_bytes(params),
         "param_bytes_per_device": -(-tensor_bytes(params) // shards),
+        "reference_param_bytes": -(-tensor_bytes(params) // shards) if reference_copy else 0,
         "grad_bytes_per_device": grads,
         "optimizer_bytes_per_device": -(-2 * tensor_bytes(trainable) // shards),  # AdamW: exp_avg, exp_avg_sq
         "activation_bytes_estimate": acts,
@@ -200,7 +202,8 @@ def needed(memory):
     if memory.get("gradient_checkpointing"):
         end += memory.get("activation_bytes_estimate") or 0
     rollout = memory.get("cache_bytes") or 0
-    return (memory["param_bytes_per_device"] + memory["optimizer_bytes_per_device"]) + max(start, end, rollout)
+    weights = memory["param_bytes_per_device"] + (memory.get("reference_param_bytes") or 0)
+    return weights + memory["optimizer_bytes_per_device"] + max(start, end, rollout)
 
 
 def checkpointing_needed(kept, checkpointed):
@@ -238,6 +241,7 @@ def describe(memory, counts):
             f"{', logits ' + mib('logit_bytes') if memory.get('logit_bytes') else ''}"
             f"{' (chunked)' if memory.get('chunked_logits') else ''}"
             f"{', reference pass ' + mib('reference_bytes') if memory.get('reference_bytes') else ''}"
+            f"{', reference weights ' + mib('reference_param_bytes') if memory.get('reference_param_bytes') else ''}"
             f"{', generation cache ' + mib('cache_bytes') if memory.get('cache_bytes') else ''}"
             f", peak ~{needed(memory) / MIB:.1f} MiB; "
             f"device {device}; "

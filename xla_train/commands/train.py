@@ -103,6 +103,7 @@ class Trainer:
                                dataclasses.asdict(cfg))
         self.clock = self.monitor.clock  # core.clock.RunClock
         self.bar: tqdm | None = None  # the progress bar, while `train` runs
+        self.stopping = False  # a signal agreed on, the run stopping at the next step it can save at
 
     def setup(self) -> None:
         """Loaders, model, optimizer and schedule on the device; the run state (resumed if asked)."""
@@ -117,10 +118,11 @@ class Trainer:
         self.model, self.optimizer = engine.prepare(model, optimizer)
 
         def loader(ds, split, order=False):  # filler: repeats to train on, masked rows to score
-            return make_loader(ds, job.tokenizer, self.shapes.batch_size, self.shapes.padding,
-                               shuffle=split == "train" and not order, seed=cfg.seed,
-                               fill="repeat" if split == "train" and not order else "mask",
-                               collate=task.rows.collator(job.tokenizer))
+            training = split == "train" and not order
+            return make_loader(ds, job.tokenizer, self.shapes.batch_size, self.shapes.padding, shuffle=training,
+                               seed=cfg.seed, fill="repeat" if training else "mask",
+                               collate=task.rows.collator(job.tokenizer),
+                               repeats=self.shapes.repeats if training else 1, grad_accum=cfg.grad_accum)
 
         # the kind's columns computed with the model before training (a preference kind's reference log-probabilities)
         data = task.objective.before_training(engine, self.model, job.data,
@@ -140,7 +142,8 @@ class Trainer:
                          {"buckets": padding.bucket_list, "n_train": n_train, "run_id": job.run_id,
                           "config": dataclasses.asdict(cfg)})
         # what makes the step's batch of a loaded one: the batch itself, or a kind's rollouts (GRPO)
-        self.source = task.objective.batch_source(engine, job.tokenizer, data, self.model, self.total_steps)
+        self.source = task.objective.batch_source(engine, job.tokenizer, data, self.model, self.total_steps,
+                                                  functools.partial(_initial_model, engine, job, self.model, True))
         self.evaluator = Evaluator(engine, task, dict(zip(task.eval_splits, eval_dls)), job.samples, self.source)
         self.profile = Profile(engine, cfg.profile_steps, self.state.store)  # --profile-steps
 
@@ -257,14 +260,19 @@ class Trainer:
 
     def check_stop(self, stop: StopRequest, at_log_point: bool) -> None:
         """Raises `Stopped` on every replica at once if any replica got a signal (after saving a
-        checkpoint) or saw a non-finite loss (without saving)."""
-        if self.engine.strategy.peers > 1 and not at_log_point:  # agreeing needs a collective
-            return
+        checkpoint) or saw a non-finite loss (without saving). Where a step's batches are trained
+        on several times in a row (Shapes.repeats: GRPO's updates on one rollout), an agreed signal
+        stops the run once the last of them has run: a checkpoint falls between rollouts."""
         state = self.state
-        StopRequest.signum, bad_step = state.agree(stop.signum)
-        if bad_step:
-            raise state.diverged()
-        if stop.signum:
+        if not self.stopping:
+            if self.engine.strategy.peers > 1 and not at_log_point:  # agreeing needs a collective
+                return
+            StopRequest.signum, bad_step = state.agree(stop.signum)
+            if bad_step:
+                raise state.diverged()
+            self.stopping = bool(stop.signum)
+        if self.stopping and state.step % self.shapes.repeats == 0:
+            assert stop.signum is not None
             where = f"checkpoint saved to {state.save()}" if state.store else "nothing saved (no --output-dir)"
             raise Stopped(f"stopped by {stop.name} after step {state.step}: {where}"
                           + ("; continue with --resume" if state.store else ""), 128 + stop.signum)
@@ -325,7 +333,8 @@ def plan_memory(engine, cfg, shapes, model, objective):
                        device_bytes=device_bytes(engine.accelerator), checkpointed=checkpointed,
                        logits=path.logits is not None, attention=path.attention,
                        chunked_logits=path.logits == "chunked", dense_mask=path.dense_mask,
-                       reference=path.reference, cache_tokens=path.cache_tokens)
+                       reference=path.reference, cache_tokens=path.cache_tokens,
+                       reference_copy=path.reference_copy)
 
     checkpointed = cfg.gradient_checkpointing
     memory, counts = plan(checkpointed)
@@ -340,14 +349,15 @@ def plan_memory(engine, cfg, shapes, model, objective):
     return memory, counts, checkpointed
 
 
-def _initial_model(engine, job, model):
+def _initial_model(engine, job, model, copy=False):
     """The model as training began from it: `model`, or where a resumed run loaded its checkpoint's
-    weights, the pretrained model loaded again and prepared (asked for by kinds that precompute
-    from a model without adapters: with them, the base is the model as it began)."""
-    if not job.resume:
+    weights (or a `copy` is asked for: a frozen reference beside the trained model), the pretrained
+    model loaded again and prepared, without gradients (asked for by kinds that take log-
+    probabilities from a model without adapters: with them, the base is the model as it began)."""
+    if not job.resume and not copy:
         return model
     fresh = job.task.model.load(job.cfg.model, job.cfg.seed, job.tokenizer.pad_token_id)
-    return engine.prepare(fresh, trained=False)
+    return engine.prepare(fresh, trained=False).requires_grad_(False)  # DDP wraps only a module it could train
 
 
 def _private_copy(model):

@@ -49,11 +49,13 @@ class BatchPlan(torch.utils.data.Sampler):
     every evaluation row is scored exactly once.
 
     padding: a `shapes.Padding`, or its mode ("buckets", "max_length", "dynamic") with `buckets`
-    and `max_length`: the length each batch is padded to.
+    and `max_length`: the length each batch is padded to. `repeats`: each run of `grad_accum`
+    batches (an optimizer step's) comes `repeats` times in a row, and a last run that cannot fill a
+    step is left out (GRPO's --num-iterations: several updates on one rollout).
     """
 
     def __init__(self, lengths, batch_size, padding="buckets", buckets=None, max_length=128,
-                 shuffle=False, seed=0, fill="repeat", num_replicas=1, rank=0):
+                 shuffle=False, seed=0, fill="repeat", num_replicas=1, rank=0, repeats=1, grad_accum=1):
         self.lengths = np.asarray(lengths)
         self.batch_size = batch_size
         self.pad = padding if isinstance(padding, Padding) else Padding(padding, buckets, max_length)
@@ -62,6 +64,7 @@ class BatchPlan(torch.utils.data.Sampler):
         self.shuffle, self.seed, self.fill = shuffle, seed, fill
         self.num_replicas, self.rank = num_replicas, rank
         self.epoch, self.start = 0, 0
+        self.repeats, self.grad_accum = repeats, grad_accum
 
     def shard(self, num_replicas, rank):
         self.num_replicas, self.rank = num_replicas, rank
@@ -94,6 +97,9 @@ class BatchPlan(torch.utils.data.Sampler):
             elif n_real < gb:
                 rows = np.concatenate([rows, np.full(gb - n_real, rows[0])])
             plan.append((rows, self._pad_to(rows[:n_real] if self.fill != "repeat" else rows), n_real))
+        if self.repeats > 1:
+            n = self.grad_accum
+            plan = [b for i in range(0, len(plan) - n + 1, n) for _ in range(self.repeats) for b in plan[i : i + n]]
         return plan
 
     def __iter__(self):
@@ -103,7 +109,8 @@ class BatchPlan(torch.utils.data.Sampler):
                    for j, r in enumerate(rows[lo:hi])]
 
     def __len__(self):
-        return math.ceil(len(self.lengths) / (self.batch_size * self.num_replicas))
+        n = math.ceil(len(self.lengths) / (self.batch_size * self.num_replicas))
+        return n if self.repeats == 1 else n // self.grad_accum * self.grad_accum * self.repeats
 
     def padding_by_length(self):
         """Per padded length, over one epoch of this plan: {length: {"batches", "real_tokens",
@@ -154,11 +161,13 @@ class PadCollator:
         return dict(batch)
 
 
-def make_loader(ds, tokenizer, batch_size, padding, shuffle, seed, fill, lengths=None, collate=None):
+def make_loader(ds, tokenizer, batch_size, padding, shuffle, seed, fill, lengths=None, collate=None, repeats=1,
+                grad_accum=1):
     """A DataLoader over a tokenised split whose batches follow a `BatchPlan` padded by `padding`
-    (a `shapes.Padding`), padded by `collate` (default: the tokenizer's own `pad`)."""
+    (a `shapes.Padding`), padded by `collate` (default: the tokenizer's own `pad`); `repeats` and
+    `grad_accum` as BatchPlan's."""
     plan = BatchPlan(column_lengths(ds) if lengths is None else lengths, batch_size, padding=padding, shuffle=shuffle,
-                     seed=seed, fill=fill)
+                     seed=seed, fill=fill, repeats=repeats, grad_accum=grad_accum)
     # Its own generator: a DataLoader draws a seed for every iterator it starts, and drawing it
     # from the global generator would shift dropout masks (a resumed run starts one mid-epoch).
     return torch.utils.data.DataLoader(PlannedRows(ds), batch_sampler=plan,

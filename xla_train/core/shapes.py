@@ -72,6 +72,7 @@ class Shapes:
     grad_accum: int = 1  # micro-batches per optimizer step
     padding: Padding | None = None  # set once the rows' lengths are known (the task's `padding`, `settle_padding`)
     estimate: dict | None = None  # what --buckets auto expected of its choice (None: buckets given)
+    repeats: int = 1  # optimizer steps each step's micro-batches are trained on in a row (GRPO's --num-iterations)
 
     @property
     def global_batch(self):
@@ -87,8 +88,8 @@ class Shapes:
 
     def steps_per_epoch(self, rows):
         """Optimizer steps an epoch of `rows` runs: an epoch's last micro-batches that cannot fill
-        a step are skipped."""
-        return self.batches_per_epoch(rows) // self.grad_accum
+        a step are skipped; each step's micro-batches are run `repeats` times in a row."""
+        return self.batches_per_epoch(rows) // self.grad_accum * self.repeats
 
     def total_steps(self, rows, epochs, max_steps=None):
         return min(max_steps or 10**9, self.steps_per_epoch(rows) * epochs)
@@ -97,8 +98,9 @@ class Shapes:
         """The plan in a few words (the `--buckets auto` line)."""
         per_epoch = self.steps_per_epoch(rows)
         return (f"global batch {self.rows_per_step} = {self.batch_size} x {self.devices} device(s) x "
-                f"{self.grad_accum} accumulated: {per_epoch} steps per epoch, {per_epoch * epochs} for {epochs} "
-                f"epochs")
+                f"{self.grad_accum} accumulated: {per_epoch} steps per epoch"
+                f"{f' (each batch trained on {self.repeats} times)' if self.repeats > 1 else ''}, "
+                f"{per_epoch * epochs} for {epochs} epochs")
 
 
 def check_steps(shapes, rows):

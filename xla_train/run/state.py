@@ -45,8 +45,13 @@ class MetricTracker:
     """A kind's own training metrics (Objective.step_metrics): their running sums over micro-steps,
     one device tensor read with the loss at log points; None until a micro-step gives some."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, saved=None):
+        """`saved`: a checkpoint's sums ({"names", "sums"}), restored so that a resumed run's means
+        are an uninterrupted one's to the bit (the sums are float32 on the device)."""
         self.engine, self.names, self.t = engine, None, None
+        if saved:
+            self.names = saved["names"]
+            self.t = torch.tensor(saved["sums"], dtype=torch.float32).to(engine.device)
 
     def add(self, values):
         if not values:
@@ -77,9 +82,11 @@ class RunState:
         self.best_weights = None  # the best model on the CPU, with --save-best and no output folder
         self.first_step = self.step
         self.tracker = LossTracker(engine, run.get("loss_sum", 0.0), self.step * grad_accum, grad_accum)
-        self.metrics = MetricTracker(engine)  # the kind's own training metrics, if any
+        saved_metrics = run.get("metric_sums")
+        self.metrics = MetricTracker(engine, saved_metrics)  # the kind's own training metrics, if any
         self.train_metrics = run.get("train_metrics", [])  # [step, {name: mean since the last entry}]
-        self._metrics_read = (self.step, None)  # the step and sums of the last read
+        # the step and sums of the last read
+        self._metrics_read = tuple(saved_metrics["read"]) if saved_metrics else (self.step, None)
         self.grad_accum = grad_accum
         self.bad_step = None  # the first optimizer step whose loss was not finite, once known
         # the latest checkpoint, and the position it holds
@@ -209,10 +216,13 @@ class RunState:
         self.engine.cut_graph()
         with clock.excluding():  # a checkpoint's reads are not the training steps' syncs
             loss_sum = self.check_finite()
+            metrics = self.metrics
+            sums = None if metrics.t is None else {"names": metrics.names, "read": self._metrics_read,
+                                                   "sums": self.engine.to_host([metrics.t])[0].tolist()}
             run = {"step": self.step, "epoch": self.epoch, "batch": self.batch, "loss_sum": loss_sum,
                    "history": self.history, "results": self.results, "evaluations": self.evaluations,
                    "best": self.best, "bad_evals": self.bad_evals, "stopped_early": self.stopped_early,
-                   "train_metrics": self.train_metrics}
+                   "train_metrics": self.train_metrics, "metric_sums": sums}
             state = {"run": run, **extra, "world_size": self.engine.data_parallel_size}
             self.saved = checkpoint.save(self.engine, self.store, model, optimizer, scheduler, state,
                                          self.checkpoints.keep_last)

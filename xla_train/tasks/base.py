@@ -144,7 +144,8 @@ class PassInputs:
     output "whole" or "chunked" (None: none); the rows' `length` in the step where the kind makes
     them longer than its loaded rows (GRPO: a prompt bucket and a completion; None: the loaded
     rows'); `cache_tokens`, a generation's key/value cache per row in the step (GRPO's rollouts; 0:
-    none); and a `note` for the console."""
+    none); `reference_copy`, a frozen copy of the weights beside the trained ones (GRPO's reference
+    without adapters); and a `note` for the console."""
 
     attention: str = "eager"
     dense_mask: bool = True
@@ -152,6 +153,7 @@ class PassInputs:
     reference: str | None = None
     length: int | None = None
     cache_tokens: int = 0
+    reference_copy: bool = False
     note: str | None = None
 
 
@@ -163,6 +165,12 @@ class Objective:
     metric_name: str | None = None
     eval_splits: tuple[str, ...] = ("validation",)
 
+    @property
+    def updates_per_batch(self) -> int:
+        """Optimizer steps each step's loaded batches are trained on in a row (shapes.Shapes.repeats;
+        GRPO's --num-iterations: several updates on one rollout)."""
+        return 1
+
     def memory_inputs(self, model: Any, device_kind: str, length: int) -> PassInputs:
         """What the memory plan needs of this objective's step with `model` (not yet prepared) on
         a `device_kind` device (core.attention.kind_of's names) for loaded rows of `length` tokens
@@ -170,11 +178,13 @@ class Objective:
         cache, a note for the console where the path taken is not the device's kernel)."""
         return PassInputs(getattr(model.config, "_attn_implementation", None) or "eager")
 
-    def batch_source(self, engine: Any, tokenizer: Any, data: Any, model: Any, total_steps: int) -> Callable[..., Any]:
+    def batch_source(self, engine: Any, tokenizer: Any, data: Any, model: Any, total_steps: int,
+                     initial: Callable[[], Any] | None = None) -> Callable[..., Any]:
         """What turns a loaded batch into the step's (`source(model, batch, split=, step=, epoch=)`),
         made once per worker after `before_training`: the batch as loaded by default; a kind that
         generates its own rows returns its rollouts (grpo.Rollouts: prompts to completions, rewards
-        and advantages). Evaluation batches go through it too (`split` is their split's name)."""
+        and advantages). Evaluation batches go through it too (`split` is their split's name).
+        `initial()`: a frozen copy of the model as training began, prepared (a reference model)."""
         return as_loaded
 
     def forward(self, model: Any, inputs: dict[str, Any]) -> Any:

@@ -1,12 +1,13 @@
 """Reinforcement learning from rewards: `--problem grpo` (GRPO, Dr. GRPO, DAPO, BNPO), the policy
 generating its own completions inside the training step, on the same devices (no second copy of
-the weights, no weight transfer).
+the weights, no weight transfer; a reference, where asked for, is the model with its adapters
+disabled, or a frozen copy).
 
 Rows are TRL's prompt-only forms: `prompt` as text, or as chat turns (rendered with the chat
 template and its generation prompt). Every other column of a row is handed to the reward
 functions (tasks/rewards.py), as TRL does.
 
-One step, read top to bottom in `Rollouts.__call__` and `GroupObjective.loss`:
+One step, read top to bottom in `Rollouts.rollout` and `GroupObjective.loss`:
 
     prompts     a batch of --batch-size / --num-generations prompts, left-padded to a length bucket
     rollout     each prompt repeated --num-generations times; completions of --max-completion-length
@@ -15,6 +16,9 @@ One step, read top to bottom in `Rollouts.__call__` and `GroupObjective.loss`:
     scoring     the reward functions on the decoded completions; their weighted sum per completion
     advantages  each reward less its group's mean, divided by the group's standard deviation
                 (TRL's scale_rewards "group"; "batch": the batch's; "none": not divided)
+    fixed       without gradients: the reference's log-probabilities (beta > 0), and the policy's
+                as sampled where the rollout is trained on --num-iterations times (`Rollouts.__call__`
+                hands it back for the later updates)
     update      the policy's log-probabilities of the completion tokens (one forward with gradients,
                 the head in chunks), TRL's clipped surrogate and, with beta > 0, its KL estimate to the
                 reference; the loss normalised as --loss-type says
@@ -74,7 +78,7 @@ class GRPOOptions:
     top_p: float = option(1.0, "grpo: sample from the likeliest tokens whose probability reaches this share")
     top_k: int = option(0, "grpo: sample from the k likeliest tokens only (0: all)")
     beta: float = option(0.0, "grpo: the weight of the KL estimate to the reference model (0: no reference, TRL's "
-                         "default); above 0 needs --lora, whose base with its adapters disabled is the reference")
+                         "default): with --lora the model with its adapters disabled, else a frozen copy")
     epsilon: float = option(0.2, "grpo: the clipping range of the importance ratio, below 1 and (without "
                             "--epsilon-high) above")
     epsilon_high: float = option(None, "grpo: the upper clipping range (DAPO's clip-higher; default: --epsilon)")
@@ -83,6 +87,9 @@ class GRPOOptions:
                             "on every replica) or bnpo (token mean over the micro-batch)", LOSS_TYPES)
     scale_rewards: str = option("group", "grpo: divide the advantages by the group's reward standard deviation "
                                 "(group), the batch's (batch) or not at all (none)", SCALE_REWARDS)
+    num_iterations: int = option(1, "grpo: updates on each rollout (TRL's num_iterations): above 1, a step's "
+                                 "rollouts are trained on that many steps in a row, the ratio taken to the "
+                                 "log-probabilities they were sampled with")
     mask_truncated_completions: bool = option(False, "grpo: leave completions that reach --max-completion-length "
                                               "without ending out of the loss")
 
@@ -90,6 +97,8 @@ class GRPOOptions:
         if self.num_generations < 2:
             raise UserError(f"--num-generations must be at least 2 (a group's advantages compare its completions), "
                             f"not {self.num_generations}")
+        if self.num_iterations < 1:
+            raise UserError(f"--num-iterations must be at least 1, not {self.num_iterations}")
         if self.max_completion_length < 1:
             raise UserError(f"--max-completion-length must be at least 1, not {self.max_completion_length}")
         check_number("--temperature", self.temperature, lambda x: x > 0, "above 0 (rollouts are sampled)")
@@ -192,6 +201,8 @@ class Rollout:
     metrics: Any  # [len(ROLLOUT_KEYS) + 2 x functions]: the rollout's metrics, host-computed, on the device
     rewards: Any  # [rows]: each completion's reward
     per_function: Any  # [rows, functions]: each function's reward (NaN: none)
+    old: Any = None  # [rows, length]: the labels' log-probabilities when sampled (--num-iterations > 1; None: now's)
+    reference: Any = None  # [rows, length]: the reference model's (beta > 0)
 
 
 class Rollouts:
@@ -199,7 +210,9 @@ class Rollouts:
     docstring). One per worker, made by `GroupObjective.batch_source`."""
 
     def __init__(self, objective: GroupObjective, engine: Any, tokenizer: Any, data: Any, model: Any,
-                 total_steps: int = 0) -> None:
+                 total_steps: int = 0, initial: Any = None) -> None:
+        import contextlib
+
         from ..core.generate import Sampling
 
         self.objective, self.engine, self.data = objective, engine, data
@@ -213,11 +226,47 @@ class Rollouts:
         self.state = TrainerState(max_steps=total_steps)
         # each split's rows' columns, read at first use
         self.columns: dict[str, list[dict] | None] = dict.fromkeys(data)
+        # --num-iterations > 1: the step's rollouts, one per micro-batch, kept for its later updates
+        self.kept: list[dict[str, Any]] = []
+        self.at: int | None = None  # the step whose micro-batches `slot` counts
+        self.slot = 0
+        # beta > 0: the reference, the model with its adapters disabled (--lora), else a frozen copy
+        # of the model as training began (`initial`: its loading again, prepared for the device)
+        self.reference, self.unadapted = None, contextlib.nullcontext
+        if own.beta:
+            peft = peft_model_of(model)
+            if peft is not None:
+                self.reference, self.unadapted = model, peft.disable_adapter
+            else:
+                assert initial is not None  # the trainer gives it (Objective.batch_source)
+                self.reference = initial()
 
     def __call__(self, model: Any, batch: dict[str, Any], split: str = "train", step: int = 0,
                  epoch: float = 0.0) -> dict[str, Any]:
-        """The step's batch from a batch of prompts: the rollout, its rewards and advantages.
-        Evaluation (`split` not train): one greedy completion per prompt, scored."""
+        """The step's batch from a batch of prompts (see `rollout`). With --num-iterations K, the
+        loader hands each step's prompts K steps in a row (shapes.Shapes.repeats): the first step
+        rolls out, the next K-1 train on the same rollouts again (a checkpoint falls only between
+        rollouts: Trainer.check_stop, GRPO.check_options)."""
+        iterations = self.objective.settings.num_iterations
+        if split != "train" or iterations == 1:
+            return self.rollout(model, batch, split, step, epoch)
+        if step != self.at:  # a step's first micro-batch
+            self.at, self.slot = step, 0
+            if step % iterations == 0:
+                self.kept = []
+        self.slot += 1
+        if step % iterations:
+            return dict(self.kept[self.slot - 1])  # the trainer takes the labels out of its copy
+        out = self.rollout(model, batch, split, step, epoch)
+        self.kept.append(dict(out))
+        return out
+
+    def rollout(self, model: Any, batch: dict[str, Any], split: str = "train", step: int = 0,
+                epoch: float = 0.0) -> dict[str, Any]:
+        """The step's batch from a batch of prompts: the rollout, its rewards and advantages; with
+        --num-iterations > 1, the log-probabilities the completions were sampled with (a forward
+        pass without gradients, as TRL's). Evaluation (`split` not train): one greedy completion
+        per prompt, scored."""
         import torch
 
         from ..core.generate import static_generate
@@ -238,7 +287,30 @@ class Rollouts:
         self.state.global_step, self.state.epoch = step, epoch
         per_function, rewards, metrics = self.score(host[:, 0].tolist(), host[:, 1:], split, group)
         advantages = self.objective.advantages(rewards, group)
-        return self.batch(ids, mask, tokens, (advantages, metrics, rewards, per_function), training)
+        out = self.batch(ids, mask, tokens, (advantages, metrics, rewards, per_function), training)
+        if training:
+            self.log_probabilities(model, out)
+        return out
+
+    def log_probabilities(self, model: Any, batch: dict[str, Any]) -> None:
+        """The completions' log-probabilities that stay fixed through the rollout's updates, as
+        TRL's `_generate_and_score_completions` takes them: the policy's as sampled (with
+        --num-iterations > 1; else the update's own, detached) and the reference's (beta > 0)."""
+        import torch
+
+        objective, rollout = self.objective, batch["labels"]
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+
+        def logps(model):
+            head = run_documents(model, inputs, objective.attention)
+            return objective.token_logps(head, rollout.labels, objective.settings.temperature)
+
+        with torch.no_grad(), self.engine.autocast():
+            if objective.settings.num_iterations > 1:
+                rollout.old = logps(model)
+            if self.reference is not None:
+                with self.unadapted():
+                    rollout.reference = logps(self.reference)
 
     def score(self, rows: list[int], tokens: Any, split: str, group: int) -> tuple[Any, Any, Any]:
         """Every completion's rewards, per function ([completions, functions], NaN for None) and
@@ -317,11 +389,10 @@ def _nanstd(x):
 
 @dataclass
 class PolicyOutput:
-    """The policy's head input (causal_lm.HeadInput, or the model's output), and the reference's
-    where beta > 0; the loss keeps its metrics here for `step_metrics`."""
+    """The policy's head input (causal_lm.HeadInput, or the model's output); the loss keeps its
+    metrics here for `step_metrics`."""
 
     head: Any
-    reference: Any = None
     metrics: dict[str, Any] | None = None
 
 
@@ -333,16 +404,23 @@ class GroupObjective(Objective):
     settings: GRPOOptions = GRPOOptions()
     rewards: tuple[Reward, ...] = ()
 
-    def batch_source(self, engine: Any, tokenizer: Any, data: Any, model: Any, total_steps: int) -> Rollouts:
-        return Rollouts(self, engine, tokenizer, data, model, total_steps)
+    @property
+    def updates_per_batch(self) -> int:
+        return self.settings.num_iterations
+
+    def batch_source(self, engine: Any, tokenizer: Any, data: Any, model: Any, total_steps: int,
+                     initial: Any = None) -> Rollouts:
+        return Rollouts(self, engine, tokenizer, data, model, total_steps, initial)
 
     def memory_inputs(self, model: Any, device_kind: str, length: int) -> PassInputs:
-        """The causal-LM forward's over a prompt bucket plus a completion; with beta > 0 the
-        reference pass (the adapters disabled) in the step too; the rollout's key/value cache."""
+        """The causal-LM forward's over a prompt bucket plus a completion; the rollout's key/value
+        cache; with beta > 0 and no adapters, the reference's frozen copy of the weights. (The
+        reference pass runs at the rollout, without gradients: its log-probabilities are all the
+        update keeps of it.)"""
         length = length + self.settings.max_completion_length
         path = documents_memory_inputs(model, device_kind, length, self.attention)
-        return dataclasses.replace(path, length=length, cache_tokens=length,
-                                   reference=path.logits if self.settings.beta else None)
+        copy = bool(self.settings.beta) and peft_model_of(model) is None
+        return dataclasses.replace(path, length=length, cache_tokens=length, reference_copy=copy)
 
     @staticmethod
     def token_logps(head: Any, labels: Any, temperature: float = 1.0) -> Any:
@@ -374,17 +452,10 @@ class GroupObjective(Objective):
 
     def forward(self, model: Any, inputs: dict[str, Any]) -> PolicyOutput | None:
         """The policy on the rollout's rows (causal_lm.run_documents: the final hidden states and
-        the head, the head computed in chunks), and with beta > 0 the reference's (the adapters
-        disabled), without gradients. An evaluation's rollout has no rows to run: None."""
-        import torch
-
+        the head, the head computed in chunks). An evaluation's rollout has no rows to run: None."""
         if "input_ids" not in inputs:
             return None
-        out = PolicyOutput(run_documents(model, inputs, self.attention))
-        if self.settings.beta:
-            with torch.no_grad(), peft_model_of(model).disable_adapter():
-                out.reference = run_documents(model, inputs, self.attention)
-        return out
+        return PolicyOutput(run_documents(model, inputs, self.attention))
 
     def advantages(self, rewards: Any, group: int) -> Any:
         """Each reward less its group's mean, scaled as --scale-rewards says (TRL's 1e-4 guard)."""
@@ -435,15 +506,9 @@ class GroupObjective(Objective):
 
     def loss(self, output: PolicyOutput, labels: Rollout) -> Any:
         """The step's loss on a rollout (`labels`); its metrics kept on `output`."""
-        import torch
-
         temperature = self.settings.temperature
         logps = self.token_logps(output.head, labels.labels, temperature)
-        reference = None
-        if output.reference is not None:
-            with torch.no_grad():
-                reference = self.token_logps(output.reference, labels.labels, temperature)
-        loss, output.metrics = self.policy_loss(logps, labels, reference)
+        loss, output.metrics = self.policy_loss(logps, labels, labels.reference, labels.old)
         mask = (labels.labels != IGNORE).float()
         entropy = self.token_entropy(output.head, temperature)
         output.metrics["entropy"] = (entropy * mask).sum() / mask.sum().clamp(min=1)
@@ -527,9 +592,9 @@ class GRPO(Task):
         if opts.max_new_tokens and not opts.test_file:
             raise UserError("--max-new-tokens applies to --test-file's completions (rollouts take "
                             "--max-completion-length)")
-        if own.beta and not opts.lora:
-            raise UserError("--beta above 0 needs --lora: the reference is the base with the adapters disabled (a "
-                            "frozen copy of the whole model is not built)")
+        if opts.save_every and opts.save_every % own.num_iterations:
+            raise UserError(f"--save-every {opts.save_every} must be a multiple of --num-iterations "
+                            f"{own.num_iterations}: a checkpoint falls between rollouts")
 
     @classmethod
     def load(cls, source):
