@@ -3,10 +3,12 @@ a peak within 25% of the one measured on the CPU (torch's profiler, a scaled Lla
 checkpointing switched on where only it makes the run fit, and a run that cannot fit its device
 stops before anything compiles (in-process, the tiny BERT)."""
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import ROOT
 from tiny_decoders import scaled_llama_step
 from transformers import BertConfig, BertForSequenceClassification, LlamaConfig, LlamaForCausalLM
 
@@ -254,34 +256,20 @@ QWEN_7B = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden
 V5E_CHIP, V5E_CHIPS = 16 * 2**30, 8
 
 
-def recipe_plan(name):
-    """The memory plan of recipes/NAME on one v5e chip: the recipe's model (config only, on torch's
-    meta device), its adapters and bf16 base as the job makes them, its batch and length, its
-    strategy's shards, checkpointing, the causal-LM objective's chunked logits."""
-    from peft import LoraConfig, get_peft_model
+def recipe_plan(name, chips=V5E_CHIPS, chip_bytes=V5E_CHIP):
+    """The memory plan of recipes/NAME on one of `chips` TPU chips of `chip_bytes` (a v5e-8 host by
+    default): memory.plan_on_paper of the recipe's model from its published config."""
     from tiny_decoders import ZOO
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
+    from xla_train.memory import plan_on_paper
     from xla_train.options import TrainOptions, read_recipe
 
     cfg = TrainOptions(**read_recipe(str(Path(__file__).resolve().parents[1] / "recipes" / name)))
-    published = {"Qwen/Qwen2.5-0.5B-Instruct": ZOO["qwen2"]["config"], "Qwen/Qwen2.5-7B-Instruct": QWEN_7B}
+    published = {"Qwen/Qwen2.5-0.5B-Instruct": ZOO["qwen2"]["config"], "Qwen/Qwen2.5-7B-Instruct": QWEN_7B,
+                 **json.loads((ROOT / "benchmarks" / "published_configs.json").read_text())}
     config = {k: v for k, v in published[cfg.model].items() if not k.endswith("token_id")}
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=torch.float32)
-    if cfg.lora:
-        targets = cfg.lora_targets.split(",") if cfg.lora_targets else None
-        model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", r=cfg.lora_r, target_modules=targets))
-        if cfg.precision == "bf16":
-            for p in model.parameters():  # models.hold_frozen_in_bf16
-                if not p.requires_grad:
-                    p.data = p.data.to(torch.bfloat16)
-    shards = V5E_CHIPS if cfg.strategy == "fsdp" else 1
-    own = cfg.kind_options()  # GRPO's rows: a prompt and a completion; its rollout's cache
-    length = cfg.max_length + (own.max_completion_length if cfg.problem == "grpo" else 0)
-    memory, _ = plan(model, cfg.batch_size, length, cfg.precision, shards=shards, device_bytes=V5E_CHIP,
-                     checkpointed=cfg.gradient_checkpointing, logits=True, chunked_logits=True,
-                     cache_tokens=length if cfg.problem == "grpo" else 0)
+    memory, _ = plan_on_paper(cfg, AutoConfig.for_model(**config), chips if cfg.strategy == "fsdp" else 1, chip_bytes)
     return cfg, memory
 
 
@@ -291,6 +279,32 @@ def test_the_tpu_recipes_fit_a_v5e_chip(name):
     cfg, memory = recipe_plan(name)
     assert memory["param_bytes_total"] > (4e9 if "7b" in name else 4e8)  # the real model's size, not a tiny one
     assert needed(memory) <= V5E_CHIP, f"{name}: {needed(memory) / 2**30:.1f} GiB"
+
+
+@pytest.mark.parametrize("name, chips, kind", [("llama-3.1-70b-fsdp-v5p64.yaml", 32, "TPU v5p"),
+                                               ("llama-3.1-70b-fsdp-v6e64.yaml", 64, "TPU v6 lite"),
+                                               ("llama-3.1-8b-lora-v5e8.yaml", 8, "TPU v5 lite")])
+def test_the_pod_recipes_fit_their_chips(name, chips, kind):
+    """docs/sharding.md's pods (benchmarks/plan_pods.py): Llama 3.1 70B fully fine-tuned fits a
+    v5p-64's and a v6e-64's chips under FSDPv2; the 8B with LoRA a v5e-8's, and without LoRA not
+    (its fp32 weights, gradients and AdamW state alone are about 120 GiB of the host's 128)."""
+    from xla_train.core.xla import TPU_HBM
+
+    cfg, memory = recipe_plan(name, chips, TPU_HBM[kind])
+    assert memory["param_bytes_total"] > (2.5e11 if "70b" in name else 1.5e10)  # the real model's size
+    assert needed(memory) <= TPU_HBM[kind], f"{name}: {needed(memory) / 2**30:.1f} GiB"
+    if cfg.lora:
+        import dataclasses
+
+        from transformers import AutoConfig
+
+        from xla_train.memory import plan_on_paper
+
+        published = json.loads((ROOT / "benchmarks" / "published_configs.json").read_text())[cfg.model]
+        full, _ = plan_on_paper(dataclasses.replace(cfg, lora=False), AutoConfig.for_model(**published), chips,
+                                TPU_HBM[kind])
+        state = full["param_bytes_per_device"] + full["grad_bytes_per_device"] + full["optimizer_bytes_per_device"]
+        assert 110 * 2**30 < state * chips < 128 * 2**30 < needed(full) * chips
 
 
 def test_a_tpus_memory_is_known_by_its_kind_under_every_strategy():

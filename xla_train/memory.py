@@ -191,6 +191,30 @@ def plan(model, rows, length, precision="fp32", shards=1, device_bytes=None, che
     return out, {"trainable_params": sum(p.numel() for p in trainable), "total_params": sum(p.numel() for p in params)}
 
 
+def plan_on_paper(cfg, config, shards, device_bytes):
+    """The plan a decoder run `cfg` (options.TrainOptions of a causal-lm or grpo recipe) makes on a
+    TPU for a model of `config` (a transformers config) with its weights sharded over `shards`
+    devices of `device_bytes` each, without weights or a device: the model on torch's meta device,
+    its adapters and bf16 base as job.prepare makes them, the Pallas kernel's attention, the
+    chunked head (GRPO: rows a completion longer, and the rollout's cache). Returns (plan, counts)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from .models import add_adapters, hold_frozen_in_bf16
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if cfg.lora:
+        model = add_adapters(model, cfg.section("model"), "CAUSAL_LM")
+        if cfg.precision == "bf16":
+            hold_frozen_in_bf16(model)
+    grpo = cfg.problem == "grpo"
+    length = cfg.max_length + (cfg.kind_options().max_completion_length if grpo else 0)
+    return plan(model, cfg.batch_size, length, cfg.precision, shards=shards, device_bytes=device_bytes,
+                checkpointed=cfg.gradient_checkpointing, logits=True, attention="xla_flash", dense_mask=False,
+                chunked_logits=True, cache_tokens=length if grpo else 0)
+
+
 def needed(memory):
     """Bytes per device at the plan's peak: parameters + optimizer state + the larger of the
     backward pass's start (activations, logits, autocast's weight copies) and its end (gradients

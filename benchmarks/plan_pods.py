@@ -1,0 +1,82 @@
+"""The memory plan (xla_train/memory.py, `plan_on_paper`) of the pod recipes: what each chip holds
+for Llama 3.1 70B fully fine-tuned on a v5p-64 and on a v6e-64, and Llama 3.1 8B on a v5e-8 with
+LoRA and without. Models are built on torch's meta device from their published configs
+(benchmarks/published_configs.json), no weights, no hub, no TPU.
+
+    python benchmarks/plan_pods.py
+
+Prints a table and writes OUT/plan.json and OUT/plan.md (OUT: benchmarks/out/plan_pods). Each
+row also gives what one host holds while the model loads: today the whole model in fp32 on every
+host (job.prepare loads it before the workers shard it), against its share (its chips' shards).
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+GIB = 2**30
+# recipe, chips, chips a host, device kind (xla_train.core.xla.TPU_HBM), the recipe changed
+CASES = [
+    ("llama-3.1-70b-fsdp-v5p64.yaml", "v5p-64", 32, 4, "TPU v5p", {}),
+    ("llama-3.1-70b-fsdp-v6e64.yaml", "v6e-64", 64, 4, "TPU v6 lite", {}),
+    ("llama-3.1-8b-lora-v5e8.yaml", "v5e-8", 8, 8, "TPU v5 lite", {}),
+    ("llama-3.1-8b-lora-v5e8.yaml", "v5e-8", 8, 8, "TPU v5 lite", {"lora": False}),
+]
+
+
+def plans():
+    from transformers import AutoConfig
+
+    from xla_train.core.xla import TPU_HBM
+    from xla_train.memory import needed, plan_on_paper
+    from xla_train.options import TrainOptions, read_recipe
+
+    published = json.loads((ROOT / "benchmarks" / "published_configs.json").read_text())
+    rows = []
+    for recipe, slice_name, chips, per_host, kind, change in CASES:
+        cfg = dataclasses.replace(TrainOptions(**read_recipe(str(ROOT / "recipes" / recipe))), **change)
+        memory, counts = plan_on_paper(cfg, AutoConfig.for_model(**published[cfg.model]), chips, TPU_HBM[kind])
+        whole_fp32 = counts["total_params"] * 4
+        rows.append({
+            "recipe": recipe, "slice": slice_name, "chips": chips, "chips_per_host": per_host,
+            "model": cfg.model, "lora": cfg.lora, "precision": cfg.precision, "batch_size": cfg.batch_size,
+            "max_length": cfg.max_length, "checkpointed": cfg.gradient_checkpointing,
+            "params": counts["total_params"], "trainable": counts["trainable_params"],
+            "weights_grads_adam_gib": (memory["param_bytes_total"] + 3 * memory["grad_bytes_per_device"] * chips) / GIB,
+            "peak_gib_per_chip": needed(memory) / GIB, "chip_gib": TPU_HBM[kind] / GIB,
+            "fits": needed(memory) <= TPU_HBM[kind],
+            "host_load_today_gib": whole_fp32 / GIB,
+            "host_share_gib": memory["param_bytes_per_device"] * per_host / GIB,
+            "memory": memory,
+        })
+    return rows
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "out" / "plan_pods"))
+    args = p.parse_args()
+    os.environ.setdefault("USE_TORCH_XLA", "0")  # transformers would import torch_xla otherwise
+    rows = plans()
+    lines = ["| slice | model | LoRA | batch x length a chip | weights+grads+AdamW (all chips) | peak a chip "
+             "| fits | a host at load: today / its share |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        lora = "yes" if r["lora"] else "no"
+        lines.append(f"| {r['slice']} ({r['chips']} chips) | {r['model'].split('/')[1]} | {lora} "
+                     f"| {r['batch_size']} x {r['max_length']} | {r['weights_grads_adam_gib']:.0f} GiB "
+                     f"| {r['peak_gib_per_chip']:.1f} of {r['chip_gib']:.0f} GiB | {'yes' if r['fits'] else 'no'} "
+                     f"| {r['host_load_today_gib']:.0f} / {r['host_share_gib']:.1f} GiB |")
+    table = "\n".join(lines)
+    print(table)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "plan.json").write_text(json.dumps(rows, indent=1))
+    (out / "plan.md").write_text(table + "\n")
+    print(f"wrote {out / 'plan.json'} and {out / 'plan.md'}")
+
+
+if __name__ == "__main__":
+    main()
