@@ -21,6 +21,7 @@ collectives, sharded checkpoints) and `engine.launcher`. Code that needs one ask
 
 from __future__ import annotations
 
+import functools
 import traceback
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
@@ -328,28 +329,43 @@ class Engine:
         return self.accelerator.trace_compilations(path)
 
     def save_pretrained(self, model: torch.nn.Module, tokenizer: Any, path: PathLike) -> None:
-        """`save_pretrained` of the unwrapped model (weights moved to the CPU) and tokenizer. A
-        peft model saves its adapter (only the trained tensors are copied) and the classifier's
+        """`save_pretrained` of the unwrapped model and tokenizer. A whole model's weights go to
+        the CPU and into transformers' safetensors files (`shard_plan`: one file, or files of
+        `SHARD_SIZE` and their index) one file at a time, so a host never holds more of them than
+        a file's (sharded weights are made whole one tensor at a time); a model whose weights
+        transformers converts on saving (stacked experts) is saved by transformers itself, whole.
+        A peft model saves its adapter (only the trained tensors are copied) and the classifier's
         config beside it (its labels)."""
         model = self.unwrap_model(model)
         hf: Any = model  # a transformers PreTrainedModel, or a peft model around one
         adapter = hasattr(model, "peft_config")
         state = trained_state(model) if adapter else whole_state(model)
-        weights = self.to_host(list(state.values()), main_only=True)
+        split = None if adapter else shard_plan(model, state)
+        what = f"cannot save the model to {path}"
+        if split is not None:
+            for name, keys in split.filename_to_tensors.items():
+                weights = self.to_host([state[k] for k in keys], main_only=True)
+                self.on_main(functools.partial(save_file, dict(zip(keys, weights or [])), Path(path, name)), what)
+            weights, state = [], {}
+        else:
+            weights = self.to_host(list(state.values()), main_only=True)
 
         def write() -> None:
             assert weights is not None  # on the main replica, which got the copies
             card = Path(path, "README.md")
             had_card = card.exists()
             with quiet_transformers(), self.strategy.plain_modules(model):
-                hf.save_pretrained(path, state_dict=dict(zip(state, weights)))
+                if split is not None:
+                    write_config(hf, path, split)
+                else:
+                    hf.save_pretrained(path, state_dict=dict(zip(state, weights)), max_shard_size=SHARD_SIZE)
                 if adapter:
                     hf.get_base_model().config.save_pretrained(path)
                 tokenizer.save_pretrained(path)
             if adapter and not had_card:
                 card.unlink(missing_ok=True)  # peft's model card: the folder holds the run's files and the user's only
 
-        self.on_main(write, f"cannot save the model to {path}")
+        self.on_main(write, what)
 
     def on_main(self, write: Callable[[], object], what: str) -> None:
         """Runs `write()` on the main replica only; every replica learns whether it worked, and
@@ -481,3 +497,49 @@ def checkpoint_activations(model: Any, checkpoint: Callable[..., Any] | None = N
     enable()
     if checkpoint is not None:  # the one hook that takes another function (private, as the Trainer's TPU path uses)
         model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=checkpoint)
+
+
+SHARD_SIZE = "5GB"  # a saved model's files at most: the hub's usual size (transformers 5 writes 50 GB files)
+
+
+def shard_plan(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> Any:
+    """How transformers' `save_pretrained` would split `state` (a whole model's, ties once) into
+    files of SHARD_SIZE (huggingface_hub's `split_torch_state_dict_into_shards`, as transformers
+    calls it, on shape-only copies), or None where transformers would change the weights on saving
+    (`revert_weight_conversion`: experts stacked on loading are split again), which then saves."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from transformers.core_model_loading import revert_weight_conversion
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    shapes = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in state.items()}
+    kept = remove_tied_weights_from_state_dict(dict(shapes), model)
+    reverted = revert_weight_conversion(model, dict(kept))
+    if reverted.keys() != kept.keys() or kept.keys() != shapes.keys() \
+            or any(reverted[k].shape != kept[k].shape for k in kept):
+        return None
+    return split_torch_state_dict_into_shards(reverted, filename_pattern="model{suffix}.safetensors",
+                                              max_shard_size=SHARD_SIZE)  # in transformers' order
+
+
+def save_file(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata={"format": "pt"})
+
+
+def write_config(model: Any, path: PathLike, split: Any) -> None:
+    """What transformers' `save_pretrained` writes beside the weights of a model saved file by file:
+    the sharded files' index, the config (with its dtype and architecture) and the generation
+    config."""
+    import json
+
+    if split.is_sharded:
+        index = {"metadata": {"total_parameters": model.num_parameters(), **split.metadata},
+                 "weight_map": split.tensor_to_filename}
+        Path(path, "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    model.config.dtype = str(model.dtype).split(".")[1]
+    model.config.architectures = [type(model).__name__.removeprefix("FSDP")]  # FSDP2 renames the class
+    model.config.save_pretrained(path)
+    if model.can_generate():
+        model.generation_config.save_pretrained(path)
