@@ -211,8 +211,10 @@ def hold_frozen_in_bf16(model):
 def save_merged(engine, model, load_base, tokenizer, folder):
     """--merge-lora: the trained tensors (adapters, head) copied to the CPU and merged (peft's
     merge, on the CPU) into a fresh copy of the adapted model from `load_base()`, whose base holds
-    the model's own fp32 weights whatever the device held; saved as a whole fp32 model."""
+    the model's own fp32 weights whatever the device held; saved as a whole fp32 model (held whole on
+the main host: the base is loaded there), in files of the final model's size."""
     from .core.checkpoint_io import trained_state
+    from .core.engine import SHARD_SIZE
     from .core.hf import quiet_transformers
 
     state = trained_state(engine.unwrap_model(model))
@@ -224,7 +226,7 @@ def save_merged(engine, model, load_base, tokenizer, folder):
         unexpected = cpu_model.load_state_dict(dict(zip(state, weights)), strict=False).unexpected_keys
         assert not unexpected, unexpected  # the same architecture, adapted the same way
         with quiet_transformers():
-            cpu_model.merge_and_unload().save_pretrained(folder)
+            cpu_model.merge_and_unload().save_pretrained(folder, max_shard_size=SHARD_SIZE)  # the final model's files
             tokenizer.save_pretrained(folder)
 
     engine.on_main(write, f"cannot save the merged model to {folder}")
