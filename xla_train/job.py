@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from transformers import AutoConfig
 
 from . import data_cache
+from .core import sharded_load
 from .core.attention import row_length, row_lengths_line
 from .core.batching import model_inputs_only
 from .core.clock import Startup
@@ -142,7 +143,13 @@ def prepare(cfg, backend, resume=None, startup=None):
                  f"{padding_share(shapes.padding, lengths(sized['train'])):.1%}")
     startup.lap("data")
     weights = resume.model_weights() if resume else None  # a corrupt file fails before any loading
-    model = task.model.load(cfg.model, cfg.seed, tokenizer.pad_token_id)
+    model = None
+    if getattr(backend.strategy, "loads_shards", False) and not cfg.lora and weights is None:
+        # FSDPv2 on XLA: the checkpoint's weights are read into their shards on the devices
+        # (XlaFsdp.wrap_model), never whole on this host (core.sharded_load)
+        model = sharded_load.skeleton(lambda: task.model.load(cfg.model, cfg.seed, tokenizer.pad_token_id), cfg.model)
+    if model is None:
+        model = task.model.load(cfg.model, cfg.seed, tokenizer.pad_token_id)
     if cfg.lora:
         model = add_adapters(model, cfg.section("model"), task.model.peft_task_type)
     if weights is not None:

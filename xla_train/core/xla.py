@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 import torch
 
+from . import sharded_load
 from .errors import UserError
 from .experts import static_experts
 from .roles import (
@@ -626,6 +627,7 @@ class XlaFsdp(XlaSpmd):
     rest; the partitioner gathers a block's weights for its forward and backward only."""
 
     data_axes = ("fsdp",)  # the name FSDPv2 requires (spmd_fully_sharded_data_parallel.py, __init__)
+    loads_shards = True  # job.prepare builds the model without its weights; wrap_model reads its shards
 
     @property
     def param_shards(self) -> int:
@@ -645,6 +647,13 @@ class XlaFsdp(XlaSpmd):
         # its backward barrier hooks warn at every forward whose inputs need no grad (token ids)
         for message in ("For backward hooks to be called", "Full backward hook is firing"):
             warnings.filterwarnings("ignore", message=message)
+        # A model built without its checkpoint's weights (job.prepare, core.sharded_load): they are
+        # made on the devices already sharded as FSDPv2 shards them, which its wrappers then keep.
+        source = getattr(model, sharded_load.SOURCE, None)
+        if source is not None:
+            source.materialise(model, self.mesh(), _param_spec)
+            delattr(model, sharded_load.SOURCE)
+            print(source.line(), flush=True)
         # No `.to(device)` first: each wrapper moves its own module and shards it at once, so the
         # device holds one block unsharded at a time, never the whole model.
         shard = functools.partial(_shard_output, strategy=self)  # outputs split by rows over the data axes

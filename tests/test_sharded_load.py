@@ -1,0 +1,281 @@
+"""`--backend xla --strategy fsdp` loads the checkpoint's weights straight into their shards
+(xla_train/core/sharded_load.py): the model is built on the meta device, each parameter made on
+the 4 XLA:CPU devices already sharded from the slices of the safetensors its devices hold.
+
+Run on 4 XLA:CPU devices in processes of their own: the same parameters, ties, buffers, new head
+and first steps as the whole load then FSDPv2's wrap, bit for bit; the process's peak resident
+memory over the load, against the whole load's; what each of 2 emulated hosts reads (the emulation
+cannot give a host devices of its own: torch_xla's runtime still sees one process with 4 devices,
+so the hosts' reading and selection of slices is run, their upload is not); and a CLI run."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import tiny_decoders as td
+from conftest import ROOT
+
+FOUR = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def _run(script, *args, env=FOUR, timeout=600):
+    proc = subprocess.run([sys.executable, "-c", script, *map(str, args)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc, json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+SAME = r"""
+import functools, json, sys
+import torch, torch_xla
+from xla_train.core import sharded_load
+from xla_train.core.engine import Engine
+from xla_train.tasks.causal_lm import DecoderModel
+from xla_train.tasks.sequence import SequenceModel
+
+engine = Engine("xla", strategy="fsdp")
+results = {}
+for case in sys.argv[1:]:
+    folder, kind = case.split("|")
+    part = DecoderModel() if kind == "causal-lm" else SequenceModel(num_labels=3)
+    load = functools.partial(part.load, folder, 7, 0)
+    skeleton = sharded_load.skeleton(load, folder)
+    out = {"meta": sum(p.is_meta for p in skeleton.parameters()),
+           "on_host": sorted(n for n, p in skeleton.named_parameters() if not p.is_meta)}
+    ids = torch.randint(3, 200, (8, 16), generator=torch.Generator().manual_seed(0))
+    for name, model in (("new", skeleton), ("whole", load())):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model, optimizer = engine.prepare(model, optimizer)
+        plain = engine.unwrap_model(model)
+        state = plain.state_dict(keep_vars=True)
+        out[name] = {"specs": {k: torch_xla._XLAC._get_xla_sharding_spec(v) for k, v in state.items()}}
+        if kind == "causal-lm":
+            out[name]["tied"] = plain.lm_head.weight is plain.model.embed_tokens.weight
+        labels = ids if kind == "causal-lm" else torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
+        batch = {"input_ids": ids.to(engine.device), "labels": labels.to(engine.device)}
+        losses = []
+        for step in range(2):
+            loss = model(**batch).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss)
+        values = engine.strategy.read([*losses, *state.values()])
+        out[name]["losses"] = [v.item() for v in values[:2]]
+        out[name]["state"] = dict(zip(state, values[2:]))
+    new, whole = out.pop("new"), out.pop("whole")
+    out["same_keys"] = list(new["state"]) == list(whole["state"])
+    out["differing"] = [k for k in new["state"] if not torch.equal(new["state"][k], whole["state"][k])]
+    out["losses"] = [new["losses"], whole["losses"]]
+    out["specs_same"] = new["specs"] == whole["specs"]
+    out["tied"] = [new.get("tied"), whole.get("tied")]
+    results[case] = out
+print(json.dumps(results))
+"""
+CASES = [("llama", "causal-lm"), ("qwen2", "causal-lm"), ("llama", "classification")]
+
+
+@pytest.fixture(scope="module")
+def same_as_whole(tmp_path_factory):
+    """The script above on a tiny Llama and Qwen2 (td.save) and the Llama as a classifier, in one
+    process of 4 XLA:CPU devices."""
+    folder = tmp_path_factory.mktemp("same")
+    cases = {(family, kind): f"{td.save(family, folder / family)}|{kind}" for family, kind in CASES}
+    _, out = _run(SAME, *cases.values())
+    return {key: out[case] for key, case in cases.items()}
+
+
+@pytest.mark.parametrize("family,kind", CASES)
+def test_sharded_load_gives_the_whole_loads_parameters_and_steps_bit_for_bit(family, kind, same_as_whole):
+    """A tiny Llama (tied embeddings) and a Qwen2 (biases, tied), and a Llama classifier (a new head
+    of 3, seeded): loaded into their shards, then two AdamW steps, the same parameters (and
+    buffers: the rotary inv_freq recomputed), layouts, ties and losses as the whole load, bit for
+    bit. Only the new head is made on the host."""
+    out = same_as_whole[family, kind]
+    assert out["meta"] > 0
+    assert out["on_host"] == ([] if kind == "causal-lm" else ["score.weight"])
+    assert out["same_keys"] and out["differing"] == [], out["differing"]
+    assert out["specs_same"]
+    assert out["losses"][0] == out["losses"][1]
+    if kind == "causal-lm":
+        assert out["tied"] == [True, True]
+
+
+PEAK = r"""
+import functools, json, resource, sys
+import torch, torch_xla
+from xla_train.core import sharded_load
+from xla_train.core.engine import Engine
+from xla_train.tasks.causal_lm import DecoderModel
+
+folder, way = sys.argv[1], sys.argv[2]
+engine = Engine("xla", strategy="fsdp")
+(torch.ones(4, device=engine.device) + 1).cpu()  # the runtime started
+
+
+def rss():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
+
+
+base, peak_before = rss(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+load = functools.partial(DecoderModel().load, folder, 0, None)
+model = sharded_load.skeleton(load, folder) if way == "new" else load()
+model = engine.prepare(model)
+engine.accelerator.synchronize()
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps({"base": base, "peak_before": peak_before, "peak": peak, "after": rss()}))
+"""
+
+
+def _big_llama(path):
+    """A Llama-shaped model of about 300 MB in fp32 (6 blocks 1,024 wide, GQA, 16,000 words, tied),
+    random weights, saved by save_pretrained."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=16000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=6,
+                         num_attention_heads=16, num_key_value_heads=4, tie_word_embeddings=True)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(path)
+    block = 4 * (2 * 1024 * 1024 + 2 * 1024 * 256 + 3 * 1024 * 2816)  # attention (GQA) and MLP, fp32
+    return sum(p.numel() * 4 for p in model.parameters()), block, 16000 * 1024 * 4  # the embedding
+
+
+@pytest.mark.slow
+def test_the_peak_memory_of_a_sharded_load_is_the_model_once_plus_a_block(tmp_path):
+    """A 321 MiB fp32 Llama on 4 XLA:CPU devices (whose memory is the host's): over the load, the
+    process's peak resident memory grows by the weights once (their shards) plus at most a block
+    or the largest tensor (the embedding, 62.5 MiB, read while the others are on the devices)
+    and 32 MiB, where the whole load then FSDPv2's wrap grew by about three times the model."""
+    weights, block, largest = _big_llama(tmp_path / "big")
+    peaks = {way: _run(PEAK, tmp_path / "big", way)[1] for way in ("new", "whole")}
+    grown = {way: p["peak"] - p["base"] for way, p in peaks.items()}
+    print(f"model {weights / 2**20:.0f} MiB, a block {block / 2**20:.0f} MiB, the embedding "
+          f"{largest / 2**20:.1f} MiB; peak RSS over the load: sharded {grown['new'] / 2**20:.0f} MiB, whole "
+          f"{grown['whole'] / 2**20:.0f} MiB")
+    assert grown["new"] <= weights + max(block, largest) + 32 * 2**20, grown
+    assert grown["whole"] >= 1.7 * weights, grown
+
+
+HOSTS = r"""
+import functools, json, sys
+import torch
+import torch_xla.runtime as xr
+from xla_train.core import sharded_load
+from xla_train.core.engine import Engine
+from xla_train.core.xla import _param_spec
+from xla_train.tasks.causal_lm import DecoderModel
+
+folder = sys.argv[1]
+engine = Engine("xla", strategy="fsdp")
+mesh = engine.strategy.mesh()
+
+
+def io():
+    with open("/proc/self/io") as f:
+        return dict(line.split(": ") for line in f.read().splitlines())
+
+
+out = {}
+for host, hosts in ((0, 2), (1, 2), (0, 1)):
+    # this host's devices, as torch_xla gives a host of `hosts` its consecutive global ordinals
+    devices = list(range(host * 4 // hosts, (host + 1) * 4 // hosts))
+    model = sharded_load.skeleton(functools.partial(DecoderModel().load, folder, 0, None), folder)
+    checkpoint = getattr(model, sharded_load.SOURCE)
+    before = int(io()["rchar"])
+    pieces = {}
+    for holders, p, spec, places, shards in checkpoint.host_shards(model, mesh, _param_spec, devices):
+        pieces[holders[0][1] + str(tuple(p.shape))] = [[(s.start, s.stop) for s in index] for index in places]
+    checkpoint.close()
+    out[f"{host}/{hosts}"] = {"read": checkpoint.bytes_read, "rchar": int(io()["rchar"]) - before,
+                             "total": sum(checkpoint.bytes.values()), "largest": max(checkpoint.bytes.values()),
+                             "files": sum(f.stat().st_size for f in checkpoint.files)}
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_each_emulated_host_reads_its_devices_shards_only(tmp_path):
+    """2 hosts of 2 devices emulated by the devices each reads for (its global ordinals): each
+    reads at most the weights / 2 plus one tensor, together all of them once, counted by the
+    loader and by the kernel's read counter of the process (/proc/self/io rchar: safetensors'
+    pread reads). One host of 4 reads all of it. The file is a sharded checkpoint (an index and
+    several files), as transformers writes a large model."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=4000, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "m", max_shard_size="2MB")
+    assert (tmp_path / "m" / "model.safetensors.index.json").exists()
+    _, out = _run(HOSTS, tmp_path / "m")
+    one, hosts = out["0/1"], [out["0/2"], out["1/2"]]
+    total = one["total"]
+    assert one["read"] == total <= one["files"]
+    for host in hosts:
+        print(f"host reads {host['read'] / 2**20:.2f} MiB of {total / 2**20:.2f} MiB (rchar {host['rchar']})")
+        assert host["read"] <= total / 2 + host["largest"]
+        # the process's reads: the slices' bytes, plus what else it read meanwhile (headers, lazy imports: 0.2 MiB)
+        assert host["read"] <= host["rchar"] <= host["read"] + 2**20
+    assert sum(h["read"] for h in hosts) == total
+
+
+@pytest.mark.slow
+def test_a_cli_fsdp_run_loads_sharded_and_trains_as_the_whole_load(tmp_path):
+    """`xla-train train --backend xla --strategy fsdp --problem causal-lm` on a tiny Llama for 4
+    steps on 4 XLA:CPU devices: the console says what the host read, and the losses are those of
+    the same run loading the model whole (skeleton switched off in that process)."""
+    folder = td.save("llama", tmp_path / "llama", chat=True, letters=True)
+    train = td.write_jsonl(tmp_path / "train.jsonl", td.reverse_rows(200, 1))
+    valid = td.write_jsonl(tmp_path / "valid.jsonl", td.reverse_rows(16, 2))
+    args = ["train", "--backend", "xla", "--strategy", "fsdp", "--problem", "causal-lm", "--model", folder,
+            "--train-file", train, "--validation-file", valid, "--max-length", 64, "--batch-size", 2,
+            "--max-steps", 4, "--log-every", 1, "--lr", 3e-3]
+    runs = {}
+    for way in ("new", "whole"):
+        metrics = tmp_path / f"{way}.json"
+        script = ("import sys; from xla_train.core import sharded_load\n"
+                  + ("sharded_load.skeleton = lambda load, name: None\n" if way == "whole" else "")
+                  + "from xla_train.commands.cli import main; sys.exit(main(sys.argv[1:]))")
+        proc = subprocess.run([sys.executable, "-c", script, *map(str, args), "--metrics-out", str(metrics),
+                               "--output-dir", str(tmp_path / way)], cwd=ROOT, capture_output=True, text=True,
+                              timeout=600, env=FOUR)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[way] = (proc, json.loads(metrics.read_text()))
+    new, whole = runs["new"], runs["whole"]
+    assert f"loaded {folder}: this host read " in new[0].stdout
+    assert "loaded " not in whole[0].stdout
+    losses = [[loss for _, loss, _ in m["train_loss"]] for _, m in (new, whole)]
+    assert len(losses[0]) == 4
+    assert max(abs(a - b) for a, b in zip(*losses)) <= 1e-6, losses
+
+
+def test_a_slice_read_is_the_tensors_slice_and_only_its_bytes(tmp_path):
+    """Checkpoint.read: a slice of the first dimension, of a later one (FSDPv2 splits a
+    parameter's largest dimension), of two, a whole tensor and a scalar, in fp32 and bf16, are
+    safetensors' own tensor sliced; the bytes counted are the slice's."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from xla_train.core.sharded_load import Checkpoint
+
+    torch.manual_seed(0)
+    tensors = {"a": torch.randn(10, 7), "b": torch.randn(3, 12, 5).to(torch.bfloat16), "s": torch.tensor(2.5)}
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    checkpoint = Checkpoint([tmp_path / "model.safetensors"], "m")
+    expected = load_file(tmp_path / "model.safetensors")
+    for key, index in (("a", (slice(3, 6), slice(0, 7))), ("a", (slice(0, 10), slice(2, 7))),
+                       ("b", (slice(0, 3), slice(4, 8), slice(0, 5))), ("b", (slice(1, 2), slice(3, 12), slice(1, 4))),
+                       ("b", (slice(0, 3), slice(0, 12), slice(0, 5))), ("s", ())):
+        before = checkpoint.bytes_read
+        piece = checkpoint.read(key, index)
+        assert torch.equal(piece, expected[key][index]), (key, index)
+        assert piece.dtype == expected[key].dtype
+        if key != "b" or index[0] != slice(1, 2):  # two dimensions cut: the first's rows are read
+            assert checkpoint.bytes_read - before == piece.numel() * piece.element_size()
+    checkpoint.close()
