@@ -119,6 +119,38 @@ def test_help_and_mistakes_of_the_options_start_no_library():
     assert proc.stderr.count("xla-train: error: ") == 6, proc.stderr
 
 
+
+# What the libraries loading during a run's start-up may do with the KeyboardInterrupt of a Ctrl-C
+# (each body runs in place of the training command; the signal comes from the process itself).
+CTRL_C_IN_A_LIBRARY = {
+    # in code run by exec() of a string (dataclasses' and namedtuple's methods, made at every
+    # import): CPython then ended the process by SIGINT (-2) after main had returned 130
+    "exec": 'exec("os.kill(os.getpid(), signal.SIGINT)\\nfor _ in range(10**7): pass")',
+    # an extension module's initialisation (pybind11: scipy's highspy, imported by transformers)
+    "extension init": ("try:\n    os.kill(os.getpid(), signal.SIGINT); time.sleep(5)\n"
+                       "except KeyboardInterrupt as e:\n    raise ImportError('initialization failed') from e"),
+    # then an optional import's `except ImportError`: start-up carried on and trained the whole run
+    "swallowed": ("try:\n    os.kill(os.getpid(), signal.SIGINT); time.sleep(5)\nexcept BaseException:\n    pass\n"
+                  "from xla_train.core.signals import StopRequest\nwith StopRequest():\n    print('trained')"),
+}
+
+
+@pytest.mark.parametrize("where", list(CTRL_C_IN_A_LIBRARY))
+def test_ctrl_c_whatever_a_library_does_with_it_is_one_line_and_130(where, tmp_path):
+    """The same line and exit code as test_run_folder's Ctrl-C at any moment, made certain: the
+    signal lands where that test's SIGINT landed now and then while transformers was importing.
+    Run with -m, as `python -m xla_train`: CPython's exit by SIGINT is Py_RunMain's, which -c and a
+    script (the console entry point) leave before."""
+    body = "\n".join("    " + line for line in CTRL_C_IN_A_LIBRARY[where].splitlines())
+    (tmp_path / "ctrl_c_run.py").write_text(
+        "import os, signal, sys, time\nimport xla_train.commands.cli as cli\n"
+        f"def cmd_train(args, started=None):\n{body}\n"
+        "cli.cmd_train = cmd_train\nsys.exit(cli.main(['train']))\n")
+    proc = subprocess.run([sys.executable, "-m", "ctrl_c_run"], cwd=tmp_path, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
+    assert (proc.returncode, proc.stderr, proc.stdout) == (130, "xla-train: interrupted\n", "")
+
+
 @pytest.mark.parametrize("command", ["train", "predict"])
 def test_every_option_is_declared_once(command):
     """The parser is built from the options' dataclass: the same names, defaults and help."""

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import STARTED
 from ..core.errors import ExitError, Stopped, UserError, show_parameters
+from ..core.signals import CtrlC
 
 if TYPE_CHECKING:
     from ..options import TrainOptions
@@ -248,25 +249,37 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     pjrt_device = os.environ.get("PJRT_DEVICE")  # as given: importing torch_xla sets a default
     show_parameters(as_flags)  # the core's `num_processes` is --num-processes here, in every error line
-    try:
-        argv, configs = _take_configs(argv)
-        helping = {"-h", "--help"} & set(argv)
-        recipe = _read_recipes(configs) if configs and not helping else {}  # --help reads no recipe (nor yaml)
-        args = build_parser().parse_args(argv)  # every flag checked, with the defaults
-        if configs:
-            args = _over_recipe(recipe, argv)
-        if args.command == "env":
-            args.pjrt_device = pjrt_device
-        if args.command == "train":
-            cmd_train(args, started)
-        else:
-            {"predict": cmd_predict, "report": cmd_report, "env": cmd_env}[args.command](args)
-    except ExitError as e:
-        # under torchrun every rank runs this; a stop (the same on every rank) is told once
-        if str(e) and not (isinstance(e, Stopped) and os.environ.get("RANK", "0") != "0"):
-            print(e.line(), file=sys.stderr)
-        return e.exit_code
-    except KeyboardInterrupt:
-        print("xla-train: interrupted", file=sys.stderr)
-        return 130
+    # Ctrl-C at any moment: one line and exit 130 (in the training loop, a StopRequest's stop). CtrlC
+    # notes it even where a library loading then swallows the exception or makes it another one.
+    with CtrlC() as ctrl_c:
+        failure = None
+        try:
+            argv, configs = _take_configs(argv)
+            helping = {"-h", "--help"} & set(argv)
+            recipe = _read_recipes(configs) if configs and not helping else {}  # --help reads no recipe (nor yaml)
+            args = build_parser().parse_args(argv)  # every flag checked, with the defaults
+            if configs:
+                args = _over_recipe(recipe, argv)
+            if args.command == "env":
+                args.pjrt_device = pjrt_device
+            if args.command == "train":
+                cmd_train(args, started)
+            else:
+                {"predict": cmd_predict, "report": cmd_report, "env": cmd_env}[args.command](args)
+        except ExitError as e:
+            failure = e
+        except KeyboardInterrupt:
+            CtrlC.received = True  # raised by something else than the handler (a thread's interrupt_main())
+        except BaseException:
+            if not CtrlC.received:
+                raise
+        ctrl_c.ending()
+        if CtrlC.received:
+            print("xla-train: interrupted", file=sys.stderr)
+            return 130
+        if failure:
+            # under torchrun every rank runs this; a stop (the same on every rank) is told once
+            if str(failure) and not (isinstance(failure, Stopped) and os.environ.get("RANK", "0") != "0"):
+                print(failure.line(), file=sys.stderr)
+            return failure.exit_code
     return 0

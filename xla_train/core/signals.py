@@ -1,6 +1,7 @@
 """SIGTERM (preemption), SIGINT (Ctrl-C) and SIGHUP (the ssh session that started the run was
 dropped) become a request to stop at the next step boundary, where the loop saves a checkpoint
-and exits with 128 + the signal's number."""
+and exits with 128 + the signal's number. Outside the loop (start-up, the finish) the command line's
+Ctrl-C is `CtrlC`'s: `Interrupted`, one line and exit 130."""
 
 import multiprocessing
 import os
@@ -29,6 +30,8 @@ class StopRequest:
 
     def __enter__(self):
         if StopRequest._depth == 0:
+            if CtrlC.received:  # a Ctrl-C during start-up that a library swallowed: stop before any step
+                raise Interrupted
             StopRequest.signum = None
         StopRequest._depth += 1
         if threading.current_thread() is threading.main_thread():  # signals only reach the main thread
@@ -53,3 +56,50 @@ class StopRequest:
     def name(self):
         assert self.signum is not None  # read once a signal has arrived (train.Trainer.check_stop)
         return signal.Signals(self.signum).name
+
+
+class Interrupted(KeyboardInterrupt):
+    """The command line's Ctrl-C outside a StopRequest. A subclass, not KeyboardInterrupt itself:
+    CPython remembers a KeyboardInterrupt (that very type) that leaves any exec() of a string, such
+    as the ones dataclasses and namedtuple run while a library imports, as "unhandled" even when a
+    caller catches it, and then ends the process by SIGINT (exit -2) after the command returned 130
+    (Modules/main.c and Python/pythonrun.c, `_Py_UnhandledKeyboardInterrupt`, 3.11; the runtime's
+    `unhandled_keyboard_interrupt` later)."""
+
+
+class CtrlC:
+    """While active (the whole of `xla-train`'s command), SIGINT raises `Interrupted` and is
+    remembered in `received`, so that the command ends with one line and exit 130 whatever the
+    libraries loading at that moment do with the exception: an extension module's initialisation
+    (pybind11) turns it into ImportError("initialization failed"), an optional import's `except
+    ImportError` then swallows it, and start-up would carry on into training. A StopRequest takes
+    SIGINT over for the training loop and gives it back after."""
+
+    received = False
+
+    def __init__(self):
+        self._previous = None
+        self._installed = False
+
+    def __enter__(self):
+        CtrlC.received = False
+        if threading.current_thread() is threading.main_thread():  # signals only reach the main thread
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+            self._installed = True
+        return self
+
+    def __exit__(self, *exc):
+        if self._installed:  # None: a handler not set from Python, which cannot be put back
+            signal.signal(signal.SIGINT, signal.default_int_handler if self._previous is None else self._previous)
+        CtrlC.received = False
+
+    def ending(self):
+        """The command is saying how it ended: a Ctrl-C now (a second one, or the first) changes
+        nothing, and cannot cut the line in half or end the process by SIGINT."""
+        if self._installed:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    @staticmethod
+    def _handle(signum, frame):
+        CtrlC.received = True
+        raise Interrupted
