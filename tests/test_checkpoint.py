@@ -54,8 +54,9 @@ def test_ctrl_c_stops_two_gloo_fsdp_workers_at_one_step_and_resumes_exactly(lora
                                                                            tmp_path):
     """SIGINT to the launcher only: it passes the stop on, the workers agree on the step at a log
     point, save one checkpoint together and exit 130; --resume finishes the run as if it had not
-    stopped. The workers shard the model with FSDP2 (--strategy fsdp): the checkpoint holds whole
-    tensors gathered from both, and each takes its shards back, AdamW's moments too. With --lora:
+    stopped. The workers shard the model with FSDP2 (--strategy fsdp): the checkpoint holds each
+    worker's own shards (shards/host-<rank>/, no whole tensor), and each takes its shards back,
+    AdamW's moments too. With --lora:
     the frozen base sharded too, the adapters and the head trained, saved and resumed. (The whole
     model under FSDP2, stopped and resumed across two workers: tests/test_dpo.py's
     test_two_gloo_fsdp_processes_stopped_and_resumed_train_as_one.)"""
@@ -67,8 +68,11 @@ def test_ctrl_c_stops_two_gloo_fsdp_workers_at_one_step_and_resumes_exactly(lora
     def stopped(last, stopped_at):
         assert last.startswith("xla-train: stopped by SIGINT after step ")
         assert stopped_at % 3 == 0 and stopped_at < 30  # a log point (--log-every 3)
-        rng = torch.load(out / "checkpoints" / f"step-{stopped_at:08d}" / "rng.pt", weights_only=True)["rng"]
+        folder = out / "checkpoints" / f"step-{stopped_at:08d}"
+        rng = torch.load(folder / "rng.pt", weights_only=True)["rng"]
         assert rng.shape[0] == 2  # both workers' random states
+        assert not (folder / "model.safetensors").exists()
+        assert all((folder / "shards" / f"host-{rank}" / ".metadata").is_file() for rank in (0, 1))
 
     _, stopped_at, m = stop_and_resume(args, out, tmp_path, sig=signal.SIGINT, stopped=stopped)  # exit 130
     assert m["first_step"] == stopped_at and m["steps"] == 30 and m["replicas_identical"]

@@ -208,11 +208,11 @@ def plan_on_paper(cfg, config, shards, device_bytes):
         model = add_adapters(model, cfg.section("model"), "CAUSAL_LM")
         if cfg.precision == "bf16":
             hold_frozen_in_bf16(model)
-    grpo = cfg.problem == "grpo"
-    length = cfg.max_length + (cfg.kind_options().max_completion_length if grpo else 0)
+    completion = getattr(cfg.kind_options(), "max_completion_length", 0)  # a kind that rolls out completions
+    length = cfg.max_length + completion
     return plan(model, cfg.batch_size, length, cfg.precision, shards=shards, device_bytes=device_bytes,
                 checkpointed=cfg.gradient_checkpointing, logits=True, attention="xla_flash", dense_mask=False,
-                chunked_logits=True, cache_tokens=length if grpo else 0)
+                chunked_logits=True, cache_tokens=length if completion else 0)
 
 
 def needed(memory):

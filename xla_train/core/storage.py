@@ -90,6 +90,15 @@ class LocalStore:
         path.mkdir(parents=True)
         return path
 
+    def part_staging(self, name):
+        """Where a process other than the main one writes its part of checkpoint `name` (its
+        shards): the main one's staging folder, made before (every process of a run with a local
+        folder is on this host: gloo workers)."""
+        return self.root / "checkpoints" / f".partial-{name}"
+
+    def drop_part(self, staging):
+        """Nothing to drop: the part was written into the checkpoint's own staging folder."""
+
     def commit(self, staging, name):
         final = self.root / "checkpoints" / name
         if final.exists():  # the same step saved again (e.g. a resumed run's first save)
@@ -269,6 +278,13 @@ class GCSStore:
         shutil.rmtree(path, ignore_errors=True)
         path.mkdir(parents=True)
         return path
+
+    def part_staging(self, name):
+        """A folder of this process's own for its part of checkpoint `name`, uploaded from it."""
+        return self.staging(name)
+
+    def drop_part(self, staging):
+        shutil.rmtree(staging, ignore_errors=True)
 
     def clear(self, name):
         """Deletes what an earlier, interrupted save of checkpoint `name` uploaded (before any host

@@ -94,7 +94,7 @@ def save(engine, store, model, optimizer, scheduler, state, keep_last=None):
         # every host writes its shards (its own files and metadata: no host reads another's); the
         # others upload theirs, and the main one writes the rest once all have (on_every agrees)
         def write_shards():
-            folder = staging if engine.is_main_process else store.staging(name)
+            folder = staging if engine.is_main_process else store.part_staging(name)
             assert folder is not None  # the main process staged it before (stage, on_main)
             with _removed_on_failure(folder):
                 strategy.save_shards({"model": model_state, "optimizer": moments},
@@ -102,7 +102,7 @@ def save(engine, store, model, optimizer, scheduler, state, keep_last=None):
                 if not engine.is_main_process:
                     store.upload(folder, name)
             if not engine.is_main_process:
-                shutil.rmtree(folder, ignore_errors=True)
+                store.drop_part(folder)
 
         _saving(engine.on_main, stage, what, store)
         _saving(engine.on_every, write_shards, what, store)
