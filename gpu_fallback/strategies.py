@@ -16,8 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from xla_train.core.checkpoint_io import dcp_errors
-from xla_train.core.roles import PathLike, Strategy, blocks_of, optimizer_params, shaped_like
+from xla_train.core.roles import PathLike, Strategy, blocks_of, dcp_errors, optimizer_params, shaped_like
 
 from .launcher import launched_by_torchrun
 

@@ -1,7 +1,5 @@
 """What a checkpoint or a saved model holds of a model, independent of where it is written."""
 
-import contextlib
-
 import torch
 
 from .ties import untied
@@ -27,20 +25,3 @@ def whole_state(model):
     model holds: transformers' save_pretrained writes a tie once and makes it again on load)."""
     return {k: v.detach() for k, v in untied(model.state_dict(keep_vars=True)).items()}
 
-
-@contextlib.contextmanager
-def dcp_errors():
-    """torch.distributed.checkpoint without its warnings (that no process group is used, on
-    purpose: each host writes and reads its own shards; torch's TypedStorage deprecation, once per
-    tensor), and with its failure as the error that caused it (a full disk, a damaged file): it
-    wraps them in a CheckpointException, which is a BaseException, not an Exception."""
-    import warnings
-
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        try:
-            yield
-        except CheckpointException as e:
-            raise next(exc for exc, _ in e.failures.values()) from None

@@ -488,3 +488,22 @@ class Roles:
 
     def teardown(self) -> None:
         self.strategy.teardown()
+
+
+@contextmanager
+def dcp_errors() -> Iterator[None]:
+    """torch.distributed.checkpoint without its warnings (that no process group is used, on
+    purpose: each host or worker writes and reads its own shards, `Strategy.save_shards`; torch's
+    TypedStorage deprecation, once per tensor), and with its failure as the error that caused it
+    (a full disk, a damaged file): it wraps them in a CheckpointException, which is a
+    BaseException, not an Exception."""
+    import warnings
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        try:
+            yield
+        except CheckpointException as e:
+            raise next(exc for exc, _ in e.failures.values()) from None

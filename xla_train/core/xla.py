@@ -36,6 +36,7 @@ from .roles import (
     PathLike,
     Strategy,
     blocks_of,
+    dcp_errors,
     optimizer_params,
     serve,
     shaped_like,
@@ -754,7 +755,7 @@ class XlaFsdp(XlaSpmd):
 
         # shards are read from the device data, which a queued graph may still be computing
         self.accelerator.synchronize()
-        with _dcp_errors():
+        with dcp_errors():
             dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(folder)), planner=SPMDSavePlanner(),
                      no_dist=True)
 
@@ -776,7 +777,7 @@ class XlaFsdp(XlaSpmd):
         # is empty wrote a chunk of 0 elements, which no read overlaps: the check below would
         # refuse it. The rest of the tensor is on other hosts, which load their shards of it.
         tensors = _held_here(tensors)
-        with _dcp_errors():
+        with dcp_errors():
             dcp.load(tensors, storage_reader=reader, planner=planner, no_dist=True)
         # A local shard that no saved chunk overlaps gets no read at all, silently
         # (torch/distributed/checkpoint/planner_helpers.py, create_read_items_for_chunk_list); the
@@ -801,24 +802,6 @@ class XlaFsdp(XlaSpmd):
         sent: Any = xm.send_cpu_data_to_device([zeros], self.accelerator.device, sharding)
         (placed,) = sent
         return placed
-
-
-@contextlib.contextmanager
-def _dcp_errors():
-    """torch.distributed.checkpoint without its warnings (that no process group is used, on
-    purpose, see XlaFsdp; torch's TypedStorage deprecation, once per tensor), and with its
-    failure as the error that caused it (a full disk, a damaged file): it wraps them in a
-    CheckpointException, which is a BaseException, not an Exception."""
-    import warnings
-
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        try:
-            yield
-        except CheckpointException as e:
-            raise next(exc for exc, _ in e.failures.values()) from None
 
 
 _WRAPPED = "_orig_module."  # the attribute under which FSDPv2 keeps the module it wraps
