@@ -465,14 +465,14 @@ def test_each_steps_batches_come_as_often_as_it_trains_on_them():
 @pytest.mark.slow
 @pytest.mark.parametrize("devices,extra", [
     (1, ["--lora", "--lora-r", 4, "--beta", 0.04]),
-    (4, ["--strategy", "fsdp", "--precision", "bf16"]),
-], ids=["one-device-lora-beta", "fsdp4-bf16"])
+    (4, ["--strategy", "fsdp", "--precision", "bf16", "--beta", 0.04]),
+], ids=["one-device-lora-beta", "fsdp4-bf16-beta"])
 def test_xla_compiles_a_bounded_number_of_graphs(devices, extra, base, sft_model, tmp_path):
     """2 epochs of 32 prompts on XLA:CPU, 4 prompts x 4 completions a step: one device with LoRA
-    and the KL to the reference (the adapters disabled, in the step); four devices under FSDPv2 in
-    bf16. A prefill and a decode graph per shape (training's and evaluation's), the step's graph:
-    none after the first epoch, no aten fallback, one host transfer a step (the rollout's tokens)
-    besides the log points'."""
+    and the KL to the reference (the adapters disabled); four devices under FSDPv2 in bf16 with the
+    KL to a frozen copy (read into its shards as the policy is). A prefill and a decode graph per
+    shape (training's and evaluation's), the step's graph: none after the first epoch, no aten
+    fallback, one host transfer a step (the rollout's tokens) besides the log points'."""
     train = td.write_jsonl(tmp_path / "train.jsonl", prompts(32, 9))
     args = grpo_args(sft_model, {**base, "train": train}, "--num-generations", 4, "--batch-size", 16 // devices,
                      "--epochs", 2, "--log-every", 4, *extra)
@@ -486,6 +486,8 @@ def test_xla_compiles_a_bounded_number_of_graphs(devices, extra, base, sft_model
     assert all(math.isfinite(loss) for _, loss, _ in m["train_loss"]) and math.isfinite(m["eval"]["reward"])
     if "--beta" in extra:
         assert all(math.isfinite(metrics["kl"]) for _, metrics in m["train_metrics"])
+    if devices > 1:  # the policy's and the reference's weights, each read into its shards
+        assert proc.stdout.count("this host read") == 2, proc.stdout[-2000:]
 
 
 @pytest.mark.slow

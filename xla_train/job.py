@@ -3,6 +3,7 @@ run, the data, the shapes, the model), and hands to every worker and to the fini
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -143,13 +144,7 @@ def prepare(cfg, backend, resume=None, startup=None):
                  f"{padding_share(shapes.padding, lengths(sized['train'])):.1%}")
     startup.lap("data")
     weights = resume.model_weights() if resume else None  # a corrupt file fails before any loading
-    model = None
-    if getattr(backend.strategy, "loads_shards", False) and not cfg.lora and weights is None:
-        # FSDPv2 on XLA: the checkpoint's weights are read into their shards on the devices
-        # (XlaFsdp.wrap_model), never whole on this host (core.sharded_load)
-        model = sharded_load.skeleton(lambda: task.model.load(cfg.model, cfg.seed, tokenizer.pad_token_id), cfg.model)
-    if model is None:
-        model = task.model.load(cfg.model, cfg.seed, tokenizer.pad_token_id)
+    model = pretrained(backend.strategy, cfg, task, tokenizer, whole=cfg.lora or weights is not None)
     if cfg.lora:
         model = add_adapters(model, cfg.section("model"), task.model.peft_task_type)
     if weights is not None:
@@ -166,6 +161,16 @@ def prepare(cfg, backend, resume=None, startup=None):
     startup.lap("data")  # the --eval-samples and --test-file rows
     return Job(cfg, task, tokenizer, data, shapes, model, truncated=truncated, resume=resume, startup=startup,
                samples=samples, test=test)
+
+
+def pretrained(strategy, cfg, task, tokenizer, whole=False):
+    """Model `cfg.model` as the task loads it. Under a strategy that `loads_shards` (FSDPv2 on XLA)
+    it is built without the checkpoint's weights, which `wrap_model` reads into their shards on the
+    devices, never whole on this host (core.sharded_load); loaded `whole` where asked (LoRA's base,
+    a resumed run's whole weights) or where the folder does not allow it."""
+    load = functools.partial(task.model.load, cfg.model, cfg.seed, tokenizer.pad_token_id)
+    model = sharded_load.skeleton(load, cfg.model) if strategy.loads_shards and not whole else None
+    return model if model is not None else load()
 
 
 def _say(line):

@@ -25,7 +25,7 @@ from ..core.errors import Stopped
 from ..core.select import select_roles
 from ..core.signals import StopRequest
 from ..evaluation import Evaluator
-from ..job import Job, launch, open_output, prepare
+from ..job import Job, launch, open_output, prepare, pretrained
 from ..memory import check_fits, checkpointing_needed, device_bytes
 from ..memory import describe as describe_memory
 from ..memory import plan as plan_of
@@ -356,7 +356,7 @@ def _initial_model(engine, job, model, copy=False):
     probabilities from a model without adapters: with them, the base is the model as it began)."""
     if not job.resume and not copy:
         return model
-    fresh = job.task.model.load(job.cfg.model, job.cfg.seed, job.tokenizer.pad_token_id)
+    fresh = pretrained(engine.strategy, job.cfg, job.task, job.tokenizer)  # under FSDPv2 read into its shards
     return engine.prepare(fresh, trained=False).requires_grad_(False)  # DDP wraps only a module it could train
 
 

@@ -248,9 +248,12 @@ class Strategy(ABC):
     # The device mesh as (axis name, size) pairs, and the axes a batch is split over. A strategy
     # of several axes (fsdp x tensor parallel) names them all and its data axes.
     data_axes: tuple[str, ...] = ("data",)
-    # Checkpoints of this host's shards (XLA FSDPv2), instead of whole copies that one process
+    # Checkpoints of this host's shards (FSDPv2, FSDP2), instead of whole copies that one process
     # writes: on several hosts no host can read another's shards.
     writes_shards: bool = False
+    # The model built without its pretrained weights, which `wrap_model` reads into their shards
+    # (FSDPv2 on XLA: job.pretrained, core.sharded_load).
+    loads_shards: bool = False
     compile_refusal: str | None = None  # why --compile does not run with this strategy, or None
 
     def __init__(self, accelerator: Accelerator) -> None:
