@@ -241,6 +241,16 @@ def _check_places(tensor: torch.Tensor, places: list[tuple[slice, ...]]) -> None
         assert index is Ellipsis or theirs == [(s.start, s.stop) for s in ours], (theirs, ours)
 
 
+def _loading_internals_known() -> bool:
+    """Whether this transformers (setup.py allows 5.24 to 6) still has the two places
+    `meta_weights` takes over; where not, models load whole, as before."""
+    from transformers import core_model_loading
+    from transformers.modeling_utils import PreTrainedModel
+
+    return callable(getattr(core_model_loading, "_materialize_copy", None)) and \
+        isinstance(PreTrainedModel.__dict__.get("_load_pretrained_model"), staticmethod)
+
+
 @contextlib.contextmanager
 def meta_weights(checkpoint: Checkpoint):
     """transformers' `from_pretrained` of `checkpoint`'s folder with its tensors made as empty ones
@@ -288,7 +298,7 @@ def skeleton(load: Any, name: str) -> torch.nn.Module | None:
     transformers converts its tensors (`meta_weights`); None where it has no local safetensors or
     a parameter is no checkpoint tensor of its name and shape (renamed: the caller loads it whole)."""
     files = safetensors_files(name)
-    if files is None:
+    if files is None or not _loading_internals_known():
         return None
     from .errors import UserError
 
