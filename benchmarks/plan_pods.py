@@ -6,8 +6,9 @@ LoRA and without. Models are built on torch's meta device from their published c
     python benchmarks/plan_pods.py
 
 Prints a table and writes OUT/plan.json and OUT/plan.md (OUT: benchmarks/out/plan_pods). Each
-row also gives what one host holds while the model loads: today the whole model in fp32 on every
-host (job.prepare loads it before the workers shard it), against its share (its chips' shards).
+row also gives what one host holds while the model loads: the whole model in fp32 where it loads
+whole (--lora, other strategies), against its chips' shards where it is read into them
+(--strategy fsdp on XLA: core/sharded_load.py).
 """
 
 import argparse
@@ -62,7 +63,7 @@ def main():
     os.environ.setdefault("USE_TORCH_XLA", "0")  # transformers would import torch_xla otherwise
     rows = plans()
     lines = ["| slice | model | LoRA | batch x length a chip | weights+grads+AdamW (all chips) | peak a chip "
-             "| fits | a host at load: today / its share |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| fits | a host at load: whole / sharded |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         lora = "yes" if r["lora"] else "no"
         lines.append(f"| {r['slice']} ({r['chips']} chips) | {r['model'].split('/')[1]} | {lora} "
