@@ -342,22 +342,22 @@ class Engine:
         state = trained_state(model) if adapter else whole_state(model)
         split = None if adapter else shard_plan(model, state)
         what = f"cannot save the model to {path}"
-        if split is not None:
+        weights = None
+        if split is not None:  # file by file: only the config is left to write
             for name, keys in split.filename_to_tensors.items():
-                weights = self.to_host([state[k] for k in keys], main_only=True)
-                self.on_main(functools.partial(save_file, dict(zip(keys, weights or [])), Path(path, name)), what)
-            weights, state = [], {}
+                copies = self.to_host([state[k] for k in keys], main_only=True)
+                self.on_main(functools.partial(save_file, dict(zip(keys, copies or [])), Path(path, name)), what)
         else:
             weights = self.to_host(list(state.values()), main_only=True)
 
         def write() -> None:
-            assert weights is not None  # on the main replica, which got the copies
             card = Path(path, "README.md")
             had_card = card.exists()
             with quiet_transformers(), self.strategy.plain_modules(model):
                 if split is not None:
                     write_config(hf, path, split)
                 else:
+                    assert weights is not None  # on the main replica, which got the copies
                     hf.save_pretrained(path, state_dict=dict(zip(state, weights)), max_shard_size=SHARD_SIZE)
                 if adapter:
                     hf.get_base_model().config.save_pretrained(path)

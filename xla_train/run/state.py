@@ -123,15 +123,16 @@ class RunState:
         self.train_metrics.append([step, means])
         return means
 
-    def check_finite(self):
-        """Reads the loss tracker (a sync) and stops every replica if any saw a non-finite loss.
-        Returns the loss sum."""
-        (host,) = self.engine.to_host([self.tracker.t])
+    def check_finite(self, *also):
+        """Reads the loss tracker (a sync), with the device tensors `also` in the same transfer,
+        and stops every replica if any saw a non-finite loss. Returns the loss sum, then `also`'s
+        host copies."""
+        host, *copies = self.engine.to_host([self.tracker.t, *also])
         total, bad = self.tracker.parse(host)
         (self.bad_step,) = self._agree([self.bad_step or bad or 0])
         if self.bad_step:
             raise self.diverged()
-        return total
+        return [total, *copies]
 
     # --- stopping -----------------------------------------------------------------------------
     def agree(self, signum):
@@ -215,10 +216,9 @@ class RunState:
         # time may still fall in the checkpoint's phase when no log point forced it).
         self.engine.cut_graph()
         with clock.excluding():  # a checkpoint's reads are not the training steps' syncs
-            loss_sum = self.check_finite()
             metrics = self.metrics
-            sums = None if metrics.t is None else {"names": metrics.names, "read": self._metrics_read,
-                                                   "sums": self.engine.to_host([metrics.t])[0].tolist()}
+            loss_sum, *kept = self.check_finite(*([] if metrics.t is None else [metrics.t]))  # one transfer
+            sums = {"names": metrics.names, "read": self._metrics_read, "sums": kept[0].tolist()} if kept else None
             run = {"step": self.step, "epoch": self.epoch, "batch": self.batch, "loss_sum": loss_sum,
                    "history": self.history, "results": self.results, "evaluations": self.evaluations,
                    "best": self.best, "bad_evals": self.bad_evals, "stopped_early": self.stopped_early,
