@@ -13,14 +13,16 @@ TORCH_PY := $(TORCH_VENV)/bin/python
 
 .PHONY: demo test test-fast test-torch dist bench clean
 
+# --no-cache-dir: torch 2.9.0 from PyPI brings 4.4 GB of CUDA libraries (nvidia-*), and pip's cache
+# would keep a second copy of their wheels beside the venv: a CI machine ran out of disk (2026-11-28).
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -e ".[xla,gcs,dev,trackers,profile]"
+	$(PY) -m pip install --no-cache-dir -e ".[xla,gcs,dev,trackers,profile]"
 	touch $@
 
 $(TORCH_VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(TORCH_VENV)
-	$(TORCH_PY) -m pip install "torch==$(NEWEST_TORCH)" -e ".[test]"
+	$(TORCH_PY) -m pip install --no-cache-dir "torch==$(NEWEST_TORCH)" -e ".[test]"
 	touch $@
 
 demo: $(VENV)/.installed
