@@ -103,9 +103,11 @@ def test_the_interface_imports_no_implementation():
                                                  "xla_train.core.roles", "xla_train.core.xla"}
     # the implementations import the roles, never each other (core.experts: XLA's static mixture of
     # experts, a model adaptation that only the XLA device asks for; core.sharded_load: the weights
-    # FSDPv2 reads into its shards, of a model the job built without them)
+    # FSDPv2 reads into its shards, of a model the job built without them; core.tensor_parallel: the
+    # partition specs of a model's tensor-parallel plan, names only)
     assert graph["xla_train.core.xla"] <= {"xla_train.core.errors", "xla_train.core.roles", "xla_train.core.experts",
-                                           "xla_train.core.sharded_load"}
+                                           "xla_train.core.sharded_load", "xla_train.core.tensor_parallel"}
+    assert graph["xla_train.core.tensor_parallel"] <= set()
     assert graph["xla_train.core.sharded_load"] <= {"xla_train.core.errors"}
     fallback = [m for m in graph if m.startswith("gpu_fallback")]
     assert len(fallback) >= 4

@@ -44,7 +44,7 @@ def shape_of(config):
             "vocab": _get(config, "vocab_size", default=0)}
 
 
-def layer_bytes(config, rows, length, precision="fp32", attention="sdpa", dense_mask=True, param_bytes=4):
+def layer_bytes(config, rows, length, precision="fp32", attention="sdpa", dense_mask=True, param_bytes=4, tensor=1):
     """Bytes one block keeps for its backward pass: what autograd saves, tensor by tensor, for
     `rows` rows of `length` tokens, the matmuls in bf16 under bf16 autocast (else in the weights'
     dtype, `param_bytes` a value), the residual stream in the weights' dtype. Per token:
@@ -56,9 +56,12 @@ def layer_bytes(config, rows, length, precision="fp32", attention="sdpa", dense_
       attention (and only it) keeps the fp32 softmax and its cast, heads x length values a token;
       a dense 4-D mask passed to sdpa becomes a bias in the compute dtype that every block keeps;
     - the MLP: gated (Llama's) gate, activation, up and product; else two intermediate values.
-    Checked against torch's profiler on the CPU within a few percent (tests/test_memory.py)."""
+    Checked against torch's profiler on the CPU within a few percent (tests/test_memory.py).
+    Split over `tensor` devices (--tensor-parallel): a device keeps its heads' attention values and
+    its share of the MLP's; the norms and the residual stream stay whole on each."""
     d = shape_of(config)
     h, heads, kv, hd, inter = d["hidden"], d["heads"], d["kv_heads"], d["head_dim"], d["intermediate"]
+    heads, kv, inter = heads // tensor, kv // tensor, inter // tensor
     if not h or not d["layers"]:
         return None
     c = 2 if precision == "bf16" else param_bytes  # what the matmuls write
@@ -82,12 +85,12 @@ def layer_bytes(config, rows, length, precision="fp32", attention="sdpa", dense_
 
 
 def activation_estimate(config, rows, length, precision="fp32", checkpointed=False, attention="sdpa",
-                        dense_mask=True, param_bytes=4):
+                        dense_mask=True, param_bytes=4, tensor=1):
     """Bytes of activations the backward pass finds kept: every block's (`layer_bytes`) and the final
     norm's; checkpointed (full recomputation), each block's input only (the residual stream, in
     the weights' dtype) and the final norm's; the block recomputed in the backward pass is the
     plan's `layer_bytes`, counted where it lives (beside the gradients)."""
-    one = layer_bytes(config, rows, length, precision, attention, dense_mask, param_bytes)
+    one = layer_bytes(config, rows, length, precision, attention, dense_mask, param_bytes, tensor)
     if one is None:
         return None
     d = shape_of(config)
@@ -132,7 +135,7 @@ def _linear_weights(model):
 
 def plan(model, rows, length, precision="fp32", shards=1, device_bytes=None, checkpointed=False, logits=False,
          attention="sdpa", chunked_logits=False, dense_mask=True, chunk_tokens=CHUNK_TOKENS, reference=None,
-         cache_tokens=0, reference_copy=False):
+         cache_tokens=0, reference_copy=False, tensor=1):
     """The memory plan of `model` trained with AdamW on `rows` rows of `length` tokens per device,
     its parameters split over `shards` devices (1: every device holds them all), its blocks'
     activations `checkpointed` (recomputed in the backward pass) or kept, computed through the
@@ -148,6 +151,8 @@ def plan(model, rows, length, precision="fp32", shards=1, device_bytes=None, che
     the step (GRPO's rollout) holds a key/value cache of that many tokens a row, in the weights'
     dtype, before the update's forward pass begins: a peak of its own (`cache_bytes`). With
     `reference_copy`, a frozen copy of the weights, sharded like them (`reference_param_bytes`).
+    Under --tensor-parallel, the `rows` are a tensor group's, whose `tensor` devices split each
+    block's heads and MLP columns (`layer_bytes`) and the key/value cache's heads.
 
     The peak (`peak_bytes_estimate`): parameters + AdamW's state + the larger of what the backward
     pass begins with (the activations, the logits at their peak and, under bf16 autocast, the bf16
@@ -157,8 +162,9 @@ def plan(model, rows, length, precision="fp32", shards=1, device_bytes=None, che
     trainable = [p for p in params if p.requires_grad]
     param_bytes = params[0].element_size() if params else 4
     config = model.config
-    acts = activation_estimate(config, rows, length, precision, checkpointed, attention, dense_mask, param_bytes)
-    one = layer_bytes(config, rows, length, precision, attention, dense_mask, param_bytes)
+    acts = activation_estimate(config, rows, length, precision, checkpointed, attention, dense_mask, param_bytes,
+                               tensor)
+    one = layer_bytes(config, rows, length, precision, attention, dense_mask, param_bytes, tensor)
     head = model.get_output_embeddings() if logits and hasattr(model, "get_output_embeddings") else None
     head_grad = (head.weight.numel() * head.weight.element_size()
                  if head is not None and head.weight.requires_grad else 0)
@@ -180,7 +186,7 @@ def plan(model, rows, length, precision="fp32", shards=1, device_bytes=None, che
                                 // (max(1, d["layers"]) if checkpointed else 1)
                                 if precision == "bf16" else 0),
         "reference_bytes": rows * length * width * (2 if precision == "bf16" else param_bytes),
-        "cache_bytes": 2 * d["layers"] * d["kv_heads"] * d["head_dim"] * rows * cache_tokens * param_bytes,
+        "cache_bytes": 2 * d["layers"] * d["kv_heads"] // tensor * d["head_dim"] * rows * cache_tokens * param_bytes,
         "attention": attention,
         "chunked_logits": bool(logits and chunked_logits),
         "gradient_checkpointing": checkpointed,
@@ -212,7 +218,7 @@ def plan_on_paper(cfg, config, shards, device_bytes):
     length = cfg.max_length + completion
     return plan(model, cfg.batch_size, length, cfg.precision, shards=shards, device_bytes=device_bytes,
                 checkpointed=cfg.gradient_checkpointing, logits=True, attention="xla_flash", dense_mask=False,
-                chunked_logits=True, cache_tokens=length if completion else 0)
+                chunked_logits=True, cache_tokens=length if completion else 0, tensor=cfg.tensor_parallel)
 
 
 def needed(memory):

@@ -159,6 +159,11 @@ class TrainOptions:
     num_processes: int = option(None, "workers on this host (default: one per TPU core or GPU; 1 on the CPU and "
                                 "on XLA:CPU)", section="system")
     strategy: str = strategy_option(section="system")
+    tensor_parallel: int = option(1, "xla with --strategy fsdp: split each block's attention heads and MLP columns "
+                                  "over this many devices (Megatron's layout, from transformers' tensor-parallel "
+                                  "plan of the model), a mesh of fsdp x tensor; the rows are split over the fsdp "
+                                  "axis only, --batch-size counting a tensor group's rows (default: 1)",
+                                  section="system")
     compile: bool = option(False, "compile the model with torch.compile on the torch-native backends (cuda: with CUDA "
                            "graphs; tpu: TorchTPU's compiler; cpu), one graph per bucket length; xla compiles every "
                            "step already", section="system")
@@ -220,7 +225,7 @@ class TrainOptions:
 
         _check_choices(self, {"padding": PADDING_MODES, "precision": PRECISIONS, "backend": BACKENDS,
                               "strategy": STRATEGIES})
-        _at_least_one(self, ("epochs", "batch_size", "grad_accum", "log_every", "max_length"),
+        _at_least_one(self, ("epochs", "batch_size", "grad_accum", "log_every", "max_length", "tensor_parallel"),
                       ("max_steps", "save_every", "keep_last", "eval_every", "eval_samples", "early_stopping_patience",
                        "max_new_tokens"))
         _check_numbers(self, {  # name: (allowed, what the message says)

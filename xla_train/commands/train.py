@@ -46,7 +46,7 @@ def run(cfg, started=None):
     startup = Startup(started or STARTED)
     startup.lap("imports")  # this module's imports: torch, transformers, the package
     cfg.validate()
-    backend = select_roles(cfg.backend, cfg.num_processes, cfg.strategy)
+    backend = select_roles(cfg.backend, cfg.num_processes, cfg.strategy, cfg.tensor_parallel)
     if cfg.compile:
         backend.use_compile()  # refused before any work where it does not apply; --buckets auto counts its cost
     if cfg.tf32:
@@ -334,7 +334,7 @@ def plan_memory(engine, cfg, shapes, model, objective):
                        logits=path.logits is not None, attention=path.attention,
                        chunked_logits=path.logits == "chunked", dense_mask=path.dense_mask,
                        reference=path.reference, cache_tokens=path.cache_tokens,
-                       reference_copy=path.reference_copy)
+                       reference_copy=path.reference_copy, tensor=engine.strategy.tensor_parallel)
 
     checkpointed = cfg.gradient_checkpointing
     memory, counts = plan(checkpointed)

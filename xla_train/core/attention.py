@@ -432,7 +432,9 @@ def _spmd_layout():
     test/test_pallas_spmd.py passes (test_flash_attention_wrapper_segment_ids_spmd:
     partition_spec=("data", None, None, None) over xs.get_1d_mesh("data")). The segment ids are
     split by rows the same way (custom_kernel.py, fa_custom_forward: segment_id_partition_spec =
-    (partition_spec[0], partition_spec[2])). Outside SPMD: (None, None)."""
+    (partition_spec[0], partition_spec[2])). A mesh with a `tensor` axis (XlaFsdp's under
+    --tensor-parallel, which sets it global) splits the heads over it too, as the q, k and v
+    projections split them. Outside SPMD: (None, None)."""
     import torch_xla.runtime as xr
 
     if not xr.is_spmd():
@@ -441,7 +443,8 @@ def _spmd_layout():
 
     mesh = xs.get_global_mesh() or xs.get_1d_mesh("data")
     assert mesh.axis_names is not None  # get_1d_mesh names its axis, and no global mesh here is unnamed
-    return (mesh.axis_names[0], None, None, None), mesh
+    heads = "tensor" if "tensor" in mesh.axis_names else None  # core.tensor_parallel.TENSOR
+    return (mesh.axis_names[0], heads, None, None), mesh
 
 
 @functools.cache

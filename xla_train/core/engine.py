@@ -52,8 +52,8 @@ class Engine:
     def __init__(self, backend: str | Roles = "auto", precision: str = "fp32", grad_accum: int = 1,
                  max_grad_norm: float | None = None, num_processes: int | None = None,
                  compile_cache: PathLike | None = None, strategy: str = "ddp", compile: bool = False,
-                 tf32: bool = False) -> None:
-        roles = _engine_roles(backend, num_processes, strategy)
+                 tf32: bool = False, tensor_parallel: int = 1) -> None:
+        roles = _engine_roles(backend, num_processes, strategy, tensor_parallel)
         self.accelerator, self.strategy, self.launcher = roles.accelerator, roles.strategy, roles.launcher
         if compile:
             roles.use_compile()  # prepare compiles the model: torch.compile on the torch-native backends
@@ -460,13 +460,13 @@ def _static_shape_loader(loader):
                        lengths=lengths)
 
 
-def _engine_roles(backend, num_processes, strategy):
+def _engine_roles(backend, num_processes, strategy, tensor_parallel=1):
     """The roles an Engine uses: the launching ones inside `launch`, else new ones."""
     if isinstance(backend, Roles):
         return backend
     active = active_roles()
     if active is None:
-        return select_roles(backend, num_processes, strategy)
+        return select_roles(backend, num_processes, strategy, tensor_parallel)
     if backend not in ("auto", active.name):
         raise UserError(f"Engine(backend={backend!r}) inside a worker launched with the {active.name} backend")
     return active

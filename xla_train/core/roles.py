@@ -255,6 +255,9 @@ class Strategy(ABC):
     # (FSDPv2 on XLA: job.pretrained, core.sharded_load).
     loads_shards: bool = False
     compile_refusal: str | None = None  # why --compile does not run with this strategy, or None
+    # Devices each block's attention heads and MLP columns are split over (the mesh's `tensor`
+    # axis, core.tensor_parallel): 1 where there is none
+    tensor_parallel: int = 1
 
     def __init__(self, accelerator: Accelerator) -> None:
         self.accelerator = accelerator
@@ -331,6 +334,10 @@ class Strategy(ABC):
         """A context in which the unwrapped `model`'s module names are the model's own, for a
         library that reads them (peft's save of an adapter); only FSDPv2 renames them."""
         return nullcontext(model)
+
+    def check_model(self, config: Any) -> None:
+        """Refuses, in one line (UserError), a model of `config` that this strategy cannot split,
+        before anything loads."""
 
     @property
     def param_shards(self) -> int:

@@ -115,17 +115,23 @@ def no_torchtpu_line(runtimes):
     return line
 
 
-def select_roles(name="auto", num_processes=None, strategy="ddp"):
-    """The roles for `--backend NAME` and `--strategy`, not yet started (no runtime, no process
-    group). The one place that maps the two names to implementations."""
+def select_roles(name="auto", num_processes=None, strategy="ddp", tensor_parallel=1):
+    """The roles for `--backend NAME`, `--strategy` and `--tensor-parallel`, not yet started (no
+    runtime, no process group). The one place that maps the names to implementations."""
     check_choice("`backend`", name or "", BACKENDS)  # "" for None: given, and not a name
     check_choice("`strategy`", strategy or "", STRATEGIES)
     if num_processes is not None and num_processes < 1:
         raise UserError(f"`num_processes` must be at least 1, not {num_processes}")
+    if tensor_parallel < 1:
+        raise UserError(f"`tensor_parallel` must be at least 1, not {tensor_parallel}")
     if name == "auto":
         name, _ = auto_choice()
+    if tensor_parallel > 1 and (name != "xla" or strategy != "fsdp"):
+        # the torch-native backends' DTensor plans are not built yet
+        raise UserError(f"`tensor_parallel` {tensor_parallel} runs under the xla backend with `strategy` fsdp only "
+                        f"(a mesh of fsdp x tensor), not {name} with {strategy}")
     if name == "xla":
-        return _xla_roles(num_processes, strategy)
+        return _xla_roles(num_processes, strategy, tensor_parallel)
     if strategy == "spmd":
         raise UserError(f"`strategy` spmd needs the xla backend, not {name}")
     import torch
@@ -177,7 +183,7 @@ def _check_torchtpu():
                         "device (no TPU chip found, or TORCH_DEVICE_BACKEND_AUTOLOAD=0 kept torch from loading it)")
 
 
-def _xla_roles(num_processes, strategy):
+def _xla_roles(num_processes, strategy, tensor_parallel=1):
     if not xla_available():
         raise UserError("`backend` xla needs torch_xla: pip install 'xla-train[tpu]' (or [xla] for CPU)")
     mismatch = xla_problem()
@@ -192,4 +198,5 @@ def _xla_roles(num_processes, strategy):
     cls, launcher_cls = strategies[strategy]
     launcher = launcher_cls(num_processes)  # the processes asked for are checked first
     accelerator = xla.XlaAccelerator(virtual=launcher_cls is launchers.HostLauncher)
-    return Roles(accelerator, cls(accelerator), launcher)
+    strategy_part = xla.XlaFsdp(accelerator, tensor_parallel) if cls is xla.XlaFsdp else cls(accelerator)
+    return Roles(accelerator, strategy_part, launcher)

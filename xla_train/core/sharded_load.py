@@ -70,9 +70,10 @@ class Checkpoint:
     def read(self, key: str, index: tuple[slice, ...]) -> torch.Tensor:
         """The slice `index` of tensor `key`, read from its file: only its bytes, with pread(2)
         into the tensor (no mapping of the file, whose pages would count as the process's). One
-        read for a slice of the first dimension; one per row of the dimensions before the split
-        one otherwise. (safetensors' own `get_slice` either maps the file, or with its "pread"
-        backend, 0.8, reads the whole tensor for each slice: measured here with /proc/self/io.)"""
+        read for a slice of the first dimension; otherwise one per row of the dimensions before the
+        last split one (tensor parallelism splits two). (safetensors' own `get_slice` either maps
+        the file, or with its "pread" backend, 0.8, reads the whole tensor for each slice: measured
+        here with /proc/self/io.)"""
         f, dtype, shape, offset = self.where[key]
         if f not in self._open:
             self._open[f] = os.open(f, os.O_RDONLY)
@@ -80,15 +81,13 @@ class Checkpoint:
         if not shape:  # a scalar
             return self._rows(fd, 1, item, lambda row: offset).view(_DTYPES[dtype]).reshape(())
         cut = [d for d, (s, n) in enumerate(zip(index, shape)) if (s.start, s.stop) != (0, n)]
-        if len(cut) > 1:  # not a split of FSDPv2's (one dimension): the rows of the first, then sliced
-            rows = self.read(key, (index[0],) + tuple(slice(0, n) for n in shape[1:]))
-            return rows[(slice(None),) + tuple(index[1:])]
-        d = cut[0] if cut else 0
+        d = cut[-1] if cut else 0  # runs along the last split dimension, for each row of the dimensions before
         start, stop = index[d].start, index[d].stop
         inner = math.prod(shape[d + 1:]) * item
-        piece = self._rows(fd, math.prod(shape[:d]), (stop - start) * inner,
-                           lambda row: offset + (row * shape[d] + start) * inner)
-        return piece.view(_DTYPES[dtype]).reshape(*shape[:d], stop - start, *shape[d + 1:])
+        rows = torch.arange(math.prod(shape[:d])).reshape(shape[:d])[tuple(index[:d])].flatten().tolist()
+        piece = self._rows(fd, len(rows), (stop - start) * inner,
+                           lambda i: offset + (rows[i] * shape[d] + start) * inner)
+        return piece.view(_DTYPES[dtype]).reshape(*(s.stop - s.start for s in index[:d]), stop - start, *shape[d + 1:])
 
     def _rows(self, fd: int, rows: int, size: int, where: Any) -> torch.Tensor:
         """`rows` runs of `size` bytes read from `fd` at `where(row)`, one after the other (bytes)."""
@@ -115,9 +114,7 @@ class Checkpoint:
             if bounds not in read:
                 read[bounds] = self.read(key, index).to(dtype) if all(a < b for a, b in bounds) else \
                     torch.zeros([b - a for a, b in bounds], dtype=dtype)
-            piece = read[bounds]
-            pad = [p for size, full in zip(reversed(piece.shape), reversed(shard_shape)) for p in (0, full - size)]
-            shards.append(torch.nn.functional.pad(piece, pad) if any(pad) else piece.contiguous())
+            shards.append(_padded(read[bounds], shard_shape))
         return shards
 
     def host_shards(self, model: torch.nn.Module, mesh: Any, spec_of: Any, devices: list[int]) -> Iterator[Any]:
@@ -143,13 +140,9 @@ class Checkpoint:
         checkpoint (torch_xla's `_global_tensor_from_cpu_shards`, which takes one shard for each
         local device in the order of `_xla_get_runtime_devices`: csrc/init_python_bindings.cpp);
         one tensor at a time. Tied parameters stay one tensor."""
-        import torch_xla
-
-        devices = [int(d.split(":")[-1]) for d in torch_xla._XLAC._xla_get_runtime_devices()]  # "CPU:0": ordinal 0
         try:
-            for holders, p, spec, places, shards in self.host_shards(model, mesh, spec_of, devices):
-                tensor = torch_xla._XLAC._global_tensor_from_cpu_shards(shards, mesh.get_op_sharding(spec),
-                                                                         list(p.shape))
+            for holders, p, spec, places, shards in self.host_shards(model, mesh, spec_of, _local_devices()):
+                tensor = _from_local_shards(shards, mesh, spec, p.shape)
                 _check_places(tensor, places)
                 made = torch.nn.Parameter(tensor, requires_grad=p.requires_grad)
                 for module, attr in holders:
@@ -196,6 +189,36 @@ def _header(path: Path) -> dict[str, tuple[str, tuple[int, ...], int, int]]:
         header = json.loads(f.read(n))
     return {k: (v["dtype"], tuple(v["shape"]), 8 + n + v["data_offsets"][0],
                 v["data_offsets"][1] - v["data_offsets"][0]) for k, v in header.items() if k != "__metadata__"}
+
+
+def _local_devices() -> list[int]:
+    """This host's devices as global ordinals, in torch_xla's order of them ("CPU:0": 0)."""
+    import torch_xla
+
+    return [int(d.split(":")[-1]) for d in torch_xla._XLAC._xla_get_runtime_devices()]
+
+
+def _padded(piece: torch.Tensor, shard_shape: tuple[int, ...]) -> torch.Tensor:
+    """A device's piece padded with zeros to the shard's shape, as torch_xla pads an uneven split
+    (csrc/xla_sharding_util.cpp, ShardTensor)."""
+    pad = [p for size, full in zip(reversed(piece.shape), reversed(shard_shape)) for p in (0, full - size)]
+    return torch.nn.functional.pad(piece, pad) if any(pad) else piece.contiguous()
+
+
+def _from_local_shards(shards: list[torch.Tensor], mesh: Any, spec: tuple[Any, ...], shape: Any) -> torch.Tensor:
+    """One tensor of `shape` over the mesh from this host's devices' `shards`, in the order of
+    `_local_devices` (csrc/init_python_bindings.cpp, _global_tensor_from_cpu_shards)."""
+    import torch_xla
+
+    return torch_xla._XLAC._global_tensor_from_cpu_shards(shards, mesh.get_op_sharding(spec), list(shape))
+
+
+def place(tensor: torch.Tensor, mesh: Any, spec: tuple[Any, ...]) -> torch.Tensor:
+    """A host tensor on this host's devices, split over `mesh` by `spec`: each device gets its
+    piece only, never the whole tensor (any spec of one axis or none per dimension, over a mesh
+    of several axes too, where torch_xla's ShardingSpec tiles only specs that name every axis)."""
+    places, shard_shape = shard_places(tuple(tensor.shape), mesh, spec, _local_devices())
+    return _from_local_shards([_padded(tensor[index], shard_shape) for index in places], mesh, spec, tensor.shape)
 
 
 def _pread_into(fd: int, view: memoryview, offset: int) -> None:

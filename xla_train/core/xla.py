@@ -26,6 +26,7 @@ from typing import Any, Literal
 import torch
 
 from . import sharded_load
+from . import tensor_parallel as tensor_plan
 from .errors import UserError
 from .experts import static_experts
 from .roles import (
@@ -630,9 +631,68 @@ class XlaFsdp(XlaSpmd):
     data_axes = ("fsdp",)  # the name FSDPv2 requires (spmd_fully_sharded_data_parallel.py, __init__)
     loads_shards = True  # job.prepare builds the model without its weights; wrap_model reads its shards
 
+    def __init__(self, accelerator: XlaAccelerator, tensor_parallel: int = 1) -> None:
+        """`tensor_parallel` > 1: a 2-D mesh, (fsdp, devices / N) x (tensor, N), each block's
+        projections split over `tensor` by the model's tensor-parallel plan (core.tensor_parallel),
+        every parameter over `fsdp` too; the batch is split over `fsdp` only, so the N devices of a
+        tensor group see the same rows."""
+        super().__init__(accelerator)
+        self.tensor_parallel = tensor_parallel
+        self._planned: dict[int, tensor_plan.Spec] = {}  # id(parameter): its spec, for the plan's parameters
+
+    def planned_data_parallel_size(self, launcher: Launcher) -> int:
+        devices = super().planned_data_parallel_size(launcher)
+        if self.tensor_parallel > 1 and launcher.host_position()[1] > 1:
+            # each host's rows as its part of a batch split over `fsdp` and replicated over `tensor`
+            # (minibatch) is not shown yet: tests/test_multihost.py emulates 1-D meshes only
+            raise UserError(f"`tensor_parallel` {self.tensor_parallel} runs on one host only so far (this slice has "
+                            f"{launcher.host_position()[1]}); on a pod, `strategy` fsdp alone shards over every chip")
+        if devices % self.tensor_parallel:
+            raise UserError(f"`tensor_parallel` {self.tensor_parallel} does not divide the {devices} devices")
+        return devices // self.tensor_parallel
+
+    def mesh_shape(self) -> tuple[tuple[str, int], ...]:
+        if self.tensor_parallel == 1:
+            return super().mesh_shape()
+        # tensor peers are neighbouring devices (the mesh's last axis): on a TPU, chips of one host
+        return (("fsdp", self.devices_per_process // self.tensor_parallel),
+                (tensor_plan.TENSOR, self.tensor_parallel))
+
+    def check_model(self, config: Any) -> None:
+        line = tensor_plan.refusal(config, self.tensor_parallel)
+        if line:
+            raise UserError(line)
+
     @property
     def param_shards(self) -> int:
         return self.devices_per_process
+
+    def param_spec(self, param: torch.Tensor) -> tuple[Any, ...]:
+        """The partition spec of `param` over the mesh: FSDPv2's, or under tensor parallelism the
+        plan's (`_planned`, set by `wrap_model`) else tensor_plan.default_spec."""
+        if self.tensor_parallel == 1:
+            return _param_spec(param)
+        return self._planned.get(id(param)) or tensor_plan.default_spec(param.shape, tensor=True)
+
+    def _plan(self, model: torch.nn.Module) -> None:
+        """`_planned` for `model`'s parameters as they are now (ids change where a parameter is
+        made anew: on the devices from its shards, or moved there)."""
+        specs = tensor_plan.planned_specs(model, self.tensor_parallel)
+        self._planned = {id(p): specs[name] for name, p in model.named_parameters() if name in specs}
+
+    def _place(self, model: torch.nn.Module) -> None:
+        """Every parameter of `model` still on the host sent to the devices as `param_spec` splits
+        it, one at a time (only this host's shards reach its devices); ties kept. FSDPv2's wrappers
+        leave a parameter that is split already as it is."""
+        placed: dict[int, torch.nn.Parameter] = {}
+        for module in model.modules():
+            for attr, p in list(module._parameters.items()):
+                if p is None or p.device.type == "xla":
+                    continue
+                if id(p) not in placed:
+                    tensor = self._to_devices(p.detach(), self.param_spec(p))
+                    placed[id(p)] = torch.nn.Parameter(tensor, requires_grad=p.requires_grad)
+                module._parameters[attr] = placed[id(p)]
 
     def wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
         import functools
@@ -651,10 +711,19 @@ class XlaFsdp(XlaSpmd):
         # A model built without its checkpoint's weights (job.prepare, core.sharded_load): they are
         # made on the devices already sharded as FSDPv2 shards them, which its wrappers then keep.
         source = getattr(model, sharded_load.SOURCE, None)
+        if self.tensor_parallel > 1:
+            self._plan(model)
         if source is not None:
-            source.materialise(model, self.mesh(), _param_spec)
+            source.materialise(model, self.mesh(), self.param_spec)
             delattr(model, sharded_load.SOURCE)
             print(source.line(), flush=True)
+        if self.tensor_parallel > 1:
+            import torch_xla.distributed.spmd as xs
+
+            self._plan(model)  # the parameters made on the devices
+            self._place(model)  # the rest (a whole load: LoRA's base, a resumed run), split as the plan says
+            self._plan(model)
+            xs.set_global_mesh(self.mesh())  # the Pallas call's heads split over `tensor` (core.attention)
         # No `.to(device)` first: each wrapper moves its own module and shards it at once, so the
         # device holds one block unsharded at a time, never the whole model.
         shard = functools.partial(_shard_output, strategy=self)  # outputs split by rows over the data axes
@@ -736,7 +805,7 @@ class XlaFsdp(XlaSpmd):
         # A loaded state comes to the device unsharded (Optimizer.load_state_dict casts each
         # tensor to its parameter's device); shard each moment like its parameter.
         for p in optimizer_params(optimizer):
-            spec = _param_spec(p) if torch_xla._XLAC._get_xla_sharding_spec(p) else None
+            spec = self.param_spec(p) if torch_xla._XLAC._get_xla_sharding_spec(p) else None
             for value in optimizer.state.get(p, {}).values():
                 if (spec and shaped_like(value, p)
                         and not torch_xla._XLAC._get_xla_sharding_spec(value)):  # loaded from shards: laid out already
@@ -790,18 +859,16 @@ class XlaFsdp(XlaSpmd):
 
     def zeros_like_param(self, param: torch.Tensor) -> torch.Tensor:
         import torch_xla
-        import torch_xla.core.xla_model as xm
-        import torch_xla.distributed.spmd as xs
 
         zeros = torch.zeros(param.shape, dtype=param.dtype)
         if not torch_xla._XLAC._get_xla_sharding_spec(param):
             return zeros.to(self.accelerator.device)
-        # only this host's shards reach its devices (never the whole tensor on one device)
-        sharding = xs.ShardingSpec(self.mesh(), _param_spec(param))
-        # a list of the tensor on the device (not the ToXlaTensorArena torch_xla says: see gather_rows)
-        sent: Any = xm.send_cpu_data_to_device([zeros], self.accelerator.device, sharding)
-        (placed,) = sent
-        return placed
+        return self._to_devices(zeros, self.param_spec(param))
+
+    def _to_devices(self, tensor: torch.Tensor, spec: tuple[Any, ...]) -> torch.Tensor:
+        """A host tensor on the devices, split over the mesh by `spec`: only this host's shards
+        reach its devices (never the whole tensor on one device)."""
+        return sharded_load.place(tensor, self.mesh(), spec)
 
 
 _WRAPPED = "_orig_module."  # the attribute under which FSDPv2 keeps the module it wraps

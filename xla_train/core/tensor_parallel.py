@@ -1,0 +1,101 @@
+"""--tensor-parallel N: which parameters split over the mesh's `tensor` axis, and how, read from
+transformers' own tensor-parallel plan (the config's `base_model_tp_plan`, as transformers'
+`from_pretrained(tp_plan=...)` and `DistributedConfig` read it: integrations/tensor_parallel.py in
+5.24). Megatron's layout: `colwise` projections (q, k, v, gate, up) split their outputs, `rowwise`
+ones (o, down) their inputs, so a block's attention heads and MLP columns are split and its
+residual stream and norms stay whole. This module names partition specs only (axis names per
+dimension); the strategy lays them on its mesh (core.xla.XlaFsdp)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+TENSOR = "tensor"  # the mesh axis; the other one is FSDPv2's `fsdp`
+FSDP = "fsdp"
+
+Spec = tuple[str | None, ...]
+
+
+def plan_of(config: Any) -> dict[str, str]:
+    """The config's tensor-parallel plan ({module pattern: style}), or {} for a family without one
+    (the encoders, GPT-2). A decoder's text config carries it for a multimodal one (Gemma 3)."""
+    text = getattr(config, "get_text_config", lambda: config)()
+    return dict(getattr(text, "base_model_tp_plan", None) or getattr(config, "base_model_tp_plan", None) or {})
+
+
+def _sizes(config: Any) -> dict[str, int | None]:
+    text = getattr(config, "get_text_config", lambda: config)()
+    return {"attention heads": getattr(text, "num_attention_heads", None),
+            "key/value heads": getattr(text, "num_key_value_heads", None),
+            "MLP width": getattr(text, "intermediate_size", None)}
+
+
+def refusal(config: Any, n: int) -> str | None:
+    """Why a model of `config` does not split over `n` tensor-parallel devices, in one line, or None.
+    Key/value heads that `n` does not divide are no refusal: their projections stay whole on each
+    device of a tensor group (`planned_specs`), as vLLM replicates them."""
+    if n == 1:
+        return None
+    name = type(config).__name__
+    if not plan_of(config):
+        return f"`tensor_parallel` {n}: {name} has no tensor-parallel plan (transformers' base_model_tp_plan)"
+    for what, size in _sizes(config).items():
+        if what != "key/value heads" and size and size % n:
+            return f"`tensor_parallel` {n}: {name}'s {what} ({size}) cannot be split evenly over {n} devices"
+    return None
+
+
+def _style(plan: dict[str, str], module_name: str) -> str | None:
+    """The plan's style for a module named as the model names it: any prefix (the base model's
+    attribute, peft's `base_model.model.`), FSDPv2's wrapper attribute and a LoRA layer's
+    `base_layer` aside; layer numbers matched by the plan's `*`."""
+    name = re.sub(r"\.\d+(?=\.|$)", ".*", module_name.replace("_orig_module.", "").removesuffix(".base_layer"))
+    for pattern, style in plan.items():
+        if name == pattern or name.endswith("." + pattern):
+            return style
+    return None
+
+
+def default_spec(shape: tuple[int, ...] | torch.Size, tensor: bool) -> Spec:
+    """A parameter outside the plan (embeddings, the head, norms, experts): FSDPv2's layout, its
+    largest dimension over `fsdp` (torch_xla's _prepare_spmd_partition_spec, shard_maximal), and
+    with a tensor axis its next largest over `tensor`, so that it is split over every device too."""
+    spec: list[str | None] = [None] * len(shape)
+    if not spec:
+        return ()
+    order = sorted(range(len(shape)), key=lambda i: (-shape[i], i))
+    spec[order[0]] = FSDP
+    if tensor and len(order) > 1:
+        spec[order[1]] = TENSOR
+    return tuple(spec)
+
+
+KV_PROJECTIONS = ("k_proj", "v_proj")  # the key and value projections, by transformers' names for them
+
+
+def planned_specs(model: torch.nn.Module, n: int) -> dict[str, Spec]:
+    """{parameter name: spec} for the parameters of `model` that its config's plan names: a
+    `colwise` Linear's weight [out, in] as (tensor, fsdp) and its bias over `tensor`; a `rowwise`
+    one's weight as (fsdp, tensor), its bias whole. Where `n` does not divide the key/value heads,
+    the key and value projections keep FSDPv2's layout alone (whole over `tensor`). Other styles
+    (experts, replicated norms) keep `default_spec`."""
+    kv_heads = _sizes(model.config)["key/value heads"]
+    plan = plan_of(model.config)
+    specs: dict[str, Spec] = {}
+    for name, module in model.named_modules():
+        style = _style(plan, name) if isinstance(module, torch.nn.Linear) else None
+        if style not in ("colwise", "rowwise"):
+            continue
+        prefix = name + "." if name else ""
+        whole = bool(kv_heads and kv_heads % n) and _style({p: "kv" for p in plan if p.endswith(KV_PROJECTIONS)},
+                                                           name) == "kv"
+        if whole:
+            specs[prefix + "weight"] = default_spec(module.weight.shape, tensor=False)
+        else:
+            specs[prefix + "weight"] = (TENSOR, FSDP) if style == "colwise" else (FSDP, TENSOR)
+        if module.bias is not None:
+            specs[prefix + "bias"] = (TENSOR,) if style == "colwise" and not whole else (FSDP,)
+    return specs
