@@ -712,7 +712,7 @@ class XlaFsdp(XlaSpmd):
         # made on the devices already sharded as FSDPv2 shards them, which its wrappers then keep.
         source = getattr(model, sharded_load.SOURCE, None)
         if self.tensor_parallel > 1:
-            self._plan(model)
+            self._plan(model)  # the parameters as built: on the meta device, or whole on the host
         if source is not None:
             source.materialise(model, self.mesh(), self.param_spec)
             delattr(model, sharded_load.SOURCE)
@@ -720,9 +720,8 @@ class XlaFsdp(XlaSpmd):
         if self.tensor_parallel > 1:
             import torch_xla.distributed.spmd as xs
 
-            self._plan(model)  # the parameters made on the devices
-            self._place(model)  # the rest (a whole load: LoRA's base, a resumed run), split as the plan says
-            self._plan(model)
+            self._place(model)  # those on the host (a whole load: LoRA's base, a resumed run; a new head)
+            self._plan(model)  # as they are now, made anew on the devices
             xs.set_global_mesh(self.mesh())  # the Pallas call's heads split over `tensor` (core.attention)
         # No `.to(device)` first: each wrapper moves its own module and shards it at once, so the
         # device holds one block unsharded at a time, never the whole model.
