@@ -70,11 +70,14 @@ for case in sys.argv[1:]:
         state = plain.state_dict(keep_vars=True)
         values = engine.strategy.read([*losses, *state.values()])
         after = engine.accelerator.compile_stats()
+        if way == "tp2-sharded":
+            first_q = plain.model.layers[0].self_attn.q_proj.weight  # read again once another model is prepared
         out[way] = {"losses": [v.item() for v in values[:STEPS]], "state": dict(zip(state, values[STEPS:])),
                     "specs": {k: torch_xla._XLAC._get_xla_sharding_spec(v) for k, v in state.items()},
                     "compiles": after["compiles"] - before["compiles"],
                     "fallbacks": after["aten_fallbacks"] - before["aten_fallbacks"]}
     results[case] = out
+    out["first_q_spec"] = engines[2].strategy.param_spec(first_q)  # the plan's, after later models were prepared
 
 # plain torch on the CPU last: a CPU backward pass before the XLA runtime starts leaves autograd's
 # device queues without the XLA device
@@ -83,6 +86,7 @@ for case, out in results.items():
     folder = case.split("|")[0]
     cpu, cpu_losses = train(DecoderModel().load(folder, 7, 0))
     cpu_state = {k: v.detach() for k, v in cpu.state_dict().items()}
+    first_q_spec = out.pop("first_q_spec")
     first = next(iter(out.values()))
 
     def furthest(state, other):
@@ -93,6 +97,7 @@ for case, out in results.items():
                             "from_first": furthest(r["state"], first["state"]),
                             "specs": r["specs"], "compiles": r["compiles"], "fallbacks": r["fallbacks"]}
                       for way, r in out.items()}
+    report[folder]["first_q_spec"] = first_q_spec
 from xla_train.core.attention import _spmd_layout
 
 report["pallas_spec"] = _spmd_layout()[0]  # what the Pallas call is given, under the last mesh (tensor 2)
@@ -123,7 +128,9 @@ def two_d(tmp_path_factory):
 def test_fsdp_by_tensor_trains_as_fsdp_and_as_the_cpu(family, two_d):
     """Three AdamW steps (lr 2e-5): fsdp=2 x tensor=2 gives plain torch's losses and parameters on
     the CPU within 1e-5, and fsdp=4's (Llama); no graph and no aten fallback more than fsdp=4's."""
-    runs = two_d[family]
+    runs = dict(two_d[family])
+    # a model prepared later (a frozen reference, the whole load here) leaves the first one's layout as it was
+    assert runs.pop("first_q_spec") == ["tensor", "fsdp"]
     for way, r in runs.items():
         torch.testing.assert_close(r["losses"], r["cpu_losses"], atol=1e-5, rtol=0, msg=way)
         assert r["from_cpu"] < 1e-5 and r["from_first"] < 1e-5, (way, r["from_cpu"], r["from_first"])
@@ -234,3 +241,7 @@ def test_the_memory_plan_splits_a_blocks_heads_and_mlp_not_its_norms():
     whole, split = (layer_bytes(config, 2, 128, dense_mask=False, tensor=n) for n in (1, 2))
     norms = 2 * (4 * 64 + 4 * 64 + 4 * 64) * 2 * 128  # two norms' input, fp32 value and output, a token
     assert split - norms == (whole - norms) // 2
+    # one key/value head, which 2 does not divide: kept whole on each device, the rest halved
+    one_kv = dict(hidden_size=64, head_dim=16, num_key_value_heads=1, num_hidden_layers=2)
+    assert layer_bytes(LlamaConfig(num_attention_heads=4, intermediate_size=256, **one_kv), 2, 128, tensor=2) == \
+        layer_bytes(LlamaConfig(num_attention_heads=2, intermediate_size=128, **one_kv), 2, 128)

@@ -638,22 +638,29 @@ class XlaFsdp(XlaSpmd):
         tensor group see the same rows."""
         super().__init__(accelerator)
         self.tensor_parallel = tensor_parallel
-        self._planned: dict[int, tensor_plan.Spec] = {}  # id(parameter): its spec, for the plan's parameters
 
     def planned_data_parallel_size(self, launcher: Launcher) -> int:
         devices = super().planned_data_parallel_size(launcher)
-        if self.tensor_parallel > 1 and launcher.host_position()[1] > 1:
-            # each host's rows as its part of a batch split over `fsdp` and replicated over `tensor`
-            # (minibatch) is not shown yet: tests/test_multihost.py emulates 1-D meshes only
+        hosts = launcher.host_position()[1]
+        if self.tensor_parallel > 1 and hosts > 1:
+            # Each host's rows go to torch_xla as its part of the batch (`_HostRows`, minibatch), by a
+            # ShardingSpec per rank: a 1-D one, ("fsdp",), over a 2-D mesh comes out TILED with a 2-D
+            # tile assignment (distributed/spmd/xla_sharding.py, ShardingSpec.__post_init__ and
+            # _get_tile_assignment: unlike Mesh.get_op_sharding, it does not replicate over the axes
+            # a spec leaves out), so 1-D labels would not be laid out; not built yet
             raise UserError(f"`tensor_parallel` {self.tensor_parallel} runs on one host only so far (this slice has "
-                            f"{launcher.host_position()[1]}); on a pod, `strategy` fsdp alone shards over every chip")
+                            f"{hosts} hosts); on a pod, `strategy` fsdp alone shards over every chip")
+        self._check_devices(devices)
+        return devices // self.tensor_parallel
+
+    def _check_devices(self, devices: int) -> None:
         if devices % self.tensor_parallel:
             raise UserError(f"`tensor_parallel` {self.tensor_parallel} does not divide the {devices} devices")
-        return devices // self.tensor_parallel
 
     def mesh_shape(self) -> tuple[tuple[str, int], ...]:
         if self.tensor_parallel == 1:
             return super().mesh_shape()
+        self._check_devices(self.devices_per_process)  # an Engine made in a script is not planned first
         # tensor peers are neighbouring devices (the mesh's last axis): on a TPU, chips of one host
         return (("fsdp", self.devices_per_process // self.tensor_parallel),
                 (tensor_plan.TENSOR, self.tensor_parallel))
@@ -669,16 +676,19 @@ class XlaFsdp(XlaSpmd):
 
     def param_spec(self, param: torch.Tensor) -> tuple[Any, ...]:
         """The partition spec of `param` over the mesh: FSDPv2's, or under tensor parallelism the
-        plan's (`_planned`, set by `wrap_model`) else tensor_plan.default_spec."""
+        plan's (which `_plan` gives the parameter itself) else tensor_plan.default_spec."""
         if self.tensor_parallel == 1:
             return _param_spec(param)
-        return self._planned.get(id(param)) or tensor_plan.default_spec(param.shape, tensor=True)
+        return getattr(param, _PLANNED, None) or tensor_plan.default_spec(param.shape, tensor=True)
 
     def _plan(self, model: torch.nn.Module) -> None:
-        """`_planned` for `model`'s parameters as they are now (ids change where a parameter is
-        made anew: on the devices from its shards, or moved there)."""
+        """Each of `model`'s parameters that the plan splits given its spec, as they are now (a
+        parameter made anew, on the devices from its shards or sent there, is given it again). On
+        the parameter itself: every model a run prepares (a frozen reference too) keeps its own."""
         specs = tensor_plan.planned_specs(model, self.tensor_parallel)
-        self._planned = {id(p): specs[name] for name, p in model.named_parameters() if name in specs}
+        for name, p in model.named_parameters():
+            if name in specs:
+                setattr(p, _PLANNED, specs[name])
 
     def _place(self, model: torch.nn.Module) -> None:
         """Every parameter of `model` still on the host sent to the devices as `param_spec` splits
@@ -712,17 +722,18 @@ class XlaFsdp(XlaSpmd):
         # made on the devices already sharded as FSDPv2 shards them, which its wrappers then keep.
         source = getattr(model, sharded_load.SOURCE, None)
         if self.tensor_parallel > 1:
+            self.check_model(model.config)  # job.prepare checked it already; an Engine in a script has not
             self._plan(model)  # the parameters as built: on the meta device, or whole on the host
         if source is not None:
             source.materialise(model, self.mesh(), self.param_spec)
             delattr(model, sharded_load.SOURCE)
             print(source.line(), flush=True)
         if self.tensor_parallel > 1:
-            import torch_xla.distributed.spmd as xs
-
             self._place(model)  # those on the host (a whole load: LoRA's base, a resumed run; a new head)
             self._plan(model)  # as they are now, made anew on the devices
-            xs.set_global_mesh(self.mesh())  # the Pallas call's heads split over `tensor` (core.attention)
+        import torch_xla.distributed.spmd as xs
+
+        xs.set_global_mesh(self.mesh())  # the Pallas call's layout: rows over fsdp, heads over tensor (core.attention)
         # No `.to(device)` first: each wrapper moves its own module and shards it at once, so the
         # device holds one block unsharded at a time, never the whole model.
         shard = functools.partial(_shard_output, strategy=self)  # outputs split by rows over the data axes
@@ -871,6 +882,7 @@ class XlaFsdp(XlaSpmd):
 
 
 _WRAPPED = "_orig_module."  # the attribute under which FSDPv2 keeps the module it wraps
+_PLANNED = "_xla_train_tensor_spec"  # a parameter's partition spec from the tensor-parallel plan (XlaFsdp._plan)
 
 
 def _drop_wrapper_keys(module, state_dict, prefix, local_metadata):
