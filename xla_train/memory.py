@@ -8,6 +8,7 @@ import os
 
 from .core.errors import UserError
 from .core.lm_loss import CHUNK_TOKENS
+from .core.tensor_parallel import kv_heads_per_device
 
 DEVICE_BYTES = "XLA_TRAIN_DEVICE_BYTES"  # the device's memory, where the backend cannot tell (or to plan for another)
 MIB, GIB = 2**20, 2**30
@@ -61,8 +62,7 @@ def layer_bytes(config, rows, length, precision="fp32", attention="sdpa", dense_
     its share of the MLP's; the norms and the residual stream stay whole on each."""
     d = shape_of(config)
     h, heads, kv, hd, inter = d["hidden"], d["heads"], d["kv_heads"], d["head_dim"], d["intermediate"]
-    # key/value heads that `tensor` does not divide are kept whole on each device (core.tensor_parallel)
-    heads, kv, inter = heads // tensor, kv if kv % tensor else kv // tensor, inter // tensor
+    heads, kv, inter = heads // tensor, kv_heads_per_device(kv, tensor), inter // tensor
     if not h or not d["layers"]:
         return None
     c = 2 if precision == "bf16" else param_bytes  # what the matmuls write
@@ -187,8 +187,8 @@ def plan(model, rows, length, precision="fp32", shards=1, device_bytes=None, che
                                 // (max(1, d["layers"]) if checkpointed else 1)
                                 if precision == "bf16" else 0),
         "reference_bytes": rows * length * width * (2 if precision == "bf16" else param_bytes),
-        "cache_bytes": 2 * d["layers"] * (d["kv_heads"] if d["kv_heads"] % tensor else d["kv_heads"] // tensor)
-        * d["head_dim"] * rows * cache_tokens * param_bytes,
+        "cache_bytes": 2 * d["layers"] * kv_heads_per_device(d["kv_heads"], tensor) * d["head_dim"] * rows
+        * cache_tokens * param_bytes,
         "attention": attention,
         "chunked_logits": bool(logits and chunked_logits),
         "gradient_checkpointing": checkpointed,

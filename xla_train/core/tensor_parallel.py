@@ -48,11 +48,27 @@ def refusal(config: Any, n: int) -> str | None:
     return None
 
 
+def kv_heads_split(kv_heads: int, n: int) -> bool:
+    """Whether the key/value heads split over `n` devices; where `n` does not divide them, their
+    projections are kept whole on each device of a tensor group (`planned_specs`)."""
+    return kv_heads % n == 0
+
+
+def kv_heads_per_device(kv_heads: int, n: int) -> int:
+    """Key/value heads each device of a tensor group holds: its share, or all of them."""
+    return kv_heads // n if kv_heads_split(kv_heads, n) else kv_heads
+
+
+def _plan_name(module_name: str) -> str:
+    """A module's name as the plan names it: FSDPv2's wrapper attribute and a LoRA layer's
+    `base_layer` aside, layer numbers as the plan's `*`."""
+    return re.sub(r"\.\d+(?=\.|$)", ".*", module_name.replace("_orig_module.", "").removesuffix(".base_layer"))
+
+
 def _style(plan: dict[str, str], module_name: str) -> str | None:
-    """The plan's style for a module named as the model names it: any prefix (the base model's
-    attribute, peft's `base_model.model.`), FSDPv2's wrapper attribute and a LoRA layer's
-    `base_layer` aside; layer numbers matched by the plan's `*`."""
-    name = re.sub(r"\.\d+(?=\.|$)", ".*", module_name.replace("_orig_module.", "").removesuffix(".base_layer"))
+    """The plan's style for a module named as the model names it, under any prefix (the base
+    model's attribute, peft's `base_model.model.`)."""
+    name = _plan_name(module_name)
     for pattern, style in plan.items():
         if name == pattern or name.endswith("." + pattern):
             return style
@@ -90,8 +106,7 @@ def planned_specs(model: torch.nn.Module, n: int) -> dict[str, Spec]:
         if style not in ("colwise", "rowwise"):
             continue
         prefix = name + "." if name else ""
-        whole = bool(kv_heads and kv_heads % n) and _style({p: "kv" for p in plan if p.endswith(KV_PROJECTIONS)},
-                                                           name) == "kv"
+        whole = kv_heads is not None and not kv_heads_split(kv_heads, n) and _plan_name(name).endswith(KV_PROJECTIONS)
         if whole:
             specs[prefix + "weight"] = default_spec(module.weight.shape, tensor=False)
         else:
