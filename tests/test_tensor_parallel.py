@@ -6,7 +6,8 @@ over `fsdp` only.
 On 4 XLA:CPU devices in one process: fsdp=2 x tensor=2 against fsdp=4 and against plain torch on
 the CPU, for a tiny Llama (key/value heads that do not split: kept whole) from its shards and from
 a whole load, and a Qwen2 (biases, its key/value heads split); then CLI runs in bf16 beside fsdp
-alone. In pytest's process: the plan's layouts, the refusals, the memory plan."""
+alone, and one stopped by SIGTERM and resumed. In pytest's process: the plan's layouts, the
+refusals, the memory plan."""
 
 import json
 import os
@@ -16,7 +17,7 @@ import sys
 import pytest
 import tiny_decoders as td
 import torch
-from conftest import ROOT, run_cli
+from conftest import ROOT, assert_same_weights, run_cli, stop_and_resume
 
 from xla_train.core import tensor_parallel as tp
 from xla_train.core.errors import UserError
@@ -161,33 +162,81 @@ def test_the_plan_lays_projections_out_megatrons_way(two_d):
     assert qwen2[layer + "self_attn.q_proj.bias"] == "{devices=[2,2]0,2,1,3 last_tile_dim_replicate}"
 
 
-def test_a_bf16_run_of_the_cli_under_fsdp_by_tensor(reverse_task, tmp_path):
+STEPS = 8
+
+
+def _cli(reverse_task, n, rows):
+    """A bf16 causal-LM run of the CLI on 4 devices at tensor `n`, `rows` a group's batch, a checkpoint
+    every 4 steps."""
+    return ["--backend", "xla", "--strategy", "fsdp", "--tensor-parallel", n, "--precision", "bf16", "--max-steps",
+            STEPS, "--batch-size", rows, "--log-every", 2, "--eval-samples", 2, "--save-every", 4, "--problem",
+            "causal-lm", "--model", reverse_task["model"], "--train-file", reverse_task["train"], "--validation-file",
+            reverse_task["validation"], "--max-length", 64]
+
+
+@pytest.fixture(scope="module")
+def tp2_run(reverse_task, tmp_path_factory):
+    """The CLI's run at fsdp 2 x tensor 2, uninterrupted: (process, metrics, output folder)."""
+    out = tmp_path_factory.mktemp("tp2")
+    proc, m = run_cli([*_cli(reverse_task, 2, 2), "--output-dir", out / "run"], out, env=FOUR)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc, m, out / "run"
+
+
+def test_a_bf16_run_of_the_cli_under_fsdp_by_tensor(tp2_run, reverse_task, tmp_path):
     """What a user runs first: full fine-tuning in bf16 with --tensor-parallel 2 on 4 devices, beside
     --strategy fsdp alone on the same global batch (4 rows: 2 x --batch-size 2, 4 x 1). The rows are
     split over the 2 fsdp devices only; the losses agree within bf16's rounding, the graphs, their
     settling and the host reads are fsdp's, and the saved model loads in plain transformers."""
     from transformers import AutoModelForCausalLM
 
-    runs = {}
-    for n, rows in ((2, 2), (1, 1)):
-        args = ["--backend", "xla", "--strategy", "fsdp", "--tensor-parallel", n, "--precision", "bf16",
-                "--max-steps", 6, "--batch-size", rows, "--log-every", 2, "--eval-samples", 2]
-        proc, m = run_cli([*args, "--problem", "causal-lm", "--model", reverse_task["model"], "--train-file",
-                           reverse_task["train"], "--validation-file", reverse_task["validation"], "--max-length", 64,
-                           "--output-dir", tmp_path / f"run{n}"], tmp_path, env=FOUR)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        runs[n] = proc, m
-    (proc, split), (_, fsdp) = runs[2], runs[1]
+    proc, split, out = tp2_run
+    fsdp_proc, fsdp = run_cli([*_cli(reverse_task, 1, 1), "--output-dir", tmp_path / "run1"], tmp_path, env=FOUR)
+    assert fsdp_proc.returncode == 0, fsdp_proc.stderr[-3000:]
     assert split["world_size"] == 2 and fsdp["world_size"] == 4
-    assert split["train_samples"] == fsdp["train_samples"] == 6 * 4
+    assert split["train_samples"] == fsdp["train_samples"] == STEPS * 4
     torch.testing.assert_close([loss for _, loss, _ in split["train_loss"]],
                                [loss for _, loss, _ in fsdp["train_loss"]], atol=5e-3, rtol=0)
     for key in ("compiles", "compiles_after_first_epoch", "host_syncs_per_step", "executions"):
         assert split["xla"][key] == fsdp["xla"][key], (key, split["xla"], fsdp["xla"])
     assert split["xla"]["aten_fallbacks"] == 0
     assert "this host read" in proc.stdout
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "run2")
+    model = AutoModelForCausalLM.from_pretrained(out)
     assert type(model).__name__ == "LlamaForCausalLM"
+
+
+def test_a_run_under_fsdp_by_tensor_resumes_exactly_after_sigterm(tp2_run, reverse_task, tmp_path):
+    """The same run stopped by SIGTERM once its step-4 checkpoint (the host's 2-D shards of the
+    weights and AdamW's moments) is written, then resumed with --resume under the same mesh: the
+    losses after the stop, the evaluation, the final weights and the last checkpoint's moments are
+    the uninterrupted run's, bit for bit, and the resumed run compiles no graph more (the moments
+    loaded laid out as their parameters). The checkpoints hold every tensor: those split over one
+    axis only (the norms, the kept-whole key/value projections, over `fsdp`) have two replicas
+    of each slice on the host, which torch_xla's dedup_tensors left out of the checkpoint
+    altogether, and the resume stopped on their missing key (core.xla._save_planner)."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    _, whole, whole_dir = tp2_run
+    _, stopped_at, resumed = stop_and_resume(_cli(reverse_task, 2, 2), tmp_path / "run", tmp_path, env=FOUR)
+    assert 4 <= stopped_at < STEPS and resumed["first_step"] == stopped_at
+    assert [h[0] for h in resumed["train_loss"]] == [h[0] for h in whole["train_loss"]]
+    after = [h for h in resumed["train_loss"] if h[0] > stopped_at]
+    assert after and after == [h for h in whole["train_loss"] if h[0] > stopped_at]
+    torch.testing.assert_close(resumed["train_loss"], whole["train_loss"], atol=0, rtol=0)
+    assert_same_weights(tmp_path / "run", whole_dir, atol=0)
+    assert resumed["eval"] == whole["eval"]
+    assert resumed["xla"]["compiles"] <= whole["xla"]["compiles"], (resumed["xla"], whole["xla"])
+    final = load_file(str(whole_dir / "model.safetensors"))
+    saved = []
+    for run in (whole_dir, tmp_path / "run"):
+        dcp_to_torch_save(run / "checkpoints" / f"step-{STEPS:08d}" / "shards" / "host-0", tmp_path / "whole.pt")
+        saved.append(torch.load(tmp_path / "whole.pt", weights_only=True))
+    assert saved[0]["model"].keys() == final.keys() and len(saved[0]["optimizer"]) == 2 * len(final)
+    for part in ("model", "optimizer"):
+        assert saved[0][part].keys() == saved[1][part].keys()
+        for k in saved[0][part]:
+            torch.testing.assert_close(saved[1][part][k], saved[0][part][k], atol=0, rtol=0, msg=k)
 
 
 def test_refusals_name_what_does_not_split():

@@ -830,12 +830,11 @@ class XlaFsdp(XlaSpmd):
 
     def save_shards(self, tensors: dict[str, torch.Tensor], folder: PathLike) -> None:
         import torch.distributed.checkpoint as dcp
-        from torch_xla.experimental.distributed_checkpoint import SPMDSavePlanner
 
         # shards are read from the device data, which a queued graph may still be computing
         self.accelerator.synchronize()
         with dcp_errors():
-            dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(folder)), planner=SPMDSavePlanner(),
+            dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(folder)), planner=_save_planner(),
                      no_dist=True)
 
     def load_shards(self, tensors: dict[str, torch.Tensor], folder: PathLike) -> None:
@@ -919,6 +918,35 @@ def _held_here(tree):
     kept = {k: _held_here(v) if isinstance(v, dict) else v for k, v in tree.items()
             if not (torch.is_tensor(v) and none_here(v))}
     return {k: v for k, v in kept.items() if not (isinstance(v, dict) and not v)}
+
+
+def _save_planner():
+    """torch_xla's SPMDSavePlanner writing each slice this host holds once. A tensor split over part
+    of a 2-D mesh only (--tensor-parallel: the norms and a kept-whole key/value projection over
+    `fsdp`, a column-parallel bias over `tensor`) has two replicas of each slice on the host's
+    devices, one write item each under one (name, offset); torch_xla 2.9's dedup_tensors
+    (experimental/distributed_checkpoint/_helpers.py), meant for duplicates across hosts' plans,
+    keeps the first plan listing a key and drops it from every other listing, and a plan that lists
+    it twice is its own other: every replicated tensor was left out of the checkpoint, weights and
+    moments, and a resume stopped on its missing key. Only the first replica of a slice is planned
+    here; empty slices (past a tensor's end) are left as torch_xla plans them (`_held_here`)."""
+    import dataclasses
+
+    from torch_xla.experimental.distributed_checkpoint import SPMDSavePlanner
+
+    class FirstReplicas(SPMDSavePlanner):
+        def create_local_plan(self):
+            plan, seen, items = super().create_local_plan(), set(), []
+            for item in plan.items:
+                chunk = item.tensor_data.chunk if item.tensor_data is not None else None
+                if chunk is not None and math.prod(chunk.sizes) > 0:
+                    if item.index in seen:  # MetadataIndex compares name and offset only
+                        continue
+                    seen.add(item.index)
+                items.append(item)
+            return dataclasses.replace(plan, items=items)
+
+    return FirstReplicas()
 
 
 def _from_shards(shape, pieces, indices):
