@@ -3,7 +3,10 @@ device), the Ddp and Fsdp2 strategies (NCCL or gloo, or one process) and torch.m
 launcher. `roles` makes them for a backend; setup.py registers it with xla_train's selection
 (entry points of the group `xla_train.roles`: cuda, cpu, tpu), which never imports this package."""
 
-from xla_train.core.roles import Roles
+from collections.abc import Callable
+from functools import partial
+
+from xla_train.core.roles import Roles, Strategy
 
 from .device import TorchAccelerator
 from .launcher import TorchLauncher
@@ -12,11 +15,14 @@ from .strategies import Ddp, Fsdp2
 __all__ = ["Ddp", "Fsdp2", "TorchAccelerator", "TorchLauncher", "roles"]
 
 
-def roles(backend: str, num_processes: int | None = None, strategy: str = "ddp") -> Roles:
+def roles(backend: str, num_processes: int | None = None, strategy: str = "ddp", tensor_parallel: int = 1
+          ) -> Roles:
     """The roles of the torch-native `backend` (cuda, cpu, tpu) under `strategy` (ddp or fsdp),
-    with `num_processes` workers (None: the device's default), not yet started."""
+    with `num_processes` workers (None: the device's default), not yet started; under fsdp,
+    `tensor_parallel` workers split each block (select_roles refuses it elsewhere)."""
     accelerator = TorchAccelerator(backend)
-    strategies = {"ddp": Ddp, "fsdp": Fsdp2}
     launcher = TorchLauncher(num_processes, accelerator.default_processes)
+    strategies: dict[str, Callable[[TorchAccelerator], Strategy]] = {
+        "ddp": Ddp, "fsdp": partial(Fsdp2, tensor_parallel=tensor_parallel)}
     return Roles(accelerator, strategies[strategy](accelerator), launcher)
 

@@ -10,18 +10,24 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from xla_train.core import tensor_parallel as tensor_plan
+from xla_train.core.errors import UserError
 from xla_train.core.roles import PathLike, Strategy, blocks_of, dcp_errors, optimizer_params, shaped_like
+from xla_train.core.ties import retie, ties
 
 from .launcher import launched_by_torchrun
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
+    from transformers import PreTrainedModel
+
+    from xla_train.core.roles import Launcher
 
     from .device import TorchAccelerator
 
@@ -93,7 +99,13 @@ class Ddp(TorchStrategy):
 class Fsdp2(TorchStrategy):
     """torch's FSDP2 in place of DDP: every parameter, gradient and AdamW moment is a DTensor
     sharded on dim 0 over the workers (the mesh's `fsdp` axis); each transformer block the model
-    declares (`_no_split_modules`) is gathered for its forward and backward only, then the rest."""
+    declares (`_no_split_modules`) is gathered for its forward and backward only, then the rest.
+
+    With `tensor_parallel` N the workers form a mesh (fsdp, W/N) x (tensor, N), tensor peers on
+    neighbouring ranks: each block's projections are first split over `tensor` by the model's own
+    plan with transformers' own styles (`_resolve_parallel_plans`, `apply_tensor_parallelism`:
+    transformers/distributed/tensor_parallel.py, as `from_pretrained(distributed_config=...)` does),
+    then FSDP2 shards every parameter over `fsdp`. A tensor group's workers see the same rows."""
 
     data_axes = ("fsdp",)
     # Checkpoints: each worker writes and reads its own shards (its DTensors' local parts) with
@@ -103,20 +115,62 @@ class Fsdp2(TorchStrategy):
     # not run here: FSDP2's hooks under torch.compile (dynamo skips them, one graph per block)
     compile_refusal = "not supported with `strategy` fsdp yet; use `strategy` ddp"
 
+    def __init__(self, accelerator: TorchAccelerator, tensor_parallel: int = 1) -> None:
+        super().__init__(accelerator)
+        self.tensor_parallel = tensor_parallel
+        self._mesh: DeviceMesh | None = None
+
+    def planned_data_parallel_size(self, launcher: Launcher) -> int:
+        workers = launcher.planned_replicas()
+        self._check_workers(workers)
+        return workers // self.tensor_parallel
+
+    def _check_workers(self, workers: int) -> None:
+        if workers % self.tensor_parallel:
+            raise UserError(f"`tensor_parallel` {self.tensor_parallel} does not divide the {workers} workers "
+                            "(`num_processes`)")
+
     def mesh_shape(self) -> tuple[tuple[str, int], ...]:
-        return (("fsdp", self.world_size),)
+        if self.tensor_parallel == 1:
+            return (("fsdp", self.world_size),)
+        self._check_workers(self.world_size)
+        return (("fsdp", self.world_size // self.tensor_parallel), (tensor_plan.TENSOR, self.tensor_parallel))
+
+    @property
+    def row_shares(self) -> int:
+        return self.world_size // self.tensor_parallel
+
+    @property
+    def row_share(self) -> int:
+        return self.rank // self.tensor_parallel  # the mesh's row: tensor peers are neighbouring ranks
+
+    def check_model(self, config: Any, lora: bool = False) -> None:
+        # transformers' colwise style splits the key/value projections too: no heads kept whole
+        line = tensor_plan.refusal(config, self.tensor_parallel, kv_whole=False)
+        if not line and lora and self.tensor_parallel > 1:
+            line = (f"`tensor_parallel` {self.tensor_parallel} with `lora` runs on the xla backend only so far "
+                    "(transformers' styles split the layers LoRA wraps)")
+        if line:
+            raise UserError(line)
 
     @property
     def param_shards(self) -> int:
         return self.world_size
 
     def mesh(self) -> DeviceMesh:
+        """The job's mesh, made once (each sub-mesh is a process group of its own)."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        # given explicitly: the default mesh of a GPU host is CUDA's even when the group is gloo
-        # (pytorch#132471)
-        names, sizes = zip(*self.mesh_shape())
-        return init_device_mesh(self.accelerator.device.type, sizes, mesh_dim_names=names)
+        if self._mesh is None:
+            # given explicitly: the default mesh of a GPU host is CUDA's even when the group is gloo
+            # (pytorch#132471)
+            names, sizes = zip(*self.mesh_shape())
+            self._mesh = init_device_mesh(self.accelerator.device.type, sizes, mesh_dim_names=names)
+        return self._mesh
+
+    def teardown(self) -> None:
+        self._mesh = None
+        super().teardown()
 
     def wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
         from torch.distributed.fsdp import fully_shard
@@ -128,10 +182,35 @@ class Fsdp2(TorchStrategy):
         if not dist.is_initialized():
             return model  # one process: nothing to shard over
         mesh = self.mesh()
+        if self.tensor_parallel > 1:
+            self._split(model, mesh[tensor_plan.TENSOR])
         for block in blocks_of(model):
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(block, mesh=mesh["fsdp"])
+        fully_shard(model, mesh=mesh["fsdp"])
         return model
+
+    def _split(self, model: torch.nn.Module, mesh: DeviceMesh) -> None:
+        """`model`'s projections split over the tensor axis, `mesh`, by transformers' plan and
+        styles. Its ties kept: a style makes each weight a Parameter anew, and the plan names a tied
+        head that `named_parameters` lists under its first name only."""
+        from transformers.distributed import DistributedConfig
+        from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+        self.check_model(model.config, lora=hasattr(model, "peft_config"))  # job.prepare checked; a script has not
+        pretrained = cast("PreTrainedModel", model)  # check_model refused a peft model
+        plan, _, _ = pretrained._resolve_parallel_plans(DistributedConfig(tp_size=self.tensor_parallel))
+        present = dict(model.named_parameters()) | dict(model.named_modules())
+        groups = ties(model)
+        apply_tensor_parallelism(model, mesh, {name: style for name, style in plan.items() if name in present})
+        retie(groups)
+
+    def gather_batch(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.tensor_parallel == 1:
+            return self.gather(tensor)
+        group = self.mesh()["fsdp"].get_group()  # this worker's tensor position in every row of the mesh
+        parts = [torch.empty_like(tensor) for _ in range(self.row_shares)]
+        dist.all_gather(parts, tensor.contiguous(), group=group)
+        return torch.cat(parts)
 
     @contextmanager
     def _gradient_sync_off(self, model: Any) -> Iterator[None]:
@@ -146,8 +225,22 @@ class Fsdp2(TorchStrategy):
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, max_grad_norm: float | None = None
                        ) -> torch.Tensor | None:
-        norm = super().optimizer_step(optimizer, max_grad_norm)
-        return self.whole(norm) if norm is not None else None  # the norm over every shard
+        params = optimizer_params(optimizer)
+        norm = None
+        if max_grad_norm:
+            norm = self.grad_norm(params)
+            for group in _by_mesh(params).values():
+                torch.nn.utils.clip_grads_with_norm_(group, max_grad_norm, norm)
+        optimizer.step()
+        return norm
+
+    def grad_norm(self, params: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Over every shard, for gradients on several meshes too (the split projections' on both
+        axes, the rest's on fsdp), which torch's one foreach norm refuses: each mesh's norm made
+        whole, then their norm."""
+        norms = [self.whole(torch.nn.utils.get_total_norm([p.grad for p in group if p.grad is not None]))
+                 for group in _by_mesh(params).values()]
+        return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
 
     def whole(self, tensor: torch.Tensor) -> torch.Tensor:
         from torch.distributed.tensor import DTensor
@@ -196,3 +289,12 @@ class Fsdp2(TorchStrategy):
             for key, value in state.items():
                 if isinstance(p, DTensor) and not isinstance(value, DTensor) and shaped_like(value, p):
                     state[key] = distribute_tensor(value.to(p.device), p.device_mesh, p.placements)
+
+
+def _by_mesh(params: Sequence[torch.Tensor]) -> dict[Any, list[torch.Tensor]]:
+    """The parameters that have gradients, by their gradients' mesh (None: plain tensors)."""
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    return groups

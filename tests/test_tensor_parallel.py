@@ -255,8 +255,11 @@ def test_refusals_name_what_does_not_split():
 def test_tensor_parallel_runs_only_as_a_mesh_of_fsdp_by_tensor():
     from xla_train.core.select import select_roles
 
-    with pytest.raises(UserError, match="runs under the xla backend with `strategy` fsdp only"):
-        select_roles("cpu", strategy="fsdp", tensor_parallel=2)
+    with pytest.raises(UserError, match="runs under `strategy` fsdp .* on the xla, cuda and cpu backends only, not "
+                                        "cpu with ddp"):
+        select_roles("cpu", strategy="ddp", tensor_parallel=2)
+    with pytest.raises(UserError, match="not tpu with fsdp"):
+        select_roles("tpu", strategy="fsdp", tensor_parallel=2)
     with pytest.raises(UserError, match="`tensor_parallel` must be at least 1"):
         select_roles("cpu", tensor_parallel=0)
 

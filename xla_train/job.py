@@ -102,7 +102,7 @@ def prepare(cfg, backend, resume=None, startup=None):
     startup.lap("data")
     config = load_pretrained(AutoConfig, cfg.model)
     task.model.check(config, cfg.model)
-    backend.strategy.check_model(config)  # --tensor-parallel: the heads split evenly, the family has a plan
+    backend.strategy.check_model(config, cfg.lora)  # --tensor-parallel: the heads split, the family has a plan
     tokenizer = load_tokenizer(cfg.model)
     limit = position_limit(config, tokenizer)
     if cfg.max_length > limit:

@@ -179,17 +179,18 @@ class Engine:
                 and hasattr(loader.dataset, "with_format")):
             loader = _static_shape_loader(loader)
         # Each process that loads rows takes its own share of every global batch: a replica (ddp,
-        # FSDP2), or under SPMD each host's one process (`peers`: the hosts; `rank`: the process
-        # index), which loads the rows of every device it feeds (its part of the data-parallel
-        # devices) and hands them to torch_xla as its part of the global batch (XlaSpmd.input_sharding).
-        loaders = self.strategy.peers
+        # FSDP2; a tensor-parallel group's processes share one), or under SPMD each host's one
+        # process (`row_shares`: the hosts; `row_share`: the process index), which loads the rows of
+        # every device it feeds (its part of the data-parallel devices) and hands them to torch_xla
+        # as its part of the global batch (XlaSpmd.input_sharding).
+        loaders, share = self.strategy.row_shares, self.strategy.row_share
         plan = loader.batch_sampler
         if isinstance(plan, BatchPlan):
-            plan.shard(loaders, self.rank)
+            plan.shard(loaders, share)
             plan.batch_size *= self.data_parallel_size // loaders  # the devices this process feeds
         elif loaders > 1:
             sampler: torch.utils.data.DistributedSampler[int]
-            sampler = torch.utils.data.DistributedSampler(loader.dataset, loaders, self.rank,
+            sampler = torch.utils.data.DistributedSampler(loader.dataset, loaders, share,
                                                           shuffle=not isinstance(loader.sampler,
                                                                                  torch.utils.data.SequentialSampler))
             loader = torch.utils.data.DataLoader(loader.dataset, batch_size=loader.batch_size, sampler=sampler,
@@ -248,8 +249,7 @@ class Engine:
             return False
         norm = self.strategy.optimizer_step(optimizer, self.max_grad_norm)
         if norm is None:  # not clipped: the step leaves the reduced gradients in .grad
-            grads = [p.grad for p in optimizer_params(optimizer) if p.grad is not None]
-            norm = torch.nn.utils.get_total_norm(grads)
+            norm = self.strategy.grad_norm(optimizer_params(optimizer))
         self.last_grad_norm = norm
         return True
 
@@ -274,7 +274,7 @@ class Engine:
         tensors = [tensors] if torch.is_tensor(tensors) else list(tensors)
         if valid is None:
             valid = self._valid if self._valid is not None else torch.ones_like(tensors[0])
-        return self.strategy.gather(torch.stack([*tensors, valid.to(tensors[0].dtype)], dim=1))
+        return self.strategy.gather_batch(torch.stack([*tensors, valid.to(tensors[0].dtype)], dim=1))
 
     def rows_to_host(self, parts: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """The columns of `gather_on_device`'s results, in one transfer, filler rows dropped."""
@@ -469,21 +469,24 @@ def _engine_roles(backend, num_processes, strategy, tensor_parallel=1):
         return select_roles(backend, num_processes, strategy, tensor_parallel)
     if backend not in ("auto", active.name):
         raise UserError(f"Engine(backend={backend!r}) inside a worker launched with the {active.name} backend")
+    if tensor_parallel not in (1, active.strategy.tensor_parallel):
+        raise UserError(f"Engine(tensor_parallel={tensor_parallel}) inside a worker launched with tensor_parallel "
+                        f"{active.strategy.tensor_parallel}: pass it to launch")
     return active
 
 
 def launch(fn: Callable[..., object], args: Sequence[Any] = (), backend: str = "auto",
-           num_processes: int | None = None, strategy: str = "ddp") -> None:
+           num_processes: int | None = None, strategy: str = "ddp", tensor_parallel: int = 1) -> None:
     """Runs `fn(*args)` on every local worker of `backend` (xmp.spawn on TPU; one process per GPU
     or `num_processes` gloo workers on the fallback; in this process when there is one)."""
-    select_roles(backend, num_processes, strategy).launch(fn, args)
+    select_roles(backend, num_processes, strategy, tensor_parallel).launch(fn, args)
 
 
 def notebook_launcher(fn: Callable[..., object], args: Sequence[Any] = (), backend: str = "auto",
-                      num_processes: int | None = None, strategy: str = "ddp") -> None:
+                      num_processes: int | None = None, strategy: str = "ddp", tensor_parallel: int = 1) -> None:
     """`launch` for a notebook cell: workers are forked, so `fn` may be defined in the notebook.
     Call it before the notebook itself has put anything on an accelerator."""
-    select_roles(backend, num_processes, strategy).launch(fn, args, start_method="fork")
+    select_roles(backend, num_processes, strategy, tensor_parallel).launch(fn, args, start_method="fork")
 
 
 def checkpoint_activations(model: Any, checkpoint: Callable[..., Any] | None = None) -> None:

@@ -304,6 +304,17 @@ class Strategy(ABC):
         Engine's loaders split the rows over them."""
         return self.world_size
 
+    @property
+    def row_shares(self) -> int:
+        """The processes that load different rows of every batch: the peers, except that the
+        processes of one tensor-parallel group (FSDP2 with `tensor_parallel`) load the same rows."""
+        return self.peers
+
+    @property
+    def row_share(self) -> int:
+        """Which of the `row_shares` this process loads."""
+        return self.rank
+
     def mesh_shape(self) -> tuple[tuple[str, int], ...]:
         """The mesh as ((axis name, size), ...): every device of the job."""
         return (("data", self.world_size * self.devices_per_process),)
@@ -335,9 +346,9 @@ class Strategy(ABC):
         library that reads them (peft's save of an adapter); only FSDPv2 renames them."""
         return nullcontext(model)
 
-    def check_model(self, config: Any) -> None:
-        """Refuses, in one line (UserError), a model of `config` that this strategy cannot split,
-        before anything loads."""
+    def check_model(self, config: Any, lora: bool = False) -> None:
+        """Refuses, in one line (UserError), a model of `config` (with LoRA adapters if `lora`)
+        that this strategy cannot split, before anything loads."""
 
     @property
     def param_shards(self) -> int:
@@ -366,10 +377,19 @@ class Strategy(ABC):
         """All-reduces gradients across replicas (once), optionally clips, then steps. Returns
         the norm of the reduced gradients when it clipped, else None."""
 
+    def grad_norm(self, params: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The norm of `params`' gradients (those that have one), over every shard."""
+        return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+
     # --- across replicas --------------------------------------------------------------------
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Concatenates `tensor` (same shape on every replica) along dim 0 across replicas."""
         return tensor
+
+    def gather_batch(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`gather` of a batch's rows: each of the `row_shares` once (a tensor-parallel group's
+        processes hold the same rows, FSDP2's gathers them from one of its processes)."""
+        return self.gather(tensor)
 
     def gather_rows(self, row: torch.Tensor) -> torch.Tensor:
         """Every peer's `row` (a 1-D host tensor) as rows of one device tensor, for a reduction

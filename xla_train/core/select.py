@@ -126,10 +126,10 @@ def select_roles(name="auto", num_processes=None, strategy="ddp", tensor_paralle
         raise UserError(f"`tensor_parallel` must be at least 1, not {tensor_parallel}")
     if name == "auto":
         name, _ = auto_choice()
-    if tensor_parallel > 1 and (name != "xla" or strategy != "fsdp"):
-        # the torch-native backends' DTensor plans are not built yet
-        raise UserError(f"`tensor_parallel` {tensor_parallel} runs under the xla backend with `strategy` fsdp only "
-                        f"(a mesh of fsdp x tensor), not {name} with {strategy}")
+    if tensor_parallel > 1 and (name not in ("xla", "cuda", "cpu") or strategy != "fsdp"):
+        # TorchTPU's DTensors under transformers' styles are not read yet
+        raise UserError(f"`tensor_parallel` {tensor_parallel} runs under `strategy` fsdp (a mesh of fsdp x tensor) "
+                        f"on the xla, cuda and cpu backends only, not {name} with {strategy}")
     if name == "xla":
         return _xla_roles(num_processes, strategy, tensor_parallel)
     if strategy == "spmd":
@@ -140,24 +140,24 @@ def select_roles(name="auto", num_processes=None, strategy="ddp", tensor_paralle
         raise UserError("`backend` cuda: no CUDA device is visible")
     if name == "tpu":
         _check_torchtpu()
-    return registered_roles(name)(name, num_processes, strategy)
+    return registered_roles(name)(name, num_processes, strategy, tensor_parallel)
 
 
 # The torch-native backends' roles are not the core's: a package registers a function that makes
-# them, `make(backend, num_processes, strategy) -> Roles`, under the backend's name, either by
+# them, `make(backend, num_processes, strategy, tensor_parallel) -> Roles`, under the backend's name, either by
 # calling `register_roles` or through an entry point of this group in its metadata
 # (gpu_fallback's, in setup.py: found once the package is installed).
 ROLES_GROUP = "xla_train.roles"
 FALLBACK_BACKENDS = ("cuda", "cpu", "tpu")  # gpu_fallback's (setup.py's entry points)
-_REGISTERED: dict[str, Callable[[str, int | None, str], Roles]] = {}
+_REGISTERED: dict[str, Callable[[str, int | None, str, int], Roles]] = {}
 
 
-def register_roles(name: str, make: Callable[[str, int | None, str], Roles]) -> None:
+def register_roles(name: str, make: Callable[[str, int | None, str, int], Roles]) -> None:
     """Makes `make` the roles of `backend` `name` (cuda, cpu, tpu)."""
     _REGISTERED[name] = make
 
 
-def registered_roles(name: str) -> Callable[[str, int | None, str], Roles]:
+def registered_roles(name: str) -> Callable[[str, int | None, str, int], Roles]:
     """What makes backend `name`'s roles: registered in this process, else an installed package's
     entry point (importlib.metadata, group ROLES_GROUP)."""
     if name not in _REGISTERED:

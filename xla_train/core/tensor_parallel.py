@@ -33,17 +33,18 @@ def _sizes(config: Any) -> dict[str, int | None]:
             "MLP width": getattr(text, "intermediate_size", None)}
 
 
-def refusal(config: Any, n: int) -> str | None:
+def refusal(config: Any, n: int, kv_whole: bool = True) -> str | None:
     """Why a model of `config` does not split over `n` tensor-parallel devices, in one line, or None.
-    Key/value heads that `n` does not divide are no refusal: their projections stay whole on each
-    device of a tensor group (`planned_specs`), as vLLM replicates them."""
+    With `kv_whole` (XLA's SPMD), key/value heads that `n` does not divide are no refusal: their
+    projections stay whole on each device of a tensor group (`planned_specs`), as vLLM replicates
+    them; transformers' styles (FSDP2 on CUDA and the CPU) split every colwise projection."""
     if n == 1:
         return None
     name = type(config).__name__
     if not plan_of(config):
         return f"`tensor_parallel` {n}: {name} has no tensor-parallel plan (transformers' base_model_tp_plan)"
     for what, size in _sizes(config).items():
-        if what != "key/value heads" and size and size % n:
+        if (what != "key/value heads" or not kv_whole) and size and size % n:
             return f"`tensor_parallel` {n}: {name}'s {what} ({size}) cannot be split evenly over {n} devices"
     return None
 

@@ -665,8 +665,8 @@ class XlaFsdp(XlaSpmd):
         return (("fsdp", self.devices_per_process // self.tensor_parallel),
                 (tensor_plan.TENSOR, self.tensor_parallel))
 
-    def check_model(self, config: Any) -> None:
-        line = tensor_plan.refusal(config, self.tensor_parallel)
+    def check_model(self, config: Any, lora: bool = False) -> None:
+        line = tensor_plan.refusal(config, self.tensor_parallel)  # LoRA's layers split as their base's
         if line:
             raise UserError(line)
 
