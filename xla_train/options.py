@@ -159,10 +159,10 @@ class TrainOptions:
     num_processes: int = option(None, "workers on this host (default: one per TPU core or GPU; 1 on the CPU and "
                                 "on XLA:CPU)", section="system")
     strategy: str = strategy_option(section="system")
-    tensor_parallel: int = option(1, "xla with --strategy fsdp: split each block's attention heads and MLP columns "
-                                  "over this many devices (Megatron's layout, from transformers' tensor-parallel "
-                                  "plan of the model), a mesh of fsdp x tensor; the rows are split over the fsdp "
-                                  "axis only, --batch-size counting a tensor group's rows (default: 1)",
+    tensor_parallel: int = option(1, "--strategy fsdp (xla, cuda, cpu): split each block's attention heads and MLP "
+                                  "columns over this many devices (Megatron's layout, from transformers' "
+                                  "tensor-parallel plan of the model), a mesh of fsdp x tensor; the rows are split "
+                                  "over the fsdp axis only, --batch-size counting a tensor group's rows (default: 1)",
                                   section="system")
     compile: bool = option(False, "compile the model with torch.compile on the torch-native backends (cuda: with CUDA "
                            "graphs; tpu: TorchTPU's compiler; cpu), one graph per bucket length; xla compiles every "
