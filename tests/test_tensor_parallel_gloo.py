@@ -119,6 +119,7 @@ def gloo_runs(tmp_path_factory):
     return results
 
 
+@pytest.mark.torch_native  # make test-torch runs it on the newest torch too (its DTensor moves fastest)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_fsdp_by_tensor_on_gloo_trains_as_fsdp_and_as_one_process(gloo_runs, family):
     """Three AdamW steps with clipping at lr 2e-5: losses and every parameter within 1e-5 of
