@@ -3,8 +3,9 @@ mesh of fsdp x tensor, each block's projections split over `tensor` by transform
 styles (gpu_fallback/strategies.py, Fsdp2._split), the rows over `fsdp` only.
 
 Four real gloo processes: fsdp=2 x tensor=2 against fsdp=4 and against plain torch in one process,
-for a Llama (grouped key/value heads), a Qwen2 (biases) and a Qwen3 (per-head q/k norms, whose
-gradients transformers' style sums over the tensor group); then the command line beside
+for a Llama (grouped key/value heads), a Qwen2 (biases), a Qwen3 (per-head q/k norms, whose
+gradients transformers' style sums over the tensor group) and a Qwen3-MoE (its experts split by the
+plan's moe_tp_experts); then the command line beside
 `--strategy fsdp` on two processes, which sees the same rows a worker."""
 
 import os
@@ -31,7 +32,10 @@ ids = torch.randint(3, 120, (8, 16), generator=torch.Generator().manual_seed(0))
 
 def train(folder, engine=None):
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    # the experts' loop: torch's grouped_mm (transformers' default on the CPU) refuses the tiny
+    # widths' strides ("strides should be multiple of 16 bytes")
+    experts = {"experts_implementation": "eager"} if "moe" in folder else {}
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **experts)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     rows = ids
     if engine:
@@ -94,7 +98,7 @@ def _save(family, path):
     return path
 
 
-FAMILIES = ("llama", "qwen2", "qwen3")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3moe")
 
 
 @pytest.fixture(scope="session")
@@ -139,6 +143,9 @@ def test_fsdp_by_tensor_on_gloo_trains_as_fsdp_and_as_one_process(gloo_runs, fam
     assert placements[layer + "input_layernorm.weight"] == "(Shard(dim=0),)"
     if family == "qwen2":
         assert placements[layer + "self_attn.q_proj.bias"].endswith("Shard(dim=0))")
+    if family == "qwen3moe":  # the plan's moe_tp_experts: each expert's MLP split as a dense one
+        assert placements[layer + "mlp.experts.gate_up_proj"] == "(Shard(dim=0), _StridedShard(dim=1, sf=2))"
+        assert placements[layer + "mlp.experts.down_proj"] == "(Shard(dim=0), Shard(dim=2))"
 
 
 def test_the_torch_native_split_refuses_what_it_cannot_split():
