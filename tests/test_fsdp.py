@@ -330,7 +330,8 @@ def test_lora_under_fsdp_resumes_exactly_and_saves_its_adapter(mrpc_slice, tiny_
     did."""
     from safetensors.torch import load_file
 
-    args = [*FSDP, "--lora", "--lr", 1e-3, "--model", tiny_dropout_model, "--data-dir", mrpc_slice]
+    # 8 steps (the last --max-steps given counts): checkpoints 4 and 8, the stop after step 4's
+    args = [*FSDP, "--max-steps", 8, "--lora", "--lr", 1e-3, "--model", tiny_dropout_model, "--data-dir", mrpc_slice]
     proc, whole = run_cli([*args, "--output-dir", tmp_path / "whole"], tmp_path, env=FOUR)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert 0 < whole["trainable_params"] <= 0.05 * whole["total_params"]
@@ -343,7 +344,8 @@ def test_lora_under_fsdp_resumes_exactly_and_saves_its_adapter(mrpc_slice, tiny_
     assert whole["xla"]["aten_fallbacks"] == 0 and whole["xla"]["compiles_after_first_epoch"] == 0
 
     _, stopped_at, resumed = stop_and_resume(args, tmp_path / "run", tmp_path, env=FOUR)
-    assert 4 <= stopped_at < 16 and resumed["first_step"] == stopped_at
+    assert 4 <= stopped_at < 8 and resumed["first_step"] == stopped_at
+    assert [h[0] for h in whole["train_loss"]] == list(range(1, 9))
     torch.testing.assert_close(resumed["train_loss"], whole["train_loss"], atol=1e-6, rtol=0)
     assert_same_weights(tmp_path / "run", tmp_path / "whole", atol=1e-6, file="adapter_model.safetensors")
     assert resumed["eval"] == whole["eval"]
