@@ -12,8 +12,9 @@ def bucketed_run(tmp_path_factory):
     """Two epochs over the first 80 training rows of the bundled MRPC (10 steps each) with the
     bundled MiniLM, two buckets, lr 2e-4, the loss read every 5 steps. XLA:CPU at its default
     optimisation level: the MiniLM's steps run 3 times slower at the tests' -O0
-    (conftest.XLA_COMPILE_FLAGS). Its 5 compilations are most of the run: 40 steps over 160 rows
-    took 118 s in `make test` (2026-11-28), 20 steps over 80 rows about 40 s less of steps."""
+    (conftest.XLA_COMPILE_FLAGS). Its 5 compilations (about 60 s) are most of the run: the set-up
+    took 128 s with 40 steps over 160 rows and 104 s with these, alone and back to back
+    (2026-11-28, the machine shared)."""
     out = tmp_path_factory.mktemp("xla")
     proc, m = run_cli(["--backend", "xla", "--data-dir", write_slice(out / "mrpc", TRAIN_ROWS, EVAL_ROWS),
                        "--epochs", 2, "--lr", "2e-4", "--buckets", "64,128", "--log-every", 5], out,
