@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from xla_train.core import sharded_load
 from xla_train.core import tensor_parallel as tensor_plan
 from xla_train.core.errors import UserError
 from xla_train.core.roles import PathLike, Strategy, blocks_of, dcp_errors, optimizer_params, shaped_like
@@ -108,6 +109,7 @@ class Fsdp2(TorchStrategy):
     then FSDP2 shards every parameter over `fsdp`. A tensor group's workers see the same rows."""
 
     data_axes = ("fsdp",)
+    loads_shards = True  # job.pretrained builds the model without its weights; wrap_model reads its shards
     # Checkpoints: each worker writes and reads its own shards (its DTensors' local parts) with
     # torch.distributed.checkpoint, without the process group (no_dist: its own `.metadata`), into
     # `shards/host-<rank>/`, as XlaFsdp's hosts do; resumed by the same number of workers.
@@ -175,19 +177,60 @@ class Fsdp2(TorchStrategy):
     def wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
         from torch.distributed.fsdp import fully_shard
 
+        # A model built without its checkpoint's weights (job.pretrained, core.sharded_load): it is
+        # split and sharded as it is, then each worker's shards are read into (`_fill`).
+        source = getattr(model, sharded_load.SOURCE, None)
+        built = {}
+        if source is not None:
+            delattr(model, sharded_load.SOURCE)
+            built = {n: t.detach().clone() for n, t in [*model.named_parameters(), *model.named_buffers()]
+                     if not t.is_meta}  # the new head, the rotary buffers: `to_empty` clears them
         # placed before the mesh: torch's DeviceMesh sets the device to LOCAL_RANK's only where the
         # device's runtime has not started (device_mesh.py, _setup_world_group_and_device), which
         # TorchTPU would refuse on every worker but the first
-        model = model.to(self.accelerator.device)
-        if not dist.is_initialized():
-            return model  # one process: nothing to shard over
-        mesh = self.mesh()
-        if self.tensor_parallel > 1:
-            self._split(model, mesh[tensor_plan.TENSOR])
-        for block in blocks_of(model):
-            fully_shard(block, mesh=mesh["fsdp"])
-        fully_shard(model, mesh=mesh["fsdp"])
+        device = self.accelerator.device
+        model = model._apply(lambda t: t if t.is_meta else t.to(device))
+        if dist.is_initialized():
+            mesh = self.mesh()
+            if self.tensor_parallel > 1:
+                self._split(model, mesh[tensor_plan.TENSOR])
+            for block in blocks_of(model):
+                fully_shard(block, mesh=mesh["fsdp"])
+            fully_shard(model, mesh=mesh["fsdp"])  # one process: nothing to shard over
+        if source is not None:
+            self._fill(model, source, built)
         return model
+
+    def _fill(self, model: torch.nn.Module, source: sharded_load.Checkpoint, built: dict[str, torch.Tensor]
+              ) -> None:
+        """`model`'s tensors made on the device (FSDP2: each worker's shards, `to_empty`), then
+        filled: those it was built with from their copies, the checkpoint's from the slices this
+        worker holds (each DTensor's local shape and offset in the whole tensor)."""
+        from torch.distributed.tensor import DTensor, distribute_tensor
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        model.to_empty(device=self.accelerator.device)
+        state = dict(model.named_parameters()) | dict(model.named_buffers())
+        with torch.no_grad():
+            for name, value in built.items():
+                t = state[name]
+                if isinstance(t, DTensor):
+                    value = distribute_tensor(value.to(t.device), t.device_mesh, t.placements, src_data_rank=None)
+                    t, value = t.to_local(), value.to_local()
+                t.copy_(value)
+
+        def parts() -> Iterator[tuple[str, torch.Tensor, tuple[slice, ...]]]:
+            for name, p in state.items():
+                if name in built:
+                    continue
+                shape, offset = tuple(p.shape), (0,) * p.dim()
+                if isinstance(p, DTensor):
+                    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+                    p = p.to_local()
+                yield name, p, tuple(slice(o, o + n) for o, n in zip(offset, shape))
+
+        source.fill(parts())
+        print(source.line(f"worker {self.rank}", "its shards"), flush=True)
 
     def _split(self, model: torch.nn.Module, mesh: DeviceMesh) -> None:
         """`model`'s projections split over the tensor axis, `mesh`, by transformers' plan and

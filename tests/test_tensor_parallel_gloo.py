@@ -5,7 +5,7 @@ styles (gpu_fallback/strategies.py, Fsdp2._split), the rows over `fsdp` only.
 Four real gloo processes: fsdp=2 x tensor=2 against fsdp=4 and against plain torch in one process,
 for a Llama (grouped key/value heads), a Qwen2 (biases), a Qwen3 (per-head q/k norms, whose
 gradients transformers' style sums over the tensor group) and a Qwen3-MoE (its experts split by the
-plan's moe_tp_experts); then the command line beside
+plan's moe_tp_experts), each worker reading its shards from the safetensors (FSDP2's load); then the command line beside
 `--strategy fsdp` on two processes, which sees the same rows a worker."""
 
 import os
@@ -20,27 +20,38 @@ from conftest import ROOT, assert_same_weights, run_cli, stop_and_resume
 from xla_train.core.errors import UserError
 
 SAME = r"""
-import json, sys
+import functools, sys
 import torch
 from transformers import AutoModelForCausalLM
 from xla_train import launch
+from xla_train.core import sharded_load
 from xla_train.core.engine import Engine
 
 STEPS, LR, CLIP = 3, 2e-5, 1.0  # AdamW moves an element of a near-zero gradient by up to lr
 ids = torch.randint(3, 120, (8, 16), generator=torch.Generator().manual_seed(0))
 
 
-def train(folder, engine=None):
+def train(case, engine=None):
+    # case: a model folder, read into the workers' shards (sharded_load.skeleton, as job.pretrained
+    # builds it under FSDP2), or "folder|whole", loaded whole first
+    folder, _, how = case.partition("|")
     torch.manual_seed(0)
     # the experts' loop: torch's grouped_mm (transformers' default on the CPU) refuses the tiny
     # widths' strides ("strides should be multiple of 16 bytes")
     experts = {"experts_implementation": "eager"} if "moe" in folder else {}
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **experts)
+    load = functools.partial(AutoModelForCausalLM.from_pretrained, folder, dtype=torch.float32, **experts)
+    model = sharded_load.skeleton(load, folder) if engine and how != "whole" else None
+    model = model or load()
+    source = getattr(model, sharded_load.SOURCE, None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    rows = ids
+    rows, read = ids, None
     if engine:
         model, optimizer = engine.prepare(model, optimizer)
         rows = ids.chunk(engine.strategy.row_shares)[engine.strategy.row_share]
+        if source:  # the bytes this worker read, and those of its shards of the checkpoint's tensors
+            shards = sum(p.to_local().numel() * source.bytes[n] // p.numel()
+                         for n, p in engine.unwrap_model(model).named_parameters() if n in source.bytes)
+            read = engine.strategy.gather(torch.tensor([[source.bytes_read, shards]])).tolist()
     losses = []
     for _ in range(STEPS):
         loss = model(input_ids=rows, labels=rows).loss  # rows of equal tokens: the mean of the shares' means
@@ -54,19 +65,19 @@ def train(folder, engine=None):
             optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    return model, losses
+    return model, losses, read, source and sum(source.bytes.values())
 
 
-def worker(folders, out):
+def worker(cases, out):
     engine = Engine(max_grad_norm=CLIP)
     results = {}
-    for folder in folders:
-        model, losses = train(folder, engine)
+    for case in cases:
+        model, losses, read, total = train(case, engine)
         model = engine.unwrap_model(model)
         placements = {name: str(getattr(p, "placements", None)) for name, p in model.named_parameters()}
         weights = {name: engine.strategy.whole(p.detach()).clone() for name, p in model.state_dict().items()}
-        results[folder] = {"losses": losses, "weights": weights, "placements": placements,
-                           "shares": engine.strategy.row_shares}
+        results[case] = {"losses": losses, "weights": weights, "placements": placements,
+                         "shares": engine.strategy.row_shares, "read": read, "total": total}
     if engine.strategy.is_main:
         torch.save(results, out)
 
@@ -76,7 +87,7 @@ if __name__ == "__main__":
     if tensor == 0:
         results = {}
         for folder in folders:
-            model, losses = train(folder)
+            model, losses, _, _ = train(folder)
             results[folder] = {"losses": losses, "weights": model.state_dict()}
         torch.save(results, out)
     else:
@@ -104,22 +115,25 @@ FAMILIES = ("llama", "qwen2", "qwen3", "qwen3moe")
 @pytest.fixture(scope="session")
 def gloo_runs(tmp_path_factory):
     """For each family: plain torch in one process (tensor 0), fsdp=4 (tensor 1) and fsdp=2 x
-    tensor=2 on four gloo processes, one launch of the workers training the families in turn.
+    tensor=2 on four gloo processes, one launch of the workers training the families in turn,
+    each read into the workers' shards; at tensor 2 the Llama loaded whole too ("whole").
     Returns {family: {tensor: result}}."""
     folder = tmp_path_factory.mktemp("tp_gloo")
     script = folder / "same.py"
     script.write_text(SAME)
     models = [str(_save(family, folder / family)) for family in FAMILIES]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    results: dict[str, dict[int, dict]] = {family: {} for family in FAMILIES}
+    results: dict[str, dict[int | str, dict]] = {family: {} for family in FAMILIES}
     for tensor in (0, 1, 2):
         out = folder / f"tensor-{tensor}.pt"
-        proc = subprocess.run([sys.executable, script, out, str(tensor), *models], cwd=ROOT, env=env,
+        whole = [models[0] + "|whole"] if tensor == 2 else []
+        proc = subprocess.run([sys.executable, script, out, str(tensor), *models, *whole], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
         saved = torch.load(out)
         for family, model in zip(FAMILIES, models):
             results[family][tensor] = saved[model]
+    results[FAMILIES[0]]["whole"] = saved[models[0] + "|whole"]
     return results
 
 
@@ -146,6 +160,26 @@ def test_fsdp_by_tensor_on_gloo_trains_as_fsdp_and_as_one_process(gloo_runs, fam
     if family == "qwen3moe":  # the plan's moe_tp_experts: each expert's MLP split as a dense one
         assert placements[layer + "mlp.experts.gate_up_proj"] == "(Shard(dim=0), _StridedShard(dim=1, sf=2))"
         assert placements[layer + "mlp.experts.down_proj"] == "(Shard(dim=0), Shard(dim=2))"
+
+
+def test_each_worker_reads_its_shards_only_and_trains_as_if_loaded_whole(gloo_runs):
+    """FSDP2's load from the shards (job.pretrained builds the model without its weights, each
+    worker fills its shards from their slices of the safetensors: Fsdp2._fill): every worker reads
+    exactly its shards' bytes, under fsdp=4 and under fsdp=2 x tensor=2 (a quarter of each split
+    tensor, the norms' halves on both workers of a tensor group), never the whole checkpoint; and
+    the Llama (tied head) trains bit for bit as when loaded whole and then split."""
+    for family in FAMILIES:
+        for tensor in (1, 2):
+            run = gloo_runs[family][tensor]
+            if family == "qwen3moe":  # its experts are stacked from the files' per-expert tensors: loaded whole
+                assert run["read"] is None
+                continue
+            assert [read for read, _ in run["read"]] == [shards for _, shards in run["read"]], (family, tensor)
+            assert max(read for read, _ in run["read"]) < run["total"] / 2, (family, tensor, run["read"])
+    sharded, whole = gloo_runs["llama"][2], gloo_runs["llama"]["whole"]
+    assert whole["read"] is None and sharded["losses"] == whole["losses"]
+    for name, w in whole["weights"].items():
+        torch.testing.assert_close(sharded["weights"][name], w, atol=0, rtol=0, msg=name)
 
 
 def test_the_torch_native_split_refuses_what_it_cannot_split():

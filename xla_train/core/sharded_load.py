@@ -1,4 +1,4 @@
-"""Loading a model's weights straight into their shards (`--backend xla --strategy fsdp`): the
+"""Loading a model's weights straight into their shards (`--strategy fsdp`: FSDPv2 on XLA, FSDP2): the
 model is built without storage (the meta device), and each parameter the checkpoint holds is made
 on the devices already sharded, from the slices of the checkpoint's safetensors that this host's
 devices hold, one tensor at a time. No host ever holds the whole model (the way it loaded before:
@@ -16,6 +16,9 @@ Two steps, at the two places a run has them:
   (`torch_xla._XLAC._global_tensor_from_cpu_shards`); FSDPv2 then leaves it as it is (it marks only
   parameters not sharded yet: torch_xla 2.9's experimental/spmd_fully_sharded_data_parallel.py,
   SpmdFullyShardedDataParallel.__init__).
+
+FSDP2 (gpu_fallback.strategies.Fsdp2.wrap_model) shards the skeleton as it is, makes each worker's
+shards empty (`to_empty`), then fills them in place from their slices (`Checkpoint.fill`).
 
 Where it does not apply, the model loads whole as before (`skeleton` returns None): a model that
 is no local folder of safetensors, or whose parameters are not the checkpoint's tensors by name and
@@ -152,10 +155,22 @@ class Checkpoint:
         finally:
             self.close()
 
-    def line(self) -> str:
+    def fill(self, parts: Iterator[tuple[str, torch.Tensor, tuple[slice, ...]]]) -> None:
+        """Each `(key, local, index)` of `parts`: `local` (a worker's part of tensor `key`, made
+        empty) filled in place with the checkpoint's slice `index`, cast to its dtype; one tensor
+        at a time (FSDP2's shards: gpu_fallback.strategies.Fsdp2)."""
+        try:
+            with torch.no_grad():
+                for key, local, index in parts:
+                    if local.numel():
+                        local.copy_(self.read(key, index).to(local.dtype))
+        finally:
+            self.close()
+
+    def line(self, who: str = "this host", held: str = "its devices' shards") -> str:
         total = sum(self.bytes.values())
-        return (f"loaded {self.name}: this host read {self.bytes_read / MIB:.1f} MiB of {total / MIB:.1f} MiB, "
-                "its devices' shards (the weights were never whole on the host)")
+        return (f"loaded {self.name}: {who} read {self.bytes_read / MIB:.1f} MiB of {total / MIB:.1f} MiB, "
+                f"{held} (the weights were never whole on the host)")
 
 
 @functools.cache
