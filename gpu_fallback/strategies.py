@@ -148,7 +148,7 @@ class Fsdp2(TorchStrategy):
 
     def check_model(self, config: Any, lora: bool = False) -> None:
         # transformers' colwise style splits the key/value projections too: no heads kept whole
-        line = tensor_plan.refusal(config, self.tensor_parallel, kv_whole=False)
+        line = tensor_plan.refusal(config, self.tensor_parallel, every_projection=True)
         if not line and lora and self.tensor_parallel > 1:
             line = (f"`tensor_parallel` {self.tensor_parallel} with `lora` runs on the xla backend only so far "
                     "(transformers' styles split the layers LoRA wraps)")
@@ -196,7 +196,10 @@ class Fsdp2(TorchStrategy):
                 self._split(model, mesh[tensor_plan.TENSOR])
             for block in blocks_of(model):
                 fully_shard(block, mesh=mesh["fsdp"])
-            fully_shard(model, mesh=mesh["fsdp"])  # one process: nothing to shard over
+            fully_shard(model, mesh=mesh["fsdp"])
+        elif self.tensor_parallel > 1:  # an Engine made in a script without launch
+            raise UserError(f"`tensor_parallel` {self.tensor_parallel} needs as many workers or more: start them "
+                            "with launch(..., num_processes=..., tensor_parallel=...)")
         if source is not None:
             self._fill(model, source, built)
         return model

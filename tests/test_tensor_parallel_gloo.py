@@ -183,9 +183,9 @@ def test_each_worker_reads_its_shards_only_and_trains_as_if_loaded_whole(gloo_ru
 
 
 def test_the_torch_native_split_refuses_what_it_cannot_split():
-    """In one line each, before anything loads: key/value heads the tensor group does not divide
-    (transformers' colwise style splits them; XLA keeps them whole), LoRA, and workers that the
-    tensor group does not divide."""
+    """In one line each, before anything loads: key/value heads or experts' width the tensor group
+    does not divide (transformers' styles split them; XLA keeps them whole), LoRA, workers that the
+    tensor group does not divide, and an Engine of one process asked to split."""
     from transformers import LlamaConfig
 
     from xla_train.core.select import select_roles
@@ -200,6 +200,17 @@ def test_the_torch_native_split_refuses_what_it_cannot_split():
     with pytest.raises(UserError, match="with `lora` runs on the xla backend only so far"):
         strategy.check_model(LlamaConfig(num_attention_heads=4, num_key_value_heads=2, intermediate_size=256),
                              lora=True)
+    from transformers import Qwen3MoeConfig
+
+    moe = Qwen3MoeConfig(num_attention_heads=4, num_key_value_heads=2, intermediate_size=240,
+                         moe_intermediate_size=33)  # transformers' moe_tp_experts splits the experts' width
+    with pytest.raises(UserError, match=r"experts' MLP width \(33\) cannot be split evenly over 2 devices$"):
+        strategy.check_model(moe)
+    from xla_train.core import tensor_parallel as tp
+
+    assert tp.refusal(moe, 2) is None  # XLA splits the experts by FSDPv2's rule, not the plan's
+    with pytest.raises(UserError, match="needs as many workers or more: start them with launch"):
+        strategy.wrap_model(torch.nn.Linear(2, 2))  # an Engine in a script, one process, no launch
     odd = select_roles("cpu", 3, "fsdp", tensor_parallel=2)
     with pytest.raises(UserError, match=r"^`tensor_parallel` 2 does not divide the 3 workers "
                                         r"\(`num_processes`\)$"):

@@ -299,9 +299,9 @@ class Strategy(ABC):
 
     @property
     def peers(self) -> int:
-        """The processes of the job, each with its own signals and its own share of every batch's
-        rows: the replicas (under SPMD, one process per host). They agree on a stop, and
-        Engine's loaders split the rows over them."""
+        """The processes of the job, each with its own signals: the replicas (under SPMD, one
+        process per host). They agree on a stop; Engine's loaders split the rows over their
+        `row_shares`."""
         return self.world_size
 
     @property

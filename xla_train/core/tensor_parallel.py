@@ -30,21 +30,27 @@ def _sizes(config: Any) -> dict[str, int | None]:
     text = getattr(config, "get_text_config", lambda: config)()
     return {"attention heads": getattr(text, "num_attention_heads", None),
             "key/value heads": getattr(text, "num_key_value_heads", None),
-            "MLP width": getattr(text, "intermediate_size", None)}
+            "MLP width": getattr(text, "intermediate_size", None),
+            "experts' MLP width": getattr(text, "moe_intermediate_size", None)}
 
 
-def refusal(config: Any, n: int, kv_whole: bool = True) -> str | None:
+# what XLA's SPMD keeps whole where N does not divide it (`planned_specs`): the key/value projections,
+# as vLLM replicates them; and the experts, split by FSDPv2's rule (`default_spec`), not the plan's
+KEPT_WHOLE = ("key/value heads", "experts' MLP width")
+
+
+def refusal(config: Any, n: int, every_projection: bool = False) -> str | None:
     """Why a model of `config` does not split over `n` tensor-parallel devices, in one line, or None.
-    With `kv_whole` (XLA's SPMD), key/value heads that `n` does not divide are no refusal: their
-    projections stay whole on each device of a tensor group (`planned_specs`), as vLLM replicates
-    them; transformers' styles (FSDP2 on CUDA and the CPU) split every colwise projection."""
+    Sizes of KEPT_WHOLE that `n` does not divide are no refusal on XLA; with `every_projection`
+    (transformers' styles under FSDP2 on CUDA and the CPU, which split the key/value projections
+    and the experts too) they are."""
     if n == 1:
         return None
     name = type(config).__name__
     if not plan_of(config):
         return f"`tensor_parallel` {n}: {name} has no tensor-parallel plan (transformers' base_model_tp_plan)"
     for what, size in _sizes(config).items():
-        if (what != "key/value heads" or not kv_whole) and size and size % n:
+        if (what not in KEPT_WHOLE or every_projection) and size and size % n:
             return f"`tensor_parallel` {n}: {name}'s {what} ({size}) cannot be split evenly over {n} devices"
     return None
 

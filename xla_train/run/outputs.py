@@ -2,6 +2,7 @@
 predictions, the run folder's record and the metrics JSON."""
 
 import json
+import math
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -122,7 +123,7 @@ def token_throughput(engine, job, t, timing):
     model = engine.unwrap_model(t.model)
     length = padded / max(1, (state.step - state.first_step) * t.shapes.rows_per_step)  # the mean row length
     mfu = (flops_per_token(model.config, t.counts["total_params"], length) * real / seconds /
-           (peak * engine.data_parallel_size)) if peak and real else None
+           (peak * math.prod(size for _, size in engine.strategy.mesh_shape()))) if peak and real else None
     return {"padded": padded, "real": real, "trained": in_loss, "per_s": round(padded / seconds, 3),
             "trained_per_s": round(in_loss / seconds, 3) if in_loss is not None else None,
             "padding_share": round(1 - real / padded, 4) if padded else None,
