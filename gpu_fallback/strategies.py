@@ -65,11 +65,7 @@ class TorchStrategy(Strategy):
         return norm
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.world_size == 1:
-            return tensor
-        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        dist.all_gather(parts, tensor.contiguous())
-        return torch.cat(parts)
+        return _all_gather(tensor, self.world_size)
 
     def barrier(self) -> None:
         if self.world_size > 1:
@@ -253,10 +249,8 @@ class Fsdp2(TorchStrategy):
     def gather_batch(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.tensor_parallel == 1:
             return self.gather(tensor)
-        group = self.mesh()["fsdp"].get_group()  # this worker's tensor position in every row of the mesh
-        parts = [torch.empty_like(tensor) for _ in range(self.row_shares)]
-        dist.all_gather(parts, tensor.contiguous(), group=group)
-        return torch.cat(parts)
+        # this worker's tensor position in every row of the mesh
+        return _all_gather(tensor, self.row_shares, self.mesh()["fsdp"].get_group())
 
     @contextmanager
     def _gradient_sync_off(self, model: Any) -> Iterator[None]:
@@ -344,3 +338,12 @@ def _by_mesh(params: Sequence[torch.Tensor]) -> dict[Any, list[torch.Tensor]]:
         if p.grad is not None:
             groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
     return groups
+
+
+def _all_gather(tensor: torch.Tensor, size: int, group: Any = None) -> torch.Tensor:
+    """`tensor` of each of the `size` processes of `group` (None: every one), concatenated on dim 0."""
+    if size == 1:
+        return tensor
+    parts = [torch.empty_like(tensor) for _ in range(size)]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return torch.cat(parts)
