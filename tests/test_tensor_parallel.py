@@ -72,7 +72,9 @@ for case in sys.argv[1:]:
         values = engine.strategy.read([*losses, *state.values()])
         after = engine.accelerator.compile_stats()
         if way == "tp2-sharded":
-            first_q = plain.model.layers[0].self_attn.q_proj.weight  # read again once another model is prepared
+            attention = plain.model.layers[0].self_attn  # q (Phi-4-mini's fused qkv), read again once another
+            first_q = getattr(attention, "q_proj", None) or attention.qkv_proj  # model is prepared
+            first_q = first_q.weight
         out[way] = {"losses": [v.item() for v in values[:STEPS]], "state": dict(zip(state, values[STEPS:])),
                     "specs": {k: torch_xla._XLAC._get_xla_sharding_spec(v) for k, v in state.items()},
                     "compiles": after["compiles"] - before["compiles"],
@@ -117,7 +119,8 @@ def two_d(tmp_path_factory):
     and whole at 2; Qwen2 from shards at 2."""
     folder = tmp_path_factory.mktemp("tp")
     cases = {"llama": f"{td.save('llama', folder / 'llama')}|tp1-sharded,tp2-sharded,tp2-whole",
-             "qwen2": f"{_qwen2(folder / 'qwen2')}|tp2-sharded"}
+             "qwen2": f"{_qwen2(folder / 'qwen2')}|tp2-sharded",
+             "phi4mini": f"{td.save('phi4mini', folder / 'phi4mini')}|tp2-sharded"}
     proc = subprocess.run([sys.executable, "-c", SAME, *cases.values()], cwd=ROOT, capture_output=True, text=True,
                           timeout=900, env={**os.environ, **FOUR})
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -125,10 +128,12 @@ def two_d(tmp_path_factory):
     return {**{family: out[case.split("|")[0]] for family, case in cases.items()}, "pallas_spec": out["pallas_spec"]}
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "phi4mini"])
 def test_fsdp_by_tensor_trains_as_fsdp_and_as_the_cpu(family, two_d):
     """Three AdamW steps (lr 2e-5): fsdp=2 x tensor=2 gives plain torch's losses and parameters on
-    the CPU within 1e-5, and fsdp=4's (Llama); no graph and no aten fallback more than fsdp=4's."""
+    the CPU within 1e-5, and fsdp=4's (Llama); no graph and no aten fallback more than fsdp=4's.
+    Phi-4-mini's fused projections split by transformers' `colwise_gather_output` and
+    `rowwise_split_input` styles, their outputs sliced and chunked by the model, train the same."""
     runs = dict(two_d[family])
     # a model prepared later (a frozen reference, the whole load here) leaves the first one's layout as it was
     assert runs.pop("first_q_spec") == ["tensor", "fsdp"]
@@ -160,6 +165,13 @@ def test_the_plan_lays_projections_out_megatrons_way(two_d):
     # the Pallas kernel's partition spec: rows over fsdp, heads over tensor (core/attention.py, _spmd_layout)
     assert two_d["pallas_spec"] == ["fsdp", "tensor", None, None]
     assert qwen2[layer + "self_attn.q_proj.bias"] == "{devices=[2,2]0,2,1,3 last_tile_dim_replicate}"
+    # Phi-4-mini's styles colwise_gather_output (fused qkv_proj, gate_up_proj) and rowwise_split_input
+    # (o_proj, down_proj): laid out as column- and row-parallel, not along the contraction (issue 61)
+    phi = two_d["phi4mini"]["tp2-sharded"]["specs"]
+    for column in ("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight"):
+        assert phi[layer + column] == llama[layer + "self_attn.q_proj.weight"], column
+    for row in ("self_attn.o_proj.weight", "mlp.down_proj.weight"):
+        assert phi[layer + row] == llama[layer + "self_attn.o_proj.weight"], row
 
 
 STEPS = 8
@@ -281,6 +293,26 @@ def test_the_specs_follow_the_plan_through_wrappers_and_adapters():
     assert tp.plan_of(Gemma3Config())["layers.*.mlp.down_proj"] == "rowwise"
     assert tp.default_spec((50, 32), tensor=True) == ("fsdp", "tensor")
     assert tp.default_spec((32,), tensor=True) == ("fsdp",)
+
+
+@pytest.mark.parametrize("family", ["phi4mini", "olmo2"])
+def test_gather_output_and_split_input_styles_split_as_columns_and_rows(family):
+    """transformers' `colwise_gather_output` and `rowwise_split_input` (Phi-4-mini's fused qkv_proj and
+    gate_up_proj, OLMo-2's q/k/v/o, whose q and k norms span every head) split a weight's output and
+    input as `colwise` and `rowwise` do; a fused qkv_proj is not taken for a key/value projection kept
+    whole (Phi-4-mini's one key/value head, which 2 does not divide)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(td.config(family, 50))
+    plan, specs = tp.plan_of(model.config), tp.planned_specs(model, 2)
+    assert {"colwise_gather_output", "rowwise_split_input"} <= set(plan.values()), plan
+    layer = "model.layers.0."
+    for pattern, style in plan.items():
+        name = layer + pattern.removeprefix("layers.*.") + ".weight"
+        if style in tp.COLUMN + tp.ROW:
+            assert specs[name] == (("tensor", "fsdp") if style in tp.COLUMN else ("fsdp", "tensor")), (name, style)
+    if family == "phi4mini":
+        assert model.config.num_key_value_heads % 2 and specs[layer + "self_attn.qkv_proj.weight"] == ("tensor", "fsdp")
 
 
 def test_the_memory_plan_splits_a_blocks_heads_and_mlp_not_its_norms():

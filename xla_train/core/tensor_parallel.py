@@ -97,27 +97,41 @@ def default_spec(shape: tuple[int, ...] | torch.Size, tensor: bool) -> Spec:
 
 
 KV_PROJECTIONS = ("k_proj", "v_proj")  # the key and value projections, by transformers' names for them
+# transformers' styles of a Linear by the split of its weight: its output (column-parallel) or its
+# input (row-parallel). The `_gather_output` and `_split_input` variants (Phi-3's and Phi-4-mini's
+# fused qkv_proj and gate_up_proj with their o_proj and down_proj, OLMo-2's q/k/v/o, GLM's MLP) split
+# the weight the same way and differ only in where transformers' DTensor hooks move the
+# activations: gathered whole after the projection (so a slice of the fused output, or a norm over
+# every head, sees all of it), split again before the next (integrations/tensor_parallel.py). Under
+# XLA's SPMD the compiler places those collectives itself from the weights' layout; left to
+# `default_spec`, a fused projection was split along its input, an all-reduce at every projection.
+COLUMN = ("colwise", "colwise_gather_output")
+ROW = ("rowwise", "rowwise_split_input")
 
 
 def planned_specs(model: torch.nn.Module, n: int) -> dict[str, Spec]:
     """{parameter name: spec} for the parameters of `model` that its config's plan names: a
-    `colwise` Linear's weight [out, in] as (tensor, fsdp) and its bias over `tensor`; a `rowwise`
-    one's weight as (fsdp, tensor), its bias whole. Where `n` does not divide the key/value heads,
-    the key and value projections keep FSDPv2's layout alone (whole over `tensor`). Other styles
+    column-parallel Linear's weight [out, in] (COLUMN's styles) as (tensor, fsdp) and its bias over
+    `tensor`; a row-parallel one's (ROW) as (fsdp, tensor), its bias whole. Where `n` does not
+    divide the key/value heads, the key and value projections keep FSDPv2's layout alone (whole
+    over `tensor`). Other styles
     (experts, replicated norms) keep `default_spec`."""
     kv_heads = _sizes(model.config)["key/value heads"]
     plan = plan_of(model.config)
     specs: dict[str, Spec] = {}
     for name, module in model.named_modules():
         style = _style(plan, name) if isinstance(module, torch.nn.Linear) else None
-        if style not in ("colwise", "rowwise"):
+        if style not in COLUMN + ROW:
             continue
+        column = style in COLUMN
         prefix = name + "." if name else ""
-        whole = kv_heads is not None and not kv_heads_split(kv_heads, n) and _plan_name(name).endswith(KV_PROJECTIONS)
+        # by the last part of the name: a fused `qkv_proj` (Phi-3) also ends in "v_proj", and splits as a column
+        whole = (kv_heads is not None and not kv_heads_split(kv_heads, n)
+                 and _plan_name(name).rsplit(".", 1)[-1] in KV_PROJECTIONS)
         if whole:
             specs[prefix + "weight"] = default_spec(module.weight.shape, tensor=False)
         else:
-            specs[prefix + "weight"] = (TENSOR, FSDP) if style == "colwise" else (FSDP, TENSOR)
+            specs[prefix + "weight"] = (TENSOR, FSDP) if column else (FSDP, TENSOR)
         if module.bias is not None:
-            specs[prefix + "bias"] = (TENSOR,) if style == "colwise" and not whole else (FSDP,)
+            specs[prefix + "bias"] = (TENSOR,) if column and not whole else (FSDP,)
     return specs
