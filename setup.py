@@ -9,6 +9,11 @@ TEST = ["pytest<9.2", "pytest-xdist", "accelerate", "gcp-storage-emulator", "goo
 
 XLA_VERSION = "2.9.0"  # torch_xla's last release, and the torch release it was built for (see the extras)
 XLA_TORCH = f"torch=={XLA_VERSION}"
+# torch_xla's call_jax (its Pallas wrappers: the grouped matmul, splash attention) needs torchax, and
+# the torchax its wheel bundles (0.0.6) imports flax, which nothing else brings: flax 0.12.0 is the
+# newest release made for jax 0.7.1 (it requires jax>=0.7.1; 0.12.1 requires 0.8.1). torchax from
+# the package index would overwrite torch_xla's own files.
+FLAX = "flax==0.12.0"
 
 setup(
     name="xla-train",
@@ -46,7 +51,7 @@ setup(
         "xla": [XLA_TORCH, f"torch_xla=={XLA_VERSION}"],  # XLA on PJRT's CPU (or GPU) device
         # adds libtpu, for Cloud TPU VMs and Colab TPU, and the jax its Pallas kernels are written in
         # (torch_xla's own pallas extra: jax and jaxlib 0.7.1), which --attention pallas calls
-        "tpu": [XLA_TORCH, f"torch_xla[tpu,pallas]=={XLA_VERSION}"],
+        "tpu": [XLA_TORCH, f"torch_xla[tpu,pallas]=={XLA_VERSION}", FLAX],
         # TorchTPU (--backend tpu): torch 2.11-2.15 and libtpu. It cannot share an environment with
         # the xla and tpu extras, which hold torch at 2.9.
         "torchtpu": ["torch-tpu==0.2.0"],
@@ -58,7 +63,7 @@ setup(
         # every test (make test), and TRL for benchmarks/bench_sft.py (TRL's SFTTrainer side by side)
         # and jax (torch_xla's pallas extra), whose Pallas TPU kernels run in interpret mode on the
         # CPU (tests/test_pallas.py)
-        "dev": TEST + [XLA_TORCH, f"torch_xla[pallas]=={XLA_VERSION}", "trl>=1.16,<2"],
+        "dev": TEST + [XLA_TORCH, f"torch_xla[pallas]=={XLA_VERSION}", FLAX, "trl>=1.16,<2"],
     },
     entry_points={"console_scripts": ["xla-train=xla_train.commands.cli:main"],
                   # the torch-native backends' roles, found by xla_train.core.select.registered_roles

@@ -125,3 +125,128 @@ def test_xla_accelerator_sets_static_experts():
     for family in td.EXPERTS:
         model = XlaAccelerator().adapt_model(tiny(family))
         assert model.config._experts_implementation == XLA_EXPERTS, family
+
+
+# --- the grouped matmul (core/megablox.py): torch_xla 2.9's megablox kernels, which only a TPU runs.
+# Checked here against jax's own kernels: lowered for a TPU (Mosaic's block rules, jax's row-tile
+# check) for the rule, and run in TPU interpret mode (tests/megablox_interpret.py) for the numbers.
+
+
+def _lowers(m, k, n, groups, dtype):
+    """Whether jax 0.7.1's kernels, lowered for a TPU (on this CPU), take the three calls the package
+    makes for `m` sorted rows through `groups` experts' (k, n) weights, with its tiles as torch_xla's
+    wrappers pass them: gmm forward, gmm on the weights transposed (the rows' gradient), tgmm (the
+    weights')."""
+    import importlib
+
+    import jax
+    import jax.numpy as jnp
+
+    from xla_train.core.megablox import gmm_tiling
+
+    mb = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
+    S, dt = jax.ShapeDtypeStruct, getattr(jnp, dtype)
+    (tm, tk, tn), (_, tk2, tn2) = gmm_tiling(m, k, n, groups), gmm_tiling(m, n, k, groups)
+    calls = [(lambda a, b, s: mb.gmm(a, b, s, dt, (min(tm, m), tk, tn)), S((m, k), dt), S((groups, k, n), dt)),
+             (lambda a, b, s: mb.gmm(a, b, s, dt, (min(tm, m), tk2, tn2), transpose_rhs=True), S((m, n), dt),
+              S((groups, k, n), dt)),
+             (lambda a, b, s: mb.tgmm(a, b, s, dt, (min(tm, m), min(tk, k), min(tn, n))), S((k, m), dt), S((m, n), dt))]
+    for call, lhs, rhs in calls:
+        try:
+            jax.jit(call).trace(lhs, rhs, S((groups,), jnp.int32)).lower(lowering_platforms=("tpu",))
+        except ValueError:  # jax's "must be divisible by x-dimension tile size", Mosaic's block-shape rule
+            return False
+    return True
+
+
+def test_the_rows_handed_to_the_grouped_matmul_are_the_rows_it_takes():
+    """The package's tiles are torch_xla 2.9's (`_get_tiling_size_for_gmm_kernel`), and its rule
+    (`gmm_serves`) agrees with jax's kernels lowered for a TPU, rows served and refused, fp32 and bf16
+    (Qwen3-30B-A3B's 128 experts 2,048 wide by 768; gpt-oss-20b's 32, 2,880 by 5,760; the zoo's 4)."""
+    pytest.importorskip("jax")
+    from torch_xla.experimental.custom_kernel import _get_tiling_size_for_gmm_kernel
+
+    from xla_train.core.megablox import gmm_serves, gmm_tiling
+
+    grid = [(m, k, n, g) for m in range(8, 8193, 8) for k, n, g in ((64, 48, 4), (2048, 1536, 128), (2880, 5760, 32))]
+    assert all(gmm_tiling(*c) == _get_tiling_size_for_gmm_kernel(*c) for c in grid)
+    cases = [(64, 64, 48, 4, "float32"), (200, 64, 48, 4, "float32"), (384, 64, 48, 4, "bfloat16"),
+             (4096, 2048, 1536, 128, "bfloat16"), (640, 2880, 5760, 32, "float32"), (1088, 2880, 5760, 32, "float32")]
+    assert [gmm_serves(*c[:4]) for c in cases] == [True, False, False, True, True, False]
+    assert [_lowers(*c) for c in cases] == [gmm_serves(*c[:4]) for c in cases]
+
+
+def _experts_of(model):
+    return next(m for m in model.modules() if hasattr(m, "has_gate") and hasattr(m, "is_transposed"))
+
+
+@pytest.mark.parametrize("family", td.EXPERTS)
+def test_grouped_experts_equal_eager(family):
+    """A family's experts through the grouped matmul (jax's kernels interpreted, with the arguments
+    torch_xla's wrappers pass) against transformers' eager experts, with uneven routing and an
+    expert no token picks: the output and the gradients of the tokens, the routing weights and every
+    expert's weights (and biases: gpt-oss) within 1e-4 in fp32."""
+    pytest.importorskip("jax")
+    import megablox_interpret as MI
+
+    from xla_train.core.experts import grouped_experts_forward
+
+    experts = _experts_of(tiny(family))
+    reference = copy.deepcopy(experts)
+    reference.config._experts_implementation = "eager"
+    tokens = 32  # 64 (token, expert) rows: one row tile
+    torch.manual_seed(1)
+    hidden = torch.randn(tokens, experts.gate_up_proj.size(1 if experts.is_transposed else 2))
+    index = torch.tensor([[0, 1]] * 20 + [[1, 0]] * 8 + [[3, 1]] * 4)  # expert 2 empty; 28, 32, 0, 4 rows
+    weights = torch.rand(tokens, 2)
+    got, ref = [(h.clone().requires_grad_(), w.clone().requires_grad_()) for h, w in [(hidden, weights)] * 2]
+    out = grouped_experts_forward(experts, *got[:1], index, got[1], kernels=MI.KERNELS)
+    expected = reference(ref[0], index, ref[1])
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=0)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    expected.backward(grad)
+    torch.testing.assert_close(got[0].grad, ref[0].grad, atol=1e-4, rtol=0)
+    torch.testing.assert_close(got[1].grad, ref[1].grad, atol=1e-4, rtol=0)
+    for (name, p), q in zip(experts.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-4, rtol=0, msg=name)
+    assert experts.down_proj.grad[2].abs().max() == 0  # the empty expert's gradient: zeros, written by tgmm
+
+
+def test_grouped_experts_refused_rows_take_the_dense_path():
+    """Rows the kernel refuses (200 tokens x 2 = 400, not a multiple of its 128-row tile) never reach
+    it: the layer computes the dense path's numbers."""
+    from xla_train.core.experts import dense_experts_forward, grouped_experts_forward
+    from xla_train.core.megablox import Kernels
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the kernel was handed rows it refuses")
+
+    experts = _experts_of(tiny("qwen3moe"))
+    hidden, index = torch.randn(200, 64), torch.randint(0, 4, (200, 2))
+    weights = torch.rand(200, 2)
+    torch.testing.assert_close(grouped_experts_forward(experts, hidden, index, weights, Kernels(refused, refused)),
+                               dense_experts_forward(experts, hidden, index, weights))
+
+
+def test_static_experts_grouped_where_asked():
+    from xla_train.core.experts import XLA_GROUPED, experts_implementation
+
+    model = tiny("gptoss")
+    assert experts_implementation(model) == "grouped_mm"  # transformers' default for a model made without a choice
+    assert static_experts(model, grouped=True)
+    assert model.config._experts_implementation == XLA_GROUPED == experts_implementation(model)
+    assert experts_implementation(tiny("llama")) is None
+
+
+def test_call_jax_imports():
+    """The dev extra (as the tpu extra) brings flax, which torch_xla 2.9's bundled torchax imports:
+    torch_xla's call_jax, through which its Pallas wrappers run, finds torchax."""
+    pytest.importorskip("jax")
+    from torch_xla._internal.jax_workarounds import maybe_get_torchax
+    from torch_xla.core.xla_builder import call_jax
+
+    assert maybe_get_torchax() is not None and callable(call_jax)
+    from xla_train.core.megablox import grouped_refusal
+
+    assert "TPU only" in grouped_refusal()  # XLA:CPU here: the dense path stays (static_experts)

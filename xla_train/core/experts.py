@@ -27,8 +27,15 @@ the same numbers as eager up to the order of additions (fp32: within 1e-5, outpu
 static for any routing. Its cost: experts / top-k times the experts' FLOPs (Mixtral 4x, gpt-oss-20b
 8x, Qwen3-30B-A3B 16x), tokens x experts x 3 x intermediate activations per layer (about 1/(top-k x
 hidden / experts) of batched_mm's gathered weights: Qwen3-30B-A3B 128x less, Mixtral 1024x less).
-(A TPU could do better with torch_xla's Pallas grouped matmul, torch_xla.experimental.
-custom_kernel.gmm, which XLA:CPU cannot run.)
+
+On a TPU, `grouped_experts_forward` (XLA_GROUPED) runs each expert on its own tokens only, through
+torch_xla's Pallas grouped matmul (core/megablox.py), dropless and with static shapes: the tokens x
+top-k (token, expert) pairs sorted by expert (a stable argsort), each expert's count as int32 (a
+one-hot sum: no nonzero, no histogram), the gate/up and down projections as two grouped matmuls,
+the results weighted by the router and summed back per token. FLOPs: the active experts' (1x);
+activations: tokens x top-k x (3 x intermediate + 2 x hidden). Where the kernel refuses the rows
+(`megablox.gmm_serves`) the layer takes the dense path, at trace time (shapes are static).
+XLA:CPU and XLA on a GPU cannot run the kernel and keep the dense path.
 """
 
 from __future__ import annotations
@@ -37,7 +44,10 @@ from typing import Any
 
 import torch
 
+from .megablox import Kernels, gmm_serves, grouped_matmul, grouped_refusal, torch_xla_kernels
+
 XLA_EXPERTS = "xla_dense"
+XLA_GROUPED = "xla_grouped"  # a TPU's: torch_xla's megablox grouped matmul
 # the stock implementations XLA cannot run statically (see above); others (CUDA kernels, FP8) are left alone
 REPLACED = ("eager", "grouped_mm", "batched_mm")
 
@@ -89,10 +99,55 @@ def dense_experts_forward(self: Any, hidden_states: torch.Tensor, top_k_index: t
     return final.to(hidden_states.dtype)
 
 
+def grouped_experts_forward(self: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                            top_k_weights: torch.Tensor, kernels: Kernels | None = None) -> torch.Tensor:
+    """`dense_experts_forward`'s contract through the grouped matmul: each (token, expert) pair
+    once, each expert over its own rows. `kernels`: torch_xla's gmm and tgmm unless given (the
+    tests hand jax's kernels interpreted on the CPU). Rows the kernel refuses go the dense way."""
+    if getattr(self, "_is_expert_parallel", False):
+        raise NotImplementedError(f"{XLA_GROUPED} experts do not shard experts over devices (expert parallelism)")
+    tokens, hidden = hidden_states.shape
+    top_k, experts = top_k_index.size(1), self.num_experts
+    up = self.gate_up_proj if self.has_gate else self.up_proj  # [experts, hidden, out], else [experts, out, hidden]
+    out_dim = up.size(2) if self.is_transposed else up.size(1)
+    inner = self.down_proj.size(1) if self.is_transposed else self.down_proj.size(2)
+    rows = tokens * top_k
+    if not (gmm_serves(rows, hidden, out_dim, experts) and gmm_serves(rows, inner, hidden, experts)):
+        return dense_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+    kernels = kernels or torch_xla_kernels()
+
+    # --- the pairs sorted by expert: static shapes ([rows]), a stable sort keeps each expert's tokens in order
+    expert_of_pair = top_k_index.reshape(rows)
+    order = torch.argsort(expert_of_pair, stable=True)
+    expert_sorted = expert_of_pair[order]
+    token_sorted = order // top_k  # pair p is token p // top_k's
+    # rows per expert, int32 as the kernel takes them: a one-hot sum ([rows, experts]), which XLA
+    # keeps on the device (torch.bincount and histc come back to the host on XLA)
+    group_sizes = (expert_of_pair[:, None] == torch.arange(experts, device=hidden_states.device)).sum(0)
+    group_sizes = group_sizes.to(torch.int32)
+
+    # --- up (and gate) projection: [rows, hidden] x each expert's weights
+    proj = grouped_matmul(hidden_states[token_sorted], up, group_sizes, not self.is_transposed, kernels)
+    if self.has_bias:
+        proj = proj + (self.gate_up_proj_bias if self.has_gate else self.up_proj_bias)[expert_sorted]
+    act = self._apply_gate(proj) if self.has_gate else self.act_fn(proj)  # the module's own (gpt-oss: clamped)
+
+    # --- down projection, the router's weight, each token's pairs summed
+    out = grouped_matmul(act, self.down_proj, group_sizes, not self.is_transposed, kernels)
+    if self.has_bias:
+        out = out + self.down_proj_bias[expert_sorted]
+    if self.has_post_expert_norm:
+        out = self.post_expert_norm(out)  # per row: each pair's expert output, before its weight
+    out = out * top_k_weights.reshape(rows)[order].to(out.dtype)[:, None]
+    final = torch.zeros(tokens, hidden, dtype=out.dtype, device=out.device).index_add(0, token_sorted, out)
+    return final.to(hidden_states.dtype)
+
+
 def _register() -> None:
     from transformers.integrations.moe import ExpertsInterface
 
     ExpertsInterface.register(XLA_EXPERTS, dense_experts_forward)
+    ExpertsInterface.register(XLA_GROUPED, grouped_experts_forward)
 
 
 def has_experts(model: torch.nn.Module) -> bool:
@@ -101,9 +156,11 @@ def has_experts(model: torch.nn.Module) -> bool:
     return any(hasattr(m, "has_gate") and hasattr(m, "is_transposed") for m in model.modules())
 
 
-def static_experts(model: torch.nn.Module) -> bool:
+def static_experts(model: torch.nn.Module, grouped: bool | None = None) -> bool:
     """Sets the experts of a transformers MoE model (Qwen3-MoE, Mixtral, gpt-oss, ...) to
-    `dense_experts_forward` (XLA_EXPERTS), whose shapes do not depend on the routing, where they
+    `dense_experts_forward` (XLA_EXPERTS), or `grouped` (None: where this process runs the kernel,
+    a TPU with jax and torchax: megablox.grouped_refusal) to `grouped_experts_forward`
+    (XLA_GROUPED), whose shapes do not depend on the routing, where they
     run one of transformers' own implementations (eager, grouped_mm, batched_mm: see the module's
     docstring; transformers/integrations/moe.py); through the model's `set_experts_implementation`
     (transformers/modeling_utils.py), which sets its sub-models' too. Does nothing to any other
@@ -114,5 +171,16 @@ def static_experts(model: torch.nn.Module) -> bool:
     if getattr(hf.config, "_experts_implementation", None) not in REPLACED:
         return False
     _register()
-    hf.set_experts_implementation(XLA_EXPERTS)
+    if grouped is None:
+        grouped = grouped_refusal() is None
+    hf.set_experts_implementation(XLA_GROUPED if grouped else XLA_EXPERTS)
     return True
+
+
+def experts_implementation(model: torch.nn.Module) -> str | None:
+    """The name of the implementation `model`'s experts run (transformers' or the package's), or
+    None for a model without experts: what the console and the metrics' memory plan name."""
+    if not has_experts(model):
+        return None
+    config = getattr(model, "config", None)
+    return getattr(config, "_experts_implementation", None) or "eager"
