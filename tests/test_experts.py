@@ -250,3 +250,36 @@ def test_call_jax_imports():
     from xla_train.core.megablox import grouped_refusal
 
     assert "TPU only" in grouped_refusal()  # XLA:CPU here: the dense path stays (static_experts)
+
+
+def test_mfu_and_the_memory_plan_count_the_active_experts():
+    """MFU's FLOPs (core.peaks.flops_per_token) leave out the experts a token does not pass through:
+    exactly (experts - top-k) / experts of the tiny families' experts' weights, and Mixtral-8x7B's
+    published config comes to its published 12.9B active of 46.7B. The memory plan keeps every
+    expert's activations for the dense path, the top-k's for the grouped one."""
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    from xla_train.core.experts import XLA_GROUPED
+    from xla_train.core.peaks import flops_per_token, inactive_expert_params
+    from xla_train.memory import layer_bytes
+
+    for family in td.EXPERTS:
+        model = tiny(family)
+        experts = [m for m in model.modules() if hasattr(m, "has_gate") and hasattr(m, "is_transposed")]
+        weights = sum(p.numel() for m in experts for p in m.parameters())
+        top_k = model.config.num_experts_per_tok
+        assert inactive_expert_params(model.config) == weights * (4 - top_k) // 4, family
+        total = sum(p.numel() for p in model.parameters())
+        assert flops_per_token(model.config, total, 16) - flops_per_token(model.config, 0, 16) == 6 * (
+            total - weights * (4 - top_k) // 4)
+    configs = {}
+    for family in td.EXPERTS:
+        published = dict(td.ZOO[family]["config"])
+        published.pop("quantization_config", None)
+        configs[family] = config = CONFIG_MAPPING[published["model_type"]](**published)
+        dense, grouped = (layer_bytes(config, 1, 2048, "bf16", experts=e) for e in (XLA_EXPERTS, XLA_GROUPED))
+        assert dense > 2 * grouped, family  # Qwen3-30B-A3B's block: 128 experts' values a token, or 8's
+    config = configs["mixtral"]
+    with torch.device("meta"):
+        total = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    assert round(total / 1e9, 1) == 46.7 and round((total - inactive_expert_params(config)) / 1e9, 1) == 12.9

@@ -8,6 +8,7 @@ import os
 
 from .core.errors import UserError
 from .core.lm_loss import CHUNK_TOKENS
+from .core.peaks import experts_of
 from .core.tensor_parallel import kv_heads_per_device
 
 DEVICE_BYTES = "XLA_TRAIN_DEVICE_BYTES"  # the device's memory, where the backend cannot tell (or to plan for another)
@@ -45,7 +46,8 @@ def shape_of(config):
             "vocab": _get(config, "vocab_size", default=0)}
 
 
-def layer_bytes(config, rows, length, precision="fp32", attention="sdpa", dense_mask=True, param_bytes=4, tensor=1):
+def layer_bytes(config, rows, length, precision="fp32", attention="sdpa", dense_mask=True, param_bytes=4, tensor=1,
+                experts=None):
     """Bytes one block keeps for its backward pass: what autograd saves, tensor by tensor, for
     `rows` rows of `length` tokens, the matmuls in bf16 under bf16 autocast (else in the weights'
     dtype, `param_bytes` a value), the residual stream in the weights' dtype. Per token:
@@ -56,7 +58,9 @@ def layer_bytes(config, rows, length, precision="fp32", attention="sdpa", dense_
       the kernel's output and its contiguous copy for o_proj, an fp32 log-sum-exp a head; eager
       attention (and only it) keeps the fp32 softmax and its cast, heads x length values a token;
       a dense 4-D mask passed to sdpa becomes a bias in the compute dtype that every block keeps;
-    - the MLP: gated (Llama's) gate, activation, up and product; else two intermediate values.
+    - the MLP: gated (Llama's) gate, activation, up and product; else two intermediate values; a
+      mixture of experts' by the implementation its experts run (`experts`, transformers' name;
+      None: the config's): `_experts_bytes`.
     Checked against torch's profiler on the CPU within a few percent (tests/test_memory.py).
     Split over `tensor` devices (--tensor-parallel): a device keeps its heads' attention values and
     its share of the MLP's; the norms and the residual stream stay whole on each."""
@@ -81,17 +85,39 @@ def layer_bytes(config, rows, length, precision="fp32", attention="sdpa", dense_
             per_token += c * length  # the mask made a bias, [rows, 1, length, length], in every block
     else:  # eager (or math): the fp32 softmax, and its cast where the matmul reads another dtype
         per_token += heads * length * (4 + (c if c != 4 else 0))
-    per_token += (4 if d["gated"] else 2) * c * inter
+    if experts_of(config):
+        per_token += _experts_bytes(config, c, r, h, experts)
+    else:
+        per_token += (4 if d["gated"] else 2) * c * inter
     return int(per_token * rows * length)
 
 
+def _experts_bytes(config, c, r, h, implementation=None):
+    """What a mixture of experts' layer keeps per token, by the implementation its experts run
+    (config._experts_implementation): the router's fp32 logits and probabilities, and a gated MLP's
+    four values an expert wide (gate and up, the activation, the product) for each expert the token
+    passes through: its top-k (transformers' grouped_mm and eager, the package's xla_grouped, with
+    each (token, expert) pair's gathered input and output, 2 x hidden), or every expert (xla_dense,
+    which runs them all). batched_mm gathers a copy of its experts' weights for every pair besides
+    (core/experts.py). The experts are kept whole under --tensor-parallel (tensor_parallel.KEPT_WHOLE)."""
+    experts, top_k, width, _ = experts_of(config)
+    implementation = implementation or getattr(config, "_experts_implementation", None)
+    router = 2 * 4 * experts
+    if implementation == "xla_dense":
+        return router + experts * 4 * c * width
+    pairs = top_k * (4 * c * width + 2 * c * h)
+    if implementation == "batched_mm":
+        pairs += top_k * 3 * h * width * r
+    return router + pairs
+
+
 def activation_estimate(config, rows, length, precision="fp32", checkpointed=False, attention="sdpa",
-                        dense_mask=True, param_bytes=4, tensor=1):
+                        dense_mask=True, param_bytes=4, tensor=1, experts=None):
     """Bytes of activations the backward pass finds kept: every block's (`layer_bytes`) and the final
     norm's; checkpointed (full recomputation), each block's input only (the residual stream, in
     the weights' dtype) and the final norm's; the block recomputed in the backward pass is the
     plan's `layer_bytes`, counted where it lives (beside the gradients)."""
-    one = layer_bytes(config, rows, length, precision, attention, dense_mask, param_bytes, tensor)
+    one = layer_bytes(config, rows, length, precision, attention, dense_mask, param_bytes, tensor, experts)
     if one is None:
         return None
     d = shape_of(config)
@@ -136,7 +162,7 @@ def _linear_weights(model):
 
 def plan(model, rows, length, precision="fp32", shards=1, device_bytes=None, checkpointed=False, logits=False,
          attention="sdpa", chunked_logits=False, dense_mask=True, chunk_tokens=CHUNK_TOKENS, reference=None,
-         cache_tokens=0, reference_copy=False, tensor=1):
+         cache_tokens=0, reference_copy=False, tensor=1, experts=None):
     """The memory plan of `model` trained with AdamW on `rows` rows of `length` tokens per device,
     its parameters split over `shards` devices (1: every device holds them all), its blocks'
     activations `checkpointed` (recomputed in the backward pass) or kept, computed through the
@@ -153,7 +179,9 @@ def plan(model, rows, length, precision="fp32", shards=1, device_bytes=None, che
     dtype, before the update's forward pass begins: a peak of its own (`cache_bytes`). With
     `reference_copy`, a frozen copy of the weights, sharded like them (`reference_param_bytes`).
     Under --tensor-parallel, the `rows` are a tensor group's, whose `tensor` devices split each
-    block's heads and MLP columns (`layer_bytes`) and the key/value cache's heads.
+    block's heads and MLP columns (`layer_bytes`) and the key/value cache's heads. `experts`: the
+    implementation a mixture of experts' experts will run (core.experts.planned_experts; None: the
+    model's own), which sets what their layers keep.
 
     The peak (`peak_bytes_estimate`): parameters + AdamW's state + the larger of what the backward
     pass begins with (the activations, the logits at their peak and, under bf16 autocast, the bf16
@@ -163,9 +191,10 @@ def plan(model, rows, length, precision="fp32", shards=1, device_bytes=None, che
     trainable = [p for p in params if p.requires_grad]
     param_bytes = params[0].element_size() if params else 4
     config = model.config
+    experts = experts or _experts_name(model)
     acts = activation_estimate(config, rows, length, precision, checkpointed, attention, dense_mask, param_bytes,
-                               tensor)
-    one = layer_bytes(config, rows, length, precision, attention, dense_mask, param_bytes, tensor)
+                               tensor, experts)
+    one = layer_bytes(config, rows, length, precision, attention, dense_mask, param_bytes, tensor, experts)
     head = model.get_output_embeddings() if logits and hasattr(model, "get_output_embeddings") else None
     head_grad = (head.weight.numel() * head.weight.element_size()
                  if head is not None and head.weight.requires_grad else 0)
@@ -190,6 +219,7 @@ def plan(model, rows, length, precision="fp32", shards=1, device_bytes=None, che
         "cache_bytes": 2 * d["layers"] * kv_heads_per_device(d["kv_heads"], tensor) * d["head_dim"] * rows
         * cache_tokens * param_bytes,
         "attention": attention,
+        "experts": experts,
         "chunked_logits": bool(logits and chunked_logits),
         "gradient_checkpointing": checkpointed,
         "device_bytes": device_bytes,
@@ -199,15 +229,24 @@ def plan(model, rows, length, precision="fp32", shards=1, device_bytes=None, che
     return out, {"trainable_params": sum(p.numel() for p in trainable), "total_params": sum(p.numel() for p in params)}
 
 
+def _experts_name(model):
+    """The implementation a mixture of experts' experts run (core.experts), None for a dense model."""
+    from .core.experts import experts_implementation
+
+    return experts_implementation(model)
+
+
 def plan_on_paper(cfg, config, shards, device_bytes):
     """The plan a decoder run `cfg` (options.TrainOptions of a causal-lm or grpo recipe) makes on a
     TPU for a model of `config` (a transformers config) with its weights sharded over `shards`
     devices of `device_bytes` each, without weights or a device: the model on torch's meta device,
-    its adapters and bf16 base as job.prepare makes them, the Pallas kernel's attention, the
-    chunked head (GRPO: rows a completion longer, and the rollout's cache). Returns (plan, counts)."""
+    its adapters and bf16 base as job.prepare makes them, the Pallas kernel's attention, a mixture
+    of experts' grouped matmul (core/experts.py, xla_grouped), the chunked head (GRPO: rows a
+    completion longer, and the rollout's cache). Returns (plan, counts)."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    from .core.experts import XLA_GROUPED
     from .models import add_adapters, hold_frozen_in_bf16
 
     with torch.device("meta"):
@@ -220,7 +259,8 @@ def plan_on_paper(cfg, config, shards, device_bytes):
     length = cfg.max_length + completion
     return plan(model, cfg.batch_size, length, cfg.precision, shards=shards, device_bytes=device_bytes,
                 checkpointed=cfg.gradient_checkpointing, logits=True, attention="xla_flash", dense_mask=False,
-                chunked_logits=True, cache_tokens=length if completion else 0, tensor=cfg.tensor_parallel)
+                chunked_logits=True, cache_tokens=length if completion else 0, tensor=cfg.tensor_parallel,
+                experts=XLA_GROUPED if _experts_name(model) else None)
 
 
 def needed(memory):
@@ -275,6 +315,7 @@ def describe(memory, counts):
             f"{', reference pass ' + mib('reference_bytes') if memory.get('reference_bytes') else ''}"
             f"{', reference weights ' + mib('reference_param_bytes') if memory.get('reference_param_bytes') else ''}"
             f"{', generation cache ' + mib('cache_bytes') if memory.get('cache_bytes') else ''}"
+            f"{', experts ' + memory['experts'] if memory.get('experts') else ''}"
             f", peak ~{needed(memory) / MIB:.1f} MiB; "
             f"device {device}; "
             f"{counts['trainable_params']:,} of {counts['total_params']:,} parameters trained")

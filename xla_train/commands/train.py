@@ -321,9 +321,11 @@ def plan_memory(engine, cfg, shapes, model, objective):
     it; a run that cannot fit the device even so stops here, before compiling. Returns (plan,
     counts, checkpointed)."""
     from ..core.attention import kind_of
+    from ..core.experts import planned_experts
 
     length = max(shapes.padding.lengths or [cfg.max_length])
-    path = objective.memory_inputs(model, kind_of(torch.empty(0, device=engine.device)), length)
+    kind = kind_of(torch.empty(0, device=engine.device))
+    path = objective.memory_inputs(model, kind, length)
     length = path.length or length  # the rows the step runs, where the kind makes them longer (a completion)
     if path.note:  # the attention path taken, where it is not the device's kernel
         engine.print(path.note)
@@ -334,7 +336,8 @@ def plan_memory(engine, cfg, shapes, model, objective):
                        logits=path.logits is not None, attention=path.attention,
                        chunked_logits=path.logits == "chunked", dense_mask=path.dense_mask,
                        reference=path.reference, cache_tokens=path.cache_tokens,
-                       reference_copy=path.reference_copy, tensor=engine.strategy.tensor_parallel)
+                       reference_copy=path.reference_copy, tensor=engine.strategy.tensor_parallel,
+                       experts=planned_experts(model, kind))
 
     checkpointed = cfg.gradient_checkpointing
     memory, counts = plan(checkpointed)

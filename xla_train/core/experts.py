@@ -171,10 +171,23 @@ def static_experts(model: torch.nn.Module, grouped: bool | None = None) -> bool:
     if getattr(hf.config, "_experts_implementation", None) not in REPLACED:
         return False
     _register()
-    if grouped is None:
-        grouped = grouped_refusal() is None
-    hf.set_experts_implementation(XLA_GROUPED if grouped else XLA_EXPERTS)
+    hf.set_experts_implementation(_xla_choice() if grouped is None else XLA_GROUPED if grouped else XLA_EXPERTS)
     return True
+
+
+def _xla_choice() -> str:
+    """The package's experts on XLA in this process: grouped where the kernel runs, else dense."""
+    return XLA_GROUPED if grouped_refusal() is None else XLA_EXPERTS
+
+
+def planned_experts(model: torch.nn.Module, device_kind: str) -> str | None:
+    """The implementation `model`'s experts will run once prepared for a device of `device_kind`
+    (core.attention.kind_of: "xla", "xla-tpu", "cuda", "cpu"), as `static_experts` will set it on
+    XLA; None for a model without experts. The memory plan counts their activations by it."""
+    current = experts_implementation(model)
+    if current not in REPLACED or not device_kind.startswith("xla"):
+        return current
+    return _xla_choice()
 
 
 def experts_implementation(model: torch.nn.Module) -> str | None:
