@@ -101,6 +101,11 @@ class TrainOptions:
                             "attention with segment ids on a TPU through torch_xla, FlexAttention on CUDA, else the "
                             "mask), mask (the 4-D mask, the reference), flex, pallas", ATTENTION_PATHS,
                             section="model")
+    router_aux_loss_coef: float = option(None, "causal-lm, dpo, grpo on a mixture of experts (a config with "
+                                         "output_router_logits: Qwen3-MoE, Mixtral, gpt-oss): the weight of the "
+                                         "routers' load-balancing loss over the real tokens, added to the training "
+                                         "loss and logged as aux_loss, as TRL does (default: the config's "
+                                         "router_aux_loss_coef; 0 turns it off)", section="model")
     gradient_checkpointing: bool = option(False, "recompute each transformer block's activations in the backward "
                                           "pass instead of keeping them: less memory, about a third more compute "
                                           "(XLA: torch_xla's checkpoint)", section="model")
@@ -236,6 +241,7 @@ class TrainOptions:
             "compile_seconds": (lambda x: x >= 0, "a number of seconds >= 0"),
             "lora_alpha": (lambda x: x > 0, "a positive number"),
             "lora_dropout": (lambda x: 0 <= x < 1, "in [0, 1)"),
+            "router_aux_loss_coef": (lambda x: x >= 0, "a number >= 0"),
         })
         self._check_lora()
         if not 0 <= self.seed < 2**32:

@@ -302,6 +302,9 @@ class Task:
                             "dpo or grpo")
         if opts.attention != "auto":
             raise UserError("--attention keeps a causal LM's packed documents apart: it applies to --problem causal-lm")
+        if opts.router_aux_loss_coef is not None:
+            raise UserError("--router-aux-loss-coef weighs a mixture-of-experts decoder's routers' loss: it applies to "
+                            "--problem causal-lm, dpo or grpo")
 
     @classmethod
     def load(cls, source: Source) -> tuple[Task, Any]:

@@ -17,6 +17,8 @@ row computes exactly what its documents compute one by one, with one static shap
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
 from bisect import bisect_left, insort
 from collections.abc import Callable
@@ -37,13 +39,12 @@ from .documents import (
     encode,
     form_of,
     prompt_ids,
-    window_shorter_than,
 )
 from .kinds import register
 from .sequence import is_classifier_config
 
 __all__ = ["FORMS", "IGNORE", "CausalLM", "PackCollator", "chat", "documents", "encode", "form_of", "join",
-           "load_causal", "pack", "prompt_ids", "window_shorter_than"]
+           "load_causal", "pack", "prompt_ids"]
 
 COLUMNS = ("input_ids", "labels", "position_ids", "segments")  # a row's token columns (the collator pads them)
 HELD_OUT = 0.05  # without --validation-file: the share of the training rows held out (transformers' run_clm)
@@ -142,6 +143,7 @@ class HeadInput:
     weight: Any
     bias: Any = None
     softcap: float | None = None
+    router: Any = None  # RouterLoss: the routers' load-balancing loss, where the forward computed it
 
 
 @dataclass(frozen=True)
@@ -153,12 +155,14 @@ class NextToken(Objective):
 
     attention: str = "auto"
     chunked_logits: bool = True
+    router_aux_loss_coef: float | None = None  # the routers' loss weight (None: the model config's)
 
     def memory_inputs(self, model: Any, device_kind: str, length: int) -> PassInputs:
         return documents_memory_inputs(model, device_kind, length, self.attention, self.chunked_logits)
 
     def forward(self, model: Any, inputs: dict[str, Any]) -> Any:
-        return run_documents(model, inputs, self.attention, self.chunked_logits)
+        return run_documents(model, inputs, self.attention, self.chunked_logits,
+                             router_weight(model, self.router_aux_loss_coef))
 
     def token_losses(self, output: Any, labels: Any) -> tuple[Any, Any]:
         """Per row: the cross-entropy summed over its trained tokens, and their number (fp32)."""
@@ -173,9 +177,13 @@ class NextToken(Objective):
         return losses.sum(1), (labels != IGNORE).sum(1).float()
 
     def loss(self, output: Any, labels: Any) -> Any:
-        """Mean cross-entropy over the batch's trained tokens (labels are already shifted)."""
+        """Mean cross-entropy over the batch's trained tokens (labels are already shifted); plus,
+        where the forward computed it, the routers' weighted load-balancing loss (RouterLoss)."""
         total, tokens = self.token_losses(output, labels)
-        return total.sum() / tokens.sum().clamp(min=1)
+        return with_router_loss(total.sum() / tokens.sum().clamp(min=1), output)
+
+    def step_metrics(self, output: Any, labels: Any) -> dict[str, Any] | None:
+        return router_metrics(output) or None
 
     def keys(self) -> list[str]:
         return ["loss", "perplexity"]
@@ -195,24 +203,73 @@ class NextToken(Objective):
                 "n_tokens": int(tokens.sum())}
 
 
-def run_documents(model: Any, inputs: dict[str, Any], attention: str = "auto", chunked: bool = True) -> Any:
+def run_documents(model: Any, inputs: dict[str, Any], attention: str = "auto", chunked: bool = True,
+                  router_weight: float = 0.0) -> Any:
     """The model on a batch whose `segments` keep its documents apart: causal within each
     document, nothing across documents (core.attention.document_inputs, by `attention`: a 4-D mask,
     or a kernel given the segments); padding (segment 0) attends to padding only. `chunked`, and
     where head_of can compute the model's head: the model stops before its head (its logits for
-    one token only) and returns a HeadInput for the chunks; else the model's own output."""
+    one token only) and returns a HeadInput for the chunks; else the model's own output. A
+    `router_weight` above 0 (a mixture of experts in training: `router_weight`): the routers'
+    load-balancing loss over the batch's real tokens (segment above 0) rides on the output as its
+    `router` (core.router_loss; the model's own is off: core.router_loss.models_own_off)."""
     from ..core.attention import document_inputs, unwrapped
     from ..core.lm_loss import head_of
+    from ..core.router_loss import collected, load_balancing_loss
 
     extra = document_inputs(model, inputs["segments"], attention=attention)
+    real = inputs["segments"] > 0  # the 2-D mask of real tokens the routers' loss takes
     inputs = {k: v for k, v in inputs.items() if k != "segments"}
     hf = unwrapped(model)
     head = head_of(hf) if chunked else None
-    if head is None:  # the whole head, as the model computes it
-        return model(**inputs, **extra)
-    capture_outside_compilation(hf)
-    output = model(**inputs, **extra, output_hidden_states=True, logits_to_keep=1)
-    return HeadInput(output.hidden_states[-1], *head)
+    with (collected(hf) if router_weight else contextlib.nullcontext()) as routers:
+        if head is None:  # the whole head, as the model computes it
+            output = model(**inputs, **extra)
+        else:
+            capture_outside_compilation(hf)
+            output = model(**inputs, **extra, output_hidden_states=True, logits_to_keep=1)
+            output = HeadInput(output.hidden_states[-1], *head)
+    if router_weight:
+        assert routers is not None  # collected(hf) ran
+        router = RouterLoss(load_balancing_loss(hf, routers, real), router_weight)
+        if isinstance(output, HeadInput):
+            output = dataclasses.replace(output, router=router)
+        else:  # the model's output (a ModelOutput) takes a new attribute as any object does
+            output.router = router
+    return output
+
+
+@dataclass(frozen=True)
+class RouterLoss:
+    """The routers' load-balancing loss of a forward (a 0-d fp32 device tensor) and its weight in
+    the training loss (TRL's router_aux_loss_coef)."""
+
+    value: Any
+    weight: float
+
+
+def router_weight(model: Any, asked: float | None) -> float:
+    """The weight of the routers' load-balancing loss in a forward of `model` (core.router_loss.
+    coefficient: TRL's rule, `asked` the --router-aux-loss-coef option), in training only: 0.0 in
+    evaluation (model.eval()), where the loss is the language model's alone."""
+    from ..core.attention import unwrapped
+    from ..core.router_loss import coefficient
+
+    return coefficient(unwrapped(model).config, asked) if model.training else 0.0
+
+
+def with_router_loss(loss: Any, head: Any) -> Any:
+    """`loss` plus the weighted routers' loss `head` carries (run_documents), as transformers adds
+    it (`loss += router_aux_loss_coef * aux_loss`); `loss` where it carries none."""
+    router = getattr(head, "router", None)
+    return loss if router is None else loss + router.weight * router.value.to(loss.dtype)
+
+
+def router_metrics(head: Any) -> dict[str, Any]:
+    """{"aux_loss": the routers' load-balancing loss, unweighted (TRL's metric)} where `head`
+    carries it, else {}."""
+    router = getattr(head, "router", None)
+    return {} if router is None else {"aux_loss": router.value.detach()}
 
 
 def documents_memory_inputs(model: Any, device_kind: str, length: int, attention: str = "auto",
@@ -258,30 +315,39 @@ class DecoderModel(ModelPart):
 
     peft_task_type = "CAUSAL_LM"
     problem: str = "causal-lm"  # the kind that trains it, for messages
+    router_aux_loss_coef: float | None = None  # --router-aux-loss-coef (None: the model config's)
 
     def check(self, config: Any, name: str) -> None:
+        from ..core.router_loss import has_routers
         from ..models import shown_name
 
         if not is_decoder_config(config):
             raise UserError(f"--model {shown_name(name)}: {config.model_type} is not a decoder with a causal LM head "
                             f"(architectures: {', '.join(config.architectures or ['none'])}); --problem "
                             f"{self.problem} trains decoders such as Llama, Qwen2, Gemma, Mistral or GPT-2")
+        if self.router_aux_loss_coef and not has_routers(config):  # TRL refuses it too
+            raise UserError(f"--router-aux-loss-coef {self.router_aux_loss_coef}: --model {shown_name(name)} "
+                            f"({config.model_type}) is not a mixture of experts with router logits (Qwen3-MoE, "
+                            "Mixtral, gpt-oss), so there is no routers' loss to weight")
 
     def load(self, name: str, seed: int, pad_token_id: int | None = None) -> Any:
         """The pretrained decoder with its LM head, in fp32 whatever the checkpoint holds
-        (--precision bf16 is autocast), without a key/value cache (training reads each row once)."""
+        (--precision bf16 is autocast), without a key/value cache (training reads each row once)
+        and without its own routers' loss (core.router_loss: the package computes it)."""
         import torch
 
+        from ..core.router_loss import models_own_off
         from ..models import load_pretrained, no_cache, seed_host
 
         seed_host(seed)
         model = load_pretrained(_causal_lm(), name, dtype=torch.float32)
-        return no_cache(model)
+        return models_own_off(no_cache(model))
 
     def load_trained(self, folder: str) -> Any:
+        from ..core.router_loss import models_own_off
         from ..models import load_trained
 
-        return load_trained(_causal_lm(), folder)
+        return models_own_off(load_trained(_causal_lm(), folder))
 
 
 @register
@@ -294,6 +360,7 @@ class CausalLM(Task):
     form: str | None = None  # which of FORMS the rows have
     files: dict[str, str] | None = None  # split: where its rows came from (for messages)
     attention: str = "auto"  # how packed documents are kept apart (core.attention.PATHS)
+    router_aux_loss_coef: float | None = None  # the routers' loss weight (None: the model config's)
 
     # --- options ----------------------------------------------------------------------------
     @classmethod
@@ -311,7 +378,7 @@ class CausalLM(Task):
         check_own_rows(source, "causal-lm", "own rows",
                        "causal-lm rows are told by their columns (messages, prompt/completion or text)")
         return load_causal(source.train_file, source.validation_file, source.seed, source.max_length,
-                           source.packing is not False, cls, source.attention)
+                           source.packing is not False, cls, source.attention, router_coef_of(source))
 
     # --- the parts --------------------------------------------------------------------------
     @cached_property
@@ -320,11 +387,11 @@ class CausalLM(Task):
 
     @cached_property
     def objective(self):
-        return NextToken(None, self.eval_splits, self.attention)
+        return NextToken(None, self.eval_splits, self.attention, router_aux_loss_coef=self.router_aux_loss_coef)
 
     @cached_property
     def model(self):
-        return DecoderModel()
+        return DecoderModel(router_aux_loss_coef=self.router_aux_loss_coef)
 
     @cached_property
     def prediction(self):
@@ -452,13 +519,19 @@ def check_own_rows(source: Any, problem: str, rows: str, columns: str) -> None:
         raise UserError(f"--problem {problem} needs --train-file (and optionally --validation-file)")
 
 
-def load_causal(train_file, validation_file=None, seed=0, max_length=128, packing=True, kind=None, attention="auto"):
+def load_causal(train_file, validation_file=None, seed=0, max_length=128, packing=True, kind=None, attention="auto",
+                router_aux_loss_coef=None):
     """A causal-LM task (of `kind`, CausalLM or a kind built on it) and its splits from own rows
     (`own_splits`)."""
     splits, files, form = own_splits(train_file, validation_file, seed, form_of)
     kind = kind or CausalLM
     return (kind("custom", None, main="loss", max_length=max_length, packing=packing, form=form, files=files,
-                 attention=attention), splits)
+                 attention=attention, router_aux_loss_coef=router_aux_loss_coef), splits)
+
+
+def router_coef_of(source: Any) -> float | None:
+    """A decoder kind's --router-aux-loss-coef from its source's options (None: not given)."""
+    return getattr(source.options, "router_aux_loss_coef", None)
 
 
 def own_splits(train_file, validation_file, seed, form_of, unit="rows"):

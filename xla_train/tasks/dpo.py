@@ -40,7 +40,11 @@ from .causal_lm import (
     fine_tuned_decoder,
     join,
     own_splits,
+    router_coef_of,
+    router_metrics,
+    router_weight,
     run_documents,
+    with_router_loss,
 )
 from .completion import Completions, eval_samples
 from .declare import option
@@ -239,6 +243,7 @@ class PreferenceObjective(Objective):
     beta: float = 0.1
     loss_type: str = "sigmoid"
     rpo_alpha: float | None = None
+    router_aux_loss_coef: float | None = None  # the routers' loss weight (None: the model config's)
 
     def memory_inputs(self, model: Any, device_kind: str, length: int) -> PassInputs:
         """The causal-LM forward's; with adapters, the reference pass in the step as well."""
@@ -249,13 +254,16 @@ class PreferenceObjective(Objective):
         """The policy on the pairs (causal_lm.run_documents: the final hidden states and the head,
         or the model's output where the chunks cannot compute its head); the reference's values:
         the rows' precomputed columns, or with adapters the same model with them disabled, without
-        gradients (reference_logps reads it without gradients too)."""
+        gradients (reference_logps reads it without gradients too). A mixture of experts in
+        training: the policy's routers' loss over the pairs' real tokens (causal_lm.run_documents)."""
         import torch
 
         inputs = dict(inputs)
         reference = tuple(inputs.pop(c) for c in REFERENCE) if REFERENCE[0] in inputs else None
         inputs.pop("row", None)
-        out = PairOutput(run_documents(model, inputs, self.attention), inputs["segments"], reference)
+        weight = router_weight(model, self.router_aux_loss_coef)
+        out = PairOutput(run_documents(model, inputs, self.attention, router_weight=weight), inputs["segments"],
+                         reference)
         if reference is None:
             peft = peft_model_of(model)
             if peft is not None:
@@ -313,24 +321,29 @@ class PreferenceObjective(Objective):
 
     def loss(self, output: PairOutput, labels: Any) -> Any:
         """The mean over the batch's pairs; with --rpo-alpha, plus alpha times the chosen
-        completions' negative log-likelihood per token (TRL's "sft" term)."""
+        completions' negative log-likelihood per token (TRL's "sft" term); plus the routers'
+        weighted load-balancing loss where the forward computed it (TRL's DPOTrainer adds it so)."""
         losses, chosen, n_chosen, rows = self.per_row(output, labels)
         loss = losses.mean()
         if self.rpo_alpha:
             loss = loss + self.rpo_alpha * (-chosen.sum() / n_chosen.sum().clamp(min=1))
         output.rows = rows
-        return loss
+        return with_router_loss(loss, output.policy)
 
     def step_metrics(self, output: Any, labels: Any) -> dict[str, Any] | None:
-        """The batch's means of the per-row metrics `loss` kept on `output`."""
-        return {k: v.float().mean() for k, v in output.rows.items()}
+        """The batch's means of the per-row metrics `loss` kept on `output`; the routers' loss
+        (`aux_loss`) where there is one."""
+        return {**{k: v.float().mean() for k, v in output.rows.items()}, **router_metrics(output.policy)}
 
     def before_training(self, engine, model, data, make_loader, initial):
         """Without adapters: every row's reference log-probabilities, by the model as training
         begins, once (columns `ref_chosen`, `ref_rejected`); with them, `data` as it is."""
+        import torch
+
         if peft_model_of(model) is not None or REFERENCE[0] in data["train"].column_names:
             return data
-        reference = initial()
+        with torch.random.fork_rng(devices=[]):  # loading reseeds the host generator: not this stream
+            reference = initial()
         out = {}
         for split, ds in data.items():
             values = self.reference_values(engine, reference, make_loader(ds.add_column("row", list(range(len(ds)))),
@@ -406,6 +419,7 @@ class DPO(Task):
     beta: float = 0.1
     dpo_loss: str = "sigmoid"
     rpo_alpha: float | None = None
+    router_aux_loss_coef: float | None = None  # the routers' loss weight (None: the model config's)
 
     # --- options ----------------------------------------------------------------------------
     @classmethod
@@ -425,7 +439,7 @@ class DPO(Task):
         own = source.options.kind_options() if source.options else DPOOptions()
         settings = dataclasses.asdict(own)
         return load_pairs(source.train_file, source.validation_file, source.seed, source.max_length, cls,
-                          source.attention, settings)
+                          source.attention, {**settings, "router_aux_loss_coef": router_coef_of(source)})
 
     # --- the parts --------------------------------------------------------------------------
     @cached_property
@@ -434,11 +448,12 @@ class DPO(Task):
 
     @cached_property
     def objective(self):
-        return PreferenceObjective(None, self.eval_splits, self.attention, self.beta, self.dpo_loss, self.rpo_alpha)
+        return PreferenceObjective(None, self.eval_splits, self.attention, self.beta, self.dpo_loss, self.rpo_alpha,
+                                   self.router_aux_loss_coef)
 
     @cached_property
     def model(self) -> ModelPart:
-        return DecoderModel("dpo")
+        return DecoderModel("dpo", self.router_aux_loss_coef)
 
     @cached_property
     def prediction(self):
@@ -495,7 +510,8 @@ class DPO(Task):
 
 def load_pairs(train_file, validation_file=None, seed=0, max_length=128, kind=None, attention="auto", settings=None):
     """A preference task (of `kind`, DPO or a kind built on it) and its splits from own rows
-    (causal_lm.own_splits); `settings`: the kind's own options by name (beta, dpo_loss, rpo_alpha)."""
+    (causal_lm.own_splits); `settings`: the kind's own options by name (beta, dpo_loss, rpo_alpha) and
+    router_aux_loss_coef."""
     splits, files, form = own_splits(train_file, validation_file, seed, form_of, "pairs")
     kind = kind or DPO
     return (kind("custom", None, main=KEYS[0], max_length=max_length, form=form, files=files, attention=attention,

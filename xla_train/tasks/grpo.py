@@ -47,7 +47,11 @@ from .causal_lm import (
     documents_memory_inputs,
     fine_tuned_decoder,
     own_splits,
+    router_coef_of,
+    router_metrics,
+    router_weight,
     run_documents,
+    with_router_loss,
 )
 from .completion import Completions, Samples, end_ids, left_padded, samples_of
 from .declare import option
@@ -213,6 +217,8 @@ class Rollouts:
                  total_steps: int = 0, initial: Any = None) -> None:
         import contextlib
 
+        import torch
+
         from ..core.generate import Sampling
 
         self.objective, self.engine, self.data = objective, engine, data
@@ -239,7 +245,8 @@ class Rollouts:
                 self.reference, self.unadapted = model, peft.disable_adapter
             else:
                 assert initial is not None  # the trainer gives it (Objective.batch_source)
-                self.reference = initial()
+                with torch.random.fork_rng(devices=[]):  # loading reseeds the host generator: not this stream
+                    self.reference = initial()
 
     def __call__(self, model: Any, batch: dict[str, Any], split: str = "train", step: int = 0,
                  epoch: float = 0.0) -> dict[str, Any]:
@@ -403,6 +410,7 @@ class GroupObjective(Objective):
     attention: str = "auto"
     settings: GRPOOptions = GRPOOptions()
     rewards: tuple[Reward, ...] = ()
+    router_aux_loss_coef: float | None = None  # the routers' loss weight (None: the model config's)
 
     @property
     def updates_per_batch(self) -> int:
@@ -452,10 +460,12 @@ class GroupObjective(Objective):
 
     def forward(self, model: Any, inputs: dict[str, Any]) -> PolicyOutput | None:
         """The policy on the rollout's rows (causal_lm.run_documents: the final hidden states and
-        the head, the head computed in chunks). An evaluation's rollout has no rows to run: None."""
+        the head, the head computed in chunks; a mixture of experts' routers' loss over the prompts'
+        and completions' real tokens). An evaluation's rollout has no rows to run: None."""
         if "input_ids" not in inputs:
             return None
-        return PolicyOutput(run_documents(model, inputs, self.attention))
+        weight = router_weight(model, self.router_aux_loss_coef)
+        return PolicyOutput(run_documents(model, inputs, self.attention, router_weight=weight))
 
     def advantages(self, rewards: Any, group: int) -> Any:
         """Each reward less its group's mean, scaled as --scale-rewards says (TRL's 1e-4 guard)."""
@@ -505,14 +515,16 @@ class GroupObjective(Objective):
         return loss, metrics
 
     def loss(self, output: PolicyOutput, labels: Rollout) -> Any:
-        """The step's loss on a rollout (`labels`); its metrics kept on `output`."""
+        """The step's loss on a rollout (`labels`), plus the routers' weighted load-balancing loss
+        where the forward computed it (TRL's GRPOTrainer adds it so); its metrics kept on `output`."""
         temperature = self.settings.temperature
         logps = self.token_logps(output.head, labels.labels, temperature)
         loss, output.metrics = self.policy_loss(logps, labels, labels.reference, labels.old)
         mask = (labels.labels != IGNORE).float()
         entropy = self.token_entropy(output.head, temperature)
         output.metrics["entropy"] = (entropy * mask).sum() / mask.sum().clamp(min=1)
-        return loss
+        output.metrics.update(router_metrics(output.head))
+        return with_router_loss(loss, output.head)
 
     def step_metrics(self, output: Any, labels: Any) -> dict[str, Any] | None:
         names = [*ROLLOUT_KEYS, *(f"rewards/{r.name}/{s}" for r in self.rewards for s in ("mean", "std"))]
@@ -576,6 +588,7 @@ class GRPO(Task):
     attention: str = "auto"
     settings: GRPOOptions = GRPOOptions()
     rewards: tuple[Reward, ...] = ()
+    router_aux_loss_coef: float | None = None  # the routers' loss weight (None: the model config's)
 
     # --- options ----------------------------------------------------------------------------
     @classmethod
@@ -602,7 +615,8 @@ class GRPO(Task):
         own = source.options.kind_options() if source.options else GRPOOptions()
         splits, files, form = own_splits(source.train_file, source.validation_file, source.seed, form_of, "prompts")
         return (cls("custom", None, main="reward", max_length=source.max_length, form=form, files=files,
-                    attention=source.attention, settings=own, rewards=rewards_of(own.reward, own.reward_weights)),
+                    attention=source.attention, settings=own, rewards=rewards_of(own.reward, own.reward_weights),
+                    router_aux_loss_coef=router_coef_of(source)),
                 splits)
 
     # --- the parts --------------------------------------------------------------------------
@@ -612,11 +626,12 @@ class GRPO(Task):
 
     @cached_property
     def objective(self):
-        return GroupObjective(None, self.eval_splits, self.attention, self.settings, self.rewards)
+        return GroupObjective(None, self.eval_splits, self.attention, self.settings, self.rewards,
+                              self.router_aux_loss_coef)
 
     @cached_property
     def model(self) -> ModelPart:
-        return DecoderModel("grpo")
+        return DecoderModel("grpo", self.router_aux_loss_coef)
 
     @cached_property
     def prediction(self):
