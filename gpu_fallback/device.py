@@ -224,6 +224,16 @@ class TorchAccelerator(Accelerator):
                 "compile_seconds": sum(sum(compilation_time_metrics.get(k, ())) for k in COMPILE_TIMERS),
                 **{key: counters[group][name] for key, (group, name) in CACHE_COUNTERS.items()}}
 
+    def seed(self, seed: int, replica: int = 0) -> None:
+        if not self.accelerated:
+            super().seed(seed, replica)  # the host's generator is the device's
+            return
+        torch.manual_seed(seed)  # the host's, and every device's alike
+        if replica and hasattr(self._module, "manual_seed"):
+            # the current device only: this worker's (CUDA: LOCAL_RANK's, made current in `setup`;
+            # TorchTPU: its one chip)
+            self._module.manual_seed(seed + replica)
+
     def rng_state(self) -> torch.Tensor:
         if not hasattr(self._module, "get_rng_state"):
             return super().rng_state()

@@ -293,13 +293,17 @@ def test_only_the_launchers_children_are_its_replicas():
 def test_a_failure_in_any_process_reaches_every_one(tmp_path):
     """Engine.on_every: every process writes its part (under FSDPv2, a host's shards); the one that
     fails, here the second of two gloo workers and not the main one, tells every process its line
-    (each process has a row of its own in the table they reduce, so no two messages mix)."""
+    (each process has a row of its own in the table they reduce, so no two messages mix). Seeded
+    alike, the two workers draw different noise (Engine.seed: each replica its own stream, issue 61;
+    tests/test_replica_seeds.py)."""
     from pathlib import Path
 
     from xla_train import Engine, notebook_launcher
 
     def fn(out):
         engine = Engine()
+        engine.seed(42)
+        torch.save(torch.rand(8), Path(out, f"noise-{engine.rank}.pt"))
 
         def write():
             if engine.rank == 1:
@@ -317,6 +321,9 @@ def test_a_failure_in_any_process_reaches_every_one(tmp_path):
     assert (tmp_path / "written").exists()
     told = [(tmp_path / f"rank-{r}").read_text() for r in (0, 1)]
     assert told == ["2 cannot write the shards: No space left on device"] * 2
+    noise = [torch.load(tmp_path / f"noise-{r}.pt") for r in (0, 1)]
+    torch.manual_seed(42)
+    assert torch.equal(noise[0], torch.rand(8)) and not torch.equal(noise[0], noise[1])  # replica 0: as one process
 
 
 def test_spmd_processes_agree_through_a_reduction_over_every_device(tmp_path):

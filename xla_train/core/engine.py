@@ -115,15 +115,19 @@ class Engine:
         return self.accelerator.fused_optimizer
 
     def seed(self, seed: int) -> None:
-        """Seeds the host generator and the device's (dropout masks)."""
-        self.accelerator.seed(seed)
+        """Seeds the host generator and the device's (dropout masks, sampling), the device's per
+        data-parallel replica where each replica samples its own rows (Strategy.sampling_replica:
+        the replica's index folded into the seed, as TRL's set_seed(..., device_specific=True));
+        one seed under SPMD and within a tensor-parallel group."""
+        self.accelerator.seed(seed, self.strategy.sampling_replica)
 
     def seed_micro_batch(self, seed: int, epoch: int, batch: int) -> None:
         """Seeds the device's generator for micro-batch `batch` of `epoch` (XLA; elsewhere the
-        generator's saved state resumes exactly). XLA's generator moves on at every graph cut,
-        needed or not, so after a resume, whose cuts differ from the uninterrupted run's, its
-        dropout masks would differ; seeded from the position they are the same."""
-        self.accelerator.seed_micro_batch(seed, epoch, batch)
+        generator's saved state resumes exactly), per replica as `seed`. XLA's generator moves on
+        at every graph cut, needed or not, so after a resume, whose cuts differ from the
+        uninterrupted run's, its dropout masks would differ; seeded from the position they are the
+        same."""
+        self.accelerator.seed_micro_batch(seed, epoch, batch, self.strategy.sampling_replica)
 
     def print(self, *args: object, **kwargs: Any) -> None:
         """print() on the main process only, without breaking progress bars."""

@@ -178,10 +178,14 @@ class Accelerator(ABC):
         nothing to do when eager)."""
 
     # --- random state -----------------------------------------------------------------------
-    def seed(self, seed: int) -> None:
-        torch.manual_seed(seed)
+    def seed(self, seed: int, replica: int = 0) -> None:
+        """Seeds the host generator from `seed` and the device's from `seed + replica`, `replica`
+        this process's data-parallel replica (Strategy.sampling_replica), so that replicas draw
+        their own dropout masks and samples, as TRL's set_seed(seed, device_specific=True) seeds
+        each process. On the CPU the host generator is the device's: `seed + replica`."""
+        torch.manual_seed(seed + replica)
 
-    def seed_micro_batch(self, seed: int, epoch: int, batch: int) -> None:
+    def seed_micro_batch(self, seed: int, epoch: int, batch: int, replica: int = 0) -> None:
         """See Engine.seed_micro_batch: nothing to do where the generator's state is restored exactly."""
 
     def rng_state(self) -> torch.Tensor:
@@ -314,6 +318,15 @@ class Strategy(ABC):
     def row_share(self) -> int:
         """Which of the `row_shares` this process loads."""
         return self.rank
+
+    @property
+    def sampling_replica(self) -> int:
+        """Which replica's random stream this process draws (Accelerator.seed: dropout masks,
+        sampled tokens): its `row_share` where each replica is a program of its own on rows of its
+        own (ddp, DDP, FSDP2; a tensor-parallel group's processes draw alike, as they hold the same
+        rows); 0 with one replica (world size 1: SPMD and FSDPv2, where one program samples every
+        row and each host's process must draw as the others)."""
+        return self.row_share if self.world_size > 1 else 0
 
     def mesh_shape(self) -> tuple[tuple[str, int], ...]:
         """The mesh as ((axis name, size), ...): every device of the job."""

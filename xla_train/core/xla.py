@@ -311,20 +311,21 @@ class XlaAccelerator(Accelerator):
 
         torch_xla.sync()  # asynchronous: queues the pending graph and returns
 
-    def seed(self, seed: int) -> None:
+    def seed(self, seed: int, replica: int = 0) -> None:
         import torch_xla.core.xla_model as xm
 
         torch.manual_seed(seed)
-        xm.set_rng_state(seed)
+        xm.set_rng_state(seed + replica)
 
-    def seed_micro_batch(self, seed: int, epoch: int, batch: int) -> None:
+    def seed_micro_batch(self, seed: int, epoch: int, batch: int, replica: int = 0) -> None:
         import torch_xla.core.xla_model as xm
 
         # Every sync advances the device seed, even with no graph to run (torch_xla's MarkStep:
         # seed = 1012031 + seed * 7012063; seen here: 5, then 36072346 after an empty sync). A
         # host-side setting: the seed reaches the step's graph as the parameter it always is, so no
-        # graph and no transfer is added. One value for every process (SPMD needs it the same).
-        xm.set_rng_state(hash((seed, epoch, batch)) % 2**62)
+        # graph and no transfer is added. One value for every process of one replica (an SPMD
+        # program's hosts: replica 0), each ddp replica its own.
+        xm.set_rng_state(hash((seed + replica, epoch, batch)) % 2**62)
 
     def rng_state(self) -> torch.Tensor:
         import numpy as np
