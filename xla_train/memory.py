@@ -95,17 +95,20 @@ def layer_bytes(config, rows, length, precision="fp32", attention="sdpa", dense_
 def _experts_bytes(config, c, r, h, implementation=None):
     """What a mixture of experts' layer keeps per token, by the implementation its experts run
     (config._experts_implementation): the router's fp32 logits and probabilities, and a gated MLP's
-    four values an expert wide (gate and up, the activation, the product) for each expert the token
-    passes through: its top-k (transformers' grouped_mm and eager, the package's xla_grouped, with
-    each (token, expert) pair's gathered input and output, 2 x hidden), or every expert (xla_dense,
-    which runs them all). batched_mm gathers a copy of its experts' weights for every pair besides
+    four values an expert wide (gate and up, the activation, the product; gpt-oss's gate seven) for
+    each expert the token passes through: its top-k (transformers' grouped_mm and eager, the
+    package's xla_grouped, with each (token, expert) pair's gathered input and output, 2 x hidden),
+    or every expert (xla_dense, which runs them all, and keeps their products weighted by the
+    routing too, one more value each). batched_mm gathers a copy of its experts' weights for every pair besides
     (core/experts.py). The experts are kept whole under --tensor-parallel (tensor_parallel.KEPT_WHOLE)."""
     experts, top_k, width, _ = experts_of(config)
     implementation = implementation or getattr(config, "_experts_implementation", None)
     router = 2 * 4 * experts
+    # gpt-oss's clamped, interleaved gate keeps 7 values an expert wide (measured within 1%: benchmarks/bench_moe.py)
+    kept = 7 if getattr(config, "model_type", "") == "gpt_oss" else 4
     if implementation == "xla_dense":
-        return router + experts * 4 * c * width
-    pairs = top_k * (4 * c * width + 2 * c * h)
+        return router + experts * (kept + 1) * c * width
+    pairs = top_k * (kept * c * width + 2 * c * h)
     if implementation == "batched_mm":
         pairs += top_k * 3 * h * width * r
     return router + pairs
