@@ -20,6 +20,9 @@ from xla_train.core.errors import UserError
 # without it `auto` takes the mask on a TPU too (test_without_jax_a_tpu_takes_the_mask)
 JAX = importlib.util.find_spec("jax") is not None
 needs_jax = pytest.mark.skipif(not JAX, reason="the Pallas kernel needs jax (make test's .venv has it)")
+# splash goes through torch_xla's call_jax, whose torchax imports flax (core.xla._splash_refusal)
+SPLASH = JAX and importlib.util.find_spec("flax") is not None
+needs_splash = pytest.mark.skipif(not SPLASH, reason="splash needs jax and flax (make test's .venv has them)")
 
 IGNORE = -100
 VOCAB = 40
@@ -151,13 +154,14 @@ def test_rows_four_times_the_window_give_the_one_by_one_loss(family, attention):
             assert torch.is_tensor(mask)
 
 
-def test_sinks_keep_the_mask_path():
-    """gpt-oss hands its attention sinks to the attention function (s_aux): no kernel takes them."""
+def test_sinks_keep_the_mask_path_where_no_kernel_takes_them():
+    """gpt-oss hands its attention sinks to the attention function (s_aux): flex does not take them,
+    splash does (a TPU: tests/test_pallas.py runs it), flash does not."""
     model = model_of("gptoss")
     assert A.choose("auto", "cuda", model, LENGTH) == "mask"
-    assert A.choose("auto", "xla-tpu", model, 128) == "mask"
     with pytest.raises(UserError, match="sinks"):
         A.choose("flex", "cpu", model)
+    assert A.choose("auto", "xla-tpu", model, 128) == ("pallas" if SPLASH else "mask")
 
 
 def test_a_sliding_window_shorter_than_the_row_is_applied():
@@ -221,10 +225,11 @@ def test_the_mask_path_is_todays_mask_and_eager_gets_a_bias():
     pytest.param("xla-tpu", "qwen2", 1024, "pallas", marks=needs_jax),
     # the global layers; the local ones take the mask
     pytest.param("xla-tpu", "gemma3", 2048, "pallas", marks=needs_jax),
-    ("xla-tpu", "llama", 64, "mask"),  # rows the kernel's blocks refuse
-    ("xla-tpu", "llama", 384, "mask"),
-    ("xla-tpu", "llama", 1536, "mask"),
-    ("xla-tpu", "gemma2", 128, "mask"),  # soft-capping: flash attention has none
+    ("xla-tpu", "llama", 64, "mask"),  # rows no kernel's blocks take
+    ("xla-tpu", "llama", 200, "mask"),
+    pytest.param("xla-tpu", "llama", 384, "pallas", marks=needs_splash),  # splash: any multiple of 128
+    pytest.param("xla-tpu", "llama", 1536, "pallas", marks=needs_splash),
+    pytest.param("xla-tpu", "gemma2", 128, "pallas", marks=needs_splash),  # soft-capping: splash has it
     ("xla-tpu", "gpt2", 128, "mask"),  # attention dropout 0.1
     ("xla", "llama", 128, "mask"),  # XLA:CPU: the reference
     ("cuda", "llama", 64, "flex"),
@@ -240,11 +245,11 @@ def test_auto_chooses_per_device(kind, family, length, path):
 @needs_jax
 def test_the_mask_path_is_said_once_where_the_device_has_a_kernel():
     model = model_of("llama")
-    assert "not pallas" in A.fallback_note("auto", "xla-tpu", model, 384)
-    assert "384" in A.fallback_note("auto", "xla-tpu", model, 384)
+    assert "not pallas" in A.fallback_note("auto", "xla-tpu", model, 200)
+    assert "not 200" in A.fallback_note("auto", "xla-tpu", model, 200)
     assert A.fallback_note("auto", "xla-tpu", model, 512) is None
-    assert A.fallback_note("auto", "cpu", model, 384) is None  # the CPU has no kernel for auto
-    assert A.fallback_note("mask", "xla-tpu", model, 384) is None
+    assert A.fallback_note("auto", "cpu", model, 200) is None  # the CPU has no kernel for auto
+    assert A.fallback_note("mask", "xla-tpu", model, 200) is None
 
 
 @pytest.mark.skipif(JAX, reason="jax is installed here; make test-torch's .venv-torch has none")
@@ -261,17 +266,17 @@ def test_without_jax_a_tpu_takes_the_mask():
 def test_an_explicit_path_that_cannot_serve_says_why():
     with pytest.raises(UserError, match="pallas.*TPU"):
         A.choose("pallas", "cpu", model_of("llama"))
-    with pytest.raises(UserError, match="soft-caps"):
-        A.choose("pallas", "xla-tpu", model_of("gemma2"), 128)
+    with pytest.raises(UserError, match="dropout"):
+        A.choose("pallas", "xla-tpu", model_of("gpt2"), 128)
     with pytest.raises(UserError, match="dropout"):
         A.choose("flex", "cpu", model_of("gpt2"))
     with pytest.raises(UserError, match="none of"):
         A.choose("splash", "cpu", model_of("llama"))
-    with pytest.raises(UserError, match="not 384"):
-        A.choose("pallas", "xla-tpu", model_of("llama"), 384)
+    with pytest.raises(UserError, match="not 200"):
+        A.choose("pallas", "xla-tpu", model_of("llama"), 200)
     assert A.choose("mask", "xla-tpu", model_of("llama")) == "mask"
     assert A.choose("flex", "cpu", model_of("llama")) == "flex"
-    assert A.choose("pallas", "xla-tpu", model_of("mistral", window=32), 128) == "pallas"  # windowed layers: mask
+    assert A.choose("pallas", "xla-tpu", model_of("mistral", window=32), 128) == "pallas"  # windowed: splash
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torch_xla") is None, reason="torch_xla is not installed")
@@ -322,31 +327,27 @@ def _published(family):
     return CONFIG_MAPPING[entry["model_type"]].from_dict(entry)
 
 
-@needs_jax
-def test_packed_rows_are_rounded_up_to_a_length_the_kernel_serves():
-    """Packed rows (their added tokens are documents, so a token costs the same linear FLOPs and
-    the kernel skips half the attention): always cheaper at the next served length."""
-    config = _published("llama")
-    assert [A.row_length("auto", "xla-tpu", config, n, packed=True) for n in (100, 384, 512, 768, 1536, 2048)] == [
-        128, 512, 512, 1024, 2048, 2048]
-    assert A.row_length("pallas", "xla-tpu", config, 768, packed=True) == 1024
-    assert A.row_length("mask", "xla-tpu", config, 768, packed=True) == 768
+@needs_splash
+def test_rows_are_rounded_up_only_where_the_count_says_cheaper():
+    """Rows no kernel serves are rounded up to the next length one does (splash: a multiple of 128)
+    only where that costs fewer FLOPs than the mask path at their length (core.xla.attention_cost: each
+    layer's kernel with its blocks and recomputations against every score of the mask, a first-order
+    count). Packed rows (added tokens are documents) for Gemma 3 1B's and gpt-oss-20b's sizes: 600 ->
+    640, and gpt-oss's 1,100 -> 1,152; Llama-3.2-1B's short rows cost fewer FLOPs on the mask (the
+    kernels compute their diagonal blocks whole, and the backward computes the scores again); padded
+    rows (added tokens are padding) stay."""
+    llama, gemma3, gptoss = _published("llama"), _published("gemma3"), _published("gptoss")
+    assert [A.row_length("auto", "xla-tpu", llama, n, packed=True) for n in (100, 384, 1000, 1536, 2048)] == [
+        100, 384, 1000, 1536, 2048]
+    assert [A.row_length("auto", "xla-tpu", gemma3, n, packed=True) for n in (600, 1100)] == [640, 1100]
+    assert [A.row_length("auto", "xla-tpu", gptoss, n, packed=True) for n in (600, 1100)] == [640, 1152]
+    assert A.row_length("mask", "xla-tpu", gemma3, 600, packed=True) == 600
     for kind in ("xla", "cpu", "cuda", "tpu"):  # no kernel that refuses lengths there
-        assert A.row_length("auto", kind, config, 768, packed=True) == 768
-    assert A.row_length("auto", "xla-tpu", _published("gemma2"), 768, packed=True) == 768  # soft-capping: the mask
-    line = A.row_lengths_line("auto", "xla-tpu", [768], [1024])
-    assert "768 -> 1024" in line and "pallas" in line
+        assert A.row_length("auto", kind, gemma3, 600, packed=True) == 600
+    assert [A.row_length("auto", "xla-tpu", llama, n, packed=False) for n in (200, 1000, 1020)] == [200, 1000, 1020]
+    line = A.row_lengths_line("auto", "xla-tpu", [600], [640])
+    assert "600 -> 640" in line and "pallas" in line
     assert A.row_lengths_line("auto", "xla-tpu", [512], [512]) is None
-
-
-@needs_jax
-def test_padded_buckets_are_rounded_up_only_where_cheaper_than_the_mask():
-    """Padded rows: the added tokens are padding. For Llama-3.2-1B's size the weights' FLOPs
-    dominate, so a bucket is rounded up only when nearly served (1,000 -> 1,024), not 200 -> 256."""
-    config = _published("llama")
-    assert A.row_length("auto", "xla-tpu", config, 1000, packed=False) == 1024
-    assert A.row_length("auto", "xla-tpu", config, 200, packed=False) == 200
-    assert A.row_length("auto", "xla-tpu", config, 256, packed=False) == 256
 
 
 def test_the_padding_share_of_buckets():
@@ -355,3 +356,20 @@ def test_the_padding_share_of_buckets():
 
     assert padding_share(Padding("buckets", [4, 8]), [2, 4, 6, 8]) == pytest.approx(4 / 24)  # 2 -> 4, 6 -> 8
     assert padding_share(Padding("buckets", [8]), [8, 8]) == 0.0
+
+
+def test_layers_no_kernel_serves_are_said_on_the_console(monkeypatch):
+    """A path whose rule (Kernel.layer) serves the full layers but not the windowed ones (a TPU
+    without flax: flash only) names those layers and why, once."""
+    from xla_train.core.roles import KERNELS, Kernel, LayerPlan
+
+    def rule(length, head_dim, window, softcap, sinks):
+        return LayerPlan(None, "no window here", 6) if window else LayerPlan("flash", None, 4)
+
+    monkeypatch.setitem(KERNELS, ("xla-tpu", "pallas"), Kernel("pallas", auto=True, layer=rule))
+    model = model_of("gemma3", window=16)
+    note = A.fallback_note("auto", "xla-tpu", model, LENGTH)
+    assert note == f"attention: layers with a window of 16 on the mask path ({LENGTH} x {LENGTH} per row): " \
+        "no window here"
+    assert A.choose("auto", "xla-tpu", model, LENGTH) == "pallas"
+    assert A.fallback_note("auto", "xla-tpu", model_of("llama"), LENGTH) is None

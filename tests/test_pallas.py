@@ -1,8 +1,10 @@
-"""The Pallas path with its real kernel: jax's Pallas TPU flash attention, run in TPU interpret
+"""The Pallas path with its real kernels: jax's Pallas TPU flash attention, run in TPU interpret
 mode on the CPU with the arguments and block sizes torch_xla 2.9's wrapper gives it
-(tests/pallas_interpret.py says which), against the mask path; and the rule the package
-follows for the rows it hands the kernel (xla_train.core.xla.flash_serves) against what jax
-accepts, on jax's traces. Needs jax and torch_xla (make test's .venv: the dev extra)."""
+(tests/pallas_interpret.py says which), and jax's splash attention with the package's own jax
+functions and arguments (tests/splash_interpret.py), against the mask path; and the rule the package
+follows for the rows and layers it hands each kernel (xla_train.core.xla.flash_serves, pallas_layer)
+against what jax accepts and skips, on jax's traces. Needs jax and torch_xla (make test's .venv: the
+dev extra); splash needs flax too (torch_xla's call_jax: core.xla._splash_refusal)."""
 
 import pytest
 import torch
@@ -12,10 +14,12 @@ pytest.importorskip("jax")
 pytest.importorskip("torch_xla")
 
 import pallas_interpret as P  # noqa: E402
+import splash_interpret as SI  # noqa: E402
 import tiny_decoders as td  # noqa: E402
-from test_attention import documents, loss_alone, model_of, packed_loss  # noqa: E402
+from test_attention import SPLASH, _published, documents, loss_alone, model_of, needs_splash, packed_loss  # noqa: E402
 
 from xla_train.core import attention as A  # noqa: E402
+from xla_train.core import xla as X  # noqa: E402
 from xla_train.core.xla import flash_serves  # noqa: E402
 
 
@@ -82,6 +86,11 @@ def test_long_rows_through_the_kernel_equal_the_mask(length, head_dim):
         torch.testing.assert_close(got, t.grad, atol=1e-4, rtol=1e-4)
 
 
+def splash(q, k, v, segment_ids, sinks=None, **kw):
+    """The package's splash_attention with its jax functions run in TPU interpret mode."""
+    return A.splash_attention(q, k, v, segment_ids, sinks, run=SI.interpreted, **kw)
+
+
 class Watched:
     """torch_xla's flash_attention signature over the interpreted kernel, keeping each call's
     arguments (the kernel still computes the result)."""
@@ -95,49 +104,148 @@ class Watched:
         return P.flash_attention(q, k, v, causal, q_segment_ids, kv_segment_ids, sm_scale, **kw)
 
 
-# rows of 128 and 256 tokens, each of 2-3 documents (the first row ends in padding)
-ROWS = {128: [[40, 51, 20], [64, 39, 25]], 256: [[100, 90, 40], [128, 70, 58]]}
+# rows of 128, 256 and 384 tokens, each of 2-3 documents (the first row ends in padding)
+ROWS = {128: [[40, 51, 20], [64, 39, 25]], 256: [[100, 90, 40], [128, 70, 58]], 384: [[150, 120, 90], [200, 100, 84]]}
 
 
-@pytest.mark.parametrize("family, length", [("llama", 128), ("qwen2", 256), ("gemma3", 128)])
-def test_the_packed_loss_and_gradients_through_the_kernel(family, length):
-    """A tiny model's packed rows through the Pallas path (its kernel interpreted) against the
-    mask path, fp32: the same loss (equal to the documents' one-by-one loss) and the same
-    gradients. Llama's grouped-query heads repeated for the kernel, Qwen2's biases, Gemma 3's
-    five sliding layers (a window of 32, a quarter of the row) on the mask path and its global
-    layer through the kernel."""
+@pytest.mark.parametrize("family, length, window", [
+    ("llama", 128, None), ("qwen2", 256, None), ("gemma3", 128, 32),
+    pytest.param("gemma3", 384, 48, marks=needs_splash), pytest.param("gptoss", 128, 32, marks=needs_splash),
+    pytest.param("gemma2", 128, None, marks=needs_splash)])
+def test_the_packed_loss_and_gradients_through_the_kernels(family, length, window):
+    """A tiny model's packed rows through the Pallas path (its kernels interpreted, each layer where the
+    rule sends it) against the mask path, fp32: the same loss (equal to the documents' one-by-one loss)
+    and the same gradients. Llama's grouped-query heads repeated for flash, Qwen2's biases; Gemma 3's
+    five sliding layers through splash (a window shorter than the documents) and its global layer
+    through flash at 128 tokens, every layer through splash at 384, which flash refuses; gpt-oss's
+    sinks (and their gradient) and windows through splash; Gemma 2's soft-capping through splash.
+    Without flax the windowed layers take the mask path, as before."""
     rows = ROWS[length]
-    window = length // 4 if family == "gemma3" else None
     docs, batch = documents(1, rows, length)
     results = {}
+    SI.CALLS.clear()
     for attention in ("mask", "pallas"):
         model = model_of(family, window=window).train()
-        kernel = Watched()
-        kw = {"device_kind": "xla-tpu", "kernel": kernel} if attention == "pallas" else {}
+        flash = Watched()
+        kw = {"device_kind": "xla-tpu", "kernels": {"flash": flash, "splash": splash}} if attention == "pallas" else {}
         loss = packed_loss(model, batch, attention, **kw)
         loss.backward()
-        results[attention] = (float(loss.detach()), {n: p.grad for n, p in model.named_parameters()}, kernel, model)
+        results[attention] = (float(loss.detach()), {n: p.grad for n, p in model.named_parameters()}, flash, model)
     assert abs(results["pallas"][0] - results["mask"][0]) < 1e-5
     with torch.no_grad():
         assert abs(results["mask"][0] - loss_alone(results["mask"][3].eval(), docs)) < 1e-5
     for name, grad in results["mask"][1].items():
         torch.testing.assert_close(results["pallas"][1][name], grad, atol=2e-5, rtol=1e-4, msg=name)
-    kernel, model = results["pallas"][2], results["pallas"][3]
+    flash, model = results["pallas"][2], results["pallas"][3]
     config = model.config
-    global_layers = sum(t == "full_attention" for t in getattr(config, "layer_types", None) or ["full_attention"] *
-                        config.num_hidden_layers)
-    assert len(kernel.calls) == global_layers  # the windowed layers took the mask path
+    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    # each layer where the rule sends it (forward and backward splash calls: one each a layer)
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    rule = {t: X.pallas_layer(length, model.model.layers[0].self_attn.head_dim,
+                              window if t == "sliding_attention" else None, softcap, family == "gptoss").kernel
+            for t in types}
+    assert len(flash.calls) == sum(rule[t] == "flash" for t in types)
+    assert len([c for c in SI.CALLS if c[0] == "splash_forward"]) == sum(rule[t] == "splash" for t in types)
+    assert (family, length) != ("gemma3", 384) or set(rule.values()) == {"splash"}
     heads, head_dim = config.num_attention_heads, model.model.layers[0].self_attn.head_dim
-    for call in kernel.calls:
+    for call in flash.calls:
         for name in ("q", "k", "v"):  # as many key/value heads as query heads
             assert tuple(call[name].shape) == (len(rows), heads, length, head_dim), name
         assert call["causal"] is True and "partition_spec" not in call
         for name in ("q_segment_ids", "kv_segment_ids"):  # float32 [batch, length], as test/test_pallas.py builds them
             assert call[name].dtype == torch.float32 and torch.equal(call[name], batch["segments"].float())
-    if config.num_key_value_heads < heads:  # k repeated per group, in transformers' repeat_kv order
-        k = kernel.calls[0]["k"]
+    for _, args in SI.CALLS:  # k and v as they are (grouped), int32 segment ids, the static arguments
+        k, segment_ids, sinks, layer_window, softcap, block = args[1], args[3], args[4], *args[6:9]
+        assert k.shape[1] == config.num_key_value_heads and segment_ids.dtype == torch.int32
+        assert torch.equal(segment_ids, batch["segments"].int()) and block == X.splash_block(length)
+        assert layer_window in (None, window) and softcap == getattr(config, "attn_logit_softcapping", None)
+        assert (sinks is not None) == (family == "gptoss")
+    if flash.calls and config.num_key_value_heads < heads:  # k repeated per group, in transformers' repeat_kv order
+        k = flash.calls[0]["k"]
         groups = heads // config.num_key_value_heads
         assert torch.equal(k[:, 0], k[:, groups - 1])
+
+
+@needs_splash
+def test_splash_keeps_transformers_window_not_one_token_more():
+    """Splash's LocalMask((w, w)) keeps q - k <= w, transformers' window q - k < w: the package passes
+    window - 1 (splash_forward). The kernel with the layer's window gives the mask path's output within
+    a window of 40; asked for a window one token longer (what LocalMask((w, w)) would keep) it differs."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 256, 16) for _ in range(3))
+    segments = torch.ones(1, 256, dtype=torch.int32)
+    segments[:, 150:] = 2
+    scale = 16 ** -0.5
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=A.document_mask(segments, window=40), scale=scale)
+    with torch.no_grad():
+        exact = splash(q, k, v, segments, scale=scale, window=40)
+        longer = splash(q, k, v, segments, scale=scale, window=41)
+    torch.testing.assert_close(exact, ref, atol=1e-5, rtol=1e-5)
+    assert (longer - ref).abs().max() > 1e-2
+
+
+def splash_lowered(length, head_dim, window=None, heads=4, kv_heads=1):
+    """The package's splash call (splash_forward, splash_backward) at rows of `length` tokens lowered for
+    a TPU as call_jax lowers it (jax.jit(...).lower; here with lowering_platforms=("tpu",), no TPU needed):
+    the Mosaic kernels' count in each, or the error jax raises. Pallas's TPU lowering checks the blocks
+    against the shapes; what it leaves is Mosaic's compilation for the chip."""
+    import jax
+    import jax.numpy as jnp
+
+    block = X.splash_block(length) if length % 128 == 0 else 128  # what jax says to 128 where the rule refuses
+    S = jax.ShapeDtypeStruct
+    q, k = S((2, heads, length, head_dim), jnp.bfloat16), S((2, kv_heads, length, head_dim), jnp.bfloat16)
+    ids, sinks = S((2, length), jnp.int32), S((2, heads), jnp.float32)
+    static = (0.1, window, None, block)
+    calls = (lambda q, k, i, s: A.splash_forward(q, k, k, i, s, *static),
+             lambda q, k, i, s: A.splash_backward(q, k, k, i, s, *static, q))
+    try:
+        return [jax.jit(f).trace(q, k, ids, sinks).lower(lowering_platforms=("tpu",)).as_text().count(
+            "tpu_custom_call") for f in calls]
+    except ValueError as e:
+        return str(e)
+
+
+def test_the_rule_agrees_with_splash_and_counts_its_blocks_as_jax_does():
+    """The rule's splash lengths against jax's own checks (lowered for a TPU), with a window, sinks and
+    grouped heads of 16 to 256; and the
+    blocks the cost counts (core.xla._entries: blocks holding a kept pair, each whole) against the
+    blocks splash's mask info keeps (process_mask's block_mask: empty blocks skipped), causal and
+    windowed, for the package's blocks."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+    from jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_mask_info import process_mask
+
+    for length, head_dim, window in [(120, 64, None), (128, 64, None), (200, 64, 100), (384, 64, 100), (640, 16, 48),
+                                     (1000, 64, None), (1152, 256, 512), (4096, 64, 128)]:
+        lowered = splash_lowered(length, head_dim, window)
+        if length % 128 == 0:  # the rule serves it: one kernel forward, the forward again and the fused pass backward
+            assert lowered == [1, 2], (length, lowered)
+        else:
+            assert f"should divide q_seq_len={length}" in lowered
+    for length, window in [(384, None), (384, 100), (1024, None), (1024, 128), (2048, 512), (4096, 128)]:
+        block = X.splash_block(length)
+        mask = sm.LocalMask((length, length), (window - 1, 0), 0) if window else sm.CausalMask((length, length))
+        info, _ = process_mask(sm.MultiHeadMask((mask,)), (block, block))
+        kept = int((info.block_mask > 0).sum()) if info.block_mask is not None else (length // block) ** 2
+        assert X._entries(length, block, block, window) == kept * block * block, (length, window)
+
+
+def test_no_layer_or_row_a_kernel_can_take_falls_back_at_4096_tokens():
+    """The goal, the rule evaluated on the published configs: at 4,096-token rows every Gemma 3 1B and
+    gpt-oss-20b layer (windows of 512 and 128, gpt-oss's sinks) has a kernel, and so has every DPO and
+    GRPO row length a kernel can take (multiples of 128: a bucket plus completions, 128 + 256 = 384,
+    padded pairs); lengths no kernel takes are named with the reason. With splash unavailable (no
+    flax) the windowed layers and those rows are on the mask, as before."""
+    kernel = A._kernels()[("xla-tpu", "pallas")]
+    for family in ("gemma3", "gptoss"):
+        plans = A.layer_plans(kernel, _published(family), 4096)
+        assert all(plan.kernel == ("splash" if SPLASH else None) for w, (plan, n) in plans.items() if w), family
+        assert sum(n for _, n in plans.values()) == _published(family).num_hidden_layers
+    llama = _published("llama")
+    for length in range(128, 4097, 128):  # DPO's and GRPO's rows up to 4,096
+        served = {plan.kernel for plan, _ in A.layer_plans(kernel, llama, length).values()}
+        assert None not in served or not SPLASH, length
+    assert "not 200" in A.layer_plans(kernel, llama, 200)[None][0].reason
 
 
 def test_the_memory_plan_counts_the_kernels_repeated_key_value_heads():

@@ -12,9 +12,12 @@ that keep the documents apart, by one of three paths (`PATHS`):
             within a document, the family's sliding window, Gemma 2's soft-capping as a score_mod,
             grouped-query attention by enable_gqa). Compiled (`torch.compile(flex_attention)`, the
             fused kernel) on CUDA; eager elsewhere (an unfused reference that runs on the CPU).
-    pallas  torch_xla's Pallas flash attention with segment ids
-            (torch_xla/experimental/custom_kernel.py, flash_attention), on a TPU only; layers with a
-            sliding window shorter than the row (Gemma 3's local ones) take the mask path, windowed.
+    pallas  on a TPU only, each layer through the Pallas kernel one rule picks (core.xla.pallas_layer:
+            which kernel serves the layer's row length, heads, window, soft cap and sinks, and at what
+            cost): torch_xla's flash attention with segment ids (torch_xla/experimental/custom_kernel.py,
+            flash_attention), or jax's splash attention through torch_xla's call_jax (`splash_attention`:
+            segment ids, the layer's window, soft-capping, gpt-oss's sinks); a layer neither serves
+            takes the mask path, windowed.
 
 A model whose layers have a sliding window shorter than the row gets one mask per window: a dict
 keyed by layer type where the config names them (`config.layer_types`; transformers 5.24's
@@ -22,7 +25,7 @@ Gemma 2/3, gpt-oss and Qwen2 take `attention_mask` as such a dict, `causal_mask_
 one windowed mask (Mistral: every layer has the window). flex applies each layer's window itself.
 
 Which device runs which kernel is its role's to say (roles.serve, roles.Kernel: core.xla declares pallas
-on a TPU with the row lengths and head sizes it serves, gpu_fallback flex on CUDA and the CPU).
+on a TPU with the rule for its layers, gpu_fallback flex on CUDA and the CPU).
 `attention="auto"` takes the kernel a device declares for it where the model and the rows' length
 can be served (`why_not`), otherwise the mask (the CPU, XLA:CPU, TorchTPU; `fallback_note` says
 why on the console). An explicit path that cannot serve raises UserError with the reason.
@@ -113,7 +116,7 @@ def _config_value(config, *names):
 
 
 # what each kernel is, for the messages (where it runs is its device roles' to declare: roles.serve)
-_WHAT = {"flex": "torch's FlexAttention", "pallas": "torch_xla's Pallas flash attention, a TPU kernel"}
+_WHAT = {"flex": "torch's FlexAttention", "pallas": "Pallas flash and splash attention, TPU kernels"}
 
 
 def _kernels():
@@ -157,12 +160,17 @@ def why_not(path: str, kind: str, model, length: int | None = None) -> str | Non
         return f"{type(hf).__name__}'s attention does not take a registered attention function"
     if _implementation(config) not in ("sdpa", "eager", "xla_sdpa"):
         return f"the model runs {_implementation(config)} attention"
-    if _has_sinks(hf):
+    if _has_sinks(hf) and kernel.layer is None:
         return f"the model adds attention sinks (gpt-oss's s_aux), which {path} does not take"
     reason = _config_refusal(kernel, config)
     if reason:
         return reason
-    return kernel.refusal(length, _head_dim(config)) if kernel.refusal else None
+    reason = kernel.refusal(length, _head_dim(config)) if kernel.refusal else None
+    if reason or length is None or kernel.layer is None:
+        return reason
+    plans = layer_plans(kernel, config, length)
+    # a layer no kernel serves takes the mask path inside this one (Documents.attend); none served: the mask
+    return None if any(plan.kernel for plan, _ in plans.values()) else next(iter(plans.values()))[0].reason
 
 
 def choose(attention: str, kind: str, model, length: int | None = None) -> str:
@@ -184,10 +192,19 @@ def auto_kernel(kind: str) -> str | None:
 
 
 def fallback_note(attention: str, kind: str, model, length: int | None) -> str | None:
-    """The console's line where "auto" takes the mask path although the device has a kernel."""
-    wanted = auto_kernel(kind) if attention == "auto" else None
+    """The console's line where "auto" takes the mask path although the device has a kernel, or where
+    the kernel's path leaves some layers on it (Kernel.layer: no kernel serves them)."""
+    wanted = auto_kernel(kind) if attention == "auto" else None if attention == "mask" else attention
     reason = why_not(wanted, kind, model, length) if wanted else None
-    return f"attention: the mask path ({length} x {length} per row), not {wanted}: {reason}" if reason else None
+    if reason:  # auto took the mask (choose refuses an explicit path that cannot serve)
+        return f"attention: the mask path ({length} x {length} per row), not {wanted}: {reason}"
+    kernel = _kernels().get((kind, wanted)) if wanted else None
+    if kernel is None or kernel.layer is None or length is None:
+        return None
+    config = unwrapped(model).config
+    masked = {w: plan for w, (plan, n) in layer_plans(kernel, config, length).items() if plan.kernel is None and n}
+    return "; ".join(f"attention: {'layers with a window of ' + str(w) if w else 'full layers'} on the mask path "
+                     f"({length} x {length} per row): {plan.reason}" for w, plan in masked.items()) or None
 
 
 def _config_refusal(kernel, config) -> str | None:
@@ -199,39 +216,70 @@ def _config_refusal(kernel, config) -> str | None:
     return None
 
 
-def _flops(config, length: int, attention_share: float) -> float:
-    """Training FLOPs of one token in a row of `length` (PaLM's count, core.peaks.flops_per_token:
-    6 per weight, 12 x layers x width x length for attention), the attention's part scaled by
-    `attention_share` (a flash kernel skips the blocks above the diagonal: about half)."""
-    from .peaks import flops_per_token
+def _config_sinks(config) -> bool:
+    """Whether a config's attention has learned sinks: gpt-oss's always does (transformers 5.24
+    modeling_gpt_oss.py, GptOssAttention.sinks), which a config says by its model type only."""
+    return getattr(config, "model_type", None) == "gpt_oss"
 
+
+def _layer_count(config) -> int:
+    return _config_value(config, "num_hidden_layers", "n_layer") or 0
+
+
+def layer_plans(kernel, config, length: int) -> dict[int | None, tuple[Any, int]]:
+    """The kernel's rule (Kernel.layer) for each sliding window of the config's layers at rows of
+    `length` tokens (None: the full ones): window -> (roles.LayerPlan, how many layers have it)."""
+    windows = layer_windows(config, length)
+    types = getattr(config, "layer_types", None) or [None] * _layer_count(config)
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    plans: dict[int | None, tuple[Any, int]] = {}
+    for window in dict.fromkeys(windows.values()):
+        plan = kernel.layer(length, _head_dim(config), window, softcap, _config_sinks(config))
+        plans[window] = (plan, sum(windows.get(t) == window for t in types))
+    return plans
+
+
+def _flops(config, length: int, kernel=None) -> float:
+    """Training FLOPs of one token in a row of `length`: 6 per weight (PaLM's count,
+    core.peaks.flops_per_token) and the attention of each layer on the path it takes there, the kernel's
+    (Kernel.layer's cost: its blocks, forward and backward) or, without a kernel or where it serves no
+    layer, the mask path's (every score: PaLM's 12 x width x length). A first-order count, not a TPU
+    measurement: it leaves out memory traffic, where the mask path's L x L mask and scores cost most."""
     width = _config_value(config, "hidden_size", "n_embd") or 0
-    layers = _config_value(config, "num_hidden_layers", "n_layer") or 0
+    layers = _layer_count(config)
     heads = _config_value(config, "num_attention_heads", "n_head") or 1
     kv = _config_value(config, "num_key_value_heads") or heads
     head_dim = _head_dim(config) or 0
     inner = _config_value(config, "intermediate_size", "n_inner") or 4 * width
     weights = layers * (2 * width * heads * head_dim + 2 * width * kv * head_dim + 3 * width * inner)
-    return 6 * weights + attention_share * flops_per_token(config, 0, length)
+    if kernel is None or kernel.layer is None:
+        products = layers * 6 * length * length
+    else:
+        products = sum(plan.cost * n for plan, n in layer_plans(kernel, config, length).values())
+    return 6 * weights + 2 * heads * head_dim * products / length
 
 
 def row_length(attention: str, kind: str, config, length: int, packed: bool) -> int:
     """The row length to use for rows of `length` tokens: `length`, or where `attention` would
-    take the device's kernel but its blocks refuse `length`, the next length they serve
-    (Kernel.round_up), where that costs fewer FLOPs than the mask path at `length` (`_flops`):
-    per token for packed rows, whose added tokens are documents; per row for padded ones, whose
-    added tokens are padding. Not measured on a TPU: a first-order count."""
+    take the device's kernel but no kernel serves `length`, the next length one serves
+    (Kernel.round_up), where that costs fewer FLOPs than `length` does (`_flops`, each layer on the
+    path it takes at each length): per token for packed rows, whose added tokens are documents; per
+    row for padded ones, whose added tokens are padding. Not measured on a TPU: a first-order count."""
     path = auto_kernel(kind) if attention == "auto" else attention
     kernel = _kernels().get((kind, path)) if path not in (None, "mask") else None
-    if kernel is None or kernel.round_up is None or _config_refusal(kernel, config):
+    if kernel is None or kernel.round_up is None or kernel.layer is None or _config_refusal(kernel, config):
         return length
-    head_dim = _head_dim(config)
-    refused = kernel.refusal(length, head_dim) if kernel.refusal else None
-    longer = kernel.round_up(length) if refused else length
-    if longer == length or (kernel.refusal and kernel.refusal(longer, head_dim)):
+    if kernel.refusal and kernel.refusal(length, _head_dim(config)):
         return length
-    rows = (1, 1) if packed else (length, longer)  # tokens a row costs, on the mask path and the kernel's
-    return longer if rows[1] * _flops(config, longer, 0.5) < rows[0] * _flops(config, length, 1.0) else length
+
+    def served(n):
+        return any(plan.kernel for plan, _ in layer_plans(kernel, config, n).values())
+
+    longer = length if served(length) else kernel.round_up(length)
+    if longer == length or not served(longer):
+        return length
+    rows = (1, 1) if packed else (length, longer)  # tokens a row costs, at `length` and at `longer`
+    return longer if rows[1] * _flops(config, longer, kernel) < rows[0] * _flops(config, length, kernel) else length
 
 
 def row_lengths_line(attention: str, kind: str, lengths: list[int], rounded: list[int]) -> str | None:
@@ -240,7 +288,7 @@ def row_lengths_line(attention: str, kind: str, lengths: list[int], rounded: lis
         return None
     path = auto_kernel(kind) if attention == "auto" else attention
     pairs = ", ".join(f"{a} -> {b}" for a, b in zip(lengths, rounded) if a != b)
-    return f"attention: rows rounded up to lengths {path} serves ({pairs}), fewer FLOPs than the mask path"
+    return f"attention: rows rounded up to lengths {path} serves ({pairs}), fewer FLOPs than the mask path at theirs"
 
 
 def layer_windows(config, length: int) -> dict[str | None, int | None]:
@@ -262,7 +310,7 @@ def layer_windows(config, length: int) -> dict[str | None, int | None]:
 
 
 def document_inputs(model, segments: torch.Tensor, device_kind: str | None = None, attention: str = "auto", *,
-                    compiled: bool | None = None, kernel: Callable | None = None) -> dict[str, Any]:
+                    compiled: bool | None = None, kernels: dict[str, Callable] | None = None) -> dict[str, Any]:
     """The keyword arguments that keep a packed batch's documents apart in `model(**inputs,
     **extra)`: `segments` [rows, length] (1..k per document, 0 for padding); `device_kind` as
     `kind_of` names it (None: the segments' device); `attention` one of PATHS.
@@ -271,8 +319,9 @@ def document_inputs(model, segments: torch.Tensor, device_kind: str | None = Non
     flex, pallas: {"attention_mask": the segments as [rows, 1, 1, L] (transformers builds no
             mask from a 4-D one), "documents": Documents} with the model switched to
             DOCUMENT_ATTENTION (once; other calls run its former attention unchanged).
-    `compiled`: flex through torch.compile (None: on CUDA). `kernel`: the Pallas function to call
-    instead of torch_xla's flash_attention (tests record its arguments with it)."""
+    `compiled`: flex through torch.compile (None: on CUDA). `kernels`: Pallas functions to call instead
+    of the package's ("flash": torch_xla's flash_attention, "splash": `splash_attention`), with their
+    signatures (tests run them interpreted and record their arguments)."""
     kind = device_kind or kind_of(segments)
     length = segments.shape[1]
     path = choose(attention, kind, model, length)
@@ -289,7 +338,7 @@ def document_inputs(model, segments: torch.Tensor, device_kind: str | None = Non
         return {"attention_mask": {t: masks[w] for t, w in windows.items()}}
     use_documents(model)
     documents = Documents(path, segments, compiled=segments.device.type == "cuda" if compiled is None else compiled,
-                          kernel=kernel)
+                          kernels=kernels or {}, rule=_kernels()[(kind, path)].layer)
     if path == "flex":
         documents.block_mask(None)  # built here, once per forward, not in every layer
         window = getattr(config, "sliding_window", None)
@@ -334,7 +383,8 @@ class Documents:
     path: str  # "flex" | "pallas"
     segments: torch.Tensor  # [rows, length]
     compiled: bool = False  # flex: torch.compile'd kernel and block mask
-    kernel: Callable | None = None  # pallas: torch_xla's flash_attention unless given
+    kernels: dict = field(default_factory=dict)  # pallas: "flash", "splash" -> the function to call instead
+    rule: Callable | None = None  # pallas: which kernel serves a layer (roles.Kernel.layer)
     # flex: sliding window (None: whole document) -> BlockMask; ("mask", window) -> a windowed layer's mask
     masks: dict = field(default_factory=dict)
 
@@ -358,17 +408,23 @@ class Documents:
 
     def attend(self, module, query, key, value, **kwargs):
         """[rows, heads, L, d] q and [rows, kv heads, L, d] k, v -> ([rows, L, heads, d], None), as
-        transformers' attention functions return. Pallas's layers with a sliding window shorter
-        than the row (Gemma 3's local layers) take the mask path, windowed."""
+        transformers' attention functions return. Pallas: each layer through the kernel its rule picks
+        (flash, splash), or where none serves it the mask path."""
         import torch
-        scaling, sliding_window, softcap = (kwargs.get(k) for k in ("scaling", "sliding_window", "softcap"))
+        scaling, sliding_window, softcap, sinks = (kwargs.get(k) for k in ("scaling", "sliding_window", "softcap",
+                                                                           "s_aux"))
         if kwargs.get("dropout"):
             raise ValueError("the document kernels do not drop attention weights (choose the mask path)")
-        if kwargs.get("s_aux") is not None:
-            raise ValueError("the document kernels take no attention sinks (s_aux; choose the mask path)")
         length = self.segments.shape[1]
-        if self.path == "pallas" and sliding_window is not None and sliding_window < length:
-            return self._windowed(module, query, key, value, sliding_window, kwargs)
+        window = sliding_window if sliding_window is not None and sliding_window < length else None
+        kernel = None
+        if self.path == "pallas":
+            assert self.rule is not None
+            kernel = self.rule(length, query.shape[-1], window, softcap, sinks is not None).kernel
+            if kernel is None:
+                return self._masked(module, query, key, value, window, kwargs)
+        elif sinks is not None:
+            raise ValueError("flex takes no attention sinks (s_aux; choose the mask path)")
         device = query.device.type
         if torch.is_autocast_enabled(device):  # one dtype, as xla_sdpa does (see core.xla._register_attention)
             dtype = torch.get_autocast_dtype(device)
@@ -380,18 +436,34 @@ class Documents:
             out = _flex(self.compiled)(query, key, value, score_mod=_softcap(softcap) if softcap else None,
                                        block_mask=self.block_mask(sliding_window), scale=scale,
                                        enable_gqa=query.shape[1] != key.shape[1])
+        elif kernel == "splash":
+            out = self._splash(query, key, value, scale, window, softcap, sinks)
         else:
             out = self._pallas(query, key, value, scale, softcap)
         return out.transpose(1, 2).contiguous(), None
 
-    def _windowed(self, module, query, key, value, window, kwargs):
-        """A windowed layer on the mask path: the model's former implementation with the
-        documents' mask within `window` tokens (built once per forward)."""
+    def _masked(self, module, query, key, value, window, kwargs):
+        """A layer no Pallas kernel serves, on the mask path: the model's former implementation with the
+        documents' mask within `window` tokens (None: the whole document), built once per forward."""
         eager = _implementation(module.config) == "eager"
         if ("mask", window) not in self.masks:
             self.masks[("mask", window)] = document_mask(self.segments, eager, window)
         base = _base_attention(module, _implementation(module.config))
         return base(module, query, key, value, self.masks[("mask", window)], **kwargs)
+
+    def _splash(self, query, key, value, scale, window, softcap, sinks):
+        """jax's splash attention (core.xla: the rule; `splash_attention`: the call) with the documents'
+        segment ids, the layer's window and soft-capping, the model's sinks, k and v as they are."""
+        import torch
+        segment_ids = self.segments.to(torch.int32)
+        spec, _ = _spmd_layout() if query.device.type == "xla" else (None, None)
+        groups = query.shape[1] // key.shape[1]
+        if spec is not None and spec[1] is not None and groups > 1:
+            # heads split over `tensor`: key/value heads that the axis does not divide are kept whole
+            # (core.tensor_parallel), so they go as the query heads' copies, as flash takes them
+            key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+        kernel = self.kernels.get("splash") or splash_attention
+        return kernel(query, key, value, segment_ids, sinks, scale=scale, window=window, softcap=softcap)
 
     def _pallas(self, query, key, value, scale, softcap):
         """torch_xla's Pallas flash attention (torch_xla/experimental/custom_kernel.py,
@@ -413,7 +485,7 @@ class Documents:
         # test_flash_attention_wrapper_segment_ids_spmd). Padding (0) is a segment of its own, and
         # causal=True masks by position in the row, as the reference mask does.
         segment_ids = self.segments.to(torch.float32)
-        kernel = self.kernel or _flash_attention()
+        kernel = self.kernels.get("flash") or _flash_attention()
         spec, mesh = _spmd_layout() if query.device.type == "xla" else (None, None)
         extra = {"partition_spec": spec, "mesh": mesh} if spec is not None else {}
         return kernel(query, key, value, causal=True, q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
@@ -445,6 +517,108 @@ def _spmd_layout():
     assert mesh.axis_names is not None  # get_1d_mesh names its axis, and no global mesh here is unnamed
     heads = "tensor" if "tensor" in mesh.axis_names else None  # core.tensor_parallel.TENSOR
     return (mesh.axis_names[0], heads, None, None), mesh
+
+
+def splash_forward(q, k, v, segment_ids, sinks, scale: float, window: int | None, softcap: float | None, block: int):
+    """jax: the function torch_xla's call_jax runs for a splash layer (and tests/splash_interpret.py in TPU
+    interpret mode). q [rows, heads, L, d], k and v [rows, kv heads, L, d] (grouped-query heads as they
+    are: make_splash_mha takes heads a multiple of k's), segment_ids int32 [rows, L], sinks [rows, heads]
+    or None, the rest static. Every document causal, within `window` tokens where given: splash's
+    LocalMask((w_left, w_right)) keeps q - w_left <= k <= q + w_right, transformers' window q - k < window
+    (masking_utils.sliding_window_overlay), so w_left = window - 1 and w_right = 0 (LocalMask((w, w)) would
+    keep one token more). The scale is applied to q, as splash has none (MaxText scales q the same way);
+    the soft cap then applies to the scaled scores, as Gemma 2 caps them."""
+    import jax
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+    heads, length = q.shape[1], q.shape[2]
+    shape = (length, length)
+    mask = sm.LocalMask(shape, (window - 1, 0), 0) if window else sm.CausalMask(shape)
+    sizes = sk.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
+                          block_kv_dkv=block, block_kv_dkv_compute=block, use_fused_bwd_kernel=True)
+    kernel = sk.make_splash_mha(sm.MultiHeadMask((mask,) * heads), block_sizes=sizes, head_shards=1,
+                                q_seq_shards=1, attn_logits_soft_cap=softcap)
+
+    def row(q, k, v, ids, sinks):
+        return kernel(q * scale, k, v, sk.SegmentIds(ids, ids), sinks)
+
+    # one row at a time (lax.map: a loop around one kernel call), not jax.vmap as torch_xla's wrapper does:
+    # vmap adds a grid dimension that jax 0.7.1's TPU interpret mode cannot run (interpret.py,
+    # _get_randomized_grid_coordinates: the dimension semantics do not count it), so the kernel tested here
+    # would not be the one a TPU runs. Each call still spans the row's heads and blocks.
+    return jax.lax.map(lambda a: row(*a), (q, k, v, segment_ids, sinks))
+
+
+def splash_backward(q, k, v, segment_ids, sinks, scale, window, softcap, block, do):
+    """jax: the gradients of `splash_forward`'s output against `do`: (dq, dk, dv, dsinks or None), by jax.vjp,
+    as torch_xla's own splash wrapper takes them (_jax_grad_f): the forward runs again inside."""
+    import jax
+
+    def forward(q, k, v, sinks):
+        return splash_forward(q, k, v, segment_ids, sinks, scale, window, softcap, block)
+
+    return jax.vjp(forward, q, k, v, sinks)[1](do)
+
+
+def _run_jax(function, args: tuple, outputs: int):
+    """torch_xla's call_jax (torch_xla/core/xla_builder.py) of `function` on `args` (tensors, and static
+    values it caches a compilation per). Under SPMD each device runs it on its rows (and heads, split over
+    a `tensor` axis), through torch_xla's manual sharding as its flash wrapper does (custom_kernel.py,
+    _shard_map in fa_custom_forward): `outputs` tensors come back, each laid out like q or, the sinks'
+    gradient, [rows, heads]. Not run here: call_jax lowers a Mosaic call only a TPU executes."""
+    from torch_xla.core.xla_builder import call_jax
+
+    spec, mesh = _spmd_layout()
+    if spec is None:
+        return call_jax(function, args)
+    import torch
+    from torch_xla.experimental.custom_kernel import _shard_map
+
+    rows = (spec[0], spec[2])  # segment ids, as fa_custom_forward lays them out
+    heads = (spec[0], spec[1])  # sinks and their gradient: [rows, heads]
+    inputs = [spec, spec, spec, rows, heads, None, None, None, None] + [spec] * (len(args) - 9)
+    specs = [spec, spec, spec, heads][:outputs]
+    # manual sharding marks its input in place: the tensors autograd saved keep their layout (fa_custom_forward)
+    args = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
+    return _shard_map(lambda *a: call_jax(function, a), mesh, inputs, specs)(*args)
+
+
+@functools.cache
+def _splash_function():
+    """The autograd of a splash layer (a class made once: this module imports no torch at import)."""
+    import torch
+
+    class Splash(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, sinks, segment_ids, static, run):
+            ctx.save_for_backward(q, k, v, sinks, segment_ids)
+            ctx.static, ctx.run = static, run
+            return run(splash_forward, (q, k, v, segment_ids, sinks, *static), 1)
+
+        @staticmethod
+        def backward(ctx, do):
+            q, k, v, sinks, segment_ids = ctx.saved_tensors
+            dq, dk, dv, dsinks = ctx.run(splash_backward, (q, k, v, segment_ids, sinks, *ctx.static, do.contiguous()),
+                                         4)
+            return dq, dk, dv, dsinks, None, None, None
+
+    return Splash
+
+
+def splash_attention(query, key, value, segment_ids, sinks=None, *, scale: float, window: int | None = None,
+                     softcap: float | None = None, run: Callable | None = None):
+    """jax's splash attention of one layer, differentiable: q [rows, heads, L, d], k and v [rows, kv heads,
+    L, d], segment_ids int32 [rows, L], sinks [heads] or None (gpt-oss's, a parameter: its gradient is
+    summed over the rows by autograd), the blocks core.xla.splash_block gives the row. `run`: what runs
+    the jax functions (tests: in TPU interpret mode), torch_xla's call_jax unless given."""
+    from .xla import splash_block
+
+    rows = query.shape[0]
+    sinks_rows = None if sinks is None else sinks[None].expand(rows, -1).contiguous()
+    static = (scale, window, softcap, splash_block(query.shape[2]))
+    return _splash_function().apply(query.contiguous(), key.contiguous(), value.contiguous(), sinks_rows,
+                                    segment_ids, static, run or _run_jax)
 
 
 @functools.cache

@@ -67,6 +67,22 @@ class Kernel:
     refusal: Callable[[int | None, int | None], str | None] | None = None
     softcap: bool = True  # whether it soft-caps scores (Gemma 2's attn_logit_softcapping)
     round_up: Callable[[int], int] | None = None  # the shortest row length it serves from `length` on
+    # which of the path's kernels serves one layer, and at what cost: layer(length, head_dim, window, softcap,
+    # sinks) -> LayerPlan, with `window` a sliding window shorter than the row (else None), `softcap` the
+    # scores' cap (else None), `sinks` whether the softmax has learned sinks (gpt-oss). None: the path serves
+    # every layer the model-wide checks let through (flex), and takes no sinks
+    layer: Callable[[int, int | None, int | None, float | None, bool], LayerPlan] | None = None
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """Which kernel serves one attention layer (Kernel.layer): its name, or None with the reason where none
+    does (that layer takes the mask path), and its cost: matrix products per head of a row, forward and
+    backward (score entries times head_dim), a first-order count."""
+
+    kernel: str | None
+    reason: str | None
+    cost: int
 
 
 KERNELS: dict[tuple[str, str], Kernel] = {}  # (device kind, path) -> the kernel, as the implementations declare them

@@ -13,7 +13,9 @@ Launch commands these serve:
 from __future__ import annotations
 
 import contextlib
+import functools
 import glob
+import importlib.metadata
 import importlib.util
 import math
 import os
@@ -34,6 +36,7 @@ from .roles import (
     Batch,
     Kernel,
     Launcher,
+    LayerPlan,
     PathLike,
     Strategy,
     blocks_of,
@@ -77,7 +80,12 @@ def _register_attention():
     AttentionMaskInterface.register(XLA_ATTENTION, always_materialised_mask)
 
 
-# torch_xla 2.9's Pallas flash attention, as its wrapper calls jax 0.7.1's kernel
+# torch_xla 2.9's Pallas kernels for packed documents on a TPU, and which serves which layer: one rule,
+# `pallas_layer`, declared below as the path "pallas" (roles.Kernel.layer). Both call private functions of
+# jax 0.7.1 (torch_xla's flash wrapper: _flash_attention_impl, _flash_attention_bwd_dq, _dkv), so another jax
+# is refused in one line (`_jax_refusal`).
+#
+# flash: torch_xla 2.9's flash attention, as its wrapper calls jax 0.7.1's kernel
 # (torch_xla/experimental/custom_kernel.py: FlashAttention.DEFAULT_BLOCK_SIZES, block_q 512,
 # block_k_major 512, block_k 512, block_q_dq 1024, block_k_major_dq 512, block_k_dq 256, each
 # min(size, L) in _fa_custom_forward_single_device and _fa_custom_backward_single_device; k and v
@@ -86,9 +94,21 @@ def _register_attention():
 # forward and backward with segment ids, rows of 128, 256 and 512 tokens and multiples of 1024,
 # and heads wider than 128 only in multiples of 128 once a row spans several kv blocks (over 512).
 # Checked on jax's traces for every multiple of 8 up to 2,048 and every multiple of 128 up to
-# 8,192, and run in TPU interpret mode (tests/test_pallas.py).
+# 8,192, and run in TPU interpret mode (tests/test_pallas.py). No window, soft-capping or sinks.
 FLASH_SHORT_ROWS = (128, 256, 512)
 FLASH_ROW_MULTIPLE = 1024
+# splash: jax 0.7.1's splash attention (jax/experimental/pallas/ops/tpu/splash_attention), called through
+# torch_xla's call_jax by core.attention (`splash_forward`), not through torch_xla's wrapper
+# (torch_xla/experimental/splash_attention.py: its partition specs name mesh axes `data` and `fsdp`,
+# `splash_attention_jax_wrapper` asserts mesh.shape["data"] and ["fsdp"], and SplashAttention.forward saves its
+# soft-cap float with save_for_backward, which takes tensors only). A causal mask or a sliding window
+# (LocalMask), segment ids, soft-capping (attn_logits_soft_cap), learned sinks and grouped-query heads
+# (k and v not repeated). Its blocks are multiples of 128 (_splash_attention_forward: bkv_compute % NUM_LANES)
+# that divide the row (splash_attention_mask_info.process_mask), so it serves rows of any multiple of 128,
+# here with blocks of the largest multiple of 128 up to 512 (MaxText's sa_block default) that divides the row,
+# and the fused backward. call_jax needs torchax, whose copy in torch_xla 2.9's wheel imports flax.
+SPLASH_ROW_MULTIPLE = 128
+SPLASH_MAX_BLOCK = 512
 
 
 def _flash_rows(length: int) -> bool:
@@ -110,22 +130,111 @@ def flash_round_up(length: int) -> int:
     return served[0] if served else -(-length // FLASH_ROW_MULTIPLE) * FLASH_ROW_MULTIPLE
 
 
-def flash_refusal(length: int | None, head_dim: int | None) -> str | None:
-    """Why the TPU's Pallas flash attention cannot serve such rows, or None (see `flash_serves`)."""
+def splash_block(length: int) -> int:
+    """The splash kernel's blocks (queries and keys, forward and backward) for rows of `length` tokens."""
+    return max(b for b in range(SPLASH_ROW_MULTIPLE, SPLASH_MAX_BLOCK + 1, SPLASH_ROW_MULTIPLE) if length % b == 0)
+
+
+@functools.cache  # asked for every layer of every traced step (Documents.attend): the environment once
+def _jax_refusal() -> str | None:
+    """Why neither Pallas kernel can be called here (jax missing, or not the 0.7 its wrappers call), or None."""
     if importlib.util.find_spec("jax") is None:
         return ("it needs jax, which is not installed (pip install 'xla-train[tpu]' brings the jax that "
                 "torch_xla 2.9's pallas extra pins)")
-    if length is None:
-        return None
-    if not _flash_rows(length):
-        served = ", ".join(map(str, FLASH_SHORT_ROWS)) + f" or a multiple of {FLASH_ROW_MULTIPLE}"
-        return f"its blocks (torch_xla 2.9's) serve rows of {served} tokens, not {length}"
-    if not _flash_heads(length, head_dim):
-        return f"its blocks take heads of up to 128 or multiples of 128 in rows over 512 tokens, not {head_dim}"
+    version = importlib.metadata.version("jax")
+    if not version.startswith("0.7."):
+        return (f"torch_xla 2.9's Pallas kernels call private functions of jax 0.7.1, and jax {version} is installed "
+                f"(pip install 'xla-train[tpu]' brings jax 0.7.1)")
     return None
 
 
-serve("xla-tpu", Kernel("pallas", auto=True, refusal=flash_refusal, softcap=False, round_up=flash_round_up))
+def flash_refusal(length: int | None, head_dim: int | None) -> str | None:
+    """Why flash attention cannot serve such rows, or None: jax (`_jax_refusal`), then its rows and heads
+    (see `flash_serves`)."""
+    reason = _jax_refusal()
+    if reason or length is None:
+        return reason
+    if not _flash_rows(length):
+        served = ", ".join(map(str, FLASH_SHORT_ROWS)) + f" or a multiple of {FLASH_ROW_MULTIPLE}"
+        return f"flash's blocks (torch_xla 2.9's) serve rows of {served} tokens, not {length}"
+    if not _flash_heads(length, head_dim):
+        return f"flash's blocks take heads of up to 128 or multiples of 128 in rows over 512 tokens, not {head_dim}"
+    return None
+
+
+@functools.cache
+def _flax_found() -> bool:
+    # found, not imported: the rule runs in the launching process too (job.row_length), where importing
+    # torchax would import jax, which may take the TPU the replicas need (core.megablox asks maybe_get_torchax
+    # inside a replica)
+    return importlib.util.find_spec("flax") is not None
+
+
+def _splash_refusal(length: int) -> str | None:
+    if not _flax_found():
+        return ("splash goes through torch_xla's call_jax, which needs torchax, whose copy in torch_xla 2.9's wheel "
+                "imports flax (pip install 'xla-train[tpu]')")
+    if length % SPLASH_ROW_MULTIPLE:
+        return f"splash's blocks serve rows of a multiple of {SPLASH_ROW_MULTIPLE} tokens, not {length}"
+    return None
+
+
+@functools.cache
+def _entries(length: int, block_q: int, block_k: int, window: int | None) -> int:
+    """Scores a kernel computes for one head of a row: the (block_q x block_k) blocks that hold a pair it
+    keeps (k <= q, and q - k < window), each whole, as flash's `below_or_on_diag` and splash's mask info
+    (block_mask: empty blocks skipped) choose them. Segment ids skip nothing (they are data)."""
+    kept = 0
+    for q0 in range(0, length, block_q):
+        for k0 in range(0, length, block_k):
+            if k0 <= q0 + block_q - 1 and (window is None or q0 - (k0 + block_k - 1) < window):
+                kept += 1
+    return kept * block_q * block_k
+
+
+def attention_cost(kernel: str | None, length: int, window: int | None = None) -> int:
+    """Matrix products (score entries times head_dim) one head of a row costs on `kernel`, forward and
+    backward, as a first-order count, not a TPU measurement: the mask path (None) computes every score,
+    2 products forward and 4 backward; flash its forward blocks (2), its dq pass's (3: the scores again,
+    dp, dq) and its dk/dv pass's (4); splash its forward (2), and the backward that call_jax runs as
+    jax.vjp, the forward again (2) and the fused dq/dk/dv pass (5)."""
+    if kernel is None:
+        return 6 * length * length
+    if kernel == "flash":
+        b, q_dq = min(512, length), min(1024, length)
+        return 2 * _entries(length, b, b, None) + 3 * _entries(length, q_dq, b, None) + 4 * _entries(length, b, b, None)
+    block = splash_block(length)
+    return 9 * _entries(length, block, block, window)
+
+
+@functools.cache
+def pallas_layer(length: int, head_dim: int | None, window: int | None = None, softcap: float | None = None,
+                 sinks: bool = False) -> LayerPlan:
+    """The rule: which Pallas kernel serves one layer of rows of `length` tokens (heads `head_dim` wide, a
+    sliding window shorter than the row or None, soft-capping or None, learned sinks): flash or splash,
+    whichever costs fewer products (`attention_cost`; flash on a tie), or none, with the reasons."""
+    reason = _jax_refusal()
+    if reason:
+        return LayerPlan(None, reason, attention_cost(None, length))
+    refusals = {"flash": flash_refusal(length, head_dim) or (
+        "flash has no sliding window" if window else "flash has no soft-capping" if softcap else
+        "flash takes no attention sinks" if sinks else None), "splash": _splash_refusal(length)}
+    served = [k for k, why in refusals.items() if why is None]
+    if not served:
+        return LayerPlan(None, "; ".join(why for why in refusals.values() if why), attention_cost(None, length))
+    best = min(served, key=lambda k: attention_cost(k, length, window))  # flash first: it wins a tie
+    return LayerPlan(best, None, attention_cost(best, length, window))
+
+
+def pallas_round_up(length: int) -> int:
+    """The shortest row length from `length` on that a Pallas kernel serves (splash: multiples of 128)."""
+    if _splash_refusal(-(-length // SPLASH_ROW_MULTIPLE) * SPLASH_ROW_MULTIPLE) is None:
+        return -(-length // SPLASH_ROW_MULTIPLE) * SPLASH_ROW_MULTIPLE
+    return flash_round_up(length)
+
+
+serve("xla-tpu", Kernel("pallas", auto=True, refusal=lambda length, head_dim: _jax_refusal(), round_up=pallas_round_up,
+                        layer=pallas_layer))
 
 
 def tpu_present(xla_problem: str | None = None) -> bool:
