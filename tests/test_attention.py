@@ -373,3 +373,27 @@ def test_layers_no_kernel_serves_are_said_on_the_console(monkeypatch):
         "no window here"
     assert A.choose("auto", "xla-tpu", model, LENGTH) == "pallas"
     assert A.fallback_note("auto", "xla-tpu", model_of("llama"), LENGTH) is None
+
+
+@needs_jax
+def test_a_jax_other_than_0_7_is_refused_in_one_line(monkeypatch):
+    """torch_xla 2.9's Pallas wrappers call private functions of jax 0.7.1: another installed jax
+    (its version as importlib.metadata reports it) keeps `auto` on the mask, said in one line."""
+    import importlib.metadata
+
+    from xla_train.core import xla as X
+
+    version = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.8.1" if name == "jax" else version(name))
+    X._jax_refusal.cache_clear()
+    X.pallas_layer.cache_clear()
+    try:
+        model = model_of("llama")
+        assert A.choose("auto", "xla-tpu", model, 512) == "mask"
+        note = A.fallback_note("auto", "xla-tpu", model, 512)
+        assert "jax 0.7.1" in note and "jax 0.8.1 is installed" in note and "\n" not in note
+        with pytest.raises(UserError, match="jax 0.8.1"):
+            A.choose("pallas", "xla-tpu", model, 512)
+    finally:
+        X._jax_refusal.cache_clear()
+        X.pallas_layer.cache_clear()
