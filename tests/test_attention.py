@@ -294,8 +294,34 @@ def test_an_xla_cpu_tensor_is_not_a_tpu():
 SPMD_SCRIPT = """
 import torch, torch_xla, torch_xla.runtime as xr
 xr.use_spmd()
+import torch_xla.distributed.spmd as xs
 from xla_train.core import attention as A
 spec, mesh = A._spmd_layout()
+
+
+def forward(q, k, v, segment_ids, sinks, scale, window, softcap, block):  # jax: each row's and head's own values
+    return q * scale + k.mean(axis=1, keepdims=True) + v + segment_ids[:, None, :, None] + sinks[:, :, None, None]
+
+
+def backward(q, k, v, segment_ids, sinks, scale, window, softcap, block, do):
+    return do * scale, do.sum(axis=1, keepdims=True), do, None if sinks is None else do.sum(axis=(2, 3))
+
+
+torch.manual_seed(0)
+q, k, v, do = torch.randn(4, 2, 8, 4), torch.randn(4, 1, 8, 4), torch.randn(4, 2, 8, 4), torch.randn(4, 2, 8, 4)
+segments, sinks = torch.randint(0, 3, (4, 8), dtype=torch.int32), torch.randn(4, 2)
+on = []
+for t in (q, k, v, segments, sinks, do):
+    on.append(t.to(torch_xla.device()))
+    xs.mark_sharding(on[-1], mesh, (spec[0],) + (None,) * (t.dim() - 1))
+out = A._run_jax(forward, (*on[:5], 0.5, None, None, 128), 1)
+print("forward", torch.allclose(out.cpu(), q * 0.5 + k.mean(1, keepdim=True) + v + segments[:, None, :, None]
+                                + sinks[:, :, None, None]))
+grads = A._run_jax(backward, (*on[:5], 0.5, None, None, 128, on[5]), 4)
+print("backward", torch.allclose(grads[1].cpu(), do.sum(1, keepdim=True)),
+      torch.allclose(grads[3].cpu(), do.sum((2, 3))))
+grads = A._run_jax(backward, (*on[:4], None, 0.5, None, None, 128, on[5]), 4)
+print("no sinks", grads[3] is None, torch.allclose(grads[0].cpu(), do * 0.5))
 print(spec, mesh.mesh_shape, mesh.axis_names)
 """
 
@@ -303,7 +329,11 @@ print(spec, mesh.mesh_shape, mesh.axis_names)
 @pytest.mark.skipif(importlib.util.find_spec("torch_xla") is None, reason="torch_xla is not installed")
 def test_under_spmd_the_kernel_gets_the_batch_split_by_rows(tmp_path):
     """SPMD on 4 XLA:CPU devices: partition_spec ("data", None, None, None) over a 1-D mesh of
-    every device, as test/test_pallas_spmd.py passes it."""
+    every device, as test/test_pallas_spmd.py passes it. Splash's call (`_run_jax`: torch_xla's
+    call_jax under its manual sharding, custom_kernel._shard_map) runs each device's rows, segment ids
+    and sinks and puts the outputs back whole, forward and backward, with and without sinks: shown with
+    a jax function of the kernel's signature in the kernel's place (the Mosaic kernel runs on a TPU
+    only; interpreted, call_jax refuses its host callbacks)."""
     import os
     import subprocess
     import sys
@@ -311,7 +341,8 @@ def test_under_spmd_the_kernel_gets_the_batch_split_by_rows(tmp_path):
     env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}
     proc = subprocess.run([sys.executable, "-c", SPMD_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip().splitlines()[-1] == "('data', None, None, None) (4,) ('data',)"
+    assert proc.stdout.strip().splitlines()[-4:] == [
+        "forward True", "backward True True", "no sinks True True", "('data', None, None, None) (4,) ('data',)"]
 
 
 # ---------------------------------------------------------------------------------------------
