@@ -34,7 +34,8 @@ top-k (token, expert) pairs sorted by expert (a stable argsort), each expert's c
 one-hot sum: no nonzero, no histogram), the gate/up and down projections as two grouped matmuls,
 the results weighted by the router and summed back per token. FLOPs: the active experts' (1x);
 activations: tokens x top-k x (3 x intermediate + 2 x hidden). Where the kernel refuses the rows
-(`megablox.gmm_serves`) the layer takes the dense path, at trace time (shapes are static).
+(`megablox.gmm_serves`) the layer takes the dense path, at trace time (shapes are static). Under
+SPMD each device sorts its own tokens and runs the kernel on them (torch_xla's manual sharding).
 XLA:CPU and XLA on a GPU cannot run the kernel and keep the dense path.
 """
 
@@ -44,7 +45,7 @@ from typing import Any
 
 import torch
 
-from .megablox import Kernels, gmm_serves, grouped_matmul, grouped_refusal, torch_xla_kernels
+from .megablox import Kernels, gmm_serves, grouped_matmul, grouped_refusal, row_shards, torch_xla_kernels
 
 XLA_EXPERTS = "xla_dense"
 XLA_GROUPED = "xla_grouped"  # a TPU's: torch_xla's megablox grouped matmul
@@ -103,7 +104,10 @@ def grouped_experts_forward(self: Any, hidden_states: torch.Tensor, top_k_index:
                             top_k_weights: torch.Tensor, kernels: Kernels | None = None) -> torch.Tensor:
     """`dense_experts_forward`'s contract through the grouped matmul: each (token, expert) pair
     once, each expert over its own rows. `kernels`: torch_xla's gmm and tgmm unless given (the
-    tests hand jax's kernels interpreted on the CPU). Rows the kernel refuses go the dense way."""
+    tests hand jax's kernels interpreted on the CPU). Rows the kernel refuses go the dense way.
+    Under SPMD each device sorts and multiplies the tokens it holds (megablox.row_shards: the
+    strategy splits the tokens by rows over the mesh's first axis), as MaxText's dropless MoE does
+    under shard_map: no token crosses devices, the experts' weights are gathered whole."""
     if getattr(self, "_is_expert_parallel", False):
         raise NotImplementedError(f"{XLA_GROUPED} experts do not shard experts over devices (expert parallelism)")
     tokens, hidden = hidden_states.shape
@@ -111,36 +115,41 @@ def grouped_experts_forward(self: Any, hidden_states: torch.Tensor, top_k_index:
     up = self.gate_up_proj if self.has_gate else self.up_proj  # [experts, hidden, out], else [experts, out, hidden]
     out_dim = up.size(2) if self.is_transposed else up.size(1)
     inner = self.down_proj.size(1) if self.is_transposed else self.down_proj.size(2)
-    rows = tokens * top_k
-    if not (gmm_serves(rows, hidden, out_dim, experts) and gmm_serves(rows, inner, hidden, experts)):
+    layout = row_shards(hidden_states)
+    shards = layout.devices if layout else 1
+    rows = tokens // shards * top_k  # a device's (token, expert) pairs
+    if tokens % shards or not (gmm_serves(rows, hidden, out_dim, experts) and gmm_serves(rows, inner, hidden, experts)):
         return dense_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     kernels = kernels or torch_xla_kernels()
 
-    # --- the pairs sorted by expert: static shapes ([rows]), a stable sort keeps each expert's tokens in order
-    expert_of_pair = top_k_index.reshape(rows)
-    order = torch.argsort(expert_of_pair, stable=True)
-    expert_sorted = expert_of_pair[order]
-    token_sorted = order // top_k  # pair p is token p // top_k's
-    # rows per expert, int32 as the kernel takes them: a one-hot sum ([rows, experts]), which XLA
-    # keeps on the device (torch.bincount and histc come back to the host on XLA)
-    group_sizes = (expert_of_pair[:, None] == torch.arange(experts, device=hidden_states.device)).sum(0)
+    # --- each shard's pairs sorted by expert: static shapes ([shards, rows]); a stable sort keeps
+    # each expert's tokens in order; sorts, gathers and sums along dimension 1 stay on their device
+    expert_of_pair = top_k_index.reshape(shards, rows)
+    order = torch.argsort(expert_of_pair, dim=1, stable=True)
+    expert_sorted = expert_of_pair.gather(1, order)
+    token_sorted = (order // top_k)[:, :, None]  # pair p is the shard's token p // top_k's
+    # rows per expert, int32 as the kernel takes them: a one-hot sum ([shards, rows, experts]),
+    # which XLA keeps on the device (torch.bincount and histc come back to the host on XLA)
+    group_sizes = (expert_of_pair[:, :, None] == torch.arange(experts, device=hidden_states.device)).sum(1)
     group_sizes = group_sizes.to(torch.int32)
+    local = hidden_states.reshape(shards, tokens // shards, hidden)
 
     # --- up (and gate) projection: [rows, hidden] x each expert's weights
-    proj = grouped_matmul(hidden_states[token_sorted], up, group_sizes, not self.is_transposed, kernels)
+    gathered = local.gather(1, token_sorted.expand(shards, rows, hidden))
+    proj = grouped_matmul(gathered, up, group_sizes, not self.is_transposed, kernels, layout)
     if self.has_bias:
         proj = proj + (self.gate_up_proj_bias if self.has_gate else self.up_proj_bias)[expert_sorted]
     act = self._apply_gate(proj) if self.has_gate else self.act_fn(proj)  # the module's own (gpt-oss: clamped)
 
     # --- down projection, the router's weight, each token's pairs summed
-    out = grouped_matmul(act, self.down_proj, group_sizes, not self.is_transposed, kernels)
+    out = grouped_matmul(act, self.down_proj, group_sizes, not self.is_transposed, kernels, layout)
     if self.has_bias:
         out = out + self.down_proj_bias[expert_sorted]
     if self.has_post_expert_norm:
         out = self.post_expert_norm(out)  # per row: each pair's expert output, before its weight
-    out = out * top_k_weights.reshape(rows)[order].to(out.dtype)[:, None]
-    final = torch.zeros(tokens, hidden, dtype=out.dtype, device=out.device).index_add(0, token_sorted, out)
-    return final.to(hidden_states.dtype)
+    out = out * top_k_weights.reshape(shards, rows).gather(1, order).to(out.dtype)[:, :, None]
+    final = torch.zeros_like(local, dtype=out.dtype).scatter_add(1, token_sorted.expand(shards, rows, hidden), out)
+    return final.reshape(tokens, hidden).to(hidden_states.dtype)
 
 
 def _register() -> None:

@@ -90,43 +90,105 @@ def torch_xla_kernels() -> Kernels:
     return Kernels(gmm, tgmm)
 
 
+class RowShards(NamedTuple):
+    """How SPMD splits a step's tokens: by rows over the mesh's first axis (`axis`, `devices` devices
+    along it; core.attention._spmd_layout, the Pallas kernels' rule)."""
+
+    mesh: Any
+    axis: str
+    devices: int
+
+
+def row_shards(tensor: torch.Tensor) -> RowShards | None:
+    """The row split of `tensor`'s tokens under SPMD, or None (one device holds them all)."""
+    if tensor.device.type != "xla":
+        return None
+    from .attention import _spmd_layout
+
+    spec, mesh = _spmd_layout()
+    if spec is None:
+        return None
+    return RowShards(mesh, spec[0], dict(zip(mesh.axis_names, mesh.mesh_shape))[spec[0]])
+
+
+def _manual(t: torch.Tensor, layout: RowShards | None, split: bool) -> torch.Tensor:
+    """`t` as each device's part inside torch_xla's manual sharding: split along dimension 0 over
+    the rows' axis, or whole (`split` False: the experts' weights, gathered onto every device)."""
+    if layout is None:
+        return t
+    import torch_xla
+    import torch_xla.distributed.spmd as xs
+
+    spec = ((layout.axis,) if split else (None,)) + (None,) * (t.dim() - 1)
+    # a copy without its layout: enable_manual_sharding annotates it, and a tensor already laid out (a
+    # parameter FSDPv2 split, a propagated layout) stops it ("Existing annotation must be cleared first")
+    copy = t * 1  # a node of the graph (a clone of a parameter keeps its device data, and its layout)
+    torch_xla._XLAC._xla_clear_sharding(copy)
+    return xs.enable_manual_sharding(copy, spec, mesh=layout.mesh).global_tensor
+
+
+def _automatic(t: torch.Tensor, layout: RowShards | None) -> torch.Tensor:
+    """Each device's part (`_manual`) back as one tensor split along dimension 0 over the rows' axis."""
+    if layout is None:
+        return t
+    import torch_xla.distributed.spmd as xs
+
+    spec = (layout.axis,) + (None,) * (t.dim() - 1)
+    whole = torch.Size((t.size(0) * layout.devices, *t.shape[1:]))
+    return xs.disable_manual_sharding(t, spec, whole, mesh=layout.mesh).global_tensor
+
+
 class GroupedMatmul(torch.autograd.Function):
-    """rows [m, k] sorted by group, weights [groups, k, n] (or [groups, n, k], `transposed`) ->
-    [m, n]: each group's rows times its weights. Backward: the rows' gradient through the kernel
-    with the weights the other way round (no transposed copy), the weights' through tgmm."""
+    """rows [shards, m, k], each shard's sorted by group, weights [groups, k, n] (or [groups, n, k],
+    `transposed`), group sizes [shards, groups] -> [shards, m, n]: each group's rows times its
+    weights, shard by shard. Under SPMD (`layout`) each device runs the kernel on its own shard
+    (torch_xla's manual sharding, as its flash attention wrapper runs under a mesh) with the whole
+    weights. Backward: the rows' gradient through the kernel with the weights the other way round
+    (no transposed copy), the weights' through tgmm, summed over the shards."""
 
     @staticmethod
     def forward(ctx: Any, rows: torch.Tensor, weights: torch.Tensor, group_sizes: torch.Tensor,
-                transposed: bool, kernels: Kernels, group_offset: torch.Tensor | None) -> torch.Tensor:
+                transposed: bool, kernels: Kernels, layout: RowShards | None,
+                group_offset: torch.Tensor | None) -> torch.Tensor:
         ctx.save_for_backward(rows, weights, group_sizes)
-        ctx.transposed, ctx.kernels, ctx.group_offset = transposed, kernels, group_offset
+        ctx.transposed, ctx.kernels, ctx.layout, ctx.group_offset = transposed, kernels, layout, group_offset
         n = weights.size(1) if transposed else weights.size(2)
-        tiling = gmm_tiling(rows.size(0), rows.size(1), n, weights.size(0))
-        return kernels.gmm(rows, weights, group_sizes, tiling, group_offset, transposed)
+        lhs, rhs = _manual(rows, layout, True), _manual(weights, layout, False)
+        sizes = _manual(group_sizes, layout, True)
+        tiling = gmm_tiling(lhs.size(1), lhs.size(2), n, rhs.size(0))
+        out = torch.stack([kernels.gmm(lhs[s], rhs, sizes[s], tiling, group_offset, transposed)
+                           for s in range(lhs.size(0))])
+        return _automatic(out, layout)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         rows, weights, group_sizes = ctx.saved_tensors
-        kernels, offset, transposed = ctx.kernels, ctx.group_offset, ctx.transposed
-        m, k, groups, n = rows.size(0), rows.size(1), weights.size(0), grad.size(1)
-        grad = grad.contiguous()
-        # d(rows) [m, k] = grad [m, n] x each group's weights, read [k, n] as [n, k]'s transpose
-        d_rows = kernels.gmm(grad, weights, group_sizes, gmm_tiling(m, n, k, groups), offset, not transposed)
-        # d(weights): tgmm of [k, m] x [m, n] -> [groups, k, n]; transposed weights: [n, m] x [m, k]
-        if transposed:
-            d_weights = kernels.tgmm(grad.t(), rows, group_sizes, gmm_tiling(m, n, k, groups), offset)
-        else:
-            d_weights = kernels.tgmm(rows.t(), grad, group_sizes, gmm_tiling(m, k, n, groups), offset)
-        return d_rows, d_weights, None, None, None, None
+        kernels, offset, transposed, layout = ctx.kernels, ctx.group_offset, ctx.transposed, ctx.layout
+        lhs, rhs = _manual(rows, layout, True), _manual(weights, layout, False)
+        sizes, grads = _manual(group_sizes, layout, True), _manual(grad.contiguous(), layout, True)
+        m, k, groups, n = lhs.size(1), lhs.size(2), rhs.size(0), grads.size(2)
+        d_rows, d_weights = [], []
+        for s in range(lhs.size(0)):
+            # d(rows) [m, k] = grad [m, n] x each group's weights, read [k, n] as [n, k]'s transpose
+            d_rows.append(kernels.gmm(grads[s], rhs, sizes[s], gmm_tiling(m, n, k, groups), offset, not transposed))
+            # d(weights): tgmm of [k, m] x [m, n] -> [groups, k, n]; transposed weights: [n, m] x [m, k]
+            if transposed:
+                d_weights.append(kernels.tgmm(grads[s].t(), lhs[s], sizes[s], gmm_tiling(m, n, k, groups), offset))
+            else:
+                d_weights.append(kernels.tgmm(lhs[s].t(), grads[s], sizes[s], gmm_tiling(m, k, n, groups), offset))
+        # each device's share of the weights' gradient, added up over the devices outside the manual part
+        d_weight = _automatic(torch.stack(d_weights), layout).sum(0)
+        return _automatic(torch.stack(d_rows), layout), d_weight, None, None, None, None, None
 
 
 def grouped_matmul(rows: torch.Tensor, weights: torch.Tensor, group_sizes: torch.Tensor, transposed: bool,
-                   kernels: Kernels, group_offset: torch.Tensor | None = None) -> torch.Tensor:
+                   kernels: Kernels, layout: RowShards | None = None,
+                   group_offset: torch.Tensor | None = None) -> torch.Tensor:
     """`GroupedMatmul` in autocast's dtype where autocast is on (a custom call is not cast by it;
     jax's kernel multiplies in bf16 only where both operands are bf16: megablox/common.py)."""
     device = rows.device.type
     if torch.is_autocast_enabled(device):
         dtype = torch.get_autocast_dtype(device)
         rows, weights = rows.to(dtype), weights.to(dtype)
-    out: torch.Tensor = GroupedMatmul.apply(rows, weights, group_sizes, transposed, kernels, group_offset)
+    out: torch.Tensor = GroupedMatmul.apply(rows, weights, group_sizes, transposed, kernels, layout, group_offset)
     return out
