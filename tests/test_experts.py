@@ -371,3 +371,23 @@ def test_grouped_experts_under_spmd_split_the_tokens_by_device():
     for family in td.EXPERTS:
         assert [rows for rows, _ in report[family]["seen"]] == [32, 32], report[family]  # of 64 in all
         assert report[family]["out"] < 1e-5 and report[family]["grads"] < 1e-5, (family, report[family])
+
+
+def test_the_plan_names_the_experts_a_tpu_will_run(monkeypatch):
+    """What the memory plan names (and counts) before the model is prepared: on a TPU that runs the
+    kernel (grouped_refusal None: only a TPU says so, faked here) the grouped matmul, or the dense
+    path where the kernel refuses the step's rows; XLA elsewhere dense; CUDA and the CPU
+    transformers' own."""
+    from xla_train.core import experts as X
+
+    model = tiny("gptoss")
+    assert X.planned_experts(model, "xla-tpu", 32) == X.XLA_EXPERTS  # XLA:CPU here: no kernel
+    assert X.planned_experts(model, "cpu", 32) == X.planned_experts(model, "cuda", 32) == "grouped_mm"
+    monkeypatch.setattr(X, "grouped_refusal", lambda: None)
+    assert X.planned_experts(model, "xla-tpu", 32) == X.XLA_GROUPED  # 64 rows: one tile
+    assert X.planned_experts(model, "xla-tpu", 100) == X.XLA_EXPERTS  # 200 rows: not a multiple of 128
+    from xla_train.memory import describe, plan
+
+    memory, counts = plan(model, 2, 16, experts=X.planned_experts(model, "xla-tpu", 32))
+    assert memory["experts"] == X.XLA_GROUPED and ", experts xla_grouped," in describe(memory, counts)
+    assert X.static_experts(model) and model.config._experts_implementation == X.XLA_GROUPED

@@ -337,7 +337,7 @@ def plan_memory(engine, cfg, shapes, model, objective):
                        chunked_logits=path.logits == "chunked", dense_mask=path.dense_mask,
                        reference=path.reference, cache_tokens=path.cache_tokens,
                        reference_copy=path.reference_copy, tensor=engine.strategy.tensor_parallel,
-                       experts=planned_experts(model, kind))
+                       experts=planned_experts(model, kind, cfg.batch_size * length))
 
     checkpointed = cfg.gradient_checkpointing
     memory, counts = plan(checkpointed)

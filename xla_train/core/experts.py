@@ -189,14 +189,39 @@ def _xla_choice() -> str:
     return XLA_GROUPED if grouped_refusal() is None else XLA_EXPERTS
 
 
-def planned_experts(model: torch.nn.Module, device_kind: str) -> str | None:
+def planned_experts(model: torch.nn.Module, device_kind: str, tokens: int | None = None) -> str | None:
     """The implementation `model`'s experts will run once prepared for a device of `device_kind`
     (core.attention.kind_of: "xla", "xla-tpu", "cuda", "cpu"), as `static_experts` will set it on
-    XLA; None for a model without experts. The memory plan counts their activations by it."""
+    XLA, for steps of `tokens` tokens a device (where given: the grouped matmul's rows are checked,
+    and refused ones run dense); None for a model without experts. The memory plan counts their
+    activations by it and names it."""
     current = experts_implementation(model)
     if current not in REPLACED or not device_kind.startswith("xla"):
         return current
-    return _xla_choice()
+    chosen = _xla_choice()
+    if chosen == XLA_GROUPED and tokens is not None and not _grouped_serves(model, tokens):
+        return XLA_EXPERTS
+    return chosen
+
+
+def _grouped_serves(model: torch.nn.Module, tokens: int) -> bool:
+    """Whether the grouped matmul takes `tokens` tokens' (token, expert) rows in every experts module."""
+    for module in model.modules():
+        if hasattr(module, "has_gate") and hasattr(module, "is_transposed"):
+            m: Any = module  # an experts module (transformers' use_experts_implementation)
+            up = m.gate_up_proj if m.has_gate else m.up_proj
+            hidden, out = (up.size(1), up.size(2)) if m.is_transposed else (up.size(2), up.size(1))
+            inner = m.down_proj.size(1) if m.is_transposed else m.down_proj.size(2)
+            rows = tokens * _top_k(model)
+            if not (gmm_serves(rows, hidden, out, m.num_experts) and gmm_serves(rows, inner, hidden, m.num_experts)):
+                return False
+    return True
+
+
+def _top_k(model: torch.nn.Module) -> int:
+    config: Any = getattr(model, "config", None)
+    top_k: int = getattr(config, "num_experts_per_tok", None) or getattr(config, "experts_per_token", None) or 1
+    return top_k
 
 
 def experts_implementation(model: torch.nn.Module) -> str | None:
