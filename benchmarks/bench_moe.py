@@ -24,7 +24,8 @@ which runs torch_xla's megablox kernel on a TPU only):
   once, the weights themselves left out), per token (the growth from the tokens to twice as many)
   and fixed (what does not grow: copies of the weights), beside the memory plan's per-token figure
   (xla_train/memory.py, _experts_bytes, in fp32);
-- the step's time on this CPU (forward and backward, the median of --steps after one warm-up).
+- the step's time on this CPU (forward and backward, the median of --steps after one warm-up, the
+  two implementations' steps alternating).
 The TPU part is a plan: the tiles torch_xla 2.9 would pick for the grouped matmul at the published
 widths (xla_train/core/megablox.py, gmm_tiling) and whether the kernel takes rows of 8 x 2,048
 tokens, and what to time there.
@@ -163,13 +164,15 @@ def main():
         # the experts' input requires its gradient, as in a model (the rows' gradient is part of the step)
         hidden = torch.randn(args.tokens, config.hidden_size, generator=torch.Generator().manual_seed(2),
                              requires_grad=True)
-        for implementation, forward in IMPLEMENTATIONS.items():
+        times: dict[str, list[float]] = {implementation: [] for implementation in IMPLEMENTATIONS}
+        for forward in IMPLEMENTATIONS.values():
             step(experts, forward, hidden, index, weights)  # warm-up
-            times = []
-            for _ in range(args.steps):
+        for _ in range(args.steps):  # the two alternate, so a shared machine's drift hits both alike
+            for implementation, forward in IMPLEMENTATIONS.items():
                 start = time.perf_counter()
                 step(experts, forward, hidden, index, weights)
-                times.append(time.perf_counter() - start)
+                times[implementation].append(time.perf_counter() - start)
+        for implementation, forward in IMPLEMENTATIONS.items():
             counted = flops_of(experts, forward, hidden, index, weights)
             c = 4  # fp32
             rows.append({
@@ -182,7 +185,8 @@ def main():
                 "planned_bytes_per_token": _experts_bytes(config, c, c, config.hidden_size,
                                                           "xla_dense" if implementation == "xla_dense" else
                                                           "xla_grouped"),
-                "step_seconds": statistics.median(times),
+                "step_seconds": statistics.median(times[implementation]),
+                "step_seconds_each": [round(t, 3) for t in times[implementation]],
             })
             r = rows[-1]
             counted_text = f"{r['flops_per_token_counted'] / 1e6:9.1f}" if r["flops_per_token_counted"] else "        -"
