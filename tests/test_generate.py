@@ -129,10 +129,11 @@ def _decoder(tmp, chat=True):
 
 
 def _windowed(tmp, window=8):
-    """A tiny Mistral whose sliding attention window is `window` tokens."""
+    """A tiny Mistral whose sliding attention window is `window` tokens, in fp32 on every backend (the
+    published bf16 would load in bf16 on XLA, fp32 on the CPU)."""
     path = td.save("mistral", tmp / "mistral", letters=True)
     config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**config, "sliding_window": window}))
+    (path / "config.json").write_text(json.dumps({**config, "sliding_window": window, "dtype": "float32"}))
     return path
 
 
@@ -156,26 +157,43 @@ BAD = {  # name: (arguments after predict's --model/--input, message)
     "--text-columns for a causal LM": (
         lambda tmp, c: [_decoder(tmp), _rows(tmp, [{"prompt": "a"}]), "--text-columns", "prompt"],
         "--text-columns applies to classifiers"),
-    "a cache longer than the sliding window on XLA": (
-        lambda tmp, c: [_windowed(tmp), _rows(tmp, [{"prompt": "a"}]), "--backend", "xla", "--max-new-tokens", 8],
-        "pass the model's sliding attention window (8)"),
     "--temperature for a classifier": (
         lambda tmp, c: [c, _rows(tmp, [{"sentence1": "a", "sentence2": "b"}]), "--temperature", 1],
         "--temperature applies to a causal LM's folder"),
 }
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.xla) if "on XLA" in c else c for c in BAD])
+@pytest.mark.parametrize("case", BAD)
 def test_bad_generation_input(case, tiny_model, tmp_path, capsys):
     make, message = BAD[case]
     model, source, *extra = make(tmp_path, tiny_model)
     capsys.readouterr()  # the save's progress bar
-    backend = [] if "--backend" in extra else ["--backend", "cpu"]
-    code = main(["predict", *backend, "--model", model, "--input", source, "--output", tmp_path / "o.jsonl", *extra])
+    code = main(["predict", "--backend", "cpu", "--model", model, "--input", source, "--output", tmp_path / "o.jsonl",
+                 *extra])
     err = capsys.readouterr().err
     assert code == 2, err
     assert err.count("\n") == 1 and err.startswith("xla-train: error: "), err
     assert message in err
+
+
+@pytest.mark.xla
+@pytest.mark.xla_in_process
+@pytest.mark.slow
+def test_predict_past_the_sliding_window_on_xla_completes_as_the_cpu(tmp_path, capsys):
+    """A tiny Mistral whose window (8) is no longer than its prompts (5 to 8 tokens), shorter than
+    --max-new-tokens 12: `xla-train predict` on XLA (the static loop, which refused such a cache
+    once) writes the CPU's completions (transformers' generate)."""
+    model = _windowed(tmp_path)
+    source = _rows(tmp_path, [{"prompt": "reverse " + " ".join(letters) + " ="}
+                              for letters in ("abc", "fedcb", "gh", "ijkl")])
+    out = {}
+    for backend in ("cpu", "xla"):
+        code = main(["predict", "--backend", backend, "--model", model, "--input", source, "--output",
+                     tmp_path / f"{backend}.jsonl", "--max-new-tokens", 12, "--batch-size", 2])
+        assert code == 0, capsys.readouterr().err[-3000:]
+        out[backend] = rows_of(tmp_path / f"{backend}.jsonl")
+    assert out["xla"] == out["cpu"] and len(out["cpu"]) == 4, out
+    assert len({r["completion"] for r in out["cpu"]}) > 1, out  # not one completion whatever the prompt
 
 
 def test_eager_generation_leaves_the_models_generation_config(tmp_path):
@@ -194,3 +212,97 @@ def test_eager_generation_leaves_the_models_generation_config(tmp_path):
     tokens = eager_generate(model.eval(), torch.tensor([[1, 5, 6]]), torch.ones(1, 3, dtype=torch.long),
                             Sampling(4, (2,), 0))
     assert tokens.shape == (1, 4) and model.generation_config.to_dict() == before
+
+
+# ---------------------------------------------------------------------------------------------
+# The static loop against transformers' own generate, past the sliding window
+
+WINDOW, NEW_TOKENS, PROMPTS = 8, 20, (11, 6, 2)  # a prompt longer than the window, two shorter
+LOOP_VOCAB = 40
+
+
+def _loop_model(family, window=WINDOW):
+    """`family`'s tiny decoder with a sliding window of `window` tokens (where it has one), its norms'
+    weights drawn at random too: at their initial values Gemma's embedding outweighs its attention,
+    and every completion repeats one token whatever the window."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    cfg = td.config(family, LOOP_VOCAB, bos=1, eos=2)
+    if window and getattr(cfg, "sliding_window", None):
+        cfg.sliding_window = window
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+def _left_padded_prompts():
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    longest = max(PROMPTS)
+    ids = torch.randint(3, LOOP_VOCAB, (len(PROMPTS), longest), generator=g)
+    mask = torch.zeros(len(PROMPTS), longest, dtype=torch.long)
+    for row, n in enumerate(PROMPTS):
+        mask[row, longest - n:] = 1
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma3", "gptoss"])
+def test_static_generation_is_transformers_greedy_generation_past_the_window(family):
+    """static_generate (XLA's loop, run here on the CPU) writes the tokens transformers' `generate`
+    writes, one by one: left-padded prompts of 11, 6 and 2 tokens and 20 new tokens, past a
+    sliding window of 8 (Mistral's every layer, Gemma 3's and gpt-oss's sliding layers: a ring of
+    the window's slots, fed one token at a time and, for the first prompt, a prefill longer than
+    the window); Llama's full rows for comparison; gpt-oss's eager attention takes a bias. Without
+    the window transformers writes other tokens in every row, so the window is what is compared."""
+    import torch
+
+    from xla_train.core.generate import Sampling, eager_generate, static_generate
+
+    model = _loop_model(family)
+    ids, mask = _left_padded_prompts()
+    sampling = Sampling(NEW_TOKENS, (2,), 0)
+    with torch.no_grad():
+        static = static_generate(model, ids, mask, sampling, lambda: None)
+        reference = eager_generate(model, ids, mask, sampling)
+        assert torch.equal(static, reference), (static, reference)
+        if family != "llama":
+            model.config.sliding_window = 1000
+            unwindowed = eager_generate(model, ids, mask, sampling)
+            assert (unwindowed != reference).any(1).all(), (unwindowed, reference)
+
+
+@pytest.mark.xla
+@pytest.mark.xla_in_process
+@pytest.mark.slow
+def test_static_generation_past_the_window_compiles_one_decode_graph():
+    """On XLA:CPU, Gemma 3 (window 8; XlaAccelerator's attention, as Engine.prepare gives it): the
+    same tokens as on the CPU, from two graphs, the prompt's pass and the one-token step, the
+    same for every token before and after the window fills; nothing read on the host per token."""
+    import torch
+    import torch_xla
+    import torch_xla.debug.metrics as met
+
+    from xla_train.core.generate import Sampling, static_generate
+    from xla_train.core.xla import XlaAccelerator
+
+    model = _loop_model("gemma3")
+    ids, mask = _left_padded_prompts()
+    sampling = Sampling(NEW_TOKENS, (2,), 0)
+    with torch.no_grad():
+        cpu = static_generate(model, ids, mask, sampling, lambda: None)
+        device = torch_xla.device()
+        model = XlaAccelerator().adapt_model(model).to(device)
+        met.clear_all()
+        tokens = static_generate(model, ids.to(device), mask.to(device), sampling, torch_xla.sync)
+        compiles, executions = met.metric_data("CompileTime")[0], met.metric_data("ExecuteTime")[0]
+        transfers = met.metric_data("TransferFromDeviceTime")
+        assert transfers is None or transfers[0] == 0, transfers
+        assert torch.equal(tokens.cpu(), cpu), (tokens.cpu(), cpu)
+    assert compiles == 2 and executions == NEW_TOKENS, (compiles, executions)
+    assert not [c for c in met.counter_names() if c.startswith("aten::")], met.counter_names()

@@ -323,7 +323,7 @@ def generate(z, device, folder, counters):
     columns, data = prompts.columns, prompts.data
     longest = max(data["length"])
     padding = padding_for("buckets", [longest], longest, [data["length"]])
-    check_lengths(model, z.tok, longest, longest + MAX_NEW_TOKENS, MAX_NEW_TOKENS, engine.accelerator.static_shapes)
+    check_lengths(model, z.tok, longest, MAX_NEW_TOKENS)
     eos = end_ids(z.tok, model)
     tok = left_padded(z.tok, eos)
     sampling = Sampling(MAX_NEW_TOKENS, eos, tok.pad_token_id)

@@ -1,7 +1,8 @@
 """Text generation from a decoder, one left-padded batch of prompts at a time.
 
-Where every new shape compiles (XLA), `static_generate` runs its own loop over a fixed-size
-key/value cache (transformers' StaticCache): the prompt's forward pass (prefill) is one graph and
+Where every new shape compiles (XLA), `static_generate` runs its own loop over fixed-size
+key/value caches (`Slots`: a full-attention layer's holds the whole row, a sliding layer's only its
+window where that is shorter): the prompt's forward pass (prefill) is one graph and
 each one-token step (decode) another, the same for every step and every batch of a bucket length,
 so a run compiles about two graphs per bucket whatever the number of prompts or tokens. Nothing is
 read on the host per token: each row's `done` flag, its next position and the tokens so far stay
@@ -14,9 +15,13 @@ end-of-sequence token, then padding.
 
 import inspect
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from transformers.cache_utils import Cache, StaticLayer
 
+from .attention import _implementation, document_mask, layer_windows
+from .errors import UserError
 from .inference import predict_rows
 
 
@@ -60,37 +65,105 @@ def pick(logits, sampling):
     return chosen if order is None else order.gather(-1, chosen[:, None])[:, 0]
 
 
+class Slots(StaticLayer):
+    """One layer's key/value cache of `size` slots on the device, written in place at a device
+    counter: the row's token t at slot t % size. A full-attention layer's size is the whole row
+    (prompt + new tokens: it never wraps); a sliding layer's, where its window is shorter, the
+    window: a ring that holds exactly the last `window` tokens, those the window rule keeps
+    (q - k < window, core.attention.document_mask), in any order (attention does not depend on
+    the keys' order; their positions are in them already). The first call (the prompt's pass)
+    attends to its own keys and values only, so a prompt longer than the window attends within
+    itself under the windowed mask; every later call (one token) attends to all the slots.
+
+    Why a ring of the window's slots: a full-row cache with a windowed mask would be exact too, but
+    holds and reads prompt + new tokens slots in every sliding layer (Gemma 3's five of six) where
+    the ring holds `window`. Why not transformers' own (5.24's cache_utils.StaticSlidingWindowLayer,
+    `window` slots too): it branches on a host counter, writing at a device index until the
+    window fills and rolling the whole cache by one slot after, so a rollout that crosses the
+    window would compile a second decode graph; the ring writes one slot a token, one graph."""
+
+    def __init__(self, size: int):
+        super().__init__(max_cache_len=size)
+        self.prefilled = False
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        new = key_states.shape[-2]
+        kept = min(new, self.max_cache_len)  # a prompt longer than the ring: its last `size` tokens
+        at = (torch.arange(new - kept, new, device=self.device) + self.cumulative_length) % self.max_cache_len
+        self.keys.index_copy_(2, at, key_states[:, :, new - kept:])
+        self.values.index_copy_(2, at, value_states[:, :, new - kept:])
+        self.cumulative_length.add_(new)
+        if self.prefilled:
+            return self.keys, self.values
+        self.prefilled = True
+        return key_states, value_states
+
+
 def static_generate(model, input_ids, attention_mask, sampling, cut_graph):
     """Generates from a batch of left-padded prompts with static shapes; `cut_graph()` ends the
     pending graph (see the module docstring)."""
-    from transformers import StaticCache
-
     rows, length = input_ids.shape
     steps = sampling.max_new_tokens
     device = input_ids.device
-    slots = torch.arange(length + steps, device=device)  # the cache's: the prompt's, then one per new token
-    # Which slots hold a real token, passed as a 4-D mask, which transformers uses as given
-    # (transformers 5.24's masking_utils._preprocess_mask_arguments). In the prompt's pass a padding slot
-    # attends to itself, so no row of the mask is empty: an empty one gives NaN, which would reach
-    # the real tokens through the padding's keys and values.
-    filled = torch.cat([attention_mask.bool(), torch.zeros(rows, steps, dtype=torch.bool, device=device)], 1)
-    own = slots[:length, None] == slots[None, :]
-    prompt_mask = (slots[:length, None] >= slots[None, :]) & (filled[:, None, :] | own)
-    positions = (attention_mask.long().cumsum(1) - 1).clamp(min=0)  # from 0 at each prompt's first token
-    # Its layers write their slots in place at a device counter (transformers 5.24's
-    # cache_utils.StaticLayer.update), so a decode step's graph does not change from token to token.
-    cache = StaticCache(config=model.config, max_cache_len=length + steps)  # `model` unwrapped: generate_rows
+    config = model.config.get_text_config(decoder=True)  # `model` unwrapped: generate_rows
+    # Each layer type's cache (`Slots`): its window's slots where the window is shorter than the
+    # row, else the row's (layer_windows: {layer type, or None where the config names none: window}).
+    windows = layer_windows(config, length + steps)
+    types = getattr(config, "layer_types", None) or [None] * config.num_hidden_layers
+    other = set(types) - {None, "full_attention", "sliding_attention"}
+    if other:
+        raise UserError(f"generation with static shapes serves full and sliding-window attention layers; the model "
+                        f"has {', '.join(sorted(other))} layers")
+    sizes = {w: length + steps if w is None else w for w in windows.values()}  # a window's slots
+    cache = Cache(layers=[Slots(sizes[windows[t]]) for t in types])
+    eager = _implementation(config) == "eager"
+
+    def by_type(masks):
+        """The model's `attention_mask`: one 4-D mask where every layer takes the same, else a dict by
+        layer type (transformers 5.24 takes either as given: masking_utils._preprocess_mask_arguments,
+        and Gemma 2/3's and gpt-oss's `causal_mask_mapping`). Eager attention adds it to its scores:
+        a bias, as document_mask(eager=True) makes one."""
+        if eager:
+            masks = {w: torch.zeros(m.shape, device=device).masked_fill(~m, torch.finfo(torch.float32).min)
+                     for w, m in masks.items()}
+        if len(masks) == 1:
+            return next(iter(masks.values()))
+        return {t: masks[w] for t, w in windows.items()}
+
+    # The prompt's pass attends within the prompt: its tokens one segment and its padding another
+    # (padding attends to earlier padding, so no row of a mask is empty: an empty one gives NaN,
+    # which would reach the real tokens through the padding's keys and values), each window's
+    # mask by the window rule. Left padding keeps a row's tokens in consecutive slots, so slot
+    # differences are position differences.
+    segments = attention_mask.long()
+    prompt_masks = {w: document_mask(segments, window=w) for w in sizes}
+    positions = (segments.cumsum(1) - 1).clamp(min=0)  # from 0 at each prompt's first token
     extra = {**_logits_to_keep(model), "cache": cache, "use_cache": True}
-    logits = model(input_ids=input_ids, attention_mask=prompt_mask[:, None], position_ids=positions, **extra).logits
+    logits = model(input_ids=input_ids, attention_mask=by_type(prompt_masks), position_ids=positions,
+                   **extra).logits
+
+    # Which slots of each cache hold a real token, as the layers wrote them: the prompt's last
+    # tokens, then one new token a step, at slot t % size.
+    filled = {}
+    for w, size in sizes.items():
+        kept = min(length, size)
+        at = torch.arange(length - kept, length, device=device) % size
+        filled[w] = torch.zeros(rows, size, dtype=torch.bool, device=device).index_copy(
+            1, at, attention_mask[:, length - kept:].bool())
     eos, columns = torch.tensor(sampling.eos_ids, device=device), torch.arange(steps, device=device)
     pad = torch.full((rows,), sampling.pad_id, dtype=torch.long, device=device)
+    slots = {w: torch.arange(size, device=device) for w, size in sizes.items()}
 
     def take(logits, tokens, done, filled, step):
         """The next token of every row (padding once a row has ended) into column `step` of
         `tokens`, and its slot marked filled for the next step."""
         token = torch.where(done, pad, pick(logits[:, -1], sampling))
+        filled = {w: f | (slots[w] == (length + step) % sizes[w]) for w, f in filled.items()}
         return (token, torch.where(columns == step, token[:, None], tokens), done | (token[:, None] == eos).any(-1),
-                filled | (slots == length + step), step + 1)
+                filled, step + 1)
 
     tokens = torch.full((rows, steps), sampling.pad_id, dtype=torch.long, device=device)
     done, step = torch.zeros(rows, dtype=torch.bool, device=device), torch.zeros((), dtype=torch.long, device=device)
@@ -98,8 +171,8 @@ def static_generate(model, input_ids, attention_mask, sampling, cut_graph):
     position = positions[:, -1:] + 1
     for _ in range(steps - 1):
         cut_graph()  # the previous token's graph ends here: every decode step is then the same graph
-        logits = model(input_ids=token[:, None], attention_mask=filled[:, None, None, :], position_ids=position,
-                       **extra).logits
+        mask = by_type({w: f[:, None, None, :] for w, f in filled.items()})
+        logits = model(input_ids=token[:, None], attention_mask=mask, position_ids=position, **extra).logits
         position = position + 1
         token, tokens, done, filled, step = take(logits, tokens, done, filled, step)
     cut_graph()

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from ..core.errors import UserError
 from ..core.shapes import forward_padding, lengths, padding_for
 from .base import row_name
-from .documents import encode, prompt_ids, window_shorter_than
+from .documents import encode, prompt_ids
 from .files import read_table
 from .table import write_rows
 
@@ -96,8 +96,7 @@ def fit_prompts(prompts, model, accelerator, max_length, buckets, max_new_tokens
 
     data, tokenizer = prompts.data, prompts.tokenizer
     padding = forward_padding(lengths(data), accelerator, buckets, max_length, graphs=2)
-    check_lengths(model, tokenizer, max(lengths(data)), padding.buckets[-1] + max_new_tokens, max_new_tokens,
-                  accelerator.static_shapes)
+    check_lengths(model, tokenizer, max(lengths(data)), max_new_tokens)
     eos = end_ids(tokenizer, model)
     tokenizer = left_padded(tokenizer, eos)
     sampling = Sampling(max_new_tokens, eos, tokenizer.pad_token_id, temperature, top_p)
@@ -212,20 +211,16 @@ def generation_model(model):
     return model.eval()
 
 
-def check_lengths(model, tokenizer, longest, cache_length, max_new_tokens, static):
-    """The positions a row reaches (its prompt's `longest` tokens plus the new ones) fit the model;
-    with `static` shapes, the cache's `cache_length` slots fit its sliding attention window (one
-    mask serves every layer)."""
+def check_lengths(model, tokenizer, longest, max_new_tokens):
+    """The positions a row reaches (its prompt's `longest` tokens plus the new ones) fit the model.
+    (A sliding attention window shorter than the row is no limit: core/generate.py caches each
+    layer type by its own window.)"""
     from ..models import position_limit
 
     limit = position_limit(model.config, tokenizer)
     if longest + max_new_tokens > limit:
         raise UserError(f"prompts of up to {longest} tokens plus --max-new-tokens {max_new_tokens} pass the model's "
                         f"{limit} positions; lower --max-length or --max-new-tokens")
-    window = window_shorter_than(model.config, cache_length) if static else None
-    if window:
-        raise UserError(f"a bucket's prompts plus --max-new-tokens {max_new_tokens} ({cache_length} tokens) pass the "
-                        f"model's sliding attention window ({window}); lower --max-length or --max-new-tokens")
 
 
 def left_padded(tokenizer, eos_ids):
@@ -290,7 +285,7 @@ def samples_of(ids, shown, new, tokenizer, model, max_length, static, batch_size
 
     data, _ = prompt_data(ids, max_length)
     longest = max(lengths(data))
-    check_lengths(model, tokenizer, longest, longest + new, new, static)
+    check_lengths(model, tokenizer, longest, new)
     eos = end_ids(tokenizer, model)
     pad = left_padded(tokenizer, eos).pad_token_id
     return (kind or Samples)(shown, data, Sampling(new, eos, pad), tokenizer, min(batch_size, len(shown)), **fields)

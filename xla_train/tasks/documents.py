@@ -16,13 +16,6 @@ IGNORE = -100  # labels the loss skips (torch's cross_entropy ignore_index, tran
 SOURCE_ROW = "_source_row"  # a held-out split's rows: their position in the file, for messages
 
 
-def window_shorter_than(config, length):
-    """The model's sliding attention window where it is shorter than `length` tokens, else None: a
-    4-D mask is used as given in every layer, so such a window would be lost."""
-    window = getattr(config, "sliding_window", None)
-    return window if window and window < length and getattr(config, "use_sliding_window", True) else None
-
-
 def form_of(ds, path):
     """Which of FORMS a split's columns make; one line naming the forms if none."""
     for form, columns in FORMS.items():
