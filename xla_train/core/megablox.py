@@ -100,15 +100,22 @@ class RowShards(NamedTuple):
 
 
 def row_shards(tensor: torch.Tensor) -> RowShards | None:
-    """The row split of `tensor`'s tokens under SPMD, or None (one device holds them all)."""
+    """The row split of `tensor`'s tokens under SPMD, or None (one device holds them all): the
+    strategy's global mesh (XlaFsdp sets it), else torch_xla's 1-D "data" mesh, rows over its first
+    axis, as core.attention._spmd_layout lays out the Pallas kernels' rows (not imported from there:
+    core.attention imports core.xla, which imports this module)."""
     if tensor.device.type != "xla":
         return None
-    from .attention import _spmd_layout
+    import torch_xla.runtime as xr
 
-    spec, mesh = _spmd_layout()
-    if spec is None:
+    if not xr.is_spmd():
         return None
-    return RowShards(mesh, spec[0], dict(zip(mesh.axis_names, mesh.mesh_shape))[spec[0]])
+    import torch_xla.distributed.spmd as xs
+
+    mesh = xs.get_global_mesh() or xs.get_1d_mesh("data")
+    assert mesh.axis_names is not None  # get_1d_mesh names its axis, and no global mesh here is unnamed
+    axis = mesh.axis_names[0]
+    return RowShards(mesh, axis, dict(zip(mesh.axis_names, mesh.mesh_shape))[axis])
 
 
 def _manual(t: torch.Tensor, layout: RowShards | None, split: bool) -> torch.Tensor:
