@@ -264,7 +264,7 @@ def test_eval_samples_prompt_with_the_turns_before_the_last_answer(families, tmp
     assert [len(r[0]["messages"]) for r in picked] == [3, 1] and picked[0][2] == "e d c"
     tok = AutoTokenizer.from_pretrained(families["llama"])
     model = AutoModelForCausalLM.from_pretrained(families["llama"])
-    samples = eval_samples(picked[:1], task.form, tok, model, 64, static=True, batch_size=8)
+    samples = eval_samples(picked[:1], task.form, tok, model, 64, batch_size=8)
     rendered = tok.apply_chat_template(chat, tokenize=False)
     prompt = tok.apply_chat_template(chat[:3], tokenize=False, add_generation_prompt=True)
     answer = (len(tok(rendered, add_special_tokens=False)["input_ids"])
@@ -283,7 +283,7 @@ def test_eval_samples_of_prompt_rows_write_up_to_the_completion_and_its_eos(fami
     task, splits = load_task(train_file=str(path), validation_file=str(path), problem="causal-lm")
     tok = AutoTokenizer.from_pretrained(families["llama"])
     model = AutoModelForCausalLM.from_pretrained(families["llama"])
-    samples = eval_samples(task.sample_rows(splits, 9), task.form, tok, model, 64, static=False, batch_size=8)
+    samples = eval_samples(task.sample_rows(splits, 9), task.form, tok, model, 64, batch_size=8)
     longest = max(len(tok(r["completion"], add_special_tokens=False)["input_ids"]) for r in td.reverse_rows(5, 0))
     assert len(samples.shown) == 5 and samples.sampling.max_new_tokens == longest + 1  # all 5 rows; plus the EOS
     first = td.reverse_rows(5, 0)[0]

@@ -132,8 +132,7 @@ def test_eval_samples_and_test_files_generate_from_the_pairs_prompts(form, pair_
         else:
             assert (prompt, reference) == ({"messages": row["prompt"]}, row["chosen"][0]["content"])
             assert full == {"messages": row["prompt"] + row["chosen"][:1]}
-    made = task.samples(samples, tokenizer, AutoModelForCausalLM.from_pretrained(pair_task["model"]), static=True,
-                        batch_size=2)
+    made = task.samples(samples, tokenizer, AutoModelForCausalLM.from_pretrained(pair_task["model"]), batch_size=2)
     encoded = [encode(full, "prompt/completion" if form == "strings" else "messages", tokenizer, "")[0]
                for _, _, _, full in samples]
     starts = [prompt_ids(prompt, prompt_form, tokenizer, "") for prompt, prompt_form, _, _ in samples]

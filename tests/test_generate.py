@@ -277,6 +277,21 @@ def test_static_generation_is_transformers_greedy_generation_past_the_window(fam
             assert (unwindowed != reference).any(1).all(), (unwindowed, reference)
 
 
+def test_static_generation_refuses_layers_it_has_no_cache_for():
+    """A layer type other than full and sliding attention (Llama 4's chunked, Qwen3-Next's linear)
+    is one line, not a cache that would not fit it."""
+    import torch
+
+    from xla_train.core.errors import UserError
+    from xla_train.core.generate import Sampling, static_generate
+
+    model = _loop_model("gemma3")
+    model.config.layer_types = ["chunked_attention", *model.config.layer_types[1:]]
+    ids, mask = _left_padded_prompts()
+    with torch.no_grad(), pytest.raises(UserError, match="the model has chunked_attention layers"):
+        static_generate(model, ids, mask, Sampling(2, (2,), 0), lambda: None)
+
+
 @pytest.mark.xla
 @pytest.mark.xla_in_process
 @pytest.mark.slow

@@ -595,17 +595,19 @@ def test_a_reward_model_folder_is_a_reward(base, tmp_path):
 
 def test_rollouts_run_past_a_sliding_window(base, tmp_path):
     """A step of a tiny Gemma 3 whose sliding window (8 tokens) is shorter than its rollouts
-    (prompts of 6 to 8 tokens plus up to 12 new ones) and its evaluation's greedy completions: the
-    static loop caches its sliding layers in the window's slots (it once stopped at the first
-    rollout: transformers' StaticCache kept 8 slots for a mask of the whole row)."""
+    (prompts of 6 to 8 tokens plus up to 12 new ones), its evaluation's greedy completions and its
+    --eval-samples: the static loop caches its sliding layers in the window's slots (it once
+    stopped at the first rollout: transformers' StaticCache kept 8 slots for a mask of the whole row)."""
     folder = td.save("gemma3", tmp_path / "gemma3", letters=True)
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "sliding_window": 8}))
     validation = td.write_jsonl(tmp_path / "validation.jsonl", prompts(4, 2))
     metrics = tmp_path / "metrics.json"
     args = grpo_args(folder, base, "--max-steps", 1, "--max-completion-length", 12, "--validation-file", validation,
-                     "--output-dir", tmp_path / "run", "--metrics-out", metrics)
+                     "--eval-samples", 2, "--output-dir", tmp_path / "run", "--metrics-out", metrics)
     assert main(["train", *map(str, args)]) == 0
     m = json.loads(metrics.read_text())
     assert m["train_metrics"][-1][1]["completions/max_length"] > 8, m["train_metrics"]
     assert m["eval"]["n"] == 4 and m["eval"]["completions/mean_length"] > 8, m["eval"]
+    samples = (tmp_path / "run" / "samples" / "step-1.jsonl").read_text().splitlines()
+    assert len(samples) == 2 and all("completion" in json.loads(line) for line in samples)

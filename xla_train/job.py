@@ -157,8 +157,7 @@ def prepare(cfg, backend, resume=None, startup=None):
     startup.lap("model")
     if test:
         test = task.prediction.fit(test, model, backend.accelerator, settings, shapes.padding)
-    samples = sample_rows and task.samples(sample_rows, tokenizer, model, backend.accelerator.static_shapes,
-                                           cfg.batch_size)
+    samples = sample_rows and task.samples(sample_rows, tokenizer, model, cfg.batch_size)
     startup.lap("data")  # the --eval-samples and --test-file rows
     return Job(cfg, task, tokenizer, data, shapes, model, truncated=truncated, resume=resume, startup=startup,
                samples=samples, test=test)

@@ -341,7 +341,7 @@ class Task:
         """--eval-samples: up to `n` rows of the first evaluation split to generate from."""
         raise NotImplementedError  # check_options refused --eval-samples
 
-    def samples(self, rows: list, tokenizer: Any, model: Any, static: bool, batch_size: int) -> Any:
+    def samples(self, rows: list, tokenizer: Any, model: Any, batch_size: int) -> Any:
         """What every evaluation generates from `sample_rows`' rows (completion.Samples)."""
         raise NotImplementedError
 

@@ -421,8 +421,8 @@ class CausalLM(Task):
                             {"messages": turns[:last + 1]}))
         return samples
 
-    def samples(self, rows, tokenizer, model, static, batch_size):
-        return eval_samples(rows, self.form, tokenizer, model, self.max_length, static, batch_size)
+    def samples(self, rows, tokenizer, model, batch_size):
+        return eval_samples(rows, self.form, tokenizer, model, self.max_length, batch_size)
 
     # --- what the output folder records -----------------------------------------------------
     @classmethod

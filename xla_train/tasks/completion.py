@@ -266,7 +266,7 @@ class Samples:
         return generate
 
 
-def eval_samples(rows, form, tokenizer, model, max_length, static, batch_size):
+def eval_samples(rows, form, tokenizer, model, max_length, batch_size):
     """`Samples` of the task's `sample_rows`: a sample may write as many tokens as its reference
     answer takes in training's rendering (its end-of-turn markup included)."""
     ids, new = [], 1
@@ -275,10 +275,10 @@ def eval_samples(rows, form, tokenizer, model, max_length, static, batch_size):
         ids.append(prompt_ids(prompt, prompt_form, tokenizer, where))
         new = max(new, len(encode(full, form, tokenizer, where)[0]) - len(ids[-1]))
     shown = [{**prompt, "reference": reference} for prompt, _, reference, _ in rows]
-    return samples_of(ids, shown, new, tokenizer, model, max_length, static, batch_size)
+    return samples_of(ids, shown, new, tokenizer, model, max_length, batch_size)
 
 
-def samples_of(ids, shown, new, tokenizer, model, max_length, static, batch_size, kind=None, **fields):
+def samples_of(ids, shown, new, tokenizer, model, max_length, batch_size, kind=None, **fields):
     """`Samples` (or the `kind` of them, with its `fields`) of prompts' token `ids`, each shown as
     `shown` says, completed greedily up to `new` tokens; checked against the model's positions."""
     from ..core.generate import Sampling

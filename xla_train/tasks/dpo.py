@@ -481,9 +481,9 @@ class DPO(Task):
                             {"messages": prompt + chosen[:first + 1]}))
         return samples
 
-    def samples(self, rows, tokenizer, model, static, batch_size):
+    def samples(self, rows, tokenizer, model, batch_size):
         form = "prompt/completion" if self.form == "strings" else "messages"
-        return eval_samples(rows, form, tokenizer, model, self.max_length, static, batch_size)
+        return eval_samples(rows, form, tokenizer, model, self.max_length, batch_size)
 
     # --- what the output folder records -----------------------------------------------------
     @classmethod

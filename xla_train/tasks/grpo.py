@@ -644,13 +644,13 @@ class GRPO(Task):
         return [{k: v for k, v in row.items() if k != SOURCE_ROW}
                 for row in split.select(range(min(n, len(split)))).to_list()]
 
-    def samples(self, rows, tokenizer, model, static, batch_size):
+    def samples(self, rows, tokenizer, model, batch_size):
         """Greedy completions of `rows`' prompts at every evaluation, each with its reward and every
         function's, as training scores them."""
         form = "prompt" if self.form == "strings" else "messages"
         ids = [prompt_ids({form: row["prompt"]}, form, tokenizer, f"--eval-samples: validation row {i + 1}")
                for i, row in enumerate(rows)]
-        return samples_of(ids, rows, self.settings.max_completion_length, tokenizer, model, self.max_length, static,
+        return samples_of(ids, rows, self.settings.max_completion_length, tokenizer, model, self.max_length,
                           batch_size, ScoredSamples, rewards=self.rewards)
 
     # --- what the output folder records -----------------------------------------------------
