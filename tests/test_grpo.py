@@ -531,21 +531,27 @@ def test_lora_in_bf16_merged_and_predicted_on_two_gloo_processes(base, sft_model
 
 def test_the_memory_plan_holds_the_rollouts_cache(base):
     """The plan of a GRPO step: rows of a prompt bucket plus a completion, and the rollout's
-    key/value cache, which is what transformers' StaticCache allocates for that many tokens."""
+    key/value cache, which is what transformers' StaticCache allocates for that many tokens (as
+    core/generate.py's caches hold them: a sliding layer only its window, Gemma 3's of 8 here)."""
     from transformers import AutoModelForCausalLM, StaticCache
 
+    from xla_train.core.generate import cache_slots
     from xla_train.memory import needed, plan
     from xla_train.tasks.grpo import GroupObjective, GRPOOptions
 
-    model = AutoModelForCausalLM.from_pretrained(base["model"], dtype=torch.float32)
-    path = GroupObjective(settings=GRPOOptions(max_completion_length=8)).memory_inputs(model, "cpu", 16)
-    assert path.length == 24 and path.cache_tokens == 24 and path.reference is None
-    memory, _ = plan(model, 32, path.length, logits=True, chunked_logits=True, cache_tokens=path.cache_tokens)
-    cache = StaticCache(config=model.config, max_cache_len=24)
-    ids = torch.ones(32, 4, dtype=torch.long)
-    model(input_ids=ids, past_key_values=cache, use_cache=True)
-    allocated = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
-    assert memory["cache_bytes"] == allocated
+    windowed = td.config("gemma3", 40, bos=1, eos=2)
+    windowed.sliding_window = 8
+    assert cache_slots(windowed, 24) == [8, 8, 8, 8, 8, 24]
+    for model in (AutoModelForCausalLM.from_config(windowed, dtype=torch.float32),  # the Llama last: read below
+                  AutoModelForCausalLM.from_pretrained(base["model"], dtype=torch.float32)):
+        path = GroupObjective(settings=GRPOOptions(max_completion_length=8)).memory_inputs(model, "cpu", 16)
+        assert path.length == 24 and path.cache_tokens == 24 and path.reference is None
+        memory, _ = plan(model, 32, path.length, logits=True, chunked_logits=True, cache_tokens=path.cache_tokens)
+        cache = StaticCache(config=model.config, max_cache_len=24)
+        ids = torch.ones(32, 4, dtype=torch.long)
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        allocated = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+        assert memory["cache_bytes"] == allocated
     assert needed(memory) >= memory["param_bytes_per_device"] + memory["cache_bytes"]
     # beta > 0 without adapters: a frozen copy of the weights beside the trained ones; with them, none
     assert not path.reference_copy

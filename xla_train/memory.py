@@ -178,8 +178,9 @@ def plan(model, rows, length, precision="fp32", shards=1, device_bytes=None, che
     also holds every block's output, which transformers returns with the hidden states, beside
     the policy's activations; the plan leaves this moment out: the chunked head's logits, in the
     backward pass, outweigh it for the vocabularies of LLMs.) With `cache_tokens`, a generation in
-    the step (GRPO's rollout) holds a key/value cache of that many tokens a row, in the weights'
-    dtype, before the update's forward pass begins: a peak of its own (`cache_bytes`). With
+    the step (GRPO's rollout) holds a key/value cache of that many tokens a row (a sliding layer's
+    only its window where shorter: core.generate.cache_slots), in the weights' dtype, before the
+    update's forward pass begins: a peak of its own (`cache_bytes`). With
     `reference_copy`, a frozen copy of the weights, sharded like them (`reference_param_bytes`).
     Under --tensor-parallel, the `rows` are a tensor group's, whose `tensor` devices split each
     block's heads and MLP columns (`layer_bytes`) and the key/value cache's heads. `experts`: the
@@ -190,6 +191,8 @@ def plan(model, rows, length, precision="fp32", shards=1, device_bytes=None, che
     pass begins with (the activations, the logits at their peak and, under bf16 autocast, the bf16
     copies of the weights the matmuls saved) and what it ends with (the gradients, one block's
     activations, and checkpointed, the blocks' inputs)."""
+    from .core.generate import cache_slots
+
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
     param_bytes = params[0].element_size() if params else 4
@@ -219,8 +222,8 @@ def plan(model, rows, length, precision="fp32", shards=1, device_bytes=None, che
                                 // (max(1, d["layers"]) if checkpointed else 1)
                                 if precision == "bf16" else 0),
         "reference_bytes": rows * length * width * (2 if precision == "bf16" else param_bytes),
-        "cache_bytes": 2 * d["layers"] * kv_heads_per_device(d["kv_heads"], tensor) * d["head_dim"] * rows
-        * cache_tokens * param_bytes,
+        "cache_bytes": 2 * kv_heads_per_device(d["kv_heads"], tensor) * d["head_dim"] * rows * param_bytes
+        * (sum(cache_slots(config.get_text_config(decoder=True), cache_tokens)) if cache_tokens else 0),
         "attention": attention,
         "experts": experts,
         "chunked_logits": bool(logits and chunked_logits),

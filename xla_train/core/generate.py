@@ -102,6 +102,14 @@ class Slots(StaticLayer):
         return key_states, value_states
 
 
+def cache_slots(config, length: int) -> list[int]:
+    """Each layer's key/value cache slots (`Slots`) for rows of `length` tokens (prompt + new): its
+    sliding window where that is shorter, else the row. The memory plan counts them."""
+    windows = layer_windows(config, length)
+    types = getattr(config, "layer_types", None) or [None] * config.num_hidden_layers
+    return [windows[t] or length for t in types]
+
+
 def static_generate(model, input_ids, attention_mask, sampling, cut_graph):
     """Generates from a batch of left-padded prompts with static shapes; `cut_graph()` ends the
     pending graph (see the module docstring)."""
@@ -109,16 +117,16 @@ def static_generate(model, input_ids, attention_mask, sampling, cut_graph):
     steps = sampling.max_new_tokens
     device = input_ids.device
     config = model.config.get_text_config(decoder=True)  # `model` unwrapped: generate_rows
-    # Each layer type's cache (`Slots`): its window's slots where the window is shorter than the
-    # row, else the row's (layer_windows: {layer type, or None where the config names none: window}).
-    windows = layer_windows(config, length + steps)
-    types = getattr(config, "layer_types", None) or [None] * config.num_hidden_layers
-    other = set(types) - {None, "full_attention", "sliding_attention"}
+    # Each layer's cache (`Slots`): its window's slots where the window is shorter than the row,
+    # else the row's; one mask per size (layer_windows: {layer type, or None where the config
+    # names none: its window, None for the whole row}).
+    other = set(getattr(config, "layer_types", None) or []) - {"full_attention", "sliding_attention"}
     if other:
         raise UserError(f"generation with static shapes serves full and sliding-window attention layers; the model "
                         f"has {', '.join(sorted(other))} layers")
+    windows = layer_windows(config, length + steps)
     sizes = {w: length + steps if w is None else w for w in windows.values()}  # a window's slots
-    cache = Cache(layers=[Slots(sizes[windows[t]]) for t in types])
+    cache = Cache(layers=[Slots(n) for n in cache_slots(config, length + steps)])
     eager = _implementation(config) == "eager"
 
     def by_type(masks):
