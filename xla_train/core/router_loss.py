@@ -148,7 +148,7 @@ def load_balancing_loss(model: Any, logits: Sequence[torch.Tensor], real: torch.
     if torch.is_grad_enabled() and not any(t.requires_grad for t in logits):  # a flag of the graph, not a value
         # torch_xla's checkpoint is reentrant only: its first forward runs without gradients, and the
         # routers' logits recorded there are constants (the recomputation in the backward pass is not seen)
-        warnings.warn("the routers' logits carry no gradient (--gradient-checkpointing on XLA: torch_xla's checkpoint "
+        warnings.warn("the routers' logits carry no gradient (activation checkpointing on XLA: torch_xla's checkpoint "
                       "runs the first forward without gradients): the routers' loss is reported and added, but does "
                       "not train the routers", stacklevel=3)
     text = model.config.get_text_config()
