@@ -139,6 +139,29 @@ def test_dpo_and_grpo_report_aux_loss_over_pairs_and_rollouts(saved):
     torch.testing.assert_close(loss, unweighted + 0.25 * expected, atol=1e-6, rtol=0)
 
 
+def test_a_saved_model_keeps_the_flag_it_was_loaded_with(saved, tmp_path):
+    """The model's own loss is off while the package trains it, but the folder a run writes says
+    output_router_logits as the model came (TRL's saved models keep it on where the loss was on):
+    through Engine.save_pretrained, whole and as an adapter's base config."""
+    import json
+    import types
+
+    from xla_train.core.engine import Engine
+    from xla_train.models import add_adapters
+
+    _, folder = saved
+    tokenizer = td.tokenizer()
+    engine = Engine("cpu")
+    model = loaded(folder)
+    engine.save_pretrained(model, tokenizer, tmp_path / "whole")
+    assert json.loads((tmp_path / "whole" / "config.json").read_text())["output_router_logits"] is True
+    assert model.config.output_router_logits is False  # and off again for the package's forwards
+    options = types.SimpleNamespace(lora_r=2, lora_alpha=4, lora_dropout=0.0, lora_targets=None)
+    adapted = add_adapters(loaded(folder), options, "CAUSAL_LM")
+    engine.save_pretrained(adapted, tokenizer, tmp_path / "adapter")
+    assert json.loads((tmp_path / "adapter" / "config.json").read_text())["output_router_logits"] is True
+
+
 def test_the_option_and_trls_rule():
     """TRL 1.16's rule: on for a config with output_router_logits (whatever its value), the
     config's weight unless another is asked for, 0 turning it off; a weight for a model without

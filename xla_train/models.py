@@ -216,6 +216,7 @@ the main host: the base is loaded there), in files of the final model's size."""
     from .core.checkpoint_io import trained_state
     from .core.engine import SHARD_SIZE
     from .core.hf import quiet_transformers
+    from .core.router_loss import as_loaded
 
     state = trained_state(engine.unwrap_model(model))
     weights = engine.to_writer(list(state.values()))
@@ -225,7 +226,7 @@ the main host: the base is loaded there), in files of the final model's size."""
             cpu_model = load_base()
         unexpected = cpu_model.load_state_dict(dict(zip(state, weights)), strict=False).unexpected_keys
         assert not unexpected, unexpected  # the same architecture, adapted the same way
-        with quiet_transformers():
+        with quiet_transformers(), as_loaded(cpu_model):
             cpu_model.merge_and_unload().save_pretrained(folder, max_shard_size=SHARD_SIZE)  # the final model's files
             tokenizer.save_pretrained(folder)
 

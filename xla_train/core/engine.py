@@ -32,6 +32,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DataCollatorWithPadding
 
+from . import router_loss
 from .batching import BatchPlan, make_loader
 from .checkpoint_io import trained_state, whole_state
 from .errors import UserError, describe
@@ -357,7 +358,7 @@ class Engine:
         def write() -> None:
             card = Path(path, "README.md")
             had_card = card.exists()
-            with quiet_transformers(), self.strategy.plain_modules(model):
+            with quiet_transformers(), self.strategy.plain_modules(model), router_loss.as_loaded(model):
                 if split is not None:
                     write_config(hf, path, split)
                 else:

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 HOOKED = "_xla_train_router_sink"  # the attribute a hooked model keeps its collector under
+LOADED_ON = "_xla_train_router_logits_on"  # set on a model whose config had output_router_logits on at load
 
 
 def coefficient(config: Any, asked: float | None = None) -> float:
@@ -52,7 +53,24 @@ def models_own_off(model: Any) -> Any:
     text = model.config.get_text_config()
     if getattr(text, "output_router_logits", False):
         text.output_router_logits = False
+        setattr(model, LOADED_ON, True)  # on the model, not the config: config.json would show it
     return model
+
+
+@contextmanager
+def as_loaded(model: torch.nn.Module) -> Iterator[None]:
+    """`model`'s config (through wrappers and adapters) with output_router_logits as it was loaded
+    while the block saves it: the folder a run writes keeps the flag its model came with, as TRL's
+    saved models keep it on where the loss was on."""
+    found = next((m for m in model.modules() if getattr(m, LOADED_ON, False)), None)
+    text = found.config.get_text_config() if found is not None else None
+    if text is not None:
+        text.output_router_logits = True
+    try:
+        yield
+    finally:
+        if text is not None:
+            text.output_router_logits = False
 
 
 class _Sink:
