@@ -62,7 +62,7 @@ def as_loaded(model: torch.nn.Module) -> Iterator[None]:
     """`model`'s config (through wrappers and adapters) with output_router_logits as it was loaded
     while the block saves it: the folder a run writes keeps the flag its model came with, as TRL's
     saved models keep it on where the loss was on."""
-    found = next((m for m in model.modules() if getattr(m, LOADED_ON, False)), None)
+    found: Any = next((m for m in model.modules() if getattr(m, LOADED_ON, False)), None)
     text = found.config.get_text_config() if found is not None else None
     if text is not None:
         text.output_router_logits = True
