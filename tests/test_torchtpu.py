@@ -323,3 +323,17 @@ def test_the_launching_process_seeds_the_cpu_only(mrpc_slice, tiny_model, monkey
         heads.append(job.prepare(cfg, select.select_roles("cpu")).model.classifier.weight)
     assert seeded == []  # no device's generator was reached
     assert torch.equal(heads[0], heads[1])
+
+
+@pytest.mark.xla
+@pytest.mark.xla_in_process
+@pytest.mark.slow
+def test_torchax_is_no_accelerator():
+    """torch_xla imports torchax for mark_sharding and call_jax where flax is installed (the tpu and
+    dev extras), and torchax renames PrivateUse1 "jax" and declares it available (torchax/__init__.py,
+    device_module.py): torch then reports a "jax" accelerator, which `--backend auto` must not take."""
+    from torch_xla._internal.jax_workarounds import maybe_get_torchax
+
+    assert maybe_get_torchax() is not None  # flax is there: torch_xla's bundled torchax imports
+    assert torch.accelerator.current_accelerator(check_available=True).type == select.TORCHAX_DEVICE
+    assert select.torch_accelerator() is None

@@ -44,6 +44,9 @@ def tpu_runtimes():
     return {name: installed_version(name) for name in TPU_RUNTIMES}
 
 
+TORCHAX_DEVICE = "jax"
+
+
 def torch_accelerator():
     """The accelerator torch itself sees ("cuda", "tpu"...), or None. TorchTPU's package is a torch
     device extension (entry point `torch.backends` -> torch_tpu._loader:load, which torch calls at
@@ -52,7 +55,9 @@ def torch_accelerator():
     import torch
 
     accelerator = torch.accelerator.current_accelerator(check_available=True)  # a CUDA build sees no GPU
-    return accelerator.type if accelerator is not None else None
+    # "jax": torchax (imported by torch_xla's mark_sharding and call_jax where flax is installed) renames
+    # PrivateUse1 to "jax" and declares it available at import (torchax/__init__.py, device_module.py): no device
+    return accelerator.type if accelerator is not None and accelerator.type != TORCHAX_DEVICE else None
 
 
 def xla_torch_mismatch(torch_version, xla_version):

@@ -943,9 +943,14 @@ class XlaFsdp(XlaSpmd):
 
         # shards are read from the device data, which a queued graph may still be computing
         self.accelerator.synchronize()
+        # per_thread_copy_ahead=0: the planner hands over host copies of the shards, so nothing is copied
+        # ahead from a device stream. With it on, torch 2.9's writer (checkpoint/filesystem.py,
+        # _write_files_from_queue) takes its stream loader wherever the PrivateUse1 device module says it is
+        # available, which torchax's is (torch_xla's mark_sharding imports torchax where flax is installed:
+        # the tpu extra), and stopped on "module 'torchax.device_module' has no attribute 'current_stream'"
+        writer = dcp.FileSystemWriter(str(folder), per_thread_copy_ahead=0)
         with dcp_errors():
-            dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(folder)), planner=_save_planner(),
-                     no_dist=True)
+            dcp.save(tensors, storage_writer=writer, planner=_save_planner(), no_dist=True)
 
     def load_shards(self, tensors: dict[str, torch.Tensor], folder: PathLike) -> None:
         import torch.distributed.checkpoint as dcp
