@@ -327,7 +327,7 @@ def document_inputs(model, segments: torch.Tensor, device_kind: str | None = Non
     path = choose(attention, kind, model, length)
     config = unwrapped(model).config
     if path == "mask":
-        eager = _implementation(config) == "eager"
+        eager = eager_attention(config)
         windows = layer_windows(config, length)
         if len(set(windows.values())) == 1:  # one mask serves every layer
             return {"attention_mask": document_mask(segments, eager, next(iter(windows.values())))}
@@ -357,9 +357,22 @@ def document_mask(segments: torch.Tensor, eager: bool = False, window: int | Non
     mask = (segments[:, None, :, None] == segments[:, None, None, :]) & (positions[:, None] >= positions[None, :])
     if window is not None:
         mask = mask & (positions[:, None] - positions[None, :] < window)
-    if eager:
-        mask = torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, torch.finfo(torch.float32).min)
-    return mask
+    return mask_for(mask, eager)
+
+
+def mask_for(mask: torch.Tensor, eager: bool) -> torch.Tensor:
+    """A boolean attention mask as an implementation takes it: the booleans (sdpa), or with `eager`
+    eager attention's additive bias (0 where a token may attend, finfo(float32).min where not)."""
+    import torch
+    if not eager:
+        return mask
+    return torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, torch.finfo(torch.float32).min)
+
+
+def eager_attention(config) -> bool:
+    """Whether a config runs eager attention for calls without documents (its own or, switched,
+    its former implementation): its masks are then additive biases (`mask_for`)."""
+    return _implementation(config) == "eager"
 
 
 def use_documents(model) -> None:
@@ -445,7 +458,7 @@ class Documents:
     def _masked(self, module, query, key, value, window, kwargs):
         """A layer no Pallas kernel serves, on the mask path: the model's former implementation with the
         documents' mask within `window` tokens (None: the whole document), built once per forward."""
-        eager = _implementation(module.config) == "eager"
+        eager = eager_attention(module.config)
         if ("mask", window) not in self.masks:
             self.masks[("mask", window)] = document_mask(self.segments, eager, window)
         base = _base_attention(module, _implementation(module.config))

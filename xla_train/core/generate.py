@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, StaticLayer
 
-from .attention import _implementation, document_mask, layer_windows
+from .attention import document_mask, eager_attention, layer_windows, mask_for
 from .errors import UserError
 from .inference import predict_rows
 
@@ -127,16 +127,14 @@ def static_generate(model, input_ids, attention_mask, sampling, cut_graph):
     windows = layer_windows(config, length + steps)
     sizes = {w: length + steps if w is None else w for w in windows.values()}  # a window's slots
     cache = Cache(layers=[Slots(n) for n in cache_slots(config, length + steps)])
-    eager = _implementation(config) == "eager"
+    eager = eager_attention(config)
 
     def by_type(masks):
         """The model's `attention_mask`: one 4-D mask where every layer takes the same, else a dict by
         layer type (transformers 5.24 takes either as given: masking_utils._preprocess_mask_arguments,
         and Gemma 2/3's and gpt-oss's `causal_mask_mapping`). Eager attention adds it to its scores:
         a bias, as document_mask(eager=True) makes one."""
-        if eager:
-            masks = {w: torch.zeros(m.shape, device=device).masked_fill(~m, torch.finfo(torch.float32).min)
-                     for w, m in masks.items()}
+        masks = {w: mask_for(m, eager) for w, m in masks.items()}
         if len(masks) == 1:
             return next(iter(masks.values()))
         return {t: masks[w] for t, w in windows.items()}
