@@ -217,8 +217,8 @@ def run_documents(model: Any, inputs: dict[str, Any], attention: str = "auto", c
     from ..core.lm_loss import head_of
     from ..core.router_loss import collected, load_balancing_loss
 
-    extra = document_inputs(model, inputs["segments"], attention=attention)
-    real = inputs["segments"] > 0  # the 2-D mask of real tokens the routers' loss takes
+    segments = inputs["segments"]
+    extra = document_inputs(model, segments, attention=attention)
     inputs = {k: v for k, v in inputs.items() if k != "segments"}
     hf = unwrapped(model)
     head = head_of(hf) if chunked else None
@@ -231,7 +231,8 @@ def run_documents(model: Any, inputs: dict[str, Any], attention: str = "auto", c
             output = HeadInput(output.hidden_states[-1], *head)
     if router_weight:
         assert routers is not None  # collected(hf) ran
-        router = RouterLoss(load_balancing_loss(hf, routers, real), router_weight)
+        # over the real tokens (segment above 0): the 2-D mask the family's loss takes
+        router = RouterLoss(load_balancing_loss(hf, routers, segments > 0), router_weight)
         if isinstance(output, HeadInput):
             output = dataclasses.replace(output, router=router)
         else:  # the model's output (a ModelOutput) takes a new attribute as any object does
