@@ -359,7 +359,8 @@ def _initial_model(engine, job, model, copy=False):
     probabilities from a model without adapters: with them, the base is the model as it began)."""
     if not job.resume and not copy:
         return model
-    fresh = pretrained(engine.strategy, job.cfg, job.task, job.tokenizer)  # under FSDPv2 read into its shards
+    with torch.random.fork_rng(devices=[]):  # loading reseeds the host generator: not the training stream
+        fresh = pretrained(engine.strategy, job.cfg, job.task, job.tokenizer)  # under FSDPv2 read into its shards
     return engine.prepare(fresh, trained=False).requires_grad_(False)  # DDP wraps only a module it could train
 
 

@@ -338,12 +338,10 @@ class PreferenceObjective(Objective):
     def before_training(self, engine, model, data, make_loader, initial):
         """Without adapters: every row's reference log-probabilities, by the model as training
         begins, once (columns `ref_chosen`, `ref_rejected`); with them, `data` as it is."""
-        import torch
 
         if peft_model_of(model) is not None or REFERENCE[0] in data["train"].column_names:
             return data
-        with torch.random.fork_rng(devices=[]):  # loading reseeds the host generator: not this stream
-            reference = initial()
+        reference = initial()
         out = {}
         for split, ds in data.items():
             values = self.reference_values(engine, reference, make_loader(ds.add_column("row", list(range(len(ds)))),

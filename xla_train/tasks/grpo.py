@@ -217,8 +217,6 @@ class Rollouts:
                  total_steps: int = 0, initial: Any = None) -> None:
         import contextlib
 
-        import torch
-
         from ..core.generate import Sampling
 
         self.objective, self.engine, self.data = objective, engine, data
@@ -245,8 +243,7 @@ class Rollouts:
                 self.reference, self.unadapted = model, peft.disable_adapter
             else:
                 assert initial is not None  # the trainer gives it (Objective.batch_source)
-                with torch.random.fork_rng(devices=[]):  # loading reseeds the host generator: not this stream
-                    self.reference = initial()
+                self.reference = initial()
 
     def __call__(self, model: Any, batch: dict[str, Any], split: str = "train", step: int = 0,
                  epoch: float = 0.0) -> dict[str, Any]:
