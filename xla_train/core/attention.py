@@ -520,14 +520,11 @@ def _spmd_layout():
     (partition_spec[0], partition_spec[2])). A mesh with a `tensor` axis (XlaFsdp's under
     --tensor-parallel, which sets it global) splits the heads over it too, as the q, k and v
     projections split them. Outside SPMD: (None, None)."""
-    import torch_xla.runtime as xr
+    from .megablox import spmd_mesh
 
-    if not xr.is_spmd():
+    mesh = spmd_mesh()
+    if mesh is None:
         return None, None
-    import torch_xla.distributed.spmd as xs
-
-    mesh = xs.get_global_mesh() or xs.get_1d_mesh("data")
-    assert mesh.axis_names is not None  # get_1d_mesh names its axis, and no global mesh here is unnamed
     heads = "tensor" if "tensor" in mesh.axis_names else None  # core.tensor_parallel.TENSOR
     return (mesh.axis_names[0], heads, None, None), mesh
 

@@ -99,13 +99,12 @@ class RowShards(NamedTuple):
     devices: int
 
 
-def row_shards(tensor: torch.Tensor) -> RowShards | None:
-    """The row split of `tensor`'s tokens under SPMD, or None (one device holds them all): the
-    strategy's global mesh (XlaFsdp sets it), else torch_xla's 1-D "data" mesh, rows over its first
-    axis, as core.attention._spmd_layout lays out the Pallas kernels' rows (not imported from there:
+def spmd_mesh() -> Any:
+    """Under SPMD the mesh the Pallas kernels' rows are laid out on: the strategy's global mesh
+    (XlaFsdp sets it), else torch_xla's 1-D "data" mesh over every device (as XlaSpmd's is), rows
+    over its first axis; None outside SPMD. Read here by the grouped matmul (`row_shards`) and by
+    core.attention's kernels (_spmd_layout), which imports this module (not the other way round:
     core.attention imports core.xla, which imports this module)."""
-    if tensor.device.type != "xla":
-        return None
     import torch_xla.runtime as xr
 
     if not xr.is_spmd():
@@ -114,6 +113,14 @@ def row_shards(tensor: torch.Tensor) -> RowShards | None:
 
     mesh = xs.get_global_mesh() or xs.get_1d_mesh("data")
     assert mesh.axis_names is not None  # get_1d_mesh names its axis, and no global mesh here is unnamed
+    return mesh
+
+
+def row_shards(tensor: torch.Tensor) -> RowShards | None:
+    """The row split of `tensor`'s tokens under SPMD (`spmd_mesh`), or None (one device holds them all)."""
+    mesh = spmd_mesh() if tensor.device.type == "xla" else None
+    if mesh is None:
+        return None
     axis = mesh.axis_names[0]
     return RowShards(mesh, axis, dict(zip(mesh.axis_names, mesh.mesh_shape))[axis])
 
