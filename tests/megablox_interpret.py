@@ -4,7 +4,7 @@ torch_xla's wrappers (torch_xla/experimental/custom_kernel.py, `gmm` and `tgmm`)
 (jax/experimental/pallas/ops/tpu/megablox/gmm.py) to `torch_xla.core.xla_builder.call_jax`, whose
 Mosaic custom call only a TPU executes (on XLA:CPU inside `force_tpu_interpret_mode` it stops at
 "XLA type not supported: 17"). The jax functions themselves run here in jax's TPU interpret mode.
-`KERNELS` has the wrappers' signatures (`xla_train.core.megablox.Kernels`) and makes the calls
+`KERNELS` has the wrappers' signatures (`xla_train.kernels.megablox.Kernels`) and makes the calls
 they make, with the arguments they pass to call_jax:
 
 - gmm(lhs, rhs, group_sizes, tiling, group_offset, transpose_rhs): tm = min(tiling[0], m), tk and tn
@@ -21,7 +21,7 @@ import importlib
 import numpy as np
 import torch
 
-from xla_train.core.megablox import Kernels
+from xla_train.kernels.megablox import Kernels
 
 
 def _jax():

@@ -1,6 +1,6 @@
 """jax's splash attention with its real kernel, run on the CPU, as the package calls it on a TPU.
 
-On a TPU, `xla_train.core.attention.splash_attention` hands torch_xla's `call_jax`
+On a TPU, `xla_train.kernels.attention.splash_attention` hands torch_xla's `call_jax`
 (torch_xla/core/xla_builder.py) the package's own jax functions, `splash_forward` and
 `splash_backward` (jax.vjp of the forward), with the layer's tensors and static arguments (scale,
 window, soft cap, block: `core.xla.splash_block`); call_jax lowers them, with jax 0.7.1's Mosaic

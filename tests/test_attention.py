@@ -1,4 +1,4 @@
-"""Packed documents kept apart without an L x L mask (xla_train.core.attention): the 4-D mask is the
+"""Packed documents kept apart without an L x L mask (xla_train.kernels.attention): the 4-D mask is the
 reference; FlexAttention (eager here, compiled on CUDA) must compute the same losses and
 gradients; sliding windows are kept per layer type; which path each device takes. The Pallas
 path runs its real kernel in tests/test_pallas.py."""
@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 import gpu_fallback.device  # noqa: F401  (declares flex on CUDA and the CPU)
 import xla_train.core.xla  # noqa: F401  (declares pallas on a TPU through torch_xla)
-from xla_train.core import attention as A
 from xla_train.core.errors import UserError
+from xla_train.kernels import attention as A
 
 # The TPU's Pallas kernel needs jax (make test's .venv has it; make test-torch's .venv-torch not):
 # without it `auto` takes the mask on a TPU too (test_without_jax_a_tpu_takes_the_mask)
@@ -295,7 +295,7 @@ SPMD_SCRIPT = """
 import torch, torch_xla, torch_xla.runtime as xr
 xr.use_spmd()
 import torch_xla.distributed.spmd as xs
-from xla_train.core import attention as A
+from xla_train.kernels import attention as A
 spec, mesh = A._spmd_layout()
 
 

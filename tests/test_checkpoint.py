@@ -244,7 +244,7 @@ def test_pod_hosts_upload_their_shards_and_the_marker_comes_last(gcs_emulator, t
     folder of its own, as each host's process has): what an interrupted save of the step left is
     cleared first, host 1 uploads its shards, host 0 the rest and the marker last; a host fetches
     the common files and, on its own, its shards only."""
-    from xla_train.core.storage import open_store
+    from xla_train.io.storage import open_store
 
     url, name = f"gs://xla-train-test/{tmp_path.name}", "step-00000004"
     main, other = open_store(url), open_store(url)

@@ -122,7 +122,7 @@ def test_a_pod_host_with_a_local_output_folder_stops(tmp_path):
 
 
 def test_only_the_first_host_writes_the_run_record(tmp_path):
-    from xla_train.core.storage import open_store
+    from xla_train.io.storage import open_store
     from xla_train.options import TrainOptions
     from xla_train.run.folder import RECORD, RunFolder
 
@@ -137,7 +137,7 @@ def test_a_slower_pod_host_accepts_the_record_host_0_just_wrote(tmp_path, monkey
     """Host 0 claims the folder first; host 1, reading it a moment later, takes the record of the
     same run (same config, not finished; or the run id the launcher gave every host) instead of
     refusing a folder that "already holds a run" (the others would wait in the TPU's start-up)."""
-    from xla_train.core.storage import open_store
+    from xla_train.io.storage import open_store
     from xla_train.options import TrainOptions
     from xla_train.run.folder import RUN_ID_VARIABLE, RunFolder
 
@@ -179,8 +179,8 @@ def test_forked_replicas_get_the_job_without_pickling_it(tiny_model):
     import torch.multiprocessing  # noqa: F401  registers them
     from transformers import AutoModelForSequenceClassification
 
-    from xla_train.core import launchers
     from xla_train.core.roles import Roles
+    from xla_train.parallel import launchers
 
     def pickled(entry, args):
         buf = io.BytesIO()
@@ -216,8 +216,8 @@ def _replica_part(part, folder):
 
 
 def _pool_entry(index, parts):
-    from xla_train.core import launchers
     from xla_train.core.select import select_roles
+    from xla_train.parallel import launchers
 
     launchers._run_replica(index, select_roles("cpu"), _replica_part, (parts[index], launchers.worker_folder()))
 
@@ -227,7 +227,7 @@ import concurrent.futures, functools, json, multiprocessing, os, sys
 import torch
 sys.path.insert(0, {tests!r})
 from test_distributed import _pool_entry
-from xla_train.core import launchers
+from xla_train.parallel import launchers
 from xla_train.core.errors import UserError
 from xla_train.core.signals import StopRequest
 try:
@@ -279,7 +279,7 @@ def test_only_the_launchers_children_are_its_replicas():
     """A process that a replica starts inherits the launch's variable, but is no replica: it must
     neither register nor kill the replicas when it fails. Here a child of the launcher stands for a
     replica, and the child it starts for a process a replica starts."""
-    from xla_train.core import launchers
+    from xla_train.parallel import launchers
 
     ask = "from xla_train.core import launchers; print(launchers.worker_folder())"
     replica = f"import subprocess, sys; {ask}; subprocess.run([sys.executable, '-c', {ask!r}])"
@@ -393,7 +393,7 @@ def test_a_failure_on_another_pod_host_ends_this_hosts_replicas(gcs_emulator, tm
     instead of waiting for ever. The marker is per launch (`watch_pod`)."""
     import time
 
-    from xla_train.core import launchers
+    from xla_train.parallel import launchers
 
     url = f"gs://xla-train-test/{tmp_path.name}"
     with launchers.watch_pod(launchers.pod_marker(url, "launch-1")):  # job.launch's, on every pod host
@@ -415,7 +415,7 @@ def test_a_failure_on_another_pod_host_ends_this_hosts_replicas(gcs_emulator, tm
 def test_spmd_hosts_tell_each_other_their_failures(gcs_emulator, tmp_path, monkeypatch):
     """Under SPMD each host runs one process and no launcher watches it: `pod_watch` tells the
     other hosts of its failure, and ends it (with their line) when another host failed."""
-    from xla_train.core import launchers
+    from xla_train.parallel import launchers
 
     monkeypatch.setenv(launchers.POD_FAILURES, launchers.pod_marker(f"gs://xla-train-test/{tmp_path.name}", "l1"))
     with pytest.raises(UserError), launchers.pod_watch():

@@ -1,4 +1,4 @@
-"""Mixture-of-experts layers with static shapes (xla_train/core/experts.py, issue 51).
+"""Mixture-of-experts layers with static shapes (xla_train/kernels/experts.py, issue 51).
 
 The tiny Qwen3-MoE, Mixtral and gpt-oss decoders of the zoo (tiny_decoders.EXPERTS: 4 experts, 2
 per token) with `static_experts`' dense experts compute what transformers' eager experts compute,
@@ -10,7 +10,7 @@ copy nothing to the host; the first step's logits and gradients equal eager's on
 (transformers' own implementations on XLA, measured: eager 19 graphs in the first step, 6 more in each
 later one, 42 to 58 host transfers a step; grouped_mm fails, "histogram_cpu" not implemented for 'Int'.)
 
-The TPU's grouped experts (`xla_grouped`, core/megablox.py): jax's megablox kernels run in TPU
+The TPU's grouped experts (`xla_grouped`, kernels/megablox.py): jax's megablox kernels run in TPU
 interpret mode with the arguments torch_xla's wrappers pass (tests/megablox_interpret.py), each
 family's experts and a whole gpt-oss within 1e-4 of eager; the tiling rule against jax's kernels
 lowered for a TPU; the sharding around the kernel on 4 XLA:CPU devices (a torch grouped matmul in
@@ -23,7 +23,7 @@ import pytest
 import tiny_decoders as td
 import torch
 
-from xla_train.core.experts import XLA_EXPERTS, has_experts, static_experts
+from xla_train.kernels.experts import XLA_EXPERTS, has_experts, static_experts
 
 VOCAB, ROWS, LENGTH, STEPS = 40, 2, 16, 3
 ATOL = 1e-5
@@ -133,7 +133,7 @@ def test_xla_accelerator_sets_static_experts():
         assert model.config._experts_implementation == XLA_EXPERTS, family
 
 
-# --- the grouped matmul (core/megablox.py): torch_xla 2.9's megablox kernels, which only a TPU runs.
+# --- the grouped matmul (kernels/megablox.py): torch_xla 2.9's megablox kernels, which only a TPU runs.
 # Checked here against jax's own kernels: lowered for a TPU (Mosaic's block rules, jax's row-tile
 # check) for the rule, and run in TPU interpret mode (tests/megablox_interpret.py) for the numbers.
 
@@ -148,7 +148,7 @@ def _lowers(m, k, n, groups, dtype):
     import jax
     import jax.numpy as jnp
 
-    from xla_train.core.megablox import gmm_tiling
+    from xla_train.kernels.megablox import gmm_tiling
 
     mb = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
     S, dt = jax.ShapeDtypeStruct, getattr(jnp, dtype)
@@ -172,7 +172,7 @@ def test_the_rows_handed_to_the_grouped_matmul_are_the_rows_it_takes():
     pytest.importorskip("jax")
     from torch_xla.experimental.custom_kernel import _get_tiling_size_for_gmm_kernel
 
-    from xla_train.core.megablox import gmm_serves, gmm_tiling
+    from xla_train.kernels.megablox import gmm_serves, gmm_tiling
 
     grid = [(m, k, n, g) for m in range(8, 8193, 8) for k, n, g in ((64, 48, 4), (2048, 1536, 128), (2880, 5760, 32))]
     assert all(gmm_tiling(*c) == _get_tiling_size_for_gmm_kernel(*c) for c in grid)
@@ -195,7 +195,7 @@ def test_grouped_experts_equal_eager(family):
     pytest.importorskip("jax")
     import megablox_interpret as MI
 
-    from xla_train.core.experts import grouped_experts_forward
+    from xla_train.kernels.experts import grouped_experts_forward
 
     experts = _experts_of(tiny(family))
     reference = copy.deepcopy(experts)
@@ -222,8 +222,8 @@ def test_grouped_experts_equal_eager(family):
 def test_grouped_experts_refused_rows_take_the_dense_path():
     """Rows the kernel refuses (200 tokens x 2 = 400, not a multiple of its 128-row tile) never reach
     it: the layer computes the dense path's numbers."""
-    from xla_train.core.experts import dense_experts_forward, grouped_experts_forward
-    from xla_train.core.megablox import Kernels
+    from xla_train.kernels.experts import dense_experts_forward, grouped_experts_forward
+    from xla_train.kernels.megablox import Kernels
 
     def refused(*args, **kwargs):
         raise AssertionError("the kernel was handed rows it refuses")
@@ -236,7 +236,7 @@ def test_grouped_experts_refused_rows_take_the_dense_path():
 
 
 def test_static_experts_grouped_where_asked():
-    from xla_train.core.experts import XLA_GROUPED, experts_implementation
+    from xla_train.kernels.experts import XLA_GROUPED, experts_implementation
 
     model = tiny("gptoss")
     assert experts_implementation(model) == "grouped_mm"  # transformers' default for a model made without a choice
@@ -253,7 +253,7 @@ def test_call_jax_imports():
     from torch_xla.core.xla_builder import call_jax
 
     assert maybe_get_torchax() is not None and callable(call_jax)
-    from xla_train.core.megablox import grouped_refusal
+    from xla_train.kernels.megablox import grouped_refusal
 
     assert "TPU only" in grouped_refusal()  # XLA:CPU here: the dense path stays (static_experts)
 
@@ -265,8 +265,8 @@ def test_mfu_and_the_memory_plan_count_the_active_experts():
     expert's activations for the dense path, the top-k's for the grouped one."""
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
-    from xla_train.core.experts import XLA_GROUPED
     from xla_train.core.peaks import flops_per_token, inactive_expert_params
+    from xla_train.kernels.experts import XLA_GROUPED
     from xla_train.memory import layer_bytes
 
     for family in td.EXPERTS:
@@ -301,8 +301,8 @@ import torch_xla.runtime as xr
 sys.path.insert(0, "tests")
 import tiny_decoders as td
 from transformers import AutoModelForCausalLM
-from xla_train.core.experts import grouped_experts_forward
-from xla_train.core.megablox import Kernels
+from xla_train.kernels.experts import grouped_experts_forward
+from xla_train.kernels.megablox import Kernels
 
 xr.use_spmd()
 seen = []
@@ -384,7 +384,7 @@ def test_the_plan_names_the_experts_a_tpu_will_run(monkeypatch):
     kernel (grouped_refusal None: only a TPU says so, faked here) the grouped matmul, or the dense
     path where the kernel refuses the step's rows; XLA elsewhere dense; CUDA and the CPU
     transformers' own."""
-    from xla_train.core import experts as X
+    from xla_train.kernels import experts as X
 
     model = tiny("gptoss")
     assert X.planned_experts(model, "xla-tpu", 32) == X.XLA_EXPERTS  # XLA:CPU here: no kernel
@@ -409,11 +409,11 @@ def test_a_whole_model_through_the_grouped_experts_equals_eager():
     import megablox_interpret as MI
     from transformers.integrations.moe import ExpertsInterface
 
-    from xla_train.core.experts import grouped_experts_forward
+    from xla_train.kernels.experts import grouped_experts_forward
 
     model = tiny("gptoss")
     ref = eager_reference(model, batch(0))
-    from xla_train.core.megablox import Kernels
+    from xla_train.kernels.megablox import Kernels
 
     calls = []
 

@@ -146,7 +146,7 @@ xr.use_spmd()
 import torch.distributed.checkpoint as dcp
 
 from xla_train.run.checkpoint import split_moments
-from xla_train.core.checkpoint_io import trained_state
+from xla_train.io.checkpoint_io import trained_state
 from xla_train.core.roles import optimizer_params
 from xla_train.core.select import select_roles
 
@@ -228,7 +228,7 @@ def test_pod_hosts_holding_none_of_a_tensor_resume_it(per_host, tmp_path):
 
 POD_COPIES = EVALUATION_SETUP.format(engine=', strategy="fsdp"', batch=2) + """
 import torch_xla.runtime as xr
-from xla_train.core.checkpoint_io import trained_state
+from xla_train.io.checkpoint_io import trained_state
 
 weights = list(trained_state(engine.unwrap_model(model)).values())
 one_host = engine.to_host(weights)  # from the shards
@@ -357,7 +357,7 @@ def test_lora_under_fsdp_resumes_exactly_and_saves_its_adapter(mrpc_slice, tiny_
 def test_shards_are_put_together_without_their_padding():
     """10 rows over 4 devices: shards of 3, 3, 3 and 1 rows, the last padded to 3 (how XLA splits
     unevenly); the host tensor is the whole, without the padding."""
-    from xla_train.core.xla import _from_shards
+    from xla_train.parallel.xla_strategies import _from_shards
 
     whole = torch.arange(30.0).view(10, 3)
     pieces, indices = [], []

@@ -203,7 +203,7 @@ def test_eager_generation_leaves_the_models_generation_config(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from xla_train.core.generate import Sampling, eager_generate
+    from xla_train.kernels.generate import Sampling, eager_generate
 
     model = AutoModelForCausalLM.from_pretrained(td.save("llama", tmp_path / "llama", chat=True, letters=True))
     model.generation_config.eos_token_id = [2, 3]
@@ -262,7 +262,7 @@ def test_static_generation_is_transformers_greedy_generation_past_the_window(fam
     the window transformers writes other tokens in every row, so the window is what is compared."""
     import torch
 
-    from xla_train.core.generate import Sampling, eager_generate, static_generate
+    from xla_train.kernels.generate import Sampling, eager_generate, static_generate
 
     model = _loop_model(family)
     ids, mask = _left_padded_prompts()
@@ -283,7 +283,7 @@ def test_static_generation_refuses_layers_it_has_no_cache_for():
     import torch
 
     from xla_train.core.errors import UserError
-    from xla_train.core.generate import Sampling, static_generate
+    from xla_train.kernels.generate import Sampling, static_generate
 
     model = _loop_model("gemma3")
     model.config.layer_types = ["chunked_attention", *model.config.layer_types[1:]]
@@ -303,8 +303,8 @@ def test_static_generation_past_the_window_compiles_one_decode_graph():
     import torch_xla
     import torch_xla.debug.metrics as met
 
-    from xla_train.core.generate import Sampling, static_generate
     from xla_train.core.xla import XlaAccelerator
+    from xla_train.kernels.generate import Sampling, static_generate
 
     model = _loop_model("gemma3")
     ids, mask = _left_padded_prompts()

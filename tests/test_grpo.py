@@ -532,10 +532,10 @@ def test_lora_in_bf16_merged_and_predicted_on_two_gloo_processes(base, sft_model
 def test_the_memory_plan_holds_the_rollouts_cache(base):
     """The plan of a GRPO step: rows of a prompt bucket plus a completion, and the rollout's
     key/value cache, which is what transformers' StaticCache allocates for that many tokens (as
-    core/generate.py's caches hold them: a sliding layer only its window, Gemma 3's of 8 here)."""
+    kernels/generate.py's caches hold them: a sliding layer only its window, Gemma 3's of 8 here)."""
     from transformers import AutoModelForCausalLM, StaticCache
 
-    from xla_train.core.generate import cache_slots
+    from xla_train.kernels.generate import cache_slots
     from xla_train.memory import needed, plan
     from xla_train.tasks.grpo import GroupObjective, GRPOOptions
 

@@ -1,4 +1,4 @@
-"""The LM head and cross-entropy in chunks of tokens (xla_train/core/lm_loss.py): the loss and the
+"""The LM head and cross-entropy in chunks of tokens (xla_train/kernels/lm_loss.py): the loss and the
 gradients of the hidden states, head weight and bias are the whole head's (fp32 within 1e-5, with
 ignored tokens, soft-capping, chunks that do and do not divide the tokens), on the CPU and on
 XLA:CPU (one graph), and the peak memory is below the whole head's."""
@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from xla_train.core.lm_loss import chunked_entropy, chunked_lm_loss, chunked_token_losses
+from xla_train.kernels.lm_loss import chunked_entropy, chunked_lm_loss, chunked_token_losses
 from xla_train.memory import measure_peak
 
 ROWS, LENGTH, HIDDEN, VOCAB = 3, 10, 16, 50

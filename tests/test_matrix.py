@@ -4,7 +4,7 @@ of the late-2026 families, tiny_decoders.LATE_2026, on the CPU and in one XLA ce
 x {fp32, bf16} x {full, LoRA} x {CPU, XLA:CPU} trains, evaluates, saves and reloads, and generates,
 in pytest's own process through the package's own functions (what `xla-train train` and
 `xla-train predict` call): Engine, the causal-LM task, checkpoint.save and Resume,
-Engine.save_pretrained and load_trained, tasks/completion.py's prompts and core/generate.py's loop.
+Engine.save_pretrained and load_trained, tasks/completion.py's prompts and kernels/generate.py's loop.
 
 Each cell (`run_cell`):
   train     3 epochs of 4 steps (16 documents, batch 4, the family's chat rows where it has a chat
@@ -174,8 +174,8 @@ def run_cell(z, device, precision, mode, out):
     from xla_train.core.batching import make_loader, model_inputs_only
     from xla_train.core.engine import Engine
     from xla_train.core.inference import infer
-    from xla_train.core.storage import open_store
     from xla_train.evaluation import evaluate_model
+    from xla_train.io.storage import open_store
     from xla_train.run import checkpoint
 
     engine = Engine(device, precision=precision)
@@ -304,9 +304,9 @@ def generate(z, device, folder, counters):
     """`xla-train predict` on the folder: a fresh fp32 Engine, the prompts read and tokenised as
     predict reads them, the adapter merged, left padding, static shapes on XLA."""
     from xla_train.core.engine import Engine
-    from xla_train.core.generate import Sampling, generate_rows
     from xla_train.core.inference import predict_loader
     from xla_train.core.shapes import padding_for
+    from xla_train.kernels.generate import Sampling, generate_rows
     from xla_train.tasks.completion import (
         check_lengths,
         completions,

@@ -209,7 +209,7 @@ def test_replicas_agreeing_at_a_log_point_compile_no_new_step_graph(xla_run, sho
     patch = """
 import torch_xla.core.xla_model as xm
 from xla_train.run.state import RunState
-from xla_train.core.xla import XlaDdp
+from xla_train.parallel.xla_strategies import XlaDdp
 RunState._agree = RunState._agree_across  # the path several replicas take
 XlaDdp.gather = lambda self, tensor: xm.all_gather(tensor, dim=0)  # a real collective on one replica
 """

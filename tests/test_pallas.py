@@ -18,9 +18,9 @@ import splash_interpret as SI  # noqa: E402
 import tiny_decoders as td  # noqa: E402
 from test_attention import SPLASH, _published, documents, loss_alone, model_of, needs_splash, packed_loss  # noqa: E402
 
-from xla_train.core import attention as A  # noqa: E402
 from xla_train.core import xla as X  # noqa: E402
 from xla_train.core.xla import flash_serves  # noqa: E402
+from xla_train.kernels import attention as A
 
 
 def accepted(length, head_dim, batch=2, heads=2):

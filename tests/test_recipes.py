@@ -287,7 +287,7 @@ def test_the_recipes_are_the_command_lines_of_the_docs():
 
 # --- the recipe the run folder records -----------------------------------------------------------
 def test_the_recorded_recipe_runs_the_same_job(tmp_path, capsys):
-    from xla_train.core.storage import open_store
+    from xla_train.io.storage import open_store
     from xla_train.run.folder import RECIPE, RunFolder
 
     cfg = TrainOptions(output_dir=str(tmp_path / "run"), lr=3e-4, warmup_ratio=0.1, lora=True, lora_targets="query",
@@ -313,7 +313,7 @@ def test_the_recorded_recipe_runs_the_same_job(tmp_path, capsys):
 
 
 def test_a_folder_holding_only_a_recipe_holds_a_run(tmp_path):
-    from xla_train.core.storage import open_store
+    from xla_train.io.storage import open_store
     from xla_train.run.folder import RECIPE, RunFolder
 
     (tmp_path / "run").mkdir()

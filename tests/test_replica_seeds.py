@@ -17,7 +17,7 @@ def placed(cls, accelerator, world, rank, **options):
 
 
 def test_the_replica_folded_in_is_the_row_share_of_a_replica_of_its_own():
-    from xla_train.core.xla import XlaDdp, XlaFsdp, XlaSpmd
+    from xla_train.parallel.xla_strategies import XlaDdp, XlaFsdp, XlaSpmd
 
     cpu = TorchAccelerator("cpu")
     xla = cpu  # the strategies only keep it here (an XlaAccelerator would start torch_xla: seconds)

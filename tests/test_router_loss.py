@@ -1,4 +1,4 @@
-"""The routers' load-balancing loss of a mixture of experts (xla_train/core/router_loss.py, issue 61).
+"""The routers' load-balancing loss of a mixture of experts (xla_train/kernels/router_loss.py, issue 61).
 
 The tiny Qwen3-MoE, Mixtral and gpt-oss of the zoo (tiny_decoders.EXPERTS), saved with
 `output_router_logits=True` as fine-tuning recipes save them. transformers' own loss takes a 2-D
@@ -16,7 +16,7 @@ import tiny_decoders as td
 import torch
 
 from xla_train.core.errors import UserError
-from xla_train.core.router_loss import coefficient, loss_function
+from xla_train.kernels.router_loss import coefficient, loss_function
 from xla_train.tasks.causal_lm import DecoderModel, NextToken
 from xla_train.tasks.documents import IGNORE
 

@@ -47,7 +47,7 @@ def snapshot(url):
 
 
 def record(url):
-    from xla_train.core.storage import open_store
+    from xla_train.io.storage import open_store
 
     return json.loads(open_store(url).read_text("xla_train_run.json"))
 
@@ -112,7 +112,7 @@ def test_a_finished_run_leaves_its_small_files_whole(previous_run):
 
 
 def test_atomic_write_is_whole_or_nothing(tmp_path):
-    from xla_train.core.files import atomic_write
+    from xla_train.io.files import atomic_write
 
     path = tmp_path / "made" / "on the way" / "metrics.json"
     assert atomic_write(path, "first\n") == path  # its missing folders are made
@@ -192,7 +192,7 @@ def test_pod_hosts_probing_one_prefix_at_once(gcs_emulator, tmp_path):
     """Every host's parent checks that the gs:// output is writable at the same moment: each
     probe has its own name, so no host deletes another's (or fails on a probe already gone)."""
     url = f"gs://xla-train-test/{tmp_path.name}"
-    code = f"from xla_train.core.storage import open_store; open_store({url!r}).check_writable()"
+    code = f"from xla_train.io.storage import open_store; open_store({url!r}).check_writable()"
     env = {**os.environ, **gcs_emulator, "PYTHONPATH": str(ROOT)}
     procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stderr=subprocess.PIPE, text=True)
              for _ in range(4)]

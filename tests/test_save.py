@@ -49,7 +49,7 @@ def test_weights_transformers_converts_on_saving_are_saved_by_it(tmp_path):
     to transformers' own save, which splits them again."""
     folder = td.save("mixtral", tmp_path / "model")
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    from xla_train.core.checkpoint_io import whole_state
+    from xla_train.io.checkpoint_io import whole_state
 
     assert engine_module.shard_plan(model, whole_state(model)) is None
     Engine("cpu").save_pretrained(model, td.tokenizer(), tmp_path / "out")

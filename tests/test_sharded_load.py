@@ -1,5 +1,5 @@
 """`--backend xla --strategy fsdp` loads the checkpoint's weights straight into their shards
-(xla_train/core/sharded_load.py): the model is built on the meta device, each parameter made on
+(xla_train/parallel/sharded_load.py): the model is built on the meta device, each parameter made on
 the 4 XLA:CPU devices already sharded from the slices of the safetensors its devices hold.
 
 Run on 4 XLA:CPU devices in processes of their own: the same parameters, ties, buffers, new head
@@ -30,7 +30,7 @@ def _run(script, *args, env=FOUR, timeout=600):
 SAME = r"""
 import functools, json, sys
 import torch, torch_xla
-from xla_train.core import sharded_load
+from xla_train.parallel import sharded_load
 from xla_train.core.engine import Engine
 from xla_train.tasks.causal_lm import DecoderModel
 from xla_train.tasks.sequence import SequenceModel
@@ -112,7 +112,7 @@ def test_sharded_load_gives_the_whole_loads_parameters_and_steps_bit_for_bit(fam
 PEAK = r"""
 import functools, json, sys
 import torch, torch_xla
-from xla_train.core import sharded_load
+from xla_train.parallel import sharded_load
 from xla_train.core.engine import Engine
 from xla_train.tasks.causal_lm import DecoderModel
 
@@ -176,9 +176,9 @@ HOSTS = r"""
 import functools, json, sys
 import torch
 import torch_xla.runtime as xr
-from xla_train.core import sharded_load
+from xla_train.parallel import sharded_load
 from xla_train.core.engine import Engine
-from xla_train.core.xla import _param_spec
+from xla_train.parallel.xla_strategies import _param_spec
 from xla_train.tasks.causal_lm import DecoderModel
 
 folder = sys.argv[1]
@@ -273,7 +273,7 @@ def test_a_slice_read_is_the_tensors_slice_and_only_its_bytes(tmp_path):
     import torch
     from safetensors.torch import load_file, save_file
 
-    from xla_train.core.sharded_load import Checkpoint
+    from xla_train.parallel.sharded_load import Checkpoint
 
     torch.manual_seed(0)
     tensors = {"a": torch.randn(10, 7), "b": torch.randn(3, 12, 5).to(torch.bfloat16), "s": torch.tensor(2.5)}

@@ -1,11 +1,11 @@
 """The package's shape, as rules that say what matters (not how long things are):
 
 - no import circle among the modules of xla_train and gpu_fallback;
-- layers: the core (xla_train/core/) imports only the core, never gpu_fallback (which registers
-  its roles through an entry point) nor the job's modules; gpu_fallback imports only the core's
-  roles, errors and launchers;
+- layers: the library (xla_train/core/, kernels/, parallel/, io/) imports only the library, never
+  gpu_fallback (which registers its roles through an entry point) nor the job's modules;
+  gpu_fallback imports only the library's roles, errors, launchers and parallel plans;
 - a kind (`--problem`) is named only in xla_train/tasks/; a strategy only where it is selected;
-- the core knows no command-line flag: the CLI's words stay in the job and command layers.
+- the library knows no command-line flag: the CLI's words stay in the job and command layers.
 
 Every import counts, the ones inside functions too (a lazy import is still an arrow). Run as a
 script to print each module's imports and the longest functions (a report, not a rule):
@@ -99,24 +99,26 @@ def test_the_interface_imports_no_implementation():
     # the launchers (xmp.spawn's and torch.multiprocessing's, one failure channel) are shared too;
     # on several hosts a failure travels through the job's gs:// output (storage); the XLA ones
     # pick the PJRT device (core.xla, which imports no torch_xla at its top)
-    assert graph["xla_train.core.launchers"] <= {"xla_train.core.errors", "xla_train.core.storage",
+    assert graph["xla_train.parallel.launchers"] <= {"xla_train.core.errors", "xla_train.io.storage",
                                                  "xla_train.core.roles", "xla_train.core.xla"}
-    # the implementations import the roles, never each other (core.experts: XLA's static mixture of
-    # experts, a model adaptation that only the XLA device asks for; core.sharded_load: the weights
-    # FSDPv2 reads into its shards, of a model the job built without them; core.tensor_parallel: the
+    # the implementations import the roles, never each other (kernels.experts: XLA's static mixture of
+    # experts, a model adaptation that only the XLA device asks for; parallel.sharded_load: the weights
+    # FSDPv2 reads into its shards, of a model the job built without them; parallel.tensor_parallel: the
     # partition specs of a model's tensor-parallel plan, names only)
-    assert graph["xla_train.core.xla"] <= {"xla_train.core.errors", "xla_train.core.roles", "xla_train.core.experts",
-                                           "xla_train.core.sharded_load", "xla_train.core.tensor_parallel"}
-    assert graph["xla_train.core.tensor_parallel"] <= set()
-    assert graph["xla_train.core.sharded_load"] <= {"xla_train.core.errors"}
+    assert graph["xla_train.core.xla"] <= {"xla_train.core.errors", "xla_train.core.roles", "xla_train.kernels.experts"}
+    assert graph["xla_train.parallel.xla_strategies"] <= {
+        "xla_train.core.errors", "xla_train.core.roles", "xla_train.core.xla", "xla_train.parallel.sharded_load",
+        "xla_train.parallel.tensor_parallel"}
+    assert graph["xla_train.parallel.tensor_parallel"] <= set()
+    assert graph["xla_train.parallel.sharded_load"] <= {"xla_train.core.errors"}
     # gpu_fallback's FSDP2 takes the tensor-parallel plan's refusals and axis name (names only),
     # keeps a model's ties through transformers' split (core.ties) and reads its shards from the
-    # safetensors (core.sharded_load's Checkpoint)
+    # safetensors (parallel.sharded_load's Checkpoint)
     fallback = [m for m in graph if m.startswith("gpu_fallback")]
     assert len(fallback) >= 4
-    assert not any(m.startswith("xla_train") and m not in ("xla_train.core.roles", "xla_train.core.errors",
-                                                           "xla_train.core.launchers", "xla_train.core.tensor_parallel",
-                                                           "xla_train.core.ties", "xla_train.core.sharded_load")
+    assert not any(m.startswith("xla_train") and m not in (
+        "xla_train.core.roles", "xla_train.core.errors", "xla_train.parallel.launchers",
+        "xla_train.parallel.tensor_parallel", "xla_train.core.ties", "xla_train.parallel.sharded_load")
                    for name in fallback for m in graph[name])
 
 
@@ -141,13 +143,15 @@ def _compares_a_strategy_name(node):
 
 
 def test_the_core_imports_nothing_from_the_job():
-    """The core (Engine, roles, devices, strategies, launchers, batching, storage) is a library the
-    job is written on: it imports the core only. gpu_fallback (the torch-native roles) registers
-    itself with the selection (an entry point), which never imports it."""
+    """The library (core/: Engine, roles, devices, batching; kernels/; parallel/: strategies,
+    launchers, plans; io/: storage) is what the job is written on: it imports the library only.
+    gpu_fallback (the torch-native roles) registers itself with the selection (an entry point),
+    which never imports it."""
     graph = import_graph()
-    core = [m for m in graph if m.startswith("xla_train.core")]
-    assert {"xla_train.core.engine", "xla_train.core.roles", "xla_train.core.select"} <= set(core)
-    upward = [f"{m} -> {t}" for m in core for t in sorted(graph[m]) if not t.startswith("xla_train.core")]
+    core = [m for m in graph if m.startswith(LIBRARY)]
+    assert {"xla_train.core.engine", "xla_train.kernels.attention", "xla_train.parallel.xla_strategies",
+            "xla_train.io.storage"} <= set(core)
+    upward = [f"{m} -> {t}" for m in core for t in sorted(graph[m]) if not t.startswith(LIBRARY)]
     assert upward == [], upward
 
 
@@ -223,17 +227,19 @@ def _task_kind(node):
             and ast.unparse(node.value).split(".")[-1].endswith("task"))
 
 
+# The library the job is written on: what it imports is the library only (and no flag's name)
+LIBRARY = ("xla_train.core", "xla_train.kernels", "xla_train.parallel", "xla_train.io")
 FLAG = re.compile(r"--[A-Za-z]")
 
 
 def test_the_core_names_no_command_line_flag():
-    """No string in xla_train/core/ or gpu_fallback/ names a flag (`--` and a letter): the core is
-    used from the API and from other commands too, so its errors name its parameters in backticks
-    (`num_processes`), and the command line shows each as its flag (cli.as_flags). Docstrings are
-    documentation, not behaviour: left out."""
+    """No string in the library (xla_train/core/, kernels/, parallel/, io/) or gpu_fallback/ names a
+    flag (`--` and a letter): the library is used from the API and from other commands too, so its
+    errors name its parameters in backticks (`num_processes`), and the command line shows each as
+    its flag (cli.as_flags). Docstrings are documentation, not behaviour: left out."""
     found = []
     for name, path in modules().items():
-        if name.startswith(("xla_train.core", "gpu_fallback")):
+        if name.startswith((*LIBRARY, "gpu_fallback")):
             found += [f"{name}:{line}: {text!r}" for line, text in flag_strings(path)]
     assert not found, "\n".join(found)
 
@@ -282,6 +288,6 @@ if __name__ == "__main__":
     print("circle:", find_cycle(graph))
     print("longest functions:", ", ".join(f"{f} {n}" for n, f in longest_functions()))
     print("flags named in the core:", *(f"{p.relative_to(ROOT)}:{line}: {text!r}" for name, p in modules().items()
-                                        if name.startswith("xla_train.core") for line, text in flag_strings(p)),
+                                        if name.startswith(LIBRARY) for line, text in flag_strings(p)),
           sep="\n  ")
     sys.exit(0)

@@ -1,6 +1,6 @@
 """--tensor-parallel N under `--backend xla --strategy fsdp`: a mesh of fsdp x tensor, each block's
 projections split over `tensor` by the model's own tensor-parallel plan (transformers'
-base_model_tp_plan; xla_train/core/tensor_parallel.py), every parameter over `fsdp` too, the rows
+base_model_tp_plan; xla_train/parallel/tensor_parallel.py), every parameter over `fsdp` too, the rows
 over `fsdp` only.
 
 On 4 XLA:CPU devices in one process: fsdp=2 x tensor=2 against fsdp=4 and against plain torch on
@@ -19,8 +19,8 @@ import tiny_decoders as td
 import torch
 from conftest import ROOT, assert_same_weights, run_cli, stop_and_resume
 
-from xla_train.core import tensor_parallel as tp
 from xla_train.core.errors import UserError
+from xla_train.parallel import tensor_parallel as tp
 
 FOUR = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4", "TOKENIZERS_PARALLELISM": "false"}
 
@@ -28,7 +28,7 @@ SAME = r"""
 import functools, json, sys
 import torch, torch_xla
 from transformers import AutoConfig
-from xla_train.core import sharded_load
+from xla_train.parallel import sharded_load
 from xla_train.core.engine import Engine
 from xla_train.tasks.causal_lm import DecoderModel
 
@@ -101,7 +101,7 @@ for case, out in results.items():
                             "specs": r["specs"], "compiles": r["compiles"], "fallbacks": r["fallbacks"]}
                       for way, r in out.items()}
     report[folder]["first_q_spec"] = first_q_spec
-from xla_train.core.attention import _spmd_layout
+from xla_train.kernels.attention import _spmd_layout
 
 report["pallas_spec"] = _spmd_layout()[0]  # what the Pallas call is given, under the last mesh (tensor 2)
 print(json.dumps(report))
@@ -162,7 +162,7 @@ def test_the_plan_lays_projections_out_megatrons_way(two_d):
     assert two_d["llama"]["tp2-whole"]["specs"] == llama
     qwen2 = two_d["qwen2"]["tp2-sharded"]["specs"]
     assert qwen2[layer + "self_attn.k_proj.weight"] == qwen2[layer + "self_attn.q_proj.weight"]
-    # the Pallas kernel's partition spec: rows over fsdp, heads over tensor (core/attention.py, _spmd_layout)
+    # the Pallas kernel's partition spec: rows over fsdp, heads over tensor (kernels/attention.py, _spmd_layout)
     assert two_d["pallas_spec"] == ["fsdp", "tensor", None, None]
     assert qwen2[layer + "self_attn.q_proj.bias"] == "{devices=[2,2]0,2,1,3 last_tile_dim_replicate}"
     # Phi-4-mini's styles colwise_gather_output (fused qkv_proj, gate_up_proj) and rowwise_split_input
@@ -225,7 +225,7 @@ def test_a_run_under_fsdp_by_tensor_resumes_exactly_after_sigterm(tp2_run, rever
     loaded laid out as their parameters). The checkpoints hold every tensor: those split over one
     axis only (the norms, the kept-whole key/value projections, over `fsdp`) have two replicas
     of each slice on the host, which torch_xla's dedup_tensors left out of the checkpoint
-    altogether, and the resume stopped on their missing key (core.xla._save_planner)."""
+    altogether, and the resume stopped on their missing key (parallel.xla_strategies._save_planner)."""
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 

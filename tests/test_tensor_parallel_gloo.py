@@ -24,7 +24,7 @@ import functools, sys
 import torch
 from transformers import AutoModelForCausalLM
 from xla_train import launch
-from xla_train.core import sharded_load
+from xla_train.parallel import sharded_load
 from xla_train.core.engine import Engine
 
 STEPS, LR, CLIP = 3, 2e-5, 1.0  # AdamW moves an element of a near-zero gradient by up to lr
@@ -206,7 +206,7 @@ def test_the_torch_native_split_refuses_what_it_cannot_split():
                          moe_intermediate_size=33)  # transformers' moe_tp_experts splits the experts' width
     with pytest.raises(UserError, match=r"experts' MLP width \(33\) cannot be split evenly over 2 devices$"):
         strategy.check_model(moe)
-    from xla_train.core import tensor_parallel as tp
+    from xla_train.parallel import tensor_parallel as tp
 
     assert tp.refusal(moe, 2) is None  # XLA splits the experts by FSDPv2's rule, not the plan's
     with pytest.raises(UserError, match="needs as many workers or more: start them with launch"):

@@ -664,9 +664,9 @@ def scaled_llama_step(checkpointed, chunked, rows=1, length=512, chunk=128):
     import torch.nn.functional as F
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from xla_train.core.attention import document_mask
     from xla_train.core.engine import checkpoint_activations
-    from xla_train.core.lm_loss import chunked_lm_loss
+    from xla_train.kernels.attention import document_mask
+    from xla_train.kernels.lm_loss import chunked_lm_loss
     from xla_train.memory import plan
 
     torch.manual_seed(0)

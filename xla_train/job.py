@@ -11,15 +11,13 @@ from typing import TYPE_CHECKING, Any
 from transformers import AutoConfig
 
 from . import data_cache
-from .core import sharded_load
-from .core.attention import row_length, row_lengths_line
 from .core.batching import model_inputs_only
 from .core.clock import Startup
 from .core.errors import UserError
-from .core.launchers import pod_marker, watch_pod
 from .core.shapes import Padding, PaddingRequest, Shapes, check_steps, lengths, settle_padding
 from .core.signals import StopRequest
-from .core.storage import is_remote, open_store
+from .io.storage import is_remote, open_store
+from .kernels.attention import row_length, row_lengths_line
 from .models import (
     add_adapters,
     hold_frozen_in_bf16,
@@ -27,6 +25,8 @@ from .models import (
     load_tokenizer,
     position_limit,
 )
+from .parallel import sharded_load
+from .parallel.launchers import pod_marker, watch_pod
 from .run import checkpoint
 from .run.folder import RunFolder
 from .tasks import PredictSettings, Task, load_task
@@ -166,7 +166,7 @@ def prepare(cfg, backend, resume=None, startup=None):
 def pretrained(strategy, cfg, task, tokenizer, whole=False):
     """Model `cfg.model` as the task loads it. Under a strategy that `loads_shards` (FSDPv2 on XLA)
     it is built without the checkpoint's weights, which `wrap_model` reads into their shards on the
-    devices, never whole on this host (core.sharded_load); loaded `whole` where asked (LoRA's base,
+    devices, never whole on this host (parallel.sharded_load); loaded `whole` where asked (LoRA's base,
     a resumed run's whole weights) or where the folder does not allow it."""
     load = functools.partial(task.model.load, cfg.model, cfg.seed, tokenizer.pad_token_id)
     model = sharded_load.skeleton(load, cfg.model) if strategy.loads_shards and not whole else None

@@ -7,9 +7,9 @@ run, written to the metrics JSON as `memory`, and checked before the first step 
 import os
 
 from .core.errors import UserError
-from .core.lm_loss import CHUNK_TOKENS
 from .core.peaks import experts_of
-from .core.tensor_parallel import kv_heads_per_device
+from .kernels.lm_loss import CHUNK_TOKENS
+from .parallel.tensor_parallel import kv_heads_per_device
 
 DEVICE_BYTES = "XLA_TRAIN_DEVICE_BYTES"  # the device's memory, where the backend cannot tell (or to plan for another)
 MIB, GIB = 2**20, 2**30
@@ -73,7 +73,7 @@ def layer_bytes(config, rows, length, precision="fp32", attention="sdpa", dense_
     r = param_bytes
     q_width = heads * hd
     # K and V repeated to the query heads: by eager attention and sdpa with a dense mask, and by
-    # the Pallas path (core.attention.Documents._pallas: torch_xla's flash attention takes as many)
+    # the Pallas path (kernels.attention.Documents._pallas: torch_xla's flash attention takes as many)
     repeated = kv < heads and (attention not in NATIVE_GQA) and (
         attention not in O_S_ATTENTION or dense_mask or attention == "xla_flash")
     kv_width = q_width if repeated else kv * hd
@@ -100,7 +100,7 @@ def _experts_bytes(config, c, r, h, implementation=None):
     package's xla_grouped, with each (token, expert) pair's gathered input and output, 2 x hidden),
     or every expert (xla_dense, which runs them all, and keeps their products weighted by the
     routing too, one more value each). batched_mm gathers a copy of its experts' weights for every pair besides
-    (core/experts.py). The experts are kept whole under --tensor-parallel (tensor_parallel.KEPT_WHOLE)."""
+    (kernels/experts.py). The experts are kept whole under --tensor-parallel (tensor_parallel.KEPT_WHOLE)."""
     experts, top_k, width, _ = experts_of(config)
     implementation = implementation or getattr(config, "_experts_implementation", None)
     router = 2 * 4 * experts
@@ -136,7 +136,7 @@ def logit_bytes(config, rows, length, precision="fp32", chunked=False, chunk_tok
     """Bytes of a causal LM's head and loss at their peak, at the start of the backward pass.
     Whole: the logits the model returns (held by its output), their fp32 log-softmax, its gradient
     and the logits' gradient: 16 x tokens x vocabulary bytes in fp32 (torch's profiler on the CPU),
-    12 in bf16 (measured on an H200, issue 44). Chunked (core/lm_loss.py): one chunk's fp32 logits
+    12 in bf16 (measured on an H200, issue 44). Chunked (kernels/lm_loss.py): one chunk's fp32 logits
     and their gradient, the head's weight gradient, which the chunks add to from the start of the
     backward pass, and under bf16 a chunk's bf16 share of it."""
     d = shape_of(config)
@@ -179,19 +179,19 @@ def plan(model, rows, length, precision="fp32", shards=1, device_bytes=None, che
     the policy's activations; the plan leaves this moment out: the chunked head's logits, in the
     backward pass, outweigh it for the vocabularies of LLMs.) With `cache_tokens`, a generation in
     the step (GRPO's rollout) holds a key/value cache of that many tokens a row (a sliding layer's
-    only its window where shorter: core.generate.cache_slots), in the weights' dtype, before the
+    only its window where shorter: kernels.generate.cache_slots), in the weights' dtype, before the
     update's forward pass begins: a peak of its own (`cache_bytes`). With
     `reference_copy`, a frozen copy of the weights, sharded like them (`reference_param_bytes`).
     Under --tensor-parallel, the `rows` are a tensor group's, whose `tensor` devices split each
     block's heads and MLP columns (`layer_bytes`) and the key/value cache's heads. `experts`: the
-    implementation a mixture of experts' experts will run (core.experts.planned_experts; None: the
+    implementation a mixture of experts' experts will run (kernels.experts.planned_experts; None: the
     model's own), which sets what their layers keep.
 
     The peak (`peak_bytes_estimate`): parameters + AdamW's state + the larger of what the backward
     pass begins with (the activations, the logits at their peak and, under bf16 autocast, the bf16
     copies of the weights the matmuls saved) and what it ends with (the gradients, one block's
     activations, and checkpointed, the blocks' inputs)."""
-    from .core.generate import cache_slots
+    from .kernels.generate import cache_slots
 
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
@@ -236,8 +236,8 @@ def plan(model, rows, length, precision="fp32", shards=1, device_bytes=None, che
 
 
 def _experts_name(model):
-    """The implementation a mixture of experts' experts run (core.experts), None for a dense model."""
-    from .core.experts import experts_implementation
+    """The implementation a mixture of experts' experts run (kernels.experts), None for a dense model."""
+    from .kernels.experts import experts_implementation
 
     return experts_implementation(model)
 
@@ -247,12 +247,12 @@ def plan_on_paper(cfg, config, shards, device_bytes):
     TPU for a model of `config` (a transformers config) with its weights sharded over `shards`
     devices of `device_bytes` each, without weights or a device: the model on torch's meta device,
     its adapters and bf16 base as job.prepare makes them, the Pallas kernel's attention, a mixture
-    of experts' grouped matmul (core/experts.py, xla_grouped), the chunked head (GRPO: rows a
+    of experts' grouped matmul (kernels/experts.py, xla_grouped), the chunked head (GRPO: rows a
     completion longer, and the rollout's cache). Returns (plan, counts)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from .core.experts import XLA_GROUPED
+    from .kernels.experts import XLA_GROUPED
     from .models import add_adapters, hold_frozen_in_bf16
 
     with torch.device("meta"):

@@ -213,10 +213,10 @@ def save_merged(engine, model, load_base, tokenizer, folder):
     merge, on the CPU) into a fresh copy of the adapted model from `load_base()`, whose base holds
     the model's own fp32 weights whatever the device held; saved as a whole fp32 model (held whole on
 the main host: the base is loaded there), in files of the final model's size."""
-    from .core.checkpoint_io import trained_state
     from .core.engine import SHARD_SIZE
     from .core.hf import quiet_transformers
-    from .core.router_loss import as_loaded
+    from .io.checkpoint_io import trained_state
+    from .kernels.router_loss import as_loaded
 
     state = trained_state(engine.unwrap_model(model))
     weights = engine.to_writer(list(state.values()))

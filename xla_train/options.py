@@ -18,9 +18,9 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from .core.attention import PATHS as ATTENTION_PATHS
 from .core.errors import UserError, check_choice, check_number
 from .core.shapes import parse_buckets
+from .kernels.attention import PATHS as ATTENTION_PATHS
 from .models import BUNDLED_MODEL, bundled_model_path
 from .observe.trackers import TRACKERS, trackers
 from .tasks import FILE_FORMATS, KINDS, PROBLEMS, TASKS, check_choices, kind_of
@@ -387,7 +387,7 @@ def check_model_path(name, need=False):
 def check_output_file(name, option, formats=None):
     """A file the run writes at its end can be written: no folder, of a known format (`formats`),
     under a folder or a path where one can be made (missing folders are made when it is written)."""
-    from .core.storage import nearest_existing
+    from .io.storage import nearest_existing
 
     path = Path(name)
     if formats and path.suffix.lower() not in formats:
@@ -634,7 +634,7 @@ def read_recipe(path: str) -> dict[str, Any]:
     where = str(path)
     text = None
     if where.startswith("gs://"):
-        from .core.storage import open_store
+        from .io.storage import open_store
 
         folder, _, name = where.rpartition("/")
         try:

@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 from ..core.engine import Engine
-from ..core.files import atomic_write
 from ..core.select import select_roles
+from ..io.files import atomic_write
 from ..models import load_pretrained
 from ..tasks import PredictSettings, from_folder
 

@@ -320,8 +320,8 @@ def plan_memory(engine, cfg, shapes, model, objective):
     checkpointed: as asked, or switched on (and said on the console) where the run fits only with
     it; a run that cannot fit the device even so stops here, before compiling. Returns (plan,
     counts, checkpointed)."""
-    from ..core.attention import kind_of
-    from ..core.experts import planned_experts
+    from ..kernels.attention import kind_of
+    from ..kernels.experts import planned_experts
 
     length = max(shapes.padding.lengths or [cfg.max_length])
     kind = kind_of(torch.empty(0, device=engine.device))

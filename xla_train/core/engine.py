@@ -32,9 +32,9 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DataCollatorWithPadding
 
-from . import router_loss
+from ..io.checkpoint_io import trained_state, whole_state
+from ..kernels import router_loss
 from .batching import BatchPlan, make_loader
-from .checkpoint_io import trained_state, whole_state
 from .errors import UserError, describe
 from .hf import quiet_transformers
 from .roles import Batch, PathLike, Roles, active_roles, optimizer_params

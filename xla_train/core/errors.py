@@ -7,7 +7,7 @@ never a traceback. They carry everything in `args`, so they pickle across worker
 import os
 from pathlib import Path
 
-from .files import atomic_write
+from ..io.files import atomic_write
 
 _shown = None  # how the command line shows the core's parameter names (`show_parameters`); None: as written
 

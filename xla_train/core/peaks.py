@@ -65,7 +65,7 @@ def flops_per_token(config, params, length):
     """Training FLOPs per token of a transformer: 6 per parameter a token passes through (forward and
     backward; a mixture of experts' active ones: the inactive experts' left out) plus attention's
     12 x layers x hidden x length (Chowdhery et al. 2022, PaLM, appendix B). `params` 0: attention's
-    part alone (core.attention._flops)."""
+    part alone (kernels.attention._flops)."""
     hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None) or 0
     layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None) or 0
     active = params - inactive_expert_params(config) if params else 0

@@ -3,7 +3,7 @@ split over devices and processes (`Strategy`) and how those processes start (`La
 Lightning Fabric separates them. `Roles` composes one of each; `xla_train.core.select` picks them.
 
 This module imports no implementation. Implementations: `xla_train.core.xla` (torch_xla: the XLA
-accelerator, the XlaDdp, XlaSpmd and XlaFsdp strategies), `xla_train.core.launchers` (xmp.spawn's
+accelerator, the XlaDdp, XlaSpmd and XlaFsdp strategies), `xla_train.parallel.launchers` (xmp.spawn's
 replicas, one process per host) and, in `gpu_fallback`, the torch-native accelerator (CUDA, the
 CPU), the Ddp and Fsdp2 strategies and torch.multiprocessing's launcher. Nothing outside those
 files imports torch_xla or torch.distributed, and nothing else branches on a kind: where kinds
@@ -57,11 +57,11 @@ def shaped_like(value: object, param: torch.Tensor) -> bool:
 
 @dataclass(frozen=True)
 class Kernel:
-    """A kernel that keeps packed documents apart (core.attention) on one kind of device
-    (core.attention.kind_of's names), as that device's implementation declares it (`serve`):
+    """A kernel that keeps packed documents apart (kernels.attention) on one kind of device
+    (kernels.attention.kind_of's names), as that device's implementation declares it (`serve`):
     core.xla for torch_xla's TPUs, gpu_fallback for CUDA and the CPU."""
 
-    path: str  # one of core.attention.PATHS
+    path: str  # one of kernels.attention.PATHS
     auto: bool  # whether `attention="auto"` takes it on that device
     # why it cannot serve rows of `length` tokens (None: not known yet) with heads `head_dim` wide, or None
     refusal: Callable[[int | None, int | None], str | None] | None = None
@@ -121,7 +121,7 @@ class Accelerator(ABC):
         return str(self.device)
 
     def kernel_kind(self) -> str:
-        """The kind its tensors are (core.attention.kind_of's names: the KERNELS it runs), told
+        """The kind its tensors are (kernels.attention.kind_of's names: the KERNELS it runs), told
         without touching the device."""
         return self.name
 
@@ -272,11 +272,11 @@ class Strategy(ABC):
     # writes: on several hosts no host can read another's shards.
     writes_shards: bool = False
     # The model built without its pretrained weights, which `wrap_model` reads into their shards
-    # (FSDPv2 on XLA: job.pretrained, core.sharded_load).
+    # (FSDPv2 on XLA: job.pretrained, parallel.sharded_load).
     loads_shards: bool = False
     compile_refusal: str | None = None  # why --compile does not run with this strategy, or None
     # Devices each block's attention heads and MLP columns are split over (the mesh's `tensor`
-    # axis, core.tensor_parallel): 1 where there is none
+    # axis, parallel.tensor_parallel): 1 where there is none
     tensor_parallel: int = 1
 
     def __init__(self, accelerator: Accelerator) -> None:

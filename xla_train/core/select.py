@@ -194,14 +194,17 @@ def _xla_roles(num_processes, strategy, tensor_parallel=1):
     mismatch = xla_problem()
     if mismatch:
         raise UserError(mismatch)
-    from . import launchers, xla
+    from ..parallel import launchers, xla_strategies
+    from . import xla
     from .roles import Roles
 
     # ddp: replicas under xmp.spawn; spmd and fsdp: one process per host on a virtual device
-    strategies = {"ddp": (xla.XlaDdp, launchers.XmpLauncher), "spmd": (xla.XlaSpmd, launchers.HostLauncher),
-                  "fsdp": (xla.XlaFsdp, launchers.HostLauncher)}
+    strategies = {"ddp": (xla_strategies.XlaDdp, launchers.XmpLauncher),
+                  "spmd": (xla_strategies.XlaSpmd, launchers.HostLauncher),
+                  "fsdp": (xla_strategies.XlaFsdp, launchers.HostLauncher)}
     cls, launcher_cls = strategies[strategy]
     launcher = launcher_cls(num_processes)  # the processes asked for are checked first
     accelerator = xla.XlaAccelerator(virtual=launcher_cls is launchers.HostLauncher)
-    strategy_part = xla.XlaFsdp(accelerator, tensor_parallel) if cls is xla.XlaFsdp else cls(accelerator)
+    fsdp = cls is xla_strategies.XlaFsdp
+    strategy_part = xla_strategies.XlaFsdp(accelerator, tensor_parallel) if fsdp else cls(accelerator)
     return Roles(accelerator, strategy_part, launcher)

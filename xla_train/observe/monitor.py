@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 
 from ..core.clock import RunClock
-from ..core.files import atomic_write
-from ..core.storage import is_remote
+from ..io.files import atomic_write
+from ..io.storage import is_remote
 from .report import tag, write_report
 from .trackers import Trackers
 

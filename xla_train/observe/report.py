@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.errors import UserError
-from ..core.files import atomic_write
+from ..io.files import atomic_write
 from ..models import shown_name
 
 # TensorBoard tags the monitor writes and this module reads (the reader owns the names).

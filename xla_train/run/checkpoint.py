@@ -18,11 +18,11 @@ import shutil
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..core.checkpoint_io import trained_state
 from ..core.errors import UserError, first_line
 from ..core.roles import optimizer_params, shaped_like
-from ..core.storage import MARKER, SHARDS, checkpoint_name, complete_steps, open_store
 from ..core.ties import first_names_only
+from ..io.checkpoint_io import trained_state
+from ..io.storage import MARKER, SHARDS, checkpoint_name, complete_steps, open_store
 from .folder import mismatch
 
 BEST = "best"  # checkpoints/best: the best evaluation's weights (--save-best)

@@ -17,8 +17,8 @@ import uuid
 from dataclasses import asdict
 
 from ..core.errors import UserError
-from ..core.files import atomic_write
-from ..core.storage import complete_steps
+from ..io.files import atomic_write
+from ..io.storage import complete_steps
 from ..options import recipe_text
 from ..tasks import scores
 

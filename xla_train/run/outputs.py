@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from ..core.files import atomic_write
+from ..io.files import atomic_write
 from ..models import add_adapters, save_merged
 from ..tasks import scores
 from .folder import write_finished

@@ -13,8 +13,8 @@ import math
 import torch
 
 from ..core.errors import Stopped
-from ..core.storage import open_store
 from ..core.ties import first_names_only
+from ..io.storage import open_store
 from ..tasks import MINIMISED
 from . import checkpoint
 

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
 from ..core.errors import UserError, first_line
-from ..core.files import atomic_write
+from ..io.files import atomic_write
 
 METRICS = Path(__file__).resolve().parent / "task_metric"  # the `evaluate` module, shipped in the package
 RECORD = "xla_train_task.json"  # what training saves beside the model, read back by `xla-train predict`
@@ -52,7 +52,7 @@ class Source:
     seed: int = 0  # the held-out split's draw
     max_length: int = 128
     packing: bool | None = None  # None: the kind's default
-    attention: str = "auto"  # how packed documents are kept apart (core.attention.PATHS)
+    attention: str = "auto"  # how packed documents are kept apart (kernels.attention.PATHS)
     options: Any = None  # training's options (options.TrainOptions), where a kind reads its own flags; None: defaults
 
 
@@ -173,7 +173,7 @@ class Objective:
 
     def memory_inputs(self, model: Any, device_kind: str, length: int) -> PassInputs:
         """What the memory plan needs of this objective's step with `model` (not yet prepared) on
-        a `device_kind` device (core.attention.kind_of's names) for loaded rows of `length` tokens
+        a `device_kind` device (kernels.attention.kind_of's names) for loaded rows of `length` tokens
         (`PassInputs`: the attention path and its mask, the logits, a reference pass, a generation's
         cache, a note for the console where the path taken is not the device's kernel)."""
         return PassInputs(getattr(model.config, "_attn_implementation", None) or "eager")

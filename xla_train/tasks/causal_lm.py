@@ -137,7 +137,7 @@ class DocumentRows(Rows):
 class HeadInput:
     """What NextToken's forward gives its loss: the final hidden states, before the LM head, and
     the head (weight, bias, soft-capping); the head and cross-entropy are computed in chunks of
-    tokens (core.lm_loss), never as the whole [tokens x vocabulary] fp32 logits."""
+    tokens (kernels.lm_loss), never as the whole [tokens x vocabulary] fp32 logits."""
 
     hidden: Any
     weight: Any
@@ -150,8 +150,8 @@ class HeadInput:
 class NextToken(Objective):
     """Next-token prediction: the mean cross-entropy over a batch's trained tokens; evaluation
     sums it token-weighted into the loss and perplexity. `attention`: how a packed row's documents
-    are kept apart (core.attention.PATHS); `chunked_logits`: the head and cross-entropy computed
-    in chunks of tokens (core.lm_loss.CHUNK_TOKENS), else as the model's own head computes them."""
+    are kept apart (kernels.attention.PATHS); `chunked_logits`: the head and cross-entropy computed
+    in chunks of tokens (kernels.lm_loss.CHUNK_TOKENS), else as the model's own head computes them."""
 
     attention: str = "auto"
     chunked_logits: bool = True
@@ -168,7 +168,7 @@ class NextToken(Objective):
         """Per row: the cross-entropy summed over its trained tokens, and their number (fp32)."""
         import torch.nn.functional as F
 
-        from ..core.lm_loss import chunked_lm_loss
+        from ..kernels.lm_loss import chunked_lm_loss
 
         if isinstance(output, HeadInput):
             return chunked_lm_loss(output.hidden, output.weight, labels, output.bias, output.softcap,
@@ -206,16 +206,16 @@ class NextToken(Objective):
 def run_documents(model: Any, inputs: dict[str, Any], attention: str = "auto", chunked: bool = True,
                   router_weight: float = 0.0) -> Any:
     """The model on a batch whose `segments` keep its documents apart: causal within each
-    document, nothing across documents (core.attention.document_inputs, by `attention`: a 4-D mask,
+    document, nothing across documents (kernels.attention.document_inputs, by `attention`: a 4-D mask,
     or a kernel given the segments); padding (segment 0) attends to padding only. `chunked`, and
     where head_of can compute the model's head: the model stops before its head (its logits for
     one token only) and returns a HeadInput for the chunks; else the model's own output. A
     `router_weight` above 0 (a mixture of experts in training: `router_weight`): the routers'
     load-balancing loss over the batch's real tokens (segment above 0) rides on the output as its
-    `router` (core.router_loss; the model's own is off: core.router_loss.models_own_off)."""
-    from ..core.attention import document_inputs, unwrapped
-    from ..core.lm_loss import head_of
-    from ..core.router_loss import collected, load_balancing_loss
+    `router` (kernels.router_loss; the model's own is off: kernels.router_loss.models_own_off)."""
+    from ..kernels.attention import document_inputs, unwrapped
+    from ..kernels.lm_loss import head_of
+    from ..kernels.router_loss import collected, load_balancing_loss
 
     segments = inputs["segments"]
     extra = document_inputs(model, segments, attention=attention)
@@ -250,11 +250,11 @@ class RouterLoss:
 
 
 def router_weight(model: Any, asked: float | None) -> float:
-    """The weight of the routers' load-balancing loss in a forward of `model` (core.router_loss.
+    """The weight of the routers' load-balancing loss in a forward of `model` (kernels.router_loss.
     coefficient: TRL's rule, `asked` the --router-aux-loss-coef option), in training only: 0.0 in
     evaluation (model.eval()), where the loss is the language model's alone."""
-    from ..core.attention import unwrapped
-    from ..core.router_loss import coefficient
+    from ..kernels.attention import unwrapped
+    from ..kernels.router_loss import coefficient
 
     return coefficient(unwrapped(model).config, asked) if model.training else 0.0
 
@@ -277,8 +277,8 @@ def documents_memory_inputs(model: Any, device_kind: str, length: int, attention
                             chunked: bool = True) -> PassInputs:
     """Objective.memory_inputs of `run_documents`'s path: the kernel that keeps documents apart
     (no dense mask) or the mask, and the head in chunks where head_of can compute it."""
-    from ..core.attention import choose, fallback_note, unwrapped
-    from ..core.lm_loss import head_of
+    from ..kernels.attention import choose, fallback_note, unwrapped
+    from ..kernels.lm_loss import head_of
 
     path = choose(attention, device_kind, model, length)
     implementation = getattr(model.config, "_attn_implementation", None) or "eager"
@@ -312,14 +312,14 @@ def capture_outside_compilation(model: Any) -> None:
 @dataclass(frozen=True)
 class DecoderModel(ModelPart):
     """A pretrained decoder with its LM head (a sliding window shorter than the rows is applied per
-    layer type: core.attention)."""
+    layer type: kernels.attention)."""
 
     peft_task_type = "CAUSAL_LM"
     problem: str = "causal-lm"  # the kind that trains it, for messages
     router_aux_loss_coef: float | None = None  # --router-aux-loss-coef (None: the model config's)
 
     def check(self, config: Any, name: str) -> None:
-        from ..core.router_loss import has_routers
+        from ..kernels.router_loss import has_routers
         from ..models import shown_name
 
         if not is_decoder_config(config):
@@ -334,10 +334,10 @@ class DecoderModel(ModelPart):
     def load(self, name: str, seed: int, pad_token_id: int | None = None) -> Any:
         """The pretrained decoder with its LM head, in fp32 whatever the checkpoint holds
         (--precision bf16 is autocast), without a key/value cache (training reads each row once)
-        and without its own routers' loss (core.router_loss: the package computes it)."""
+        and without its own routers' loss (kernels.router_loss: the package computes it)."""
         import torch
 
-        from ..core.router_loss import models_own_off
+        from ..kernels.router_loss import models_own_off
         from ..models import load_pretrained, no_cache, seed_host
 
         seed_host(seed)
@@ -345,7 +345,7 @@ class DecoderModel(ModelPart):
         return models_own_off(no_cache(model))
 
     def load_trained(self, folder: str) -> Any:
-        from ..core.router_loss import models_own_off
+        from ..kernels.router_loss import models_own_off
         from ..models import load_trained
 
         return models_own_off(load_trained(_causal_lm(), folder))
@@ -360,7 +360,7 @@ class CausalLM(Task):
     packing: bool = True
     form: str | None = None  # which of FORMS the rows have
     files: dict[str, str] | None = None  # split: where its rows came from (for messages)
-    attention: str = "auto"  # how packed documents are kept apart (core.attention.PATHS)
+    attention: str = "auto"  # how packed documents are kept apart (kernels.attention.PATHS)
     router_aux_loss_coef: float | None = None  # the routers' loss weight (None: the model config's)
 
     # --- options ----------------------------------------------------------------------------

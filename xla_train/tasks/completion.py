@@ -7,7 +7,7 @@ tokenised prompts) or a `messages` column (chat turns, rendered by the chat temp
 generation prompt; in a .csv, the turns as JSON). The output holds the input's columns plus
 `completion`, the generated text up to the first end-of-sequence token, row for row.
 
-How the tokens are generated (static shapes on XLA): core/generate.py.
+How the tokens are generated (static shapes on XLA): kernels/generate.py.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from .table import write_rows
 
 if TYPE_CHECKING:
     from ..core.engine import Engine
-    from ..core.generate import Sampling
     from ..core.shapes import Padding
+    from ..kernels.generate import Sampling
     from .base import PredictSettings, Task
 
 MAX_NEW_TOKENS = 64  # --max-new-tokens' default (xla-train predict; a causal-LM run's --test-file)
@@ -92,7 +92,7 @@ class Prompts:
 def fit_prompts(prompts, model, accelerator, max_length, buckets, max_new_tokens, temperature=0.0, top_p=1.0):
     """`prompts` (read_prompts') for `model` (unwrapped, on the CPU) on `accelerator`: bucketed for
     generation (two graphs a bucket) and checked against the model's positions."""
-    from ..core.generate import Sampling
+    from ..kernels.generate import Sampling
 
     data, tokenizer = prompts.data, prompts.tokenizer
     padding = forward_padding(lengths(data), accelerator, buckets, max_length, graphs=2)
@@ -106,8 +106,8 @@ def fit_prompts(prompts, model, accelerator, max_length, buckets, max_new_tokens
 def complete(engine, model, prompts, batch_size):
     """Every prompt's completion from a prepared `model`, in input order, on every replica (each
     generates its share): (texts, tokens generated per row)."""
-    from ..core.generate import generate_rows
     from ..core.inference import predict_loader
+    from ..kernels.generate import generate_rows
 
     loader = predict_loader(engine, prompts.tokenizer, prompts.data, batch_size, prompts.padding)
     tokens = generate_rows(engine, model, loader, prompts.sampling)
@@ -213,7 +213,7 @@ def generation_model(model):
 
 def check_lengths(model, tokenizer, longest, max_new_tokens):
     """The positions a row reaches (its prompt's `longest` tokens plus the new ones) fit the model.
-    (A sliding attention window shorter than the row is no limit: core/generate.py caches each
+    (A sliding attention window shorter than the row is no limit: kernels/generate.py caches each
     layer type by its own window.)"""
     from ..models import position_limit
 
@@ -250,8 +250,8 @@ class Samples:
     def generator(self, engine: Engine) -> Callable[[Any], list[dict]]:
         """A function of the model that generates every sample (on every replica: each takes its
         share) and returns the samples with their `completion`, one bucket: the longest prompt."""
-        from ..core.generate import generate_rows
         from ..core.inference import predict_loader
+        from ..kernels.generate import generate_rows
 
         longest = max(lengths(self.data))
         padding = padding_for("buckets", [longest], longest, [lengths(self.data)])
@@ -281,7 +281,7 @@ def eval_samples(rows, form, tokenizer, model, max_length, batch_size):
 def samples_of(ids, shown, new, tokenizer, model, max_length, batch_size, kind=None, **fields):
     """`Samples` (or the `kind` of them, with its `fields`) of prompts' token `ids`, each shown as
     `shown` says, completed greedily up to `new` tokens; checked against the model's positions."""
-    from ..core.generate import Sampling
+    from ..kernels.generate import Sampling
 
     data, _ = prompt_data(ids, max_length)
     longest = max(lengths(data))

@@ -10,7 +10,7 @@ Rows come in TRL's explicit-prompt preference forms:
 
 One pair is one row: prompt + chosen (segment 1), then prompt + rejected (segment 2), positions
 from 0 in each, labels the completion's tokens only, shifted as a causal LM's are (causal_lm.join);
-the causal-LM forward keeps the two sequences apart (core.attention.document_inputs), so a row
+the causal-LM forward keeps the two sequences apart (kernels.attention.document_inputs), so a row
 computes exactly what the two sequences compute one by one. Rows are padded to length buckets;
 `--max-length` is a row's length, both sequences together: longer pairs keep their prompt and have
 their completions cut.
@@ -276,7 +276,7 @@ class PreferenceObjective(Objective):
         """Per row: the chosen and rejected completions' summed log-probabilities and their tokens."""
         import torch.nn.functional as F
 
-        from ..core.lm_loss import chunked_token_losses
+        from ..kernels.lm_loss import chunked_token_losses
 
         if isinstance(head, HeadInput):
             token = -chunked_token_losses(head.hidden, head.weight, labels, head.bias, head.softcap,

@@ -11,7 +11,7 @@ One step, read top to bottom in `Rollouts.rollout` and `GroupObjective.loss`:
 
     prompts     a batch of --batch-size / --num-generations prompts, left-padded to a length bucket
     rollout     each prompt repeated --num-generations times; completions of --max-completion-length
-                tokens sampled with static shapes (core/generate.py: a fixed-size cache, a prefill and
+                tokens sampled with static shapes (kernels/generate.py: a fixed-size cache, a prefill and
                 a decode graph per bucket, stops by masks); the tokens cross to the host once
     scoring     the reward functions on the decoded completions; their weighted sum per completion
     advantages  each reward less its group's mean, divided by the group's standard deviation
@@ -217,7 +217,7 @@ class Rollouts:
                  total_steps: int = 0, initial: Any = None) -> None:
         import contextlib
 
-        from ..core.generate import Sampling
+        from ..kernels.generate import Sampling
 
         self.objective, self.engine, self.data = objective, engine, data
         plain = engine.unwrap_model(model)
@@ -273,7 +273,7 @@ class Rollouts:
         per prompt, scored."""
         import torch
 
-        from ..core.generate import static_generate
+        from ..kernels.generate import static_generate
 
         training = split == "train"
         group = self.objective.settings.num_generations if training else 1
@@ -434,7 +434,7 @@ class GroupObjective(Objective):
         completions were drawn from)."""
         import torch.nn.functional as F
 
-        from ..core.lm_loss import chunked_token_losses
+        from ..kernels.lm_loss import chunked_token_losses
 
         if isinstance(head, HeadInput):
             return -chunked_token_losses(head.hidden, head.weight, labels, head.bias, head.softcap,
@@ -447,7 +447,7 @@ class GroupObjective(Objective):
         """Each position's predictive entropy, [rows, length] fp32, without gradients."""
         import torch
 
-        from ..core.lm_loss import chunked_entropy
+        from ..kernels.lm_loss import chunked_entropy
 
         if isinstance(head, HeadInput):
             return chunked_entropy(head.hidden, head.weight, head.bias, head.softcap, temperature=temperature)

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 from ..core.errors import UserError
-from ..core.files import atomic_write
 from ..core.shapes import lengths
+from ..io.files import atomic_write
 from .files import read_table, text_columns_of
 from .glue import GLUE, glue_columns, submission
 

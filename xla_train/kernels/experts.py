@@ -29,7 +29,7 @@ static for any routing. Its cost: experts / top-k times the experts' FLOPs (Mixt
 hidden / experts) of batched_mm's gathered weights: Qwen3-30B-A3B 128x less, Mixtral 1024x less).
 
 On a TPU, `grouped_experts_forward` (XLA_GROUPED) runs each expert on its own tokens only, through
-torch_xla's Pallas grouped matmul (core/megablox.py), dropless and with static shapes: the tokens x
+torch_xla's Pallas grouped matmul (kernels/megablox.py), dropless and with static shapes: the tokens x
 top-k (token, expert) pairs sorted by expert (a stable argsort), each expert's count as int32 (a
 one-hot sum: no nonzero, no histogram), the gate/up and down projections as two grouped matmuls,
 the results weighted by the router and summed back per token. FLOPs: the active experts' (1x);
@@ -191,7 +191,7 @@ def _xla_choice() -> str:
 
 def planned_experts(model: torch.nn.Module, device_kind: str, tokens: int | None = None) -> str | None:
     """The implementation `model`'s experts will run once prepared for a device of `device_kind`
-    (core.attention.kind_of: "xla", "xla-tpu", "cuda", "cpu"), as `static_experts` will set it on
+    (kernels.attention.kind_of: "xla", "xla-tpu", "cuda", "cpu"), as `static_experts` will set it on
     XLA, for steps of `tokens` tokens a device (where given: the grouped matmul's rows are checked,
     and refused ones run dense); None for a model without experts. The memory plan counts their
     activations by it and names it."""

@@ -53,7 +53,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .errors import UserError
+from ..core.errors import UserError
 
 if TYPE_CHECKING:
     import torch
@@ -122,7 +122,7 @@ _WHAT = {"flex": "torch's FlexAttention", "pallas": "Pallas flash and splash att
 def _kernels():
     """The kernels the device roles declared (roles.KERNELS; imported here, not at the top: the
     options import this module, and `--help` imports no torch)."""
-    from .roles import KERNELS
+    from ..core.roles import KERNELS
 
     return KERNELS
 
@@ -473,7 +473,7 @@ class Documents:
         groups = query.shape[1] // key.shape[1]
         if spec is not None and spec[1] is not None and groups > 1:
             # heads split over `tensor`: key/value heads that the axis does not divide are kept whole
-            # (core.tensor_parallel), so they go as the query heads' copies, as flash takes them
+            # (parallel.tensor_parallel), so they go as the query heads' copies, as flash takes them
             key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
         kernel = self.kernels.get("splash") or splash_attention
         return kernel(query, key, value, segment_ids, sinks, scale=scale, window=window, softcap=softcap)
@@ -525,7 +525,7 @@ def _spmd_layout():
     mesh = spmd_mesh()
     if mesh is None:
         return None, None
-    heads = "tensor" if "tensor" in mesh.axis_names else None  # core.tensor_parallel.TENSOR
+    heads = "tensor" if "tensor" in mesh.axis_names else None  # parallel.tensor_parallel.TENSOR
     return (mesh.axis_names[0], heads, None, None), mesh
 
 
@@ -622,7 +622,7 @@ def splash_attention(query, key, value, segment_ids, sinks=None, *, scale: float
     L, d], segment_ids int32 [rows, L], sinks [heads] or None (gpt-oss's, a parameter: its gradient is
     summed over the rows by autograd), the blocks core.xla.splash_block gives the row. `run`: what runs
     the jax functions (tests: in TPU interpret mode), torch_xla's call_jax unless given."""
-    from .xla import splash_block
+    from ..core.xla import splash_block
 
     rows = query.shape[0]
     sinks_rows = None if sinks is None else sinks[None].expand(rows, -1).contiguous()

@@ -14,7 +14,7 @@ import socket
 import tempfile
 from pathlib import Path
 
-from .errors import UserError
+from ..core.errors import UserError
 from .files import atomic_write
 
 MARKER = "COMPLETE"

@@ -338,7 +338,7 @@ def skeleton(load: Any, name: str) -> torch.nn.Module | None:
     files = safetensors_files(name)
     if files is None or not _loading_internals_known():
         return None
-    from .errors import UserError
+    from ..core.errors import UserError
 
     try:
         checkpoint = Checkpoint(files, name)

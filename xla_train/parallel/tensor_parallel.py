@@ -4,7 +4,7 @@ transformers' own tensor-parallel plan (the config's `base_model_tp_plan`, as tr
 5.24). Megatron's layout: `colwise` projections (q, k, v, gate, up) split their outputs, `rowwise`
 ones (o, down) their inputs, so a block's attention heads and MLP columns are split and its
 residual stream and norms stay whole. This module names partition specs only (axis names per
-dimension); the strategy lays them on its mesh (core.xla.XlaFsdp)."""
+dimension); the strategy lays them on its mesh (parallel.xla_strategies.XlaFsdp)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """torch_xla 2.9's megablox grouped matmul (a Pallas TPU kernel) for the experts of a mixture of
 experts on a TPU: the (token, expert) rows sorted by expert, one product per expert over its own
-rows, so the experts cost their active FLOPs (core/experts.py, `grouped_experts_forward`).
+rows, so the experts cost their active FLOPs (kernels/experts.py, `grouped_experts_forward`).
 
 torch_xla's wrappers (torch_xla/experimental/custom_kernel.py: `gmm`, `tgmm`) hand jax 0.7.1's
 kernels (jax/experimental/pallas/ops/tpu/megablox/gmm.py: `gmm`, `tgmm`) to
@@ -92,7 +92,7 @@ def torch_xla_kernels() -> Kernels:
 
 class RowShards(NamedTuple):
     """How SPMD splits a step's tokens: by rows over the mesh's first axis (`axis`, `devices` devices
-    along it; core.attention._spmd_layout, the Pallas kernels' rule)."""
+    along it; kernels.attention._spmd_layout, the Pallas kernels' rule)."""
 
     mesh: Any
     axis: str
@@ -103,8 +103,8 @@ def spmd_mesh() -> Any:
     """Under SPMD the mesh the Pallas kernels' rows are laid out on: the strategy's global mesh
     (XlaFsdp sets it), else torch_xla's 1-D "data" mesh over every device (as XlaSpmd's is), rows
     over its first axis; None outside SPMD. Read here by the grouped matmul (`row_shards`) and by
-    core.attention's kernels (_spmd_layout), which imports this module (not the other way round:
-    core.attention imports core.xla, which imports this module)."""
+    kernels.attention's kernels (_spmd_layout), which imports this module (not the other way round:
+    kernels.attention imports core.xla, which imports this module)."""
     import torch_xla.runtime as xr
 
     if not xr.is_spmd():

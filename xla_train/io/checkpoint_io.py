@@ -2,7 +2,7 @@
 
 import torch
 
-from .ties import untied
+from ..core.ties import untied
 
 
 def trained_state(model, live=False):

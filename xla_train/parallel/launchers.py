@@ -21,8 +21,8 @@ import traceback
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
-from .errors import ExitError, Stopped, UserError, describe, tell, told
-from .roles import Launcher
+from ..core.errors import ExitError, Stopped, UserError, describe, tell, told
+from ..core.roles import Launcher
 
 _CHANNEL = "XLA_TRAIN_LAUNCH"  # "LAUNCHER-PID:FOLDER": where workers register and tell failures
 
@@ -68,7 +68,7 @@ class _XlaLauncher(Launcher):
             # so every replica would claim the same chips: name only the process bounds
             raise UserError(f"`num_processes` {num_processes}: on XLA give 1 (one replica) or leave it out (one "
                             "replica per local device); to use fewer chips, set TPU_PROCESS_BOUNDS")
-        from .xla import pjrt_device
+        from ..core.xla import pjrt_device
 
         self.num_processes = num_processes
         self.tpu = pjrt_device() == "TPU"
@@ -288,7 +288,7 @@ def _pod_marker():
     url = os.environ.get(POD_FAILURES)
     if not url:
         return None
-    from .storage import open_store
+    from ..io.storage import open_store
 
     prefix, _, name = url.rpartition("/")
     return open_store(prefix), name

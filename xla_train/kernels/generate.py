@@ -20,9 +20,9 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, StaticLayer
 
+from ..core.errors import UserError
+from ..core.inference import predict_rows
 from .attention import document_mask, eager_attention, layer_windows, mask_for
-from .errors import UserError
-from .inference import predict_rows
 
 
 @dataclass
@@ -70,7 +70,7 @@ class Slots(StaticLayer):
     counter: the row's token t at slot t % size. A full-attention layer's size is the whole row
     (prompt + new tokens: it never wraps); a sliding layer's, where its window is shorter, the
     window: a ring that holds exactly the last `window` tokens, those the window rule keeps
-    (q - k < window, core.attention.document_mask), in any order (attention does not depend on
+    (q - k < window, kernels.attention.document_mask), in any order (attention does not depend on
     the keys' order; their positions are in them already). The first call (the prompt's pass)
     attends to its own keys and values only, so a prompt longer than the window attends within
     itself under the windowed mask; every later call (one token) attends to all the slots.
