@@ -6,7 +6,7 @@ tensor into shared memory).
 
 The parent prepares the real job (the bundled MRPC train and dev sets tokenised, the bundled
 model with its new head) as `xla-train train` does, then starts N replicas in a fork-context
-ProcessPoolExecutor, the pool xmp.spawn uses, through xla_train.core.launchers' own replica entry. Each
+ProcessPoolExecutor, the pool xmp.spawn uses, through xla_train.parallel.launchers' own replica entry. Each
 replica does what a training replica does with its inputs before the device gets them: takes its
 private model copy and writes every parameter once (an optimizer step), and collates its first
 500 training batches. With all replicas alive, each reads its memory from /proc (USS: pages only
@@ -94,8 +94,8 @@ def run_case(job, n, handoff, shm_before):
 
     import torch.multiprocessing
 
-    from xla_train.core import launchers
     from xla_train.core.select import select_roles
+    from xla_train.parallel import launchers
 
     folder = tempfile.mkdtemp()
     args = (job, time.time(), folder, n)

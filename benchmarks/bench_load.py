@@ -1,5 +1,5 @@
 """Loading a model under `--backend xla --strategy fsdp`: whole on the host then FSDPv2's wrap,
-against straight into the devices' shards (xla_train/core/sharded_load.py), side by side in one
+against straight into the devices' shards (xla_train/parallel/sharded_load.py), side by side in one
 invocation: the seconds from nothing to a sharded model, and the growth of the process's peak
 resident memory over the load (Linux's VmHWM, set back just before it with clear_refs 5, so the
 runtime's start-up peak does not hide it). On XLA:CPU the devices' memory is the host's, so the
@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LOAD = r"""
 import functools, json, sys, time
 import torch
-from xla_train.core import sharded_load
+from xla_train.parallel import sharded_load
 from xla_train.core.engine import Engine
 from xla_train.tasks.causal_lm import DecoderModel
 

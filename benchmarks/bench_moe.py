@@ -12,7 +12,7 @@ and gpt-oss-20b's config.json: 128 experts of which 8 per token, 768 wide on a 2
 and per token, which set the ratios, are the published ones. The routing: each token's top-k of
 random router logits (softmax weights), one fixed draw.
 
-Measured per layer, for `xla_dense` (xla_train/core/experts.py: every expert on every token, what
+Measured per layer, for `xla_dense` (xla_train/kernels/experts.py: every expert on every token, what
 XLA runs where no kernel serves) and transformers 5.24's `grouped_mm` (torch._grouped_mm over the
 tokens sorted by expert: the active experts only; the arithmetic of the package's `xla_grouped`,
 which runs torch_xla's megablox kernel on a TPU only):
@@ -27,7 +27,7 @@ which runs torch_xla's megablox kernel on a TPU only):
 - the step's time on this CPU (forward and backward, the median of --steps after one warm-up, the
   two implementations' steps alternating).
 The TPU part is a plan: the tiles torch_xla 2.9 would pick for the grouped matmul at the published
-widths (xla_train/core/megablox.py, gmm_tiling) and whether the kernel takes rows of 8 x 2,048
+widths (xla_train/kernels/megablox.py, gmm_tiling) and whether the kernel takes rows of 8 x 2,048
 tokens, and what to time there.
 """
 
@@ -47,9 +47,9 @@ import tiny_decoders as td  # noqa: E402
 from transformers import CONFIG_MAPPING  # noqa: E402
 from transformers.integrations.moe import grouped_mm_experts_forward  # noqa: E402
 
-from xla_train.core.experts import dense_experts_forward  # noqa: E402
-from xla_train.core.megablox import gmm_serves, gmm_tiling  # noqa: E402
 from xla_train.core.peaks import experts_of  # noqa: E402
+from xla_train.kernels.experts import dense_experts_forward  # noqa: E402
+from xla_train.kernels.megablox import gmm_serves, gmm_tiling  # noqa: E402
 from xla_train.memory import _experts_bytes  # noqa: E402
 
 LAYERS = {"Qwen3-30B-A3B": "qwen3moe", "gpt-oss-20b": "gptoss"}

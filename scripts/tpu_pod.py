@@ -81,7 +81,7 @@ def commands(tpu, zone, project, package, train_args, detach=False, run_id=None,
     # `python3 -m` rather than the xla-train script: a user install's ~/.local/bin is not on ssh's PATH
     run_id = run_id or uuid.uuid4().hex[:12]  # one id for every host (xla_train/run/folder.py)
     # and one for this start of the job: a failing host leaves its line under it in the gs://
-    # output, where the others read it (xla_train/core/launchers.py); a new start ignores an old one's
+    # output, where the others read it (xla_train/parallel/launchers.py); a new start ignores an old one's
     launch_id = launch_id or uuid.uuid4().hex[:8]
     train = (f"PJRT_DEVICE=TPU XLA_TRAIN_RUN_ID={run_id} XLA_TRAIN_LAUNCH_ID={launch_id} python3 -m xla_train "
              "train " + " ".join(shlex.quote(a) for a in train_args))
