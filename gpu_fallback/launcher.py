@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 import torch
 
 from xla_train.core.errors import ExitError, Stopped, UserError, tell, told
-from xla_train.core.launchers import failure_channel, worker_folder
 from xla_train.core.roles import Launcher
+from xla_train.parallel.launchers import failure_channel, worker_folder
 
 if TYPE_CHECKING:
     from xla_train.core.roles import Roles

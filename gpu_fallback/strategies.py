@@ -16,11 +16,11 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from xla_train.core import sharded_load
-from xla_train.core import tensor_parallel as tensor_plan
 from xla_train.core.errors import UserError
 from xla_train.core.roles import PathLike, Strategy, blocks_of, dcp_errors, optimizer_params, shaped_like
 from xla_train.core.ties import retie, ties
+from xla_train.parallel import sharded_load
+from xla_train.parallel import tensor_parallel as tensor_plan
 
 from .launcher import launched_by_torchrun
 
@@ -173,7 +173,7 @@ class Fsdp2(TorchStrategy):
     def wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
         from torch.distributed.fsdp import fully_shard
 
-        # A model built without its checkpoint's weights (job.pretrained, core.sharded_load): it is
+        # A model built without its checkpoint's weights (job.pretrained, parallel.sharded_load): it is
         # split and sharded as it is, then each worker's shards are read into (`_fill`).
         source = getattr(model, sharded_load.SOURCE, None)
         built = {}
