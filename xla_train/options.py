@@ -23,6 +23,7 @@ from .core.shapes import parse_buckets
 from .kernels.attention import PATHS as ATTENTION_PATHS
 from .models import BUNDLED_MODEL, bundled_model_path
 from .observe.trackers import TRACKERS, trackers
+from .parallel.mesh import Mesh
 from .tasks import FILE_FORMATS, KINDS, PROBLEMS, TASKS, check_choices, kind_of
 from .tasks.declare import flag_name, option
 
@@ -169,6 +170,14 @@ class TrainOptions:
                                   "tensor-parallel plan of the model), a mesh of fsdp x tensor; the rows are split "
                                   "over the fsdp axis only, --batch-size counting a tensor group's rows (default: 1)",
                                   section="system")
+    expert_parallel: int = option(1, "--strategy fsdp (xla): split a mixture of experts' experts over this many "
+                                  "devices, E/N each; tokens travel to their experts' devices and back. The axis takes "
+                                  "its devices from fsdp's (rows are split over both), as MaxText's does (default: 1)",
+                                  section="system")
+    context_parallel: int = option(1, "--strategy fsdp (xla): split each row's tokens over this many devices, for "
+                                   "rows longer than one device holds; attention still sees the whole row (keys and "
+                                   "values gathered), documents and positions kept. Its devices see the same rows, "
+                                   "--batch-size counting a context group's rows (default: 1)", section="system")
     compile: bool = option(False, "compile the model with torch.compile on the torch-native backends (cuda: with CUDA "
                            "graphs; tpu: TorchTPU's compiler; cpu), one graph per bucket length; xla compiles every "
                            "step already", section="system")
@@ -224,13 +233,18 @@ class TrainOptions:
         sections for the run state."""
         return Section(name, {key: getattr(self, key) for key in section_names(type(self))[_section(name)]})
 
+    def mesh(self) -> Mesh:
+        """The axes the run asks for beside the strategy's own, as one value (parallel.mesh)."""
+        return Mesh(tensor=self.tensor_parallel, expert=self.expert_parallel, context=self.context_parallel)
+
     def validate(self):
         """Every check of the options alone (files and data are checked when they are read)."""
         from .core.select import BACKENDS, STRATEGIES
 
         _check_choices(self, {"padding": PADDING_MODES, "precision": PRECISIONS, "backend": BACKENDS,
                               "strategy": STRATEGIES})
-        _at_least_one(self, ("epochs", "batch_size", "grad_accum", "log_every", "max_length", "tensor_parallel"),
+        _at_least_one(self, ("epochs", "batch_size", "grad_accum", "log_every", "max_length", "tensor_parallel",
+                             "expert_parallel", "context_parallel"),
                       ("max_steps", "save_every", "keep_last", "eval_every", "eval_samples", "early_stopping_patience",
                        "max_new_tokens"))
         _check_numbers(self, {  # name: (allowed, what the message says)
