@@ -1,8 +1,11 @@
 """README.md is the front door and docs/ holds one page per topic: README stays short, every
 relative link in README.md and docs/*.md leads to a file that exists (and a `#anchor` to a heading
 of that file, by GitHub's slug rules), and every docs page is linked from README.md or
-docs/README.md. Reads files only: no process, no torch."""
+docs/README.md. The package's files the pages name exist (paths, and dotted names down to the
+module's own name), docs/layout.md names every module once, and docs/tests.md's map names every
+module and every test file. Reads files only: no process, no torch."""
 
+import ast
 import re
 from pathlib import Path
 from urllib.parse import unquote
@@ -121,3 +124,166 @@ def test_the_link_check_finds_broken_links(tmp_path):
     broken = broken_links(page)
     assert [b.split(": ", 1)[1].split(" (")[0] for b in broken] == \
         ["missing.md", "other.md#no-such-heading", "#nowhere"], broken
+
+
+# ---------------------------------------------------------------------------------------------
+# The package's files as the pages name them: `xla_train/core/engine.py`, `kernels/attention.py`
+# (a room of xla_train/), `tests/test_docs.py`, `xla_train.core.engine.Engine`, `core.xla.pallas_layer`.
+
+PACKAGES = ("xla_train", "gpu_fallback")
+ROOMS = tuple(sorted(p.name for p in (ROOT / "xla_train").iterdir() if (p / "__init__.py").is_file()))
+OWN_ROOTS = (*PACKAGES, "tests", "benchmarks", "scripts", "recipes", "docs", "notebooks")
+PATH_NAMED = re.compile(r"(?<![\w/.~-])((?:[\w.-]+/)+[\w.-]*\w\.(?:py|md|yaml|yml|json|ipynb|sh|toml))(?![\w/])")
+# xla_train's own modules (`job.prepare`, `models.seed_host`) are named without the package too
+TOP_MODULES = tuple(sorted(p.stem for p in (ROOT / "xla_train").glob("*.py") if not p.stem.startswith("_")))
+DOTTED = re.compile(r"(?<![\w./~-])((?:" + "|".join((*PACKAGES, *ROOMS, *TOP_MODULES)) + r")(?:\.\w+)+)")
+# Names that look like ours and are not: other projects' paths, a key of the metrics JSON.
+FOREIGN = {
+    "core/xla_model.py": "torch_xla's",
+    "core/xla_builder.py": "torch_xla's",
+    "docs/source/perf/spmd_advanced.md": "torch_xla's",
+    "docs/notebooks/distributed_training_101.py": "torch_tpu's",
+    "xla_train.roles": "the entry-point group setup.py registers gpu_fallback's roles under",
+    "memory.experts": "the metrics JSON's key",
+}
+EXTENSIONS = {"py", "md", "log", "json", "yaml"}  # `options.py`, `~/xla_train.log`: a file, not a dotted name
+WRITTEN = ("benchmarks/out/",)  # what the benchmarks write when run (not in the repository)
+
+
+def package_files():
+    """Every .py of xla_train/ and gpu_fallback/, as 'xla_train/core/engine.py'."""
+    return sorted(str(f.relative_to(ROOT)) for package in PACKAGES for f in (ROOT / package).rglob("*.py"))
+
+
+def defined_names(path):
+    """The names a module binds at its top level (in if/try blocks too): functions, classes,
+    assignments, imports."""
+    names = set()
+
+    def visit(statements):
+        for node in statements:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+                continue
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names.update((a.asname or a.name).split(".")[0] for a in node.names)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                names.update(n.id for target in targets for n in ast.walk(target) if isinstance(n, ast.Name))
+            for field in ("body", "orelse", "finalbody", "handlers"):
+                visit(getattr(node, field, None) or [])
+
+    visit(ast.parse(path.read_text(encoding="utf-8")).body)
+    return names
+
+
+def stale_names(path, root=ROOT):
+    """'FILE:LINE: NAME (why)' for every path of the repository and every dotted name of the
+    package that `path` names and that is not there."""
+    stale = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").split("\n"), 1):
+        for m in PATH_NAMED.finditer(line):
+            named = m.group(1)
+            first = named.split("/")[0]
+            if named in FOREIGN or named.startswith(WRITTEN) or first not in (*OWN_ROOTS, *ROOMS):
+                continue
+            target = root / named if first in OWN_ROOTS else root / "xla_train" / named
+            if not target.exists():
+                stale.append(f"{path.name}:{n}: {named} (no such file: {target.relative_to(root)})")
+        for m in DOTTED.finditer(line):
+            named = m.group(1)
+            parts = named.split(".")
+            if named in FOREIGN or parts[-1] in EXTENSIONS:
+                continue
+            if parts[0] not in PACKAGES:
+                parts = ["xla_train", *parts]
+            for i in range(len(parts), 1, -1):
+                module = root.joinpath(*parts[:i])
+                found = next((f for f in (module.with_suffix(".py"), module / "__init__.py") if f.is_file()), None)
+                if found or module.is_dir():
+                    break
+            else:
+                stale.append(f"{path.name}:{n}: {named} (no such module)")
+                continue
+            if found and i < len(parts) and parts[i] not in defined_names(found):
+                stale.append(f"{path.name}:{n}: {named} ({parts[i]} is not defined in {found.relative_to(root)})")
+    return stale
+
+
+def test_every_file_and_module_the_pages_name_exists():
+    stale = [s for f in markdown_files() for s in stale_names(f)]
+    assert not stale, f"{len(stale)} name(s) of files or modules that are not there (moved?):\n" + "\n".join(stale)
+
+
+def test_the_name_check_finds_moved_modules(tmp_path):
+    """The checker itself, on a page of its own against this repository: a moved module's old
+    path, a room-relative path, a dotted name whose function moved away are reported; the
+    package's real files and names, other projects' paths and what runs write are not."""
+    page = tmp_path / "page.md"
+    page.write_text(
+        "`xla_train/core/engine.py` `kernels/attention.py` `tests/test_docs.py` `xla_train.core.engine.Engine`\n"
+        "`core.xla.pallas_layer` `torch_xla/core/xla_model.py` `core/xla_model.py` `benchmarks/out/x.json`\n"
+        "`~/xla_train.log` `runs/demo/metrics.json` `options.py` `job.prepare`\n"
+        "`core/attention.py` `xla_train/core/storage.py` `core.xla._no_such_function` `xla_train.nowhere.x`\n"
+        "`job.host_seeding_only`\n")
+    assert [s.split(": ", 1)[1].split(" (")[0] for s in stale_names(page)] == \
+        ["core/attention.py", "xla_train/core/storage.py", "core.xla._no_such_function", "xla_train.nowhere.x",
+         "job.host_seeding_only"]
+
+
+def layout_names():
+    """The modules docs/layout.md's drawing names, in order: a line's first word at column 0
+    (`xla_train/job.py`, or a folder `xla_train/core/`, which stands for its __init__.py), and
+    under a folder, a first word indented by two spaces (`  engine.py`)."""
+    text = (ROOT / "docs" / "layout.md").read_text(encoding="utf-8")
+    drawing = text.split("```")[1]
+    named, folder = [], None
+    for line in drawing.split("\n"):
+        word = line.split()[0] if line.strip() else ""
+        if line[:1].strip():  # column 0
+            folder = word if word.startswith(PACKAGES) and word.endswith("/") else None
+            if folder:
+                named.append(folder + "__init__.py")
+            elif word.startswith(PACKAGES) and word.endswith(".py"):
+                named.append(word)
+        elif folder and line.startswith("  ") and line[2:3].strip() and word.endswith(".py"):
+            named.append(folder + word)
+    return named
+
+
+def test_the_layout_names_every_module_once():
+    named = layout_names()
+    files = package_files()
+    missing = sorted(set(files) - set(named))
+    assert not missing, "docs/layout.md leaves out:\n" + "\n".join(missing)
+    assert sorted(set(named) - set(files)) == [], "docs/layout.md names modules that are not there"
+    assert sorted({n for n in named if named.count(n) > 1}) == [], "docs/layout.md names these twice"
+
+
+def map_rows():
+    """{module path: the test files its row names} of docs/tests.md's map."""
+    text = (ROOT / "docs" / "tests.md").read_text(encoding="utf-8")
+    section = text.split("## Which test file tests which module", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in section.split("\n"):
+        cells = line.split("|")
+        if len(cells) > 3 and cells[1].strip().startswith("`"):
+            for module in re.findall(r"`((?:xla_train|gpu_fallback)/[\w/.]+\.py)`", cells[1]):
+                rows[module] = set(re.findall(r"\btest_\w+\.py\b", cells[2]))
+    return rows, set(re.findall(r"\btest_\w+\.py\b", section))
+
+
+def test_the_test_map_names_every_module_and_every_test_file():
+    """docs/tests.md maps each module with code (a package's __init__.py holding only its
+    docstring aside) to the test files that test it, and names every test file, each one there."""
+    rows, named_tests = map_rows()
+    def docstring_only(f):
+        return len(ast.parse((ROOT / f).read_text(encoding="utf-8")).body) <= 1
+
+    with_code = [f for f in package_files() if not (f.endswith("__init__.py") and docstring_only(f))]
+    missing = [f for f in with_code if not rows.get(f)]
+    assert not missing, "docs/tests.md's map has no test file for:\n" + "\n".join(missing)
+    assert sorted(set(rows) - set(package_files())) == [], "the map names modules that are not there"
+    files = {f.name for f in (ROOT / "tests").glob("test_*.py")}
+    assert sorted(files - named_tests) == [], "test files the map does not name"
+    assert sorted(named_tests - files) == [], "the map names test files that are not there"
