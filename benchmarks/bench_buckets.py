@@ -26,7 +26,7 @@ from transformers import AutoTokenizer
 from xla_train.core.shapes import CostModel, auto_buckets, job_rows
 from xla_train.core.xla import XlaAccelerator
 from xla_train.models import bundled_model_path
-from xla_train.tasks import load_task
+from xla_train.tasks import Source, load_task
 from xla_train.tasks.sequence import tokenize
 
 STEPS = (20, 100, 459, 1377, 4590)  # 459 steps of batch 8 = one MRPC epoch
@@ -52,8 +52,8 @@ def main():
     p.add_argument("--label-column", default="label")
     args = p.parse_args()
 
-    task, splits = load_task(args.task, args.data_dir, args.train_file, args.validation_file, args.text_columns,
-                     args.label_column)
+    task, splits = load_task(Source(args.task, args.data_dir, args.train_file, args.validation_file,
+                                    args.text_columns, args.label_column))
     data, _ = tokenize(splits, AutoTokenizer.from_pretrained(bundled_model_path()), 128)
     train_len = np.asarray(data["train"]["length"])
     eval_len = np.concatenate([data[split]["length"] for split in task.eval_splits])

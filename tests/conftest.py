@@ -85,10 +85,10 @@ from xla_train.core.batching import make_loader
 from xla_train.tasks.sequence import tokenize
 from xla_train.core.shapes import Padding
 from xla_train.evaluation import evaluate_model
-from xla_train.tasks import load_task
+from xla_train.tasks import Source, load_task
 
 engine = Engine("xla"{engine})
-task, splits = load_task(data_dir=sys.argv[2])
+task, splits = load_task(Source(data_dir=sys.argv[2]))
 tok = AutoTokenizer.from_pretrained(sys.argv[1])
 data, _ = tokenize(splits, tok, 128)
 loader = engine.prepare(make_loader(data["validation"].remove_columns("token_type_ids"), tok, {batch},

@@ -6,7 +6,7 @@ import pytest
 from xla_train.core.batching import BatchPlan
 from xla_train.core.errors import UserError
 from xla_train.core.shapes import CostModel, choose_buckets, parse_buckets
-from xla_train.tasks import load_mrpc, load_task, read_glue_tsv
+from xla_train.tasks import Source, load_mrpc, load_task, read_glue_tsv
 from xla_train.tasks.sequence import tokenize
 
 
@@ -123,7 +123,7 @@ def test_rows_longer_than_max_length_are_truncated_and_counted(mrpc_slice):
 
     from xla_train.models import bundled_model_path
 
-    _, splits = load_task(data_dir=mrpc_slice)
+    _, splits = load_task(Source(data_dir=mrpc_slice))
     data, truncated = tokenize(splits, AutoTokenizer.from_pretrained(bundled_model_path()), 40)
     full, _ = tokenize(splits, AutoTokenizer.from_pretrained(bundled_model_path()), 512)
     assert truncated["train"] == sum(n > 40 for n in full["train"]["length"]) > 0

@@ -103,7 +103,7 @@ def zoo(tmp_path_factory):
 def _family(family, folder):
     from xla_train.core.shapes import padding_for
     from xla_train.models import load_tokenizer
-    from xla_train.tasks import load_task
+    from xla_train.tasks import Source, load_task
 
     path = td.save(family, folder / "model", own_tokens=True)
     tok = load_tokenizer(str(path))  # what the job loads: the end-of-sequence token pads where none does
@@ -113,8 +113,8 @@ def _family(family, folder):
     prompts = [{"prompt": r["prompt"]} if form == "prompt/completion" else {"messages": r["messages"][:1]}
                for r in td.reverse_rows(5, 3, form)]
     # one document a row, in length buckets: the bucket bound is the one under test
-    task, splits = load_task(train_file=str(train), validation_file=str(validation), problem="causal-lm",
-                             max_length=MAX_LENGTH, packing=False)
+    task, splits = load_task(Source(train_file=str(train), validation_file=str(validation), problem="causal-lm",
+                                    max_length=MAX_LENGTH, packing=False))
     data, _ = task.rows.tokenize(splits, tok, MAX_LENGTH)
     lengths = sorted(data["train"]["length"])
     padding = padding_for("buckets", sorted({lengths[len(lengths) // 2], lengths[-1]}), MAX_LENGTH,

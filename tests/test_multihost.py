@@ -25,11 +25,11 @@ from xla_train.core.batching import make_loader
 from xla_train.core.engine import Engine
 from xla_train.core.inference import infer, predict_loader
 from xla_train.core.shapes import Padding
-from xla_train.tasks import load_task
+from xla_train.tasks import Source, load_task
 from xla_train.tasks.sequence import tokenize
 
 engine = Engine("xla", strategy=sys.argv[1])
-task, splits = load_task(data_dir=sys.argv[3])
+task, splits = load_task(Source(data_dir=sys.argv[3]))
 tok = AutoTokenizer.from_pretrained(sys.argv[2])
 data, _ = tokenize(splits, tok, 128)
 train = data["train"].select(range(157))  # the last global batch of 8 is short: repeats fill it

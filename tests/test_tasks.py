@@ -11,6 +11,7 @@ from xla_train.commands.cli import main
 from xla_train.core.errors import UserError
 from xla_train.tasks import (
     BUNDLED_MRPC,
+    Source,
     check_choices,
     glue_columns,
     load_glue_hub,
@@ -174,10 +175,10 @@ def test_glue_metrics_match_their_definitions():
 def test_own_csv_quoting_and_text_column_rule(tmp_path):
     rows = [("a, \"quoted\" text", "x", "b"), ("plain", "y", "a"), ("third", "z", "b")]
     train = write_csv(tmp_path / "t.csv", ["review", "other", "label"], rows)
-    task, splits = load_task(train_file=train, validation_file=train)
+    task, splits = load_task(Source(train_file=train, validation_file=train))
     assert splits["train"]["text1"][0] == 'a, "quoted" text'
     assert task.text_columns == ["review", "other"] and task.labels == ["a", "b"]
-    _, splits = load_task(train_file=train, validation_file=train, text_columns="review")
+    _, splits = load_task(Source(train_file=train, validation_file=train, text_columns="review"))
     assert "text2" not in splits["train"].column_names
 
 
@@ -187,7 +188,7 @@ def bad(tmp_path, name, text):
     return path
 
 
-BAD = {  # name: (load_task arguments given a scratch folder, expected message)
+BAD = {  # name: (the Source's fields given a scratch folder, expected message)
     "missing named column": (lambda t: dict(train_file=bad(t, "a.csv", "text,label\nx,1\ny,0\n"),
                                             validation_file=bad(t, "b.csv", "text,label\nx,1\n"),
                                             text_columns="review"),
@@ -247,7 +248,7 @@ def _rte(folder):
 def test_bad_data_is_one_clear_error(case, tmp_path):
     make, message = BAD[case]
     with pytest.raises(UserError) as e:
-        load_task(**make(tmp_path))
+        load_task(Source(**make(tmp_path)))
     assert message in str(e.value) and "\n" not in str(e.value)
 
 

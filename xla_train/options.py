@@ -24,7 +24,7 @@ from .kernels.attention import PATHS as ATTENTION_PATHS
 from .models import BUNDLED_MODEL, bundled_model_path
 from .observe.trackers import TRACKERS, trackers
 from .parallel.mesh import Mesh
-from .tasks import FILE_FORMATS, KINDS, PROBLEMS, TASKS, check_choices, kind_of
+from .tasks import FILE_FORMATS, KINDS, PROBLEMS, TASKS, Source, check_choices, kind_of
 from .tasks.declare import flag_name, option
 
 PADDING_MODES = ("buckets", "max_length", "dynamic")
@@ -226,6 +226,13 @@ class TrainOptions:
         None for a kind without any."""
         options = kind_of(self.problem).Options
         return options(**{k: v for k, v in self.own.items() if "." not in k}) if options else None
+
+    def source(self) -> Source:
+        """The data options as a kind's `load` reads them (tasks.Source), these options beside
+        them for the kind's own flags."""
+        return Source(self.task, self.data_dir, self.train_file, self.validation_file, self.text_columns,
+                      self.label_column, self.problem, self.seed, self.max_length, self.packing, self.attention,
+                      options=self)
 
     def section(self, name: str) -> Section:
         """One section's options and values, read-only: `cfg.section("optimizer").lr` (or `["lr"]`).

@@ -12,6 +12,8 @@ a user's own files (files.py); a causal-lm task reads own rows in one of its thr
     --problem causal-lm --train-file F [--validation-file F]   messages, prompt/completion or text rows
 """
 
+from typing import Any
+
 from ..core.errors import UserError, check_choice
 from .base import MINIMISED, RECORD, PredictSettings, Source, Task, load_metric, read_config, read_record, scores
 from .causal_lm import CausalLM
@@ -38,15 +40,11 @@ def kind_of(problem=None):
     return KINDS[problem] if problem else SequenceTask
 
 
-def load_task(task=None, data_dir=None, train_file=None, validation_file=None, text_columns=None,
-              label_column="label", problem=None, seed=0, max_length=128, packing=None, attention="auto",
-              options=None):
-    """The `Task` for the command line's data options (see the module docstring) and its splits;
-    `options`: training's options, where a kind reads its own flags (Source.options)."""
-    check_choices(task, problem)
-    source = Source(task, data_dir, train_file, validation_file, text_columns, label_column, problem, seed, max_length,
-                    packing, attention, options)
-    return kind_of(problem).load(source)
+def load_task(source: Source) -> tuple[Task, Any]:
+    """The `Task` for the data options `source` gives (see the module docstring: training's options
+    give theirs, `TrainOptions.source`) and its splits."""
+    check_choices(source.task, source.problem)
+    return kind_of(source.problem).load(source)
 
 
 def check_choices(task=None, problem=None):
