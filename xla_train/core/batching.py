@@ -51,7 +51,7 @@ class BatchPlan(torch.utils.data.Sampler):
     padding: a `shapes.Padding`, or its mode ("buckets", "max_length", "dynamic") with `buckets`
     and `max_length`: the length each batch is padded to. `repeats`: each run of `grad_accum`
     batches (an optimizer step's) comes `repeats` times in a row, and a last run that cannot fill a
-    step is left out (GRPO's --num-iterations: several updates on one rollout).
+    step is left out (GRPO's --num-iterations: K updates on one rollout, tasks.grpo.Iterations).
     """
 
     def __init__(self, lengths, batch_size, padding="buckets", buckets=None, max_length=128,

@@ -72,7 +72,7 @@ class Shapes:
     grad_accum: int = 1  # micro-batches per optimizer step
     padding: Padding | None = None  # set once the rows' lengths are known (the task's `padding`, `settle_padding`)
     estimate: dict | None = None  # what --buckets auto expected of its choice (None: buckets given)
-    repeats: int = 1  # optimizer steps each step's micro-batches are trained on in a row (GRPO's --num-iterations)
+    repeats: int = 1  # optimizer steps each step's micro-batches are trained on in a row (GRPO: tasks.grpo.Iterations)
 
     @property
     def global_batch(self):

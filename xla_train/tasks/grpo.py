@@ -17,11 +17,13 @@ One step, read top to bottom in `Rollouts.rollout` and `GroupObjective.loss`:
     advantages  each reward less its group's mean, divided by the group's standard deviation
                 (TRL's scale_rewards "group"; "batch": the batch's; "none": not divided)
     fixed       without gradients: the reference's log-probabilities (beta > 0), and the policy's
-                as sampled where the rollout is trained on --num-iterations times (`Rollouts.__call__`
-                hands it back for the later updates)
+                as sampled where the rollout is trained on --num-iterations times
     update      the policy's log-probabilities of the completion tokens (one forward with gradients,
                 the head in chunks), TRL's clipped surrogate and, with beta > 0, its KL estimate to the
                 reference; the loss normalised as --loss-type says
+
+With --num-iterations K, each rollout is trained on K optimizer steps in a row: the whole rule
+reads in `Iterations`.
 
 A micro-batch holds every completion of its prompts, so a group's advantages need no collective:
 --batch-size (completions per device, TRL's per_device_train_batch_size) must be a multiple of
@@ -34,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -209,6 +212,54 @@ class Rollout:
     reference: Any = None  # [rows, length]: the reference model's (beta > 0)
 
 
+class Iterations:
+    """GRPO's loop with --num-iterations K (TRL's num_iterations), the whole of it here, read top to
+    bottom as torchtune's recipe writes it (generate_trajectory, then ppo_epochs x grpo_step) and
+    TRL keeps it in one class (GRPOTrainer._prepare_inputs and its buffered inputs):
+
+        for each optimizer step's micro-batches of prompts:
+            rollout -> score -> advantages -> fixed log-probabilities  (Rollouts.rollout, at `take`)
+            K updates on those rollouts                                (`take`: kept, handed back)
+            a checkpoint only after the K-th: none holds a rollout     (`between_rollouts`, `check`)
+
+    The trainer's loop runs one loaded micro-batch at a time, so K updates are K passes over the
+    step's micro-batches: K is Shapes.repeats (GroupObjective.updates_per_batch), by which the batch
+    plan hands each step's micro-batches K times in a row and an epoch counts K times the steps;
+    Trainer.check_stop stops a signalled run at a step between them (step % Shapes.repeats == 0,
+    `between_rollouts`). One per worker (Rollouts.iterations)."""
+
+    def __init__(self, k: int = 1) -> None:
+        self.k = k
+        self.kept: list[dict[str, Any]] = []  # the step's rollouts, one per micro-batch, for the later updates
+        self.at: int | None = None  # the step whose micro-batches `slot` counts
+        self.slot = 0
+
+    def between_rollouts(self, step: int) -> bool:
+        """After `step` optimizer steps, a rollout's K updates have all run: the next step rolls
+        out anew, and a checkpoint may fall here (it keeps no rollout)."""
+        return step % self.k == 0
+
+    def check(self, save_every: int | None) -> None:
+        """--save-every falls between rollouts: a multiple of K."""
+        if save_every and save_every % self.k:
+            raise UserError(f"--save-every {save_every} must be a multiple of --num-iterations {self.k}: a "
+                            "checkpoint falls between rollouts")
+
+    def take(self, step: int, roll_out: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """A micro-batch's batch at optimizer step `step`: at the first of a rollout's K steps,
+        `roll_out()`'s, kept; at the next K-1, the kept one of the same micro-batch, taken back."""
+        if step != self.at:  # a step's first micro-batch
+            self.at, self.slot = step, 0
+            if self.between_rollouts(step):
+                self.kept = []
+        self.slot += 1
+        if not self.between_rollouts(step):
+            return dict(self.kept[self.slot - 1])  # the trainer takes the labels out of its copy
+        out = roll_out()
+        self.kept.append(dict(out))
+        return out
+
+
 class Rollouts:
     """The batch source of a GRPO run: a batch of prompts in, the step's batch out (see the module
     docstring). One per worker, made by `GroupObjective.batch_source`."""
@@ -230,10 +281,7 @@ class Rollouts:
         self.state = TrainerState(max_steps=total_steps)
         # each split's rows' columns, read at first use
         self.columns: dict[str, list[dict] | None] = dict.fromkeys(data)
-        # --num-iterations > 1: the step's rollouts, one per micro-batch, kept for its later updates
-        self.kept: list[dict[str, Any]] = []
-        self.at: int | None = None  # the step whose micro-batches `slot` counts
-        self.slot = 0
+        self.iterations = Iterations(own.num_iterations)  # --num-iterations: K updates on each rollout
         # beta > 0: the reference, the model with its adapters disabled (--lora), else a frozen copy
         # of the model as training began (`initial`: its loading again, prepared for the device)
         self.reference, self.unadapted = None, contextlib.nullcontext
@@ -247,23 +295,12 @@ class Rollouts:
 
     def __call__(self, model: Any, batch: dict[str, Any], split: str = "train", step: int = 0,
                  epoch: float = 0.0) -> dict[str, Any]:
-        """The step's batch from a batch of prompts (see `rollout`). With --num-iterations K, the
-        loader hands each step's prompts K steps in a row (shapes.Shapes.repeats): the first step
-        rolls out, the next K-1 train on the same rollouts again (a checkpoint falls only between
-        rollouts: Trainer.check_stop, GRPO.check_options)."""
-        iterations = self.objective.settings.num_iterations
-        if split != "train" or iterations == 1:
+        """The step's batch from a batch of prompts: its rollout (`rollout`), or with
+        --num-iterations K at the later K-1 of a rollout's steps the kept one (`Iterations`).
+        Evaluation rolls out every batch."""
+        if split != "train" or self.iterations.k == 1:
             return self.rollout(model, batch, split, step, epoch)
-        if step != self.at:  # a step's first micro-batch
-            self.at, self.slot = step, 0
-            if step % iterations == 0:
-                self.kept = []
-        self.slot += 1
-        if step % iterations:
-            return dict(self.kept[self.slot - 1])  # the trainer takes the labels out of its copy
-        out = self.rollout(model, batch, split, step, epoch)
-        self.kept.append(dict(out))
-        return out
+        return self.iterations.take(step, lambda: self.rollout(model, batch, split, step, epoch))
 
     def rollout(self, model: Any, batch: dict[str, Any], split: str = "train", step: int = 0,
                 epoch: float = 0.0) -> dict[str, Any]:
@@ -411,6 +448,7 @@ class GroupObjective(Objective):
 
     @property
     def updates_per_batch(self) -> int:
+        """--num-iterations K: each step's prompts come K steps in a row (Iterations)."""
         return self.settings.num_iterations
 
     def batch_source(self, engine: Any, tokenizer: Any, data: Any, model: Any, total_steps: int,
@@ -602,9 +640,7 @@ class GRPO(Task):
         if opts.max_new_tokens and not opts.test_file:
             raise UserError("--max-new-tokens applies to --test-file's completions (rollouts take "
                             "--max-completion-length)")
-        if opts.save_every and opts.save_every % own.num_iterations:
-            raise UserError(f"--save-every {opts.save_every} must be a multiple of --num-iterations "
-                            f"{own.num_iterations}: a checkpoint falls between rollouts")
+        Iterations(own.num_iterations).check(opts.save_every)
 
     @classmethod
     def load(cls, source):
