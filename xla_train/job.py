@@ -89,7 +89,7 @@ def open_output(cfg: TrainOptions, backend: Roles) -> tuple[RunFolder | None, ch
 
 
 @dataclass(frozen=True)
-class Pretrained:
+class ModelInfo:
     """What the model stage reads before any weight loads: the config, the tokenizer and the
     longest row the model takes."""
 
@@ -109,15 +109,15 @@ def prepare(cfg: TrainOptions, backend: Roles, resume: checkpoint.Resume | None 
     task, splits = read_task(cfg.source(), cfg.metric_for_best)
     sample_rows = task.sample_rows(splits, cfg.eval_samples) if cfg.eval_samples else None
     startup.lap("data")
-    base = read_pretrained(cfg.section("model"), cfg.max_length, task, backend)
+    info = read_model(cfg.section("model"), cfg.max_length, task, backend)
     startup.lap("model")
     settings = PredictSettings(cfg.model, cfg.max_length, cfg.buckets, max_new_tokens=cfg.max_new_tokens)
-    test = task.prediction.read(cfg.test_file, base.tokenizer, settings) if cfg.test_file else None  # before the model
+    test = task.prediction.read(cfg.test_file, info.tokenizer, settings) if cfg.test_file else None  # before the model
     shapes = plan_shapes(task, backend, cfg.section("optimizer"), len(splits["train"]))
     kind = backend.accelerator.kernel_kind()
-    max_length = packed_length(task, cfg.attention, kind, base, cfg.max_length)
+    max_length = packed_length(task, cfg.attention, kind, info, cfg.max_length)
     entry = data_cache.key(cfg, max_length) if cfg.data_cache else None
-    data, truncated = tokenize_task(cfg, task, splits, base.tokenizer, test, max_length, entry)
+    data, truncated = tokenize_task(cfg, task, splits, info.tokenizer, test, max_length, entry)
     del splits  # the workers get the tokenised copy only
     if resume:
         resume.check(cfg, len(data["train"]), backend)
@@ -125,16 +125,16 @@ def prepare(cfg: TrainOptions, backend: Roles, resume: checkpoint.Resume | None 
     # --test-file's rows padded like the batches count where the padding is chosen and checked
     sized = {**data, "test": test.data} if test and task.prediction.pads_like_training else data
     shapes.padding = settle_rows_padding(task, shapes, request, sized, backend, resume, max_length)
-    shapes.padding = kernel_buckets(shapes.padding, cfg.attention, kind, base.config, cfg.max_length, sized["train"])
+    shapes.padding = kernel_buckets(shapes.padding, cfg.attention, kind, info.config, cfg.max_length, sized["train"])
     startup.lap("data")
-    model = load_model(cfg, backend, task, base.tokenizer, resume)
+    model = load_model(cfg, backend, task, info.tokenizer, resume)
     data = model_inputs_only(data, model)
     startup.lap("model")
     if test:
         test = task.prediction.fit(test, model, backend.accelerator, settings, shapes.padding)
-    samples = sample_rows and task.samples(sample_rows, base.tokenizer, model, cfg.batch_size)
+    samples = sample_rows and task.samples(sample_rows, info.tokenizer, model, cfg.batch_size)
     startup.lap("data")  # the --eval-samples and --test-file rows
-    return Job(cfg, task, base.tokenizer, data, shapes, model, truncated=truncated, resume=resume, startup=startup,
+    return Job(cfg, task, info.tokenizer, data, shapes, model, truncated=truncated, resume=resume, startup=startup,
                samples=samples, test=test)
 
 
@@ -149,7 +149,7 @@ def read_task(source: Source, metric_for_best: str | None = None) -> tuple[Task,
     return task, splits
 
 
-def read_pretrained(model: Section, max_length: int, task: Task, backend: Roles) -> Pretrained:
+def read_model(model: Section, max_length: int, task: Task, backend: Roles) -> ModelInfo:
     """The model stage's first part (the model section of the options): the config, checked by
     the task and the strategy, and the tokenizer; --max-length checked against the model's
     positions. No weights yet."""
@@ -160,7 +160,7 @@ def read_pretrained(model: Section, max_length: int, task: Task, backend: Roles)
     limit = position_limit(config, tokenizer)
     if max_length > limit:
         raise UserError(f"--max-length {max_length} is longer than model {model.model} takes ({limit} tokens)")
-    return Pretrained(config, tokenizer, limit)
+    return ModelInfo(config, tokenizer, limit)
 
 
 def plan_shapes(task: Task, backend: Roles, optimizer: Section, train_rows: int) -> Shapes:
@@ -172,13 +172,13 @@ def plan_shapes(task: Task, backend: Roles, optimizer: Section, train_rows: int)
     return shapes
 
 
-def packed_length(task: Task, attention: str, kind: str, base: Pretrained, max_length: int) -> int:
+def packed_length(task: Task, attention: str, kind: str, info: ModelInfo, max_length: int) -> int:
     """The rows' length: --max-length, or for packed rows a length the device's attention kernel
     serves where cheaper (within the model's positions), said on the console."""
     if not task.rows.packed:
         return max_length
-    served = row_length(attention, kind, base.config, max_length, packed=True)
-    served = served if served <= base.limit else max_length
+    served = row_length(attention, kind, info.config, max_length, packed=True)
+    served = served if served <= info.limit else max_length
     _say(row_lengths_line(attention, kind, [max_length], [served]))
     return served
 
