@@ -59,21 +59,25 @@ def main():
     import torch
     from transformers import AutoModelForSequenceClassification
 
-    from xla_train.memory import GIB, needed, plan
+    from xla_train.memory import GIB, plan, shape_of
+    from xla_train.parallel.mesh import Mesh
+    from xla_train.tasks.base import PassInputs
 
     rows = []
     for name, config in configs().items():
         with torch.device("meta"):
             model = AutoModelForSequenceClassification.from_config(config)
+        shape = shape_of(model)
         # bf16 autocast: 16-bit activations, fp32 weights and state; checkpointed: --gradient-checkpointing
-        cases = [("ddp / spmd", 1, "fp32", False), ("ddp / spmd", 1, "bf16", False), ("ddp / spmd", 1, "bf16", True),
-                 ("fsdp", args.devices, "bf16", False), ("fsdp", args.devices, "bf16", True)]
-        for strategy, shards, precision, checkpointed in cases:
-            memory, counts = plan(model, args.batch_size, args.length, precision, shards=shards,
-                                  checkpointed=checkpointed)
+        cases = [("ddp / spmd", False, "fp32", False), ("ddp / spmd", False, "bf16", False),
+                 ("ddp / spmd", False, "bf16", True), ("fsdp", True, "bf16", False), ("fsdp", True, "bf16", True)]
+        for strategy, sharded, precision, checkpointed in cases:
+            step = PassInputs("sdpa", rows=args.batch_size, length=args.length, precision=precision,
+                              checkpointed=checkpointed)
+            memory = plan(Mesh().resolve(args.devices, sharded), step, shape)
             rows.append({"model": name, "strategy": strategy, "precision": precision,
-                         "devices": args.devices, **counts, **memory, "needed_bytes": needed(memory),
-                         "fits_v5e_16GiB": needed(memory) <= V5E})
+                         "devices": args.devices, **memory.counts(), **memory.metrics(), "needed_bytes": memory.total,
+                         "fits_v5e_16GiB": memory.total <= V5E})
     header = ("| model | strategy | precision | checkpointed | parameters | params GiB/device | grads | AdamW "
               "| activations (est.) | total GiB/device | fits a 16 GiB v5e |\n"
               "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
@@ -105,7 +109,9 @@ def one_b_at_8192():
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from xla_train.memory import GIB, needed, plan
+    from xla_train.memory import GIB, plan, shape_of
+    from xla_train.parallel.mesh import Mesh
+    from xla_train.tasks.base import PassInputs
 
     with torch.device("meta"):
         model = LlamaForCausalLM(LlamaConfig(**LLAMA_1B))
@@ -118,9 +124,9 @@ def one_b_at_8192():
     for name, shards, checkpointed, chunked, lora in cases:
         for p in model.parameters():
             p.requires_grad_(not lora)
-        memory, _ = plan(model, 1, 8192, "bf16", shards=shards, device_bytes=V5E, checkpointed=checkpointed,
-                         logits=True, chunked_logits=chunked)
-        peak = needed(memory)
+        step = PassInputs("sdpa", logits="chunked" if chunked else "whole", rows=1, length=8192, precision="bf16",
+                          checkpointed=checkpointed)
+        peak = plan(Mesh(fsdp=shards), step, shape_of(model), V5E).total
         out.append(({"case": name, "peak_bytes_estimate": peak, "fits_16GiB": peak <= V5E},
                     f"Llama 3.2 1B, bf16, 1 x 8,192 tokens, {name}: {peak / GIB:.1f} GiB, "
                     f"{'fits' if peak <= V5E else 'does not fit'} a 16 GiB chip"))
@@ -134,16 +140,16 @@ def measure():
     sys.path.insert(0, str(ROOT / "tests"))
     from tiny_decoders import scaled_llama_step
 
-    from xla_train.memory import MIB, measure_peak, needed
+    from xla_train.memory import MIB, measure_peak
 
     rows, length, chunk, results = 2, 512, 256, []
     for checkpointed in (False, True):
         for chunked in (False, True):
             _, memory, step = scaled_llama_step(checkpointed, chunked, rows, length, chunk)
             step()
-            got = memory["param_bytes_per_device"] + memory["optimizer_bytes_per_device"] + measure_peak(step)
+            got = memory.weights + memory.optimizer + measure_peak(step)
             row = {"checkpointed": checkpointed, "chunked_logits": chunked, "rows": rows, "length": length,
-                   "plan_bytes": needed(memory), "measured_bytes": got, "ratio": needed(memory) / got}
+                   "plan_bytes": memory.total, "measured_bytes": got, "ratio": memory.total / got}
             results.append(row)
             print(f"scaled Llama, fp32, {rows} x {length} tokens, blocks {'checkpointed' if checkpointed else 'kept'}, "
                   f"logits {'chunked' if chunked else 'whole'}: plan {row['plan_bytes'] / MIB:.1f} MiB, measured "

@@ -32,26 +32,26 @@ def plans():
     from transformers import AutoConfig
 
     from xla_train.core.xla import TPU_HBM
-    from xla_train.memory import needed, plan_on_paper
+    from xla_train.memory import plan_on_paper
     from xla_train.options import TrainOptions, read_recipe
 
     published = json.loads((ROOT / "benchmarks" / "published_configs.json").read_text())
     rows = []
     for recipe, slice_name, chips, per_host, kind, change in CASES:
         cfg = dataclasses.replace(TrainOptions(**read_recipe(str(ROOT / "recipes" / recipe))), **change)
-        memory, counts = plan_on_paper(cfg, AutoConfig.for_model(**published[cfg.model]), chips, TPU_HBM[kind])
-        whole_fp32 = counts["total_params"] * 4
+        memory = plan_on_paper(cfg, AutoConfig.for_model(**published[cfg.model]), chips, TPU_HBM[kind])  # memory.Plan
+        whole_fp32 = memory.params * 4
         rows.append({
             "recipe": recipe, "slice": slice_name, "chips": chips, "chips_per_host": per_host,
             "model": cfg.model, "lora": cfg.lora, "precision": cfg.precision, "batch_size": cfg.batch_size,
             "max_length": cfg.max_length, "checkpointed": cfg.gradient_checkpointing,
-            "params": counts["total_params"], "trainable": counts["trainable_params"],
-            "weights_grads_adam_gib": (memory["param_bytes_total"] + 3 * memory["grad_bytes_per_device"] * chips) / GIB,
-            "peak_gib_per_chip": needed(memory) / GIB, "chip_gib": TPU_HBM[kind] / GIB,
-            "fits": needed(memory) <= TPU_HBM[kind],
+            "params": memory.params, "trainable": memory.trainable_params,
+            "weights_grads_adam_gib": (memory.weights_total + 3 * memory.gradients * chips) / GIB,
+            "peak_gib_per_chip": memory.total / GIB, "chip_gib": TPU_HBM[kind] / GIB,
+            "fits": memory.total <= TPU_HBM[kind],
             "host_load_today_gib": whole_fp32 / GIB,
-            "host_share_gib": memory["param_bytes_per_device"] * per_host / GIB,
-            "memory": memory,
+            "host_share_gib": memory.weights * per_host / GIB,
+            "memory": memory.metrics(),
         })
     return rows
 

@@ -128,18 +128,23 @@ def test_packed_and_unpacked_evaluation_agree(families, tmp_path):
 
 
 def test_memory_plan_counts_the_logits(families):
+    from dataclasses import replace
+
     from transformers import AutoModelForCausalLM
 
-    from xla_train.memory import needed, plan
+    from xla_train.memory import plan, shape_of
+    from xla_train.parallel.mesh import Mesh
+    from xla_train.tasks.base import PassInputs
 
     model = AutoModelForCausalLM.from_pretrained(families["llama"])
-    memory, _ = plan(model, 8, 128, logits=True)
+    step = PassInputs("sdpa", rows=8, length=128)
+    memory = plan(Mesh(), replace(step, logits="whole"), shape_of(model))
     # whole fp32 logits: the output's logits, their log-softmax, its gradient and the logits' gradient
-    assert memory["logit_bytes"] == 16 * model.config.vocab_size * 8 * 128
-    assert needed(memory) - needed(plan(model, 8, 128)[0]) == memory["logit_bytes"]  # at the backward's start
-    chunked, _ = plan(model, 8, 128, logits=True, chunked_logits=True, chunk_tokens=256)
+    assert memory.logits == 16 * model.config.vocab_size * 8 * 128
+    assert memory.total - plan(Mesh(), step, shape_of(model)).total == memory.logits  # at the backward's start
+    chunked = plan(Mesh(), replace(step, logits="chunked", chunk_tokens=256), shape_of(model))
     head = model.get_output_embeddings().weight
-    assert chunked["logit_bytes"] == 8 * 256 * model.config.vocab_size + head.numel() * head.element_size()
+    assert chunked.logits == 8 * 256 * model.config.vocab_size + head.numel() * head.element_size()
 
 
 def test_peaks_are_known_or_none():

@@ -392,10 +392,13 @@ def test_the_plan_names_the_experts_a_tpu_will_run(monkeypatch):
     monkeypatch.setattr(X, "grouped_refusal", lambda: None)
     assert X.planned_experts(model, "xla-tpu", 32) == X.XLA_GROUPED  # 64 rows: one tile
     assert X.planned_experts(model, "xla-tpu", 100) == X.XLA_EXPERTS  # 200 rows: not a multiple of 128
-    from xla_train.memory import describe, plan
+    from xla_train.memory import describe, plan, shape_of
+    from xla_train.parallel.mesh import Mesh
+    from xla_train.tasks.base import PassInputs
 
-    memory, counts = plan(model, 2, 16, experts=X.planned_experts(model, "xla-tpu", 32))
-    assert memory["experts"] == X.XLA_GROUPED and ", experts xla_grouped," in describe(memory, counts)
+    step = PassInputs("sdpa", rows=2, length=16, experts=X.planned_experts(model, "xla-tpu", 32))
+    memory = plan(Mesh(), step, shape_of(model))
+    assert memory.step.experts == X.XLA_GROUPED and ", experts xla_grouped," in describe(memory)
     assert X.static_experts(model) and model.config._experts_implementation == X.XLA_GROUPED
 
 

@@ -533,10 +533,13 @@ def test_the_memory_plan_holds_the_rollouts_cache(base):
     """The plan of a GRPO step: rows of a prompt bucket plus a completion, and the rollout's
     key/value cache, which is what transformers' StaticCache allocates for that many tokens (as
     kernels/generate.py's caches hold them: a sliding layer only its window, Gemma 3's of 8 here)."""
+    from dataclasses import replace
+
     from transformers import AutoModelForCausalLM, StaticCache
 
     from xla_train.kernels.generate import cache_slots
-    from xla_train.memory import needed, plan
+    from xla_train.memory import plan, shape_of
+    from xla_train.parallel.mesh import Mesh
     from xla_train.tasks.grpo import GroupObjective, GRPOOptions
 
     windowed = td.config("gemma3", 40, bos=1, eos=2)
@@ -546,22 +549,21 @@ def test_the_memory_plan_holds_the_rollouts_cache(base):
                   AutoModelForCausalLM.from_pretrained(base["model"], dtype=torch.float32)):
         path = GroupObjective(settings=GRPOOptions(max_completion_length=8)).memory_inputs(model, "cpu", 16)
         assert path.length == 24 and path.cache_tokens == 24 and path.reference is None
-        memory, _ = plan(model, 32, path.length, logits=True, chunked_logits=True, cache_tokens=path.cache_tokens)
+        memory = plan(Mesh(), replace(path, rows=32), shape_of(model))
         cache = StaticCache(config=model.config, max_cache_len=24)
         ids = torch.ones(32, 4, dtype=torch.long)
         model(input_ids=ids, past_key_values=cache, use_cache=True)
         allocated = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
-        assert memory["cache_bytes"] == allocated
-    assert needed(memory) >= memory["param_bytes_per_device"] + memory["cache_bytes"]
+        assert memory.cache == allocated
+    assert memory.total >= memory.weights + memory.cache
     # beta > 0 without adapters: a frozen copy of the weights beside the trained ones; with them, none
     assert not path.reference_copy
     path = GroupObjective(settings=GRPOOptions(max_completion_length=8, beta=0.04)).memory_inputs(model, "cpu", 16)
     assert path.reference_copy
-    with_copy, _ = plan(model, 32, path.length, logits=True, chunked_logits=True, cache_tokens=path.cache_tokens,
-                        reference_copy=True, shards=2)
-    half = plan(model, 32, path.length, logits=True, chunked_logits=True, cache_tokens=path.cache_tokens, shards=2)[0]
-    assert with_copy["reference_param_bytes"] == half["param_bytes_per_device"] > 0
-    assert needed(with_copy) == needed(half) + half["param_bytes_per_device"]
+    with_copy = plan(Mesh(fsdp=2), replace(path, rows=32), shape_of(model))
+    half = plan(Mesh(fsdp=2), replace(path, rows=32, reference_copy=False), shape_of(model))
+    assert with_copy.reference_weights == half.weights > 0
+    assert with_copy.total == half.total + half.weights
     from peft import LoraConfig, get_peft_model
 
     lora = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))

@@ -22,9 +22,18 @@ from xla_train.memory import (
     checkpointing_needed,
     layer_bytes,
     measure_peak,
-    needed,
     plan,
+    shape_of,
 )
+from xla_train.parallel.mesh import Mesh
+from xla_train.tasks.base import PassInputs
+
+
+def planned(model, rows, length, precision="fp32", shards=1, device_bytes=None, **step):
+    """memory.plan of `model` (its parameters split over `shards` devices) for a step of `rows` x
+    `length` tokens through sdpa (with a dense mask unless told), `step` the rest of its PassInputs."""
+    step = PassInputs(**{"attention": "sdpa", **step}, rows=rows, length=length, precision=precision)
+    return plan(Mesh(fsdp=shards).resolve(shards, sharded=True), step, shape_of(model), device_bytes)
 
 
 def test_the_plan_counts_every_byte_of_what_trains():
@@ -32,20 +41,20 @@ def test_the_plan_counts_every_byte_of_what_trains():
     model = BertForSequenceClassification(BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2,
                                                      num_attention_heads=2, intermediate_size=64))
     total = sum(p.numel() for p in model.parameters())
-    memory, counts = plan(model, rows=8, length=64)
-    assert counts == {"trainable_params": total, "total_params": total}
-    assert memory["param_bytes_total"] == memory["param_bytes_per_device"] == 4 * total
-    assert memory["grad_bytes_per_device"] == 4 * total and memory["optimizer_bytes_per_device"] == 8 * total
+    memory = planned(model, rows=8, length=64)
+    assert memory.counts() == {"trainable_params": total, "total_params": total}
+    assert memory.weights_total == memory.weights == 4 * total
+    assert memory.gradients == 4 * total and memory.optimizer == 8 * total
     for p in model.bert.embeddings.parameters():  # a frozen part has no gradient and no optimizer state
         p.requires_grad_(False)
     frozen = sum(p.numel() for p in model.bert.embeddings.parameters())
-    memory, counts = plan(model, rows=8, length=64)
-    assert counts["trainable_params"] == total - frozen and memory["grad_bytes_per_device"] == 4 * (total - frozen)
-    assert memory["optimizer_bytes_per_device"] == 8 * (total - frozen)
+    memory = planned(model, rows=8, length=64)
+    assert memory.trainable_params == total - frozen and memory.gradients == 4 * (total - frozen)
+    assert memory.optimizer == 8 * (total - frozen)
     # the peak: parameters + AdamW + the larger of the backward pass's start and its end, not their sum
-    start = memory["activation_bytes_estimate"] + memory["autocast_copy_bytes"]
-    end = memory["grad_bytes_per_device"] + memory["layer_bytes"]
-    assert needed(memory) == memory["peak_bytes_estimate"] == 12 * total - 8 * frozen + max(start, end)
+    start = memory.activations + memory.autocast_copies
+    end = memory.gradients + memory.layer
+    assert memory.total == memory.metrics()["peak_bytes_estimate"] == 12 * total - 8 * frozen + max(start, end)
 
 
 def test_what_each_block_keeps_follows_the_attention_path_and_precision():
@@ -110,16 +119,15 @@ def test_dpo_with_adapters_plans_its_reference_pass():
         peaks[name] = measure_peak(lambda: step(reference))  # noqa: B023
     path = objective.memory_inputs(model, "cpu", length)
     assert path.reference == "chunked" and path.logits == "chunked"
-    memory, _ = plan(model, rows, length, logits=True, attention="sdpa", chunked_logits=True,
-                     reference=path.reference)
-    assert memory["reference_bytes"] == rows * length * cfg.hidden_size * 4
-    assert abs((peaks["adapters"] - peaks["precomputed"]) / memory["reference_bytes"] - 1) <= 0.05, peaks
-    without, _ = plan(model, rows, length, logits=True, attention="sdpa", chunked_logits=True)
-    assert needed(memory) == needed(without) + memory["reference_bytes"]
+    memory = planned(model, rows, length, logits="chunked", reference=path.reference)
+    assert memory.reference == rows * length * cfg.hidden_size * 4
+    assert abs((peaks["adapters"] - peaks["precomputed"]) / memory.reference - 1) <= 0.05, peaks
+    without = planned(model, rows, length, logits="chunked")
+    assert memory.total == without.total + memory.reference
     assert objective.memory_inputs(model.get_base_model(), "cpu", length).reference is None
     # a head computed whole (LoRA on it, a family that rescales its logits): the whole logits, bf16 here
-    whole, _ = plan(model, rows, length, "bf16", logits=True, attention="sdpa", reference="whole")
-    assert whole["reference_bytes"] == rows * length * cfg.vocab_size * 2
+    whole = planned(model, rows, length, "bf16", logits="whole", reference="whole")
+    assert whole.reference == rows * length * cfg.vocab_size * 2
 
 
 LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
@@ -134,8 +142,8 @@ def test_the_plan_predicts_the_peak_measured_on_the_cpu(checkpointed, chunked):
     before it. The plan is within 25% of the measured peak (within 5% when this was written)."""
     model, memory, step = scaled_llama_step(checkpointed, chunked)
     step()
-    measured = memory["param_bytes_per_device"] + memory["optimizer_bytes_per_device"] + measure_peak(step)
-    assert abs(needed(memory) / measured - 1) <= 0.25, (needed(memory) / MIB, measured / MIB)
+    measured = memory.weights + memory.optimizer + measure_peak(step)
+    assert abs(memory.total / measured - 1) <= 0.25, (memory.total / MIB, measured / MIB)
 
 
 def test_a_1b_model_at_8192_tokens_on_a_16_gib_chip():
@@ -150,8 +158,8 @@ def test_a_1b_model_at_8192_tokens_on_a_16_gib_chip():
     chip = 16 * GIB
 
     def peak(checkpointed, chunked, shards=1):
-        return needed(plan(model, 1, 8192, "bf16", shards=shards, device_bytes=chip, checkpointed=checkpointed,
-                           logits=True, chunked_logits=chunked)[0])
+        return planned(model, 1, 8192, "bf16", shards=shards, device_bytes=chip, checkpointed=checkpointed,
+                       logits="chunked" if chunked else "whole").total
 
     assert 40 * GIB < peak(False, False) < 50 * GIB
     assert peak(True, True) > chip  # weights, gradients and AdamW state: 16 bytes a parameter
@@ -163,24 +171,68 @@ def test_a_1b_model_at_8192_tokens_on_a_16_gib_chip():
     assert peak(True, False) > chip and peak(True, True) < 10 * GIB
 
 
+@pytest.mark.parametrize("attention, dense_mask", [("xla_flash", False), ("sdpa", True), ("eager", True)])
+def test_a_rows_activations_per_device_halve_under_context_2(attention, dense_mask):
+    """--context-parallel 2: each device holds half of every row's tokens, so the plan halves a
+    row's activations per device (every block's kept, the blocks' checkpointed inputs, one block's,
+    the whole logits), whatever the attention path (a local query still sees every key: eager's
+    softmax and a dense mask's bias stay a whole row wide a token), and adds one block's gathered
+    keys and values; the parameters are split over the same 8 devices either way."""
+    shape = shape_of(LlamaConfig(**LLAMA_1B))
+    for checkpointed in (False, True):
+        step = PassInputs(attention, dense_mask, "whole", rows=2, length=8192, precision="bf16",
+                          checkpointed=checkpointed)
+        alone, split = (plan(Mesh(context=n).resolve(8, sharded=True), step, shape) for n in (1, 2))
+        assert split.mesh.fsdp == 4 and split.shards == alone.shards == 8
+        assert split.activations * 2 == alone.activations and split.layer * 2 == alone.layer
+        assert split.logits * 2 == alone.logits and split.total < alone.total
+        # one block's attention gathers the other half of each row's keys and values (repeated to
+        # the 32 query heads, 64 wide, on each of these paths), in bf16
+        assert alone.gathered == 0 and split.gathered == 2 * 2 * (32 * 64) * 2 * 4096
+
+
+def test_the_plan_on_paper_counts_the_steps_other_passes():
+    """plan_on_paper goes through the kinds' own description of the step: DPO with --lora runs the
+    reference (adapters disabled) in the step, whose final hidden states live through the backward
+    pass; GRPO with --beta and no adapters holds a frozen copy of the weights, its rows are a
+    completion longer and its rollouts hold a key/value cache. Neither was counted before."""
+    import dataclasses
+
+    from xla_train.memory import plan_on_paper
+    from xla_train.options import TrainOptions
+
+    config = LlamaConfig(**{**LLAMA_1B, "num_hidden_layers": 2})
+    sft = TrainOptions(problem="causal-lm", lora=True, precision="bf16", max_length=1024, batch_size=2,
+                       strategy="fsdp", gradient_checkpointing=True)
+    causal, dpo = (plan_on_paper(dataclasses.replace(sft, problem=p), config, 8, 16 * GIB)
+                   for p in ("causal-lm", "dpo"))
+    assert causal.reference == 0 and dpo.step.reference == "chunked"
+    assert dpo.reference == 2 * 1024 * config.hidden_size * 2  # 2 rows of 1,024 tokens, bf16 hidden states
+    assert dpo.total == causal.total + dpo.reference
+    grpo = plan_on_paper(dataclasses.replace(sft, problem="grpo", lora=False, own={"beta": 0.04}), config, 8,
+                         16 * GIB)
+    assert grpo.step.length == 1024 + 256 and grpo.cache > 0  # TRL's default max_completion_length
+    assert grpo.reference_weights == grpo.weights > 0
+
+
 def test_checkpointing_is_switched_on_only_where_it_makes_the_run_fit():
     cfg = LlamaConfig(**{**LLAMA_1B, "num_hidden_layers": 2, "vocab_size": 1000})
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
 
     def plans(device):
-        return [plan(model, 8, 2048, "bf16", device_bytes=device, checkpointed=c, logits=True)[0]
+        return [planned(model, 8, 2048, "bf16", device_bytes=device, checkpointed=c, logits="whole")
                 for c in (False, True)]
 
     kept, ckpt = plans(None)
-    between = (needed(kept) + needed(ckpt)) // 2
-    assert needed(ckpt) < needed(kept)
+    between = (kept.total + ckpt.total) // 2
+    assert ckpt.total < kept.total
     switch, line = checkpointing_needed(*plans(between))
-    assert switch and line.startswith(f"memory plan: {needed(kept) / GIB:.2f} GiB per device with every block's "
+    assert switch and line.startswith(f"memory plan: {kept.total / GIB:.2f} GiB per device with every block's "
                                       f"activations kept, more than the device's {between / GIB:.2f} GiB; ")
     assert line.endswith("with gradient checkpointing, which is switched on (--gradient-checkpointing)")
-    assert checkpointing_needed(*plans(needed(kept) + 1)) == (False, None)  # fits as it is
-    assert checkpointing_needed(*plans(needed(ckpt) - 1)) == (False, None)  # fits in neither: check_fits stops it
+    assert checkpointing_needed(*plans(kept.total + 1)) == (False, None)  # fits as it is
+    assert checkpointing_needed(*plans(ckpt.total - 1)) == (False, None)  # fits in neither: check_fits stops it
     assert checkpointing_needed(*plans(None)) == (False, None)  # the device's size unknown
 
 
@@ -269,16 +321,15 @@ def recipe_plan(name, chips=V5E_CHIPS, chip_bytes=V5E_CHIP):
     published = {"Qwen/Qwen2.5-0.5B-Instruct": ZOO["qwen2"]["config"], "Qwen/Qwen2.5-7B-Instruct": QWEN_7B,
                  **json.loads((ROOT / "benchmarks" / "published_configs.json").read_text())}
     config = {k: v for k, v in published[cfg.model].items() if not k.endswith("token_id")}
-    memory, _ = plan_on_paper(cfg, AutoConfig.for_model(**config), chips if cfg.strategy == "fsdp" else 1, chip_bytes)
-    return cfg, memory
+    return cfg, plan_on_paper(cfg, AutoConfig.for_model(**config), chips, chip_bytes)
 
 
 @pytest.mark.parametrize("name", ["qwen2.5-0.5b-lora-tpu.yaml", "qwen2.5-7b-fsdp-tpu.yaml",
                                   "qwen2.5-0.5b-grpo-tpu.yaml"])
 def test_the_tpu_recipes_fit_a_v5e_chip(name):
     cfg, memory = recipe_plan(name)
-    assert memory["param_bytes_total"] > (4e9 if "7b" in name else 4e8)  # the real model's size, not a tiny one
-    assert needed(memory) <= V5E_CHIP, f"{name}: {needed(memory) / 2**30:.1f} GiB"
+    assert memory.weights_total > (4e9 if "7b" in name else 4e8)  # the real model's size, not a tiny one
+    assert memory.total <= V5E_CHIP, f"{name}: {memory.total / 2**30:.1f} GiB"
 
 
 @pytest.mark.parametrize("name, chips, kind", [("llama-3.1-70b-fsdp-v5p64.yaml", 32, "TPU v5p"),
@@ -291,8 +342,8 @@ def test_the_pod_recipes_fit_their_chips(name, chips, kind):
     from xla_train.core.xla import TPU_HBM
 
     cfg, memory = recipe_plan(name, chips, TPU_HBM[kind])
-    assert memory["param_bytes_total"] > (2.5e11 if "70b" in name else 1.5e10)  # the real model's size
-    assert needed(memory) <= TPU_HBM[kind], f"{name}: {needed(memory) / 2**30:.1f} GiB"
+    assert memory.weights_total > (2.5e11 if "70b" in name else 1.5e10)  # the real model's size
+    assert memory.total <= TPU_HBM[kind], f"{name}: {memory.total / 2**30:.1f} GiB"
     if cfg.lora:
         import dataclasses
 
@@ -301,10 +352,10 @@ def test_the_pod_recipes_fit_their_chips(name, chips, kind):
         from xla_train.memory import plan_on_paper
 
         published = json.loads((ROOT / "benchmarks" / "published_configs.json").read_text())[cfg.model]
-        full, _ = plan_on_paper(dataclasses.replace(cfg, lora=False), AutoConfig.for_model(**published), chips,
-                                TPU_HBM[kind])
-        state = full["param_bytes_per_device"] + full["grad_bytes_per_device"] + full["optimizer_bytes_per_device"]
-        assert 110 * 2**30 < state * chips < 128 * 2**30 < needed(full) * chips
+        full = plan_on_paper(dataclasses.replace(cfg, lora=False), AutoConfig.for_model(**published), chips,
+                             TPU_HBM[kind])
+        state = full.weights + full.gradients + full.optimizer
+        assert 110 * 2**30 < state * chips < 128 * 2**30 < full.total * chips
 
 
 def test_a_tpus_memory_is_known_by_its_kind_under_every_strategy():

@@ -658,7 +658,7 @@ def write_jsonl(path, rows):
 def scaled_llama_step(checkpointed, chunked, rows=1, length=512, chunk=128):
     """A Llama-shaped model (4 blocks, 256 wide, GQA, the bundled vocabulary's 30,522 words, tied)
     and one fp32 training step on the CPU as the causal-LM task runs it (sdpa, a packed row's
-    boolean 4-D mask, the head whole or in chunks of `chunk` tokens): the model, its memory plan,
+    boolean 4-D mask, the head whole or in chunks of `chunk` tokens): the model, its memory plan (memory.Plan),
     and the step (tests/test_memory.py and benchmarks/bench_memory.py --measure measure its peak)."""
     import torch
     import torch.nn.functional as F
@@ -667,7 +667,9 @@ def scaled_llama_step(checkpointed, chunked, rows=1, length=512, chunk=128):
     from xla_train.core.engine import checkpoint_activations
     from xla_train.kernels.attention import document_mask
     from xla_train.kernels.lm_loss import chunked_lm_loss
-    from xla_train.memory import plan
+    from xla_train.memory import plan, shape_of
+    from xla_train.parallel.mesh import Mesh
+    from xla_train.tasks.base import PassInputs
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=30522, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
@@ -694,6 +696,6 @@ def scaled_llama_step(checkpointed, chunked, rows=1, length=512, chunk=128):
         for p in model.parameters():
             p.grad = None
 
-    memory, _ = plan(model, rows, length, "fp32", checkpointed=checkpointed, logits=True, attention="sdpa",
-                     chunked_logits=chunked, dense_mask=True, chunk_tokens=chunk)
+    memory = plan(Mesh(), PassInputs("sdpa", dense_mask=True, logits="chunked" if chunked else "whole", length=length,
+                                     rows=rows, checkpointed=checkpointed, chunk_tokens=chunk), shape_of(model))
     return model, memory, step

@@ -26,7 +26,7 @@ from ..core.select import select_roles
 from ..core.signals import StopRequest
 from ..evaluation import Evaluator
 from ..job import Job, launch, open_output, prepare, pretrained
-from ..memory import check_fits, checkpointing_needed, device_bytes
+from ..memory import check_fits, checkpointing_needed, device_bytes, shape_of
 from ..memory import describe as describe_memory
 from ..memory import plan as plan_of
 from ..observe.monitor import Monitor
@@ -110,7 +110,7 @@ class Trainer:
         engine, job, cfg, task = self.engine, self.job, self.cfg, self.task
         model = _private_copy(job.model)
         # the memory plan and the parameter counts, before anything compiles: checkpointing where only it fits
-        self.memory, self.counts, checkpointed = plan_memory(engine, cfg, self.shapes, model, task.objective)
+        self.memory, checkpointed = plan_memory(engine, cfg, self.shapes, model, task.objective)  # memory.Plan
         if checkpointed:
             engine.checkpoint_activations(model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
@@ -315,41 +315,34 @@ def _linear(warmup_steps, total_steps, step):
 
 
 def plan_memory(engine, cfg, shapes, model, objective):
-    """The memory plan of `model` (not yet prepared) under the task's `objective` (its logits and
-    attention path: Objective.memory_inputs), printed, and whether its blocks are to be
-    checkpointed: as asked, or switched on (and said on the console) where the run fits only with
-    it; a run that cannot fit the device even so stops here, before compiling. Returns (plan,
-    counts, checkpointed)."""
+    """The memory plan (memory.Plan) of `model` (not yet prepared) under the task's `objective` (its
+    step as the kind describes it: Objective.memory_inputs) on the strategy's mesh, printed, and
+    whether its blocks are to be checkpointed: as asked, or switched on (and said on the console)
+    where the run fits only with it; a run that cannot fit the device even so stops here, before
+    compiling. Returns (plan, checkpointed)."""
     from ..kernels.attention import kind_of
     from ..kernels.experts import planned_experts
 
     length = max(shapes.padding.lengths or [cfg.max_length])
     kind = kind_of(torch.empty(0, device=engine.device))
     path = objective.memory_inputs(model, kind, length)
-    length = path.length or length  # the rows the step runs, where the kind makes them longer (a completion)
     if path.note:  # the attention path taken, where it is not the device's kernel
         engine.print(path.note)
-
-    def plan(checkpointed):
-        return plan_of(model, cfg.batch_size, length, cfg.precision, shards=engine.strategy.param_shards,
-                       device_bytes=device_bytes(engine.accelerator), checkpointed=checkpointed,
-                       logits=path.logits is not None, attention=path.attention,
-                       chunked_logits=path.logits == "chunked", dense_mask=path.dense_mask,
-                       reference=path.reference, cache_tokens=path.cache_tokens,
-                       reference_copy=path.reference_copy, tensor=engine.strategy.tensor_parallel,
-                       experts=planned_experts(model, kind, cfg.batch_size * length))
-
-    checkpointed = cfg.gradient_checkpointing
-    memory, counts = plan(checkpointed)
-    if not checkpointed and memory["device_bytes"] and getattr(model, "supports_gradient_checkpointing", False):
-        switch, line = checkpointing_needed(memory, plan(True)[0])
+    length = path.length or length  # the rows the step runs, where the kind makes them longer (a completion)
+    step = dataclasses.replace(path, length=length, rows=cfg.batch_size, precision=cfg.precision,
+                               checkpointed=cfg.gradient_checkpointing, adapters=cfg.lora,
+                               experts=planned_experts(model, kind, cfg.batch_size * length))
+    mesh, shape, device = engine.strategy.layout(), shape_of(model), device_bytes(engine.accelerator)
+    memory = plan_of(mesh, step, shape, device)
+    if not step.checkpointed and device and getattr(model, "supports_gradient_checkpointing", False):
+        checkpointed = plan_of(mesh, dataclasses.replace(step, checkpointed=True), shape, device)
+        switch, line = checkpointing_needed(memory, checkpointed)
         if switch:
             engine.print(line)
-            checkpointed = True
-            memory, counts = plan(True)
-    engine.print(describe_memory(memory, counts))
-    check_fits(memory, cfg.batch_size, length, checkpointed, engine.strategy.param_shards > 1, cfg.lora)
-    return memory, counts, checkpointed
+            memory = checkpointed
+    engine.print(describe_memory(memory))
+    check_fits(memory)
+    return memory, memory.step.checkpointed
 
 
 def _initial_model(engine, job, model, copy=False):

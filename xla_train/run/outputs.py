@@ -101,7 +101,7 @@ def run_metrics(engine, job, t, monitor, timing, results):
         "padding": cfg.padding, "precision": cfg.precision,
         "resumed_from": job.resume.url if job.resume else None,
         "first_step": state.first_step, "checkpoint": state.saved, "config": asdict(cfg), **job.report(),
-        "memory": {**t.memory, "peak_bytes": engine.peak_memory()}, **t.counts,
+        "memory": {**t.memory.metrics(), "peak_bytes": engine.peak_memory()}, **t.memory.counts(),
         "goodput": monitor.clock.goodput(),  # last: the wall time up to the metrics
     }
 
@@ -122,7 +122,7 @@ def token_throughput(engine, job, t, timing):
     peak = peak_flops(engine.accelerator.device_kind(), job.cfg.precision)
     model = engine.unwrap_model(t.model)
     length = padded / max(1, (state.step - state.first_step) * t.shapes.rows_per_step)  # the mean row length
-    mfu = (flops_per_token(model.config, t.counts["total_params"], length) * real / seconds /
+    mfu = (flops_per_token(model.config, t.memory.params, length) * real / seconds /
            (peak * math.prod(size for _, size in engine.strategy.mesh_shape()))) if peak and real else None
     return {"padded": padded, "real": real, "trained": in_loss, "per_s": round(padded / seconds, 3),
             "trained_per_s": round(in_loss / seconds, 3) if in_loss is not None else None,

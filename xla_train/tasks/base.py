@@ -137,15 +137,20 @@ class Rows:
 
 @dataclass(frozen=True)
 class PassInputs:
-    """What the memory plan (memory.plan) needs of a kind's step (Objective.memory_inputs): the
-    `attention` implementation that runs (transformers' names: sdpa, eager, flash_attention_2, ...; the
+    """The step the memory plan counts (memory.plan), typed. The kind's part (Objective.memory_inputs):
+    the `attention` implementation that runs (transformers' names: sdpa, eager, flash_attention_2, ...; the
     kernels' xla_flash, flex_attention) and whether a `dense_mask` is passed to it; `logits` per
     token, "whole" or "chunked" (None: none per token); a `reference` pass without gradients, its
     output "whole" or "chunked" (None: none); the rows' `length` in the step where the kind makes
     them longer than its loaded rows (GRPO: a prompt bucket and a completion; None: the loaded
     rows'); `cache_tokens`, a generation's key/value cache per row in the step (GRPO's rollouts; 0:
     none); `reference_copy`, a frozen copy of the weights beside the trained ones (GRPO's reference
-    without adapters); and a `note` for the console."""
+    without adapters); and a `note` for the console. The run's part, which the trainer (or
+    memory.plan_on_paper) fills in: the `rows` a device trains on at once (a tensor and context
+    group's: --batch-size), the `precision`, whether the blocks are `checkpointed`, the chunked
+    head's `chunk_tokens` (None: kernels.lm_loss.CHUNK_TOKENS), the implementation a mixture's
+    `experts` run (kernels.experts.planned_experts; None: the model's own) and whether only
+    `adapters` train (--lora)."""
 
     attention: str = "eager"
     dense_mask: bool = True
@@ -155,6 +160,12 @@ class PassInputs:
     cache_tokens: int = 0
     reference_copy: bool = False
     note: str | None = None
+    rows: int = 1
+    precision: str = "fp32"
+    checkpointed: bool = False
+    chunk_tokens: int | None = None
+    experts: str | None = None
+    adapters: bool = False
 
 
 @dataclass(frozen=True)
