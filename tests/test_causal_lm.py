@@ -10,7 +10,7 @@ import torch
 
 from xla_train.commands.cli import main
 from xla_train.core.errors import UserError
-from xla_train.tasks import load_task
+from xla_train.tasks import Source, load_task
 from xla_train.tasks.causal_lm import IGNORE, CausalLM, PackCollator, documents, join, pack
 
 
@@ -115,7 +115,8 @@ def test_packed_and_unpacked_evaluation_agree(families, tmp_path):
     tok.pad_token = tok.eos_token
     results = {}
     for packing in (True, False):
-        task, splits = load_task(train_file=train, validation_file=valid, problem="causal-lm", packing=packing)
+        task, splits = load_task(Source(train_file=train, validation_file=valid, problem="causal-lm",
+                                        packing=packing))
         data, _ = task.rows.tokenize(splits, tok, 64)
         padding = Padding("max_length", None, 64) if packing else Padding("buckets", [16, 32], 64)
         model = task.model.load(families["qwen2"], seed=0)
@@ -228,12 +229,13 @@ def test_a_saved_datasets_folder_and_parquet_are_read(tmp_path):
     rows = td.reverse_rows(10, 0, "text")
     datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "saved"))
     datasets.Dataset.from_list(rows[:4]).to_parquet(str(tmp_path / "v.parquet"))
-    task, splits = load_task(train_file=str(tmp_path / "saved"), validation_file=str(tmp_path / "v.parquet"),
-                             problem="causal-lm")
+    task, splits = load_task(Source(train_file=str(tmp_path / "saved"),
+                                    validation_file=str(tmp_path / "v.parquet"), problem="causal-lm"))
     assert task.form == "text" and len(splits["train"]) == 10 and len(splits["validation"]) == 4
     with pytest.raises(UserError, match="no 'validation' split"):
-        load_task(train_file=str(tmp_path / "saved"), validation_file=str(tmp_path / "saved"), problem="causal-lm")
-    _, held = load_task(train_file=str(tmp_path / "saved"), problem="causal-lm")  # 5%, at least one row held out
+        load_task(Source(train_file=str(tmp_path / "saved"), validation_file=str(tmp_path / "saved"),
+                         problem="causal-lm"))
+    _, held = load_task(Source(train_file=str(tmp_path / "saved"), problem="causal-lm"))  # 5%, at least one held out
     assert len(held["validation"]) == 1 and len(held["train"]) == 9
 
 
@@ -264,7 +266,7 @@ def test_eval_samples_prompt_with_the_turns_before_the_last_answer(families, tmp
             {"role": "user", "content": "reverse c d e ="}, {"role": "assistant", "content": "e d c"}]
     rows = [{"messages": chat}, *td.reverse_rows(3, 0, "messages")]
     path = rows_file(tmp_path, rows)
-    task, splits = load_task(train_file=str(path), validation_file=str(path), problem="causal-lm")
+    task, splits = load_task(Source(train_file=str(path), validation_file=str(path), problem="causal-lm"))
     picked = task.sample_rows(splits, 2)
     assert [len(r[0]["messages"]) for r in picked] == [3, 1] and picked[0][2] == "e d c"
     tok = AutoTokenizer.from_pretrained(families["llama"])
@@ -285,7 +287,7 @@ def test_eval_samples_of_prompt_rows_write_up_to_the_completion_and_its_eos(fami
     from xla_train.tasks.completion import eval_samples
 
     path = rows_file(tmp_path, td.reverse_rows(5, 0))
-    task, splits = load_task(train_file=str(path), validation_file=str(path), problem="causal-lm")
+    task, splits = load_task(Source(train_file=str(path), validation_file=str(path), problem="causal-lm"))
     tok = AutoTokenizer.from_pretrained(families["llama"])
     model = AutoModelForCausalLM.from_pretrained(families["llama"])
     samples = eval_samples(task.sample_rows(splits, 9), task.form, tok, model, 64, batch_size=8)
