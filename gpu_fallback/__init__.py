@@ -4,9 +4,9 @@ launcher. `roles` makes them for a backend; setup.py registers it with xla_train
 (entry points of the group `xla_train.roles`: cuda, cpu, tpu), which never imports this package."""
 
 from collections.abc import Callable
-from functools import partial
 
 from xla_train.core.roles import Roles, Strategy
+from xla_train.parallel.mesh import Mesh
 
 from .device import TorchAccelerator
 from .launcher import TorchLauncher
@@ -15,14 +15,13 @@ from .strategies import Ddp, Fsdp2
 __all__ = ["Ddp", "Fsdp2", "TorchAccelerator", "TorchLauncher", "roles"]
 
 
-def roles(backend: str, num_processes: int | None = None, strategy: str = "ddp", tensor_parallel: int = 1
+def roles(backend: str, num_processes: int | None = None, strategy: str = "ddp", mesh: Mesh | None = None
           ) -> Roles:
     """The roles of the torch-native `backend` (cuda, cpu, tpu) under `strategy` (ddp or fsdp),
-    with `num_processes` workers (None: the device's default), not yet started; under fsdp,
-    `tensor_parallel` workers split each block (select_roles refuses it elsewhere)."""
+    with `num_processes` workers (None: the device's default), not yet started; under fsdp, the
+    `mesh`'s tensor axis splits each block (select_roles refuses the other axes here)."""
     accelerator = TorchAccelerator(backend)
     launcher = TorchLauncher(num_processes, accelerator.default_processes)
-    strategies: dict[str, Callable[[TorchAccelerator], Strategy]] = {
-        "ddp": Ddp, "fsdp": partial(Fsdp2, tensor_parallel=tensor_parallel)}
-    return Roles(accelerator, strategies[strategy](accelerator), launcher)
+    strategies: dict[str, Callable[[TorchAccelerator, Mesh | None], Strategy]] = {"ddp": Ddp, "fsdp": Fsdp2}
+    return Roles(accelerator, strategies[strategy](accelerator, mesh), launcher)
 

@@ -21,14 +21,13 @@ from xla_train.core.roles import PathLike, Strategy, blocks_of, dcp_errors, opti
 from xla_train.core.ties import retie, ties
 from xla_train.parallel import sharded_load
 from xla_train.parallel import tensor_parallel as tensor_plan
+from xla_train.parallel.mesh import Mesh
 
 from .launcher import launched_by_torchrun
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from transformers import PreTrainedModel
-
-    from xla_train.core.roles import Launcher
 
     from .device import TorchAccelerator
 
@@ -98,13 +97,15 @@ class Fsdp2(TorchStrategy):
     sharded on dim 0 over the workers (the mesh's `fsdp` axis); each transformer block the model
     declares (`_no_split_modules`) is gathered for its forward and backward only, then the rest.
 
-    With `tensor_parallel` N the workers form a mesh (fsdp, W/N) x (tensor, N), tensor peers on
+    With a mesh's `tensor` axis N the workers form a mesh (fsdp, W/N) x (tensor, N), tensor peers on
     neighbouring ranks: each block's projections are first split over `tensor` by the model's own
     plan with transformers' own styles (`_resolve_parallel_plans`, `apply_tensor_parallelism`:
     transformers/distributed/tensor_parallel.py, as `from_pretrained(distributed_config=...)` does),
     then FSDP2 shards every parameter over `fsdp`. A tensor group's workers see the same rows."""
 
-    data_axes = ("fsdp",)
+    main_axis = "fsdp"
+    sharded = True
+    devices_named = "workers (`num_processes`)"
     loads_shards = True  # job.pretrained builds the model without its weights; wrap_model reads its shards
     # Checkpoints: each worker writes and reads its own shards (its DTensors' local parts) with
     # torch.distributed.checkpoint, without the process group (no_dist: its own `.metadata`), into
@@ -113,57 +114,39 @@ class Fsdp2(TorchStrategy):
     # not run here: FSDP2's hooks under torch.compile (dynamo skips them, one graph per block)
     compile_refusal = "not supported with `strategy` fsdp yet; use `strategy` ddp"
 
-    def __init__(self, accelerator: TorchAccelerator, tensor_parallel: int = 1) -> None:
-        super().__init__(accelerator)
-        self.tensor_parallel = tensor_parallel
+    def __init__(self, accelerator: TorchAccelerator, mesh: Mesh | None = None) -> None:
+        super().__init__(accelerator, mesh)
         self._mesh: DeviceMesh | None = None
-
-    def planned_data_parallel_size(self, launcher: Launcher) -> int:
-        workers = launcher.planned_replicas()
-        self._check_workers(workers)
-        return workers // self.tensor_parallel
-
-    def _check_workers(self, workers: int) -> None:
-        if workers % self.tensor_parallel:
-            raise UserError(f"`tensor_parallel` {self.tensor_parallel} does not divide the {workers} workers "
-                            "(`num_processes`)")
-
-    def mesh_shape(self) -> tuple[tuple[str, int], ...]:
-        if self.tensor_parallel == 1:
-            return (("fsdp", self.world_size),)
-        self._check_workers(self.world_size)
-        return (("fsdp", self.world_size // self.tensor_parallel), (tensor_plan.TENSOR, self.tensor_parallel))
 
     @property
     def row_shares(self) -> int:
-        return self.world_size // self.tensor_parallel
+        return self.layout().rows
 
     @property
     def row_share(self) -> int:
-        return self.rank // self.tensor_parallel  # the mesh's row: tensor peers are neighbouring ranks
+        return self.layout().row_share(self.rank)  # tensor peers are neighbouring ranks
 
     def check_model(self, config: Any, lora: bool = False) -> None:
         # transformers' colwise style splits the key/value projections too: no heads kept whole
-        line = tensor_plan.refusal(config, self.tensor_parallel, every_projection=True)
-        if not line and lora and self.tensor_parallel > 1:
-            line = (f"`tensor_parallel` {self.tensor_parallel} with `lora` runs on the xla backend only so far "
+        tensor = self.axes.tensor
+        line = tensor_plan.refusal(config, tensor, every_projection=True)
+        if not line and lora and tensor > 1:
+            line = (f"`tensor_parallel` {tensor} with `lora` runs on the xla backend only so far "
                     "(transformers' styles split the layers LoRA wraps)")
         if line:
             raise UserError(line)
 
     @property
     def param_shards(self) -> int:
-        return self.world_size
+        return self.layout().param_shards
 
     def mesh(self) -> DeviceMesh:
         """The job's mesh, made once (each sub-mesh is a process group of its own)."""
-        from torch.distributed.device_mesh import init_device_mesh
 
         if self._mesh is None:
             # given explicitly: the default mesh of a GPU host is CUDA's even when the group is gloo
             # (pytorch#132471)
-            names, sizes = zip(*self.mesh_shape())
-            self._mesh = init_device_mesh(self.accelerator.device.type, sizes, mesh_dim_names=names)
+            self._mesh = self.layout().device_mesh(self.accelerator.device.type, self.main_axis)
         return self._mesh
 
     def teardown(self) -> None:
@@ -188,14 +171,14 @@ class Fsdp2(TorchStrategy):
         model = model._apply(lambda t: t if t.is_meta else t.to(device))
         if dist.is_initialized():
             mesh = self.mesh()
-            if self.tensor_parallel > 1:
+            if self.axes.tensor > 1:
                 self._split(model, mesh[tensor_plan.TENSOR])
             for block in blocks_of(model):
                 fully_shard(block, mesh=mesh["fsdp"])
             fully_shard(model, mesh=mesh["fsdp"])
-        elif self.tensor_parallel > 1:  # an Engine made in a script without launch
-            raise UserError(f"`tensor_parallel` {self.tensor_parallel} needs as many workers or more: start them "
-                            "with launch(..., num_processes=..., tensor_parallel=...)")
+        elif self.axes.split:  # an Engine made in a script without launch
+            raise UserError(f"{self.axes.named()} needs as many workers or more: start them "
+                            "with launch(..., num_processes=..., mesh=...)")
         if source is not None:
             self._fill(model, source, built)
         return model
@@ -240,14 +223,14 @@ class Fsdp2(TorchStrategy):
 
         self.check_model(model.config, lora=hasattr(model, "peft_config"))  # job.prepare checked; a script has not
         pretrained = cast("PreTrainedModel", model)  # check_model refused a peft model
-        plan, _, _ = pretrained._resolve_parallel_plans(DistributedConfig(tp_size=self.tensor_parallel))
+        plan, _, _ = pretrained._resolve_parallel_plans(DistributedConfig(tp_size=self.axes.tensor))
         present = dict(model.named_parameters()) | dict(model.named_modules())
         groups = ties(model)
         apply_tensor_parallelism(model, mesh, {name: style for name, style in plan.items() if name in present})
         retie(groups)
 
     def gather_batch(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.tensor_parallel == 1:
+        if self.axes.inner == 1:
             return self.gather(tensor)
         # this worker's tensor position in every row of the mesh
         return _all_gather(tensor, self.row_shares, self.mesh()["fsdp"].get_group())

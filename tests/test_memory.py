@@ -334,11 +334,14 @@ def test_the_tpu_recipes_fit_a_v5e_chip(name):
 
 @pytest.mark.parametrize("name, chips, kind", [("llama-3.1-70b-fsdp-v5p64.yaml", 32, "TPU v5p"),
                                                ("llama-3.1-70b-fsdp-v6e64.yaml", 64, "TPU v6 lite"),
-                                               ("llama-3.1-8b-lora-v5e8.yaml", 8, "TPU v5 lite")])
+                                               ("llama-3.1-8b-lora-v5e8.yaml", 8, "TPU v5 lite"),
+                                               ("long-context-sft.yaml", 8, "TPU v6 lite")])
 def test_the_pod_recipes_fit_their_chips(name, chips, kind):
     """docs/sharding.md's pods (benchmarks/plan_pods.py): Llama 3.1 70B fully fine-tuned fits a
     v5p-64's and a v6e-64's chips under FSDPv2; the 8B with LoRA a v5e-8's, and without LoRA not
-    (its fp32 weights, gradients and AdamW state alone are about 120 GiB of the host's 128)."""
+    (its fp32 weights, gradients and AdamW state alone are about 120 GiB of the host's 128); the
+    8B fully fine-tuned on 32k-token rows a v6e-8's, split fsdp 4 x context 2
+    (benchmarks/plan_long_context.py)."""
     from xla_train.core.xla import TPU_HBM
 
     cfg, memory = recipe_plan(name, chips, TPU_HBM[kind])

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from gpu_fallback import Ddp, Fsdp2, TorchAccelerator
+from xla_train.parallel.mesh import Mesh
 
 
 def placed(cls, accelerator, world, rank, **options):
@@ -24,7 +25,7 @@ def test_the_replica_folded_in_is_the_row_share_of_a_replica_of_its_own():
     assert [placed(Ddp, cpu, 2, r).sampling_replica for r in (0, 1)] == [0, 1]
     assert [placed(Fsdp2, cpu, 4, r).sampling_replica for r in range(4)] == [0, 1, 2, 3]
     # fsdp 2 x tensor 2: a tensor group's two processes hold the same rows and draw alike
-    assert [placed(Fsdp2, cpu, 4, r, tensor_parallel=2).sampling_replica for r in range(4)] == [0, 0, 1, 1]
+    assert [placed(Fsdp2, cpu, 4, r, mesh=Mesh(tensor=2)).sampling_replica for r in range(4)] == [0, 0, 1, 1]
     assert [placed(XlaDdp, xla, 4, r).sampling_replica for r in range(4)] == [0, 1, 2, 3]
     # SPMD and FSDPv2: one replica (world size 1), a process on every host (rank: its index)
     assert [placed(cls, xla, 1, r).sampling_replica for cls in (XlaSpmd, XlaFsdp) for r in (0, 3)] == [0] * 4

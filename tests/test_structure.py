@@ -95,7 +95,9 @@ def test_no_import_circle():
 
 def test_the_interface_imports_no_implementation():
     graph = import_graph()
-    assert graph["xla_train.core.roles"] <= {"xla_train.core.errors"}
+    # the roles take the mesh (a value: axis sizes, imports the errors only)
+    assert graph["xla_train.core.roles"] <= {"xla_train.core.errors", "xla_train.parallel.mesh"}
+    assert graph["xla_train.parallel.mesh"] <= {"xla_train.core.errors"}
     # the launchers (xmp.spawn's and torch.multiprocessing's, one failure channel) are shared too;
     # on several hosts a failure travels through the job's gs:// output (storage); the XLA ones
     # pick the PJRT device (core.xla, which imports no torch_xla at its top)
@@ -108,7 +110,7 @@ def test_the_interface_imports_no_implementation():
     assert graph["xla_train.core.xla"] <= {"xla_train.core.errors", "xla_train.core.roles", "xla_train.kernels.experts"}
     assert graph["xla_train.parallel.xla_strategies"] <= {
         "xla_train.core.errors", "xla_train.core.roles", "xla_train.core.xla", "xla_train.parallel.sharded_load",
-        "xla_train.parallel.tensor_parallel"}
+        "xla_train.parallel.tensor_parallel", "xla_train.parallel.mesh", "xla_train.kernels.experts"}
     assert graph["xla_train.parallel.tensor_parallel"] <= set()
     assert graph["xla_train.parallel.sharded_load"] <= {"xla_train.core.errors"}
     # gpu_fallback's FSDP2 takes the tensor-parallel plan's refusals and axis name (names only),
@@ -118,7 +120,8 @@ def test_the_interface_imports_no_implementation():
     assert len(fallback) >= 4
     assert not any(m.startswith("xla_train") and m not in (
         "xla_train.core.roles", "xla_train.core.errors", "xla_train.parallel.launchers",
-        "xla_train.parallel.tensor_parallel", "xla_train.core.ties", "xla_train.parallel.sharded_load")
+        "xla_train.parallel.tensor_parallel", "xla_train.core.ties", "xla_train.parallel.sharded_load",
+        "xla_train.parallel.mesh")
                    for name in fallback for m in graph[name])
 
 

@@ -21,6 +21,7 @@ from conftest import ROOT, assert_same_weights, run_cli, stop_and_resume
 
 from xla_train.core.errors import UserError
 from xla_train.parallel import tensor_parallel as tp
+from xla_train.parallel.mesh import Mesh
 
 FOUR = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4", "TOKENIZERS_PARALLELISM": "false"}
 
@@ -28,13 +29,14 @@ SAME = r"""
 import functools, json, sys
 import torch, torch_xla
 from transformers import AutoConfig
+from xla_train import Mesh
 from xla_train.parallel import sharded_load
 from xla_train.core.engine import Engine
 from xla_train.tasks.causal_lm import DecoderModel
 
 STEPS, LR = 3, 2e-5  # AdamW moves an element of a near-zero gradient by up to lr: 1e-4 gave 1.2e-5
 ids = torch.randint(3, 200, (8, 16), generator=torch.Generator().manual_seed(0))
-engines = {n: Engine("xla", strategy="fsdp", tensor_parallel=n) for n in (1, 2)}
+engines = {n: Engine("xla", strategy="fsdp", mesh=Mesh(tensor=n)) for n in (1, 2)}
 
 
 def train(model, engine=None):
@@ -269,11 +271,11 @@ def test_tensor_parallel_runs_only_as_a_mesh_of_fsdp_by_tensor():
 
     with pytest.raises(UserError, match="runs under `strategy` fsdp .* on the xla, cuda and cpu backends only, not "
                                         "cpu with ddp"):
-        select_roles("cpu", strategy="ddp", tensor_parallel=2)
+        select_roles("cpu", strategy="ddp", mesh=Mesh(tensor=2))
     with pytest.raises(UserError, match="not tpu with fsdp"):
-        select_roles("tpu", strategy="fsdp", tensor_parallel=2)
-    with pytest.raises(UserError, match="`tensor_parallel` must be at least 1"):
-        select_roles("cpu", tensor_parallel=0)
+        select_roles("tpu", strategy="fsdp", mesh=Mesh(tensor=2))
+    with pytest.raises(UserError, match="`tensor_parallel` must be a whole number of at least 1, not 0"):
+        select_roles("cpu", mesh=Mesh(tensor=0))
 
 
 def test_the_specs_follow_the_plan_through_wrappers_and_adapters():

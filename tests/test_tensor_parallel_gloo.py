@@ -18,12 +18,13 @@ import torch
 from conftest import ROOT, assert_same_weights, run_cli, stop_and_resume
 
 from xla_train.core.errors import UserError
+from xla_train.parallel.mesh import Mesh
 
 SAME = r"""
 import functools, sys
 import torch
 from transformers import AutoModelForCausalLM
-from xla_train import launch
+from xla_train import Mesh, launch
 from xla_train.parallel import sharded_load
 from xla_train.core.engine import Engine
 
@@ -91,7 +92,7 @@ if __name__ == "__main__":
             results[folder] = {"losses": losses, "weights": model.state_dict()}
         torch.save(results, out)
     else:
-        launch(worker, (folders, out), backend="cpu", num_processes=4, strategy="fsdp", tensor_parallel=tensor)
+        launch(worker, (folders, out), backend="cpu", num_processes=4, strategy="fsdp", mesh=Mesh(tensor=tensor))
 """
 
 
@@ -190,7 +191,7 @@ def test_the_torch_native_split_refuses_what_it_cannot_split():
 
     from xla_train.core.select import select_roles
 
-    roles = select_roles("cpu", 4, "fsdp", tensor_parallel=2)
+    roles = select_roles("cpu", 4, "fsdp", Mesh(tensor=2))
     strategy = roles.strategy
     assert strategy.planned_data_parallel_size(roles.launcher) == 2
     one_kv = LlamaConfig(num_attention_heads=4, num_key_value_heads=1, intermediate_size=256)
@@ -211,7 +212,7 @@ def test_the_torch_native_split_refuses_what_it_cannot_split():
     assert tp.refusal(moe, 2) is None  # XLA splits the experts by FSDPv2's rule, not the plan's
     with pytest.raises(UserError, match="needs as many workers or more: start them with launch"):
         strategy.wrap_model(torch.nn.Linear(2, 2))  # an Engine in a script, one process, no launch
-    odd = select_roles("cpu", 3, "fsdp", tensor_parallel=2)
+    odd = select_roles("cpu", 3, "fsdp", Mesh(tensor=2))
     with pytest.raises(UserError, match=r"^`tensor_parallel` 2 does not divide the 3 workers "
                                         r"\(`num_processes`\)$"):
         odd.planned_data_parallel_size()

@@ -3,11 +3,12 @@
 import time
 
 from .core.errors import UserError
+from .parallel.mesh import Mesh
 
 STARTED = time.time()  # the process's start, near enough: where a run's wall time (goodput) begins
 
 __version__ = "0.1.0"
-__all__ = ["Engine", "launch", "notebook_launcher", "UserError", "__version__"]
+__all__ = ["Engine", "Mesh", "launch", "notebook_launcher", "UserError", "__version__"]
 
 
 def __getattr__(name):

@@ -46,7 +46,7 @@ def run(cfg, started=None):
     startup = Startup(started or STARTED)
     startup.lap("imports")  # this module's imports: torch, transformers, the package
     cfg.validate()
-    backend = select_roles(cfg.backend, cfg.num_processes, cfg.strategy, cfg.tensor_parallel)
+    backend = select_roles(cfg.backend, cfg.num_processes, cfg.strategy, cfg.mesh())
     if cfg.compile:
         backend.use_compile()  # refused before any work where it does not apply; --buckets auto counts its cost
     if cfg.tf32:

@@ -34,6 +34,7 @@ from transformers import DataCollatorWithPadding
 
 from ..io.checkpoint_io import trained_state, whole_state
 from ..kernels import router_loss
+from ..parallel.mesh import Mesh
 from .batching import BatchPlan, make_loader
 from .errors import UserError, describe
 from .hf import quiet_transformers
@@ -53,8 +54,10 @@ class Engine:
     def __init__(self, backend: str | Roles = "auto", precision: str = "fp32", grad_accum: int = 1,
                  max_grad_norm: float | None = None, num_processes: int | None = None,
                  compile_cache: PathLike | None = None, strategy: str = "ddp", compile: bool = False,
-                 tf32: bool = False, tensor_parallel: int = 1) -> None:
-        roles = _engine_roles(backend, num_processes, strategy, tensor_parallel)
+                 tf32: bool = False, mesh: Mesh | None = None) -> None:
+        """`mesh`: the axes beside the strategy's own (parallel.mesh.Mesh: tensor, expert, context
+        sizes; None: none); inside `launch`, the one the workers were launched with."""
+        roles = _engine_roles(backend, num_processes, strategy, mesh)
         self.accelerator, self.strategy, self.launcher = roles.accelerator, roles.strategy, roles.launcher
         if compile:
             roles.use_compile()  # prepare compiles the model: torch.compile on the torch-native backends
@@ -465,33 +468,34 @@ def _static_shape_loader(loader):
                        lengths=lengths)
 
 
-def _engine_roles(backend, num_processes, strategy, tensor_parallel=1):
+def _engine_roles(backend, num_processes, strategy, mesh=None):
     """The roles an Engine uses: the launching ones inside `launch`, else new ones."""
     if isinstance(backend, Roles):
         return backend
     active = active_roles()
     if active is None:
-        return select_roles(backend, num_processes, strategy, tensor_parallel)
+        return select_roles(backend, num_processes, strategy, mesh)
     if backend not in ("auto", active.name):
         raise UserError(f"Engine(backend={backend!r}) inside a worker launched with the {active.name} backend")
-    if tensor_parallel not in (1, active.strategy.tensor_parallel):
-        raise UserError(f"Engine(tensor_parallel={tensor_parallel}) inside a worker launched with tensor_parallel "
-                        f"{active.strategy.tensor_parallel}: pass it to launch")
+    if mesh not in (None, active.strategy.axes):
+        raise UserError(f"Engine(mesh={mesh}) inside a worker launched with mesh {active.strategy.axes}: "
+                        "pass it to launch")
     return active
 
 
 def launch(fn: Callable[..., object], args: Sequence[Any] = (), backend: str = "auto",
-           num_processes: int | None = None, strategy: str = "ddp", tensor_parallel: int = 1) -> None:
+           num_processes: int | None = None, strategy: str = "ddp", mesh: Mesh | None = None) -> None:
     """Runs `fn(*args)` on every local worker of `backend` (xmp.spawn on TPU; one process per GPU
-    or `num_processes` gloo workers on the fallback; in this process when there is one)."""
-    select_roles(backend, num_processes, strategy, tensor_parallel).launch(fn, args)
+    or `num_processes` gloo workers on the fallback; in this process when there is one), their
+    devices laid out as `mesh` says (parallel.mesh.Mesh)."""
+    select_roles(backend, num_processes, strategy, mesh).launch(fn, args)
 
 
 def notebook_launcher(fn: Callable[..., object], args: Sequence[Any] = (), backend: str = "auto",
-                      num_processes: int | None = None, strategy: str = "ddp", tensor_parallel: int = 1) -> None:
+                      num_processes: int | None = None, strategy: str = "ddp", mesh: Mesh | None = None) -> None:
     """`launch` for a notebook cell: workers are forked, so `fn` may be defined in the notebook.
     Call it before the notebook itself has put anything on an accelerator."""
-    select_roles(backend, num_processes, strategy, tensor_parallel).launch(fn, args, start_method="fork")
+    select_roles(backend, num_processes, strategy, mesh).launch(fn, args, start_method="fork")
 
 
 def checkpoint_activations(model: Any, checkpoint: Callable[..., Any] | None = None) -> None:

@@ -12,7 +12,6 @@ differ, the difference is an attribute or a method here.
 
 from __future__ import annotations
 
-import math
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -22,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ..parallel.mesh import Mesh
 from .errors import UserError
 
 # A batch as a loader yields it: model inputs (and a prepared loader's `valid` mask) by name
@@ -265,9 +265,10 @@ class Strategy(ABC):
     the model is wrapped, how gradients are reduced and how sharded state is read and written.
     One per process, on one accelerator (`self.accelerator`)."""
 
-    # The device mesh as (axis name, size) pairs, and the axes a batch is split over. A strategy
-    # of several axes (fsdp x tensor parallel) names them all and its data axes.
-    data_axes: tuple[str, ...] = ("data",)
+    # The mesh's first axis, which every mesh of this strategy has: `data` (replicas) or `fsdp`
+    # (the parameters split, `sharded`: what the named axes leave of the devices goes to it)
+    main_axis: str = "data"
+    sharded: bool = False
     # Checkpoints of this host's shards (FSDPv2, FSDP2), instead of whole copies that one process
     # writes: on several hosts no host can read another's shards.
     writes_shards: bool = False
@@ -275,12 +276,11 @@ class Strategy(ABC):
     # (FSDPv2 on XLA: job.pretrained, parallel.sharded_load).
     loads_shards: bool = False
     compile_refusal: str | None = None  # why --compile does not run with this strategy, or None
-    # Devices each block's attention heads and MLP columns are split over (the mesh's `tensor`
-    # axis, parallel.tensor_parallel): 1 where there is none
-    tensor_parallel: int = 1
 
-    def __init__(self, accelerator: Accelerator) -> None:
+    def __init__(self, accelerator: Accelerator, mesh: Mesh | None = None) -> None:
+        """`mesh`: the axis sizes the run asks for (parallel.mesh; None: data or fsdp alone)."""
         self.accelerator = accelerator
+        self.axes = mesh or Mesh()
 
     def setup(self) -> None:
         """Called in each worker before anything touches the device (process groups and such)."""
@@ -344,19 +344,29 @@ class Strategy(ABC):
         row and each host's process must draw as the others)."""
         return self.row_share if self.world_size > 1 else 0
 
+    def layout(self) -> Mesh:
+        """The mesh asked for (`axes`) laid over every device of the job, each axis sized."""
+        return self.axes.resolve(self.world_size * self.devices_per_process, self.sharded, self.devices_named)
+
     def mesh_shape(self) -> tuple[tuple[str, int], ...]:
         """The mesh as ((axis name, size), ...): every device of the job."""
-        return (("data", self.world_size * self.devices_per_process),)
+        return self.layout().shape(self.main_axis)
 
     @property
     def data_parallel_size(self) -> int:
-        """Copies of the model that see different batches: the sizes of the data axes."""
-        return math.prod(size for name, size in self.mesh_shape() if name in self.data_axes)
+        """Devices that see different rows of a batch (the row axes of the mesh)."""
+        return self.layout().rows
 
     def planned_data_parallel_size(self, launcher: Launcher) -> int:
         """`data_parallel_size` in the launching process, before `launch` and without starting any
         runtime (the parent must not start XLA's before xmp.spawn forks the replicas)."""
+        return self.axes.resolve(self.planned_devices(launcher), self.sharded, self.devices_named).rows
+
+    def planned_devices(self, launcher: Launcher) -> int:
+        """Every device of the job, counted in the launching process (see above)."""
         return launcher.planned_replicas()
+
+    devices_named = "devices"  # what a refusal calls the devices the mesh is laid over
 
     def input_sharding(self) -> Any:
         """How a batch is laid over the process's devices (None: the batch on its one device)."""

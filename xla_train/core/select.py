@@ -9,6 +9,7 @@ import importlib.util
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from ..parallel.mesh import Mesh
 from .errors import UserError, check_choice
 
 if TYPE_CHECKING:  # torch is imported where it is used: the options check the names here without it
@@ -120,23 +121,27 @@ def no_torchtpu_line(runtimes):
     return line
 
 
-def select_roles(name="auto", num_processes=None, strategy="ddp", tensor_parallel=1):
-    """The roles for `--backend NAME`, `--strategy` and `--tensor-parallel`, not yet started (no
+def select_roles(name="auto", num_processes=None, strategy="ddp", mesh: Mesh | None = None):
+    """The roles for `--backend NAME`, `--strategy` and the mesh's axes (parallel.mesh: what
+    `--tensor-parallel`, `--expert-parallel` and `--context-parallel` ask for), not yet started (no
     runtime, no process group). The one place that maps the names to implementations."""
     check_choice("`backend`", name or "", BACKENDS)  # "" for None: given, and not a name
     check_choice("`strategy`", strategy or "", STRATEGIES)
     if num_processes is not None and num_processes < 1:
         raise UserError(f"`num_processes` must be at least 1, not {num_processes}")
-    if tensor_parallel < 1:
-        raise UserError(f"`tensor_parallel` must be at least 1, not {tensor_parallel}")
+    mesh = mesh or Mesh()
     if name == "auto":
         name, _ = auto_choice()
-    if tensor_parallel > 1 and (name not in ("xla", "cuda", "cpu") or strategy != "fsdp"):
-        # TorchTPU's DTensors under transformers' styles are not read yet
-        raise UserError(f"`tensor_parallel` {tensor_parallel} runs under `strategy` fsdp (a mesh of fsdp x tensor) "
-                        f"on the xla, cuda and cpu backends only, not {name} with {strategy}")
+    # tensor parallelism alone runs on FSDP2 too (TorchTPU's DTensors under transformers' styles
+    # are not read yet); experts and context split on XLA's SPMD only so far
+    backends = ("xla", "cuda", "cpu") if set(mesh.split) == {"tensor"} else ("xla",)
+    if mesh.split and (name not in backends or strategy != "fsdp"):
+        raise UserError(f"{mesh.named()} runs under `strategy` fsdp (a mesh of fsdp and the named axes) on the "
+                        f"{' and '.join([', '.join(backends[:-1]), backends[-1]] if len(backends) > 1 else backends)} "
+                        f"backend{'s' if len(backends) > 1 else ''} only, "
+                        f"not {name} with {strategy}")
     if name == "xla":
-        return _xla_roles(num_processes, strategy, tensor_parallel)
+        return _xla_roles(num_processes, strategy, mesh)
     if strategy == "spmd":
         raise UserError(f"`strategy` spmd needs the xla backend, not {name}")
     import torch
@@ -145,24 +150,24 @@ def select_roles(name="auto", num_processes=None, strategy="ddp", tensor_paralle
         raise UserError("`backend` cuda: no CUDA device is visible")
     if name == "tpu":
         _check_torchtpu()
-    return registered_roles(name)(name, num_processes, strategy, tensor_parallel)
+    return registered_roles(name)(name, num_processes, strategy, mesh)
 
 
 # The torch-native backends' roles are not the core's: a package registers a function that makes
-# them, `make(backend, num_processes, strategy, tensor_parallel) -> Roles`, under the backend's name, either by
+# them, `make(backend, num_processes, strategy, mesh) -> Roles`, under the backend's name, either by
 # calling `register_roles` or through an entry point of this group in its metadata
 # (gpu_fallback's, in setup.py: found once the package is installed).
 ROLES_GROUP = "xla_train.roles"
 FALLBACK_BACKENDS = ("cuda", "cpu", "tpu")  # gpu_fallback's (setup.py's entry points)
-_REGISTERED: dict[str, Callable[[str, int | None, str, int], Roles]] = {}
+_REGISTERED: dict[str, Callable[[str, int | None, str, Mesh], Roles]] = {}
 
 
-def register_roles(name: str, make: Callable[[str, int | None, str, int], Roles]) -> None:
+def register_roles(name: str, make: Callable[[str, int | None, str, Mesh], Roles]) -> None:
     """Makes `make` the roles of `backend` `name` (cuda, cpu, tpu)."""
     _REGISTERED[name] = make
 
 
-def registered_roles(name: str) -> Callable[[str, int | None, str, int], Roles]:
+def registered_roles(name: str) -> Callable[[str, int | None, str, Mesh], Roles]:
     """What makes backend `name`'s roles: registered in this process, else an installed package's
     entry point (importlib.metadata, group ROLES_GROUP)."""
     if name not in _REGISTERED:
@@ -188,7 +193,7 @@ def _check_torchtpu():
                         "device (no TPU chip found, or TORCH_DEVICE_BACKEND_AUTOLOAD=0 kept torch from loading it)")
 
 
-def _xla_roles(num_processes, strategy, tensor_parallel=1):
+def _xla_roles(num_processes, strategy, mesh):
     if not xla_available():
         raise UserError("`backend` xla needs torch_xla: pip install 'xla-train[tpu]' (or [xla] for CPU)")
     mismatch = xla_problem()
@@ -205,6 +210,5 @@ def _xla_roles(num_processes, strategy, tensor_parallel=1):
     cls, launcher_cls = strategies[strategy]
     launcher = launcher_cls(num_processes)  # the processes asked for are checked first
     accelerator = xla.XlaAccelerator(virtual=launcher_cls is launchers.HostLauncher)
-    fsdp = cls is xla_strategies.XlaFsdp
-    strategy_part = xla_strategies.XlaFsdp(accelerator, tensor_parallel) if fsdp else cls(accelerator)
+    strategy_part = cls(accelerator, mesh)
     return Roles(accelerator, strategy_part, launcher)

@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..core.errors import UserError
+from ..parallel.mesh import rows_entry
 
 if TYPE_CHECKING:
     import torch
@@ -526,7 +527,9 @@ def _spmd_layout():
     if mesh is None:
         return None, None
     heads = "tensor" if "tensor" in mesh.axis_names else None  # parallel.tensor_parallel.TENSOR
-    return (mesh.axis_names[0], heads, None, None), mesh
+    # rows over the row axes (fsdp, and expert where the mesh has it); a row's tokens whole: under
+    # context parallelism the partitioner gathers them for the kernel
+    return (rows_entry(mesh.axis_names), heads, None, None), mesh
 
 
 def splash_forward(q, k, v, segment_ids, sinks, scale: float, window: int | None, softcap: float | None, block: int):

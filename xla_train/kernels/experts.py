@@ -45,8 +45,10 @@ from typing import Any
 
 import torch
 
+from ..parallel.mesh import tokens_entry
 from .megablox import Kernels, gmm_serves, grouped_matmul, grouped_refusal, row_shards, torch_xla_kernels
 
+EXPERT = "expert"  # the mesh's axis the experts are split over (parallel.mesh)
 XLA_EXPERTS = "xla_dense"
 XLA_GROUPED = "xla_grouped"  # a TPU's: torch_xla's megablox grouped matmul
 # the stock implementations XLA cannot run statically (see above); others (CUDA kernels, FP8) are left alone
@@ -77,6 +79,7 @@ def dense_experts_forward(self: Any, hidden_states: torch.Tensor, top_k_index: t
     if up_bias is not None:
         proj = proj + up_bias.reshape(experts * out_dim)
     proj = proj.view(tokens, experts, out_dim)
+    _split_by_expert(proj, (0, 1))
     # the module's own gate (gpt-oss: interleaved halves, clamped) or activation, on the last dimension
     act = self._apply_gate(proj) if self.has_gate else self.act_fn(proj)  # (tokens, experts, intermediate)
     inner = act.size(2)
@@ -87,6 +90,7 @@ def dense_experts_forward(self: Any, hidden_states: torch.Tensor, top_k_index: t
     if self.has_post_expert_norm:
         # the norm comes between an expert's output and its weight: each expert's output is kept
         out = torch.matmul(act.transpose(0, 1), down_t)  # (experts, tokens, hidden)
+        _split_by_expert(out, (1, 0))
         if down_bias is not None:
             out = out + down_bias[:, None, :]
         out = self.post_expert_norm(out)
@@ -98,6 +102,56 @@ def dense_experts_forward(self: Any, hidden_states: torch.Tensor, top_k_index: t
         if down_bias is not None:
             final = final + torch.matmul(routing.to(down_bias.dtype), down_bias)
     return final.to(hidden_states.dtype)
+
+
+def _split_by_expert(t: torch.Tensor, dims: tuple[int, int]) -> None:
+    """Under SPMD with an `expert` axis (parallel.mesh), `t`'s experts dimension (`dims[1]`) split
+    over it and its tokens (`dims[0]`) over the other axes that split tokens: each device computes
+    its own experts (their weights split so too, XlaFsdp._plan) on the tokens of its expert group,
+    which the partitioner gathers there; the sum over experts that follows is reduced over the
+    axis. Tokens travel to their experts' devices and back (all-gather and reduce-scatter); no
+    device holds another's experts."""
+    if t.device.type != "xla":
+        return
+    from .megablox import spmd_mesh
+
+    mesh = spmd_mesh()
+    if mesh is None or EXPERT not in mesh.axis_names:
+        return
+    import torch_xla.distributed.spmd as xs
+
+    spec: list[Any] = [None] * t.dim()
+    spec[dims[0]], spec[dims[1]] = tokens_entry(mesh.axis_names, but=EXPERT), EXPERT
+    xs.mark_sharding(t, mesh, tuple(spec))
+
+
+def expert_weights(model: torch.nn.Module) -> list[str]:
+    """The names of `model`'s experts' stacked parameters (first dimension: the expert): those of
+    each experts module (transformers' `use_experts_implementation` classes: `num_experts` and a
+    `down_proj`), not the router's."""
+    names = []
+    for prefix, module in model.named_modules():
+        count = getattr(module, "num_experts", None)
+        if not isinstance(count, int) or not hasattr(module, "down_proj"):
+            continue
+        for name, p in module.named_parameters(recurse=False):
+            if p.dim() >= 1 and p.shape[0] == count:
+                names.append(f"{prefix}.{name}" if prefix else name)
+    return names
+
+
+def expert_refusal(config: Any, n: int) -> str | None:
+    """Why a model of `config` does not split its experts over `n` devices, in one line, or None."""
+    if n == 1:
+        return None
+    text = getattr(config, "get_text_config", lambda: config)()
+    name = type(config).__name__
+    experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None)
+    if not experts:
+        return f"`expert_parallel` {n}: {name} is not a mixture of experts"
+    if experts % n:
+        return f"`expert_parallel` {n}: {name}'s {experts} experts cannot be split evenly over {n} devices"
+    return None
 
 
 def grouped_experts_forward(self: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor,

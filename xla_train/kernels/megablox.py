@@ -20,9 +20,12 @@ interpret mode with these arguments (tests/megablox_interpret.py).
 from __future__ import annotations
 
 import importlib.util
+import math
 from typing import Any, NamedTuple
 
 import torch
+
+from ..parallel.mesh import rows_entry
 
 TILE = 128  # the kernel's tiles are multiples of the TPU's 128 lanes
 ROW_TILE_LIMIT = 512  # torch_xla 2.9's limits on the tiles (_get_tiling_size_for_gmm_kernel)
@@ -95,7 +98,7 @@ class RowShards(NamedTuple):
     along it; kernels.attention._spmd_layout, the Pallas kernels' rule)."""
 
     mesh: Any
-    axis: str
+    axis: str | tuple[str, ...]  # the row axes (parallel.mesh.rows_entry)
     devices: int
 
 
@@ -121,8 +124,9 @@ def row_shards(tensor: torch.Tensor) -> RowShards | None:
     mesh = spmd_mesh() if tensor.device.type == "xla" else None
     if mesh is None:
         return None
-    axis = mesh.axis_names[0]
-    return RowShards(mesh, axis, dict(zip(mesh.axis_names, mesh.mesh_shape))[axis])
+    axis = rows_entry(mesh.axis_names)
+    sizes = dict(zip(mesh.axis_names, mesh.mesh_shape))
+    return RowShards(mesh, axis, math.prod(sizes[a] for a in ((axis,) if isinstance(axis, str) else axis)))
 
 
 def _manual(t: torch.Tensor, layout: RowShards | None, split: bool) -> torch.Tensor:

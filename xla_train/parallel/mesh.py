@@ -31,8 +31,23 @@ from ..core.errors import UserError
 
 AXES = ("data", "fsdp", "expert", "context", "tensor")  # outermost to innermost
 ROWS = ("data", "fsdp", "expert")  # the axes whose devices load different rows
+FILLED = AXES[:2]  # the axes `resolve` sizes: what the named ones leave
 PARAMS = ("fsdp", "expert", "context")  # the axes FSDP splits every parameter over (ZeRO-3 over them all)
 Spec = tuple[str | tuple[str, ...] | None, ...]
+
+
+def rows_entry(axis_names: tuple[str, ...] | list[str]) -> str | tuple[str, ...]:
+    """The partition spec entry of a batch's rows on a mesh of these axis names (a torch_xla
+    Mesh's `axis_names`): every row axis it has, else its first axis (XlaSpmd's one `data`)."""
+    names = tuple(a for a in axis_names if a in ROWS) or tuple(axis_names[:1])
+    return names[0] if len(names) == 1 else names
+
+
+def tokens_entry(axis_names: tuple[str, ...] | list[str], but: str = "") -> str | tuple[str, ...] | None:
+    """The entry of a dimension of a batch's tokens flattened (rows x length, as a mixture's
+    experts take them): the row axes and `context` that the mesh has, except `but`."""
+    names = tuple(a for a in axis_names if a in (*ROWS, "context") and a != but)
+    return names[0] if len(names) == 1 else (names or None)
 
 
 @dataclass(frozen=True)
@@ -51,7 +66,7 @@ class Mesh:
     def __post_init__(self) -> None:
         for f in fields(self):
             size = getattr(self, f.name)
-            least = 0 if f.name in ("data", "fsdp") else 1
+            least = 0 if f.name in FILLED else 1
             if not isinstance(size, int) or size < least:
                 raise UserError(f"`{f.name}_parallel` must be a whole number of at least {least}, not {size!r}")
         for axis in ("pipeline", "dcn"):
@@ -69,18 +84,9 @@ class Mesh:
         """Devices of one group of the axes that see the same rows (context x tensor)."""
         return self.context * self.tensor
 
-    def refusal(self, sharded: bool, backend: str) -> str | None:
-        """Why this mesh cannot run under a strategy that splits parameters (`sharded`) or not, on
-        `backend`, in one line, or None. Checked before anything starts (core.select)."""
-        if not self.split:
-            return None
-        names = ", ".join(f"`{a}_parallel` {n}" for a, n in self.split.items())
-        if not sharded:
-            return f"{names} runs under `strategy` fsdp (a mesh of fsdp and the named axes)"
-        if backend != "xla" and (self.expert > 1 or self.context > 1):
-            return (f"{names} runs on the xla backend only so far "
-                    "(on cuda and the cpu, FSDP2 splits `tensor_parallel` alone)")
-        return None
+    def named(self) -> str:
+        """The axes named above 1, as an error names them: "`tensor_parallel` 2, `context_parallel` 2"."""
+        return ", ".join(f"`{a}_parallel` {n}" for a, n in self.split.items())
 
     # --- laid out over the devices ----------------------------------------------------------
     def resolve(self, devices: int, sharded: bool, what: str = "devices") -> Mesh:
@@ -89,8 +95,8 @@ class Mesh:
         they do not divide it."""
         named = self.expert * self.context * self.tensor
         if devices % named:
-            sizes = " x ".join(f"`{a}_parallel` {n}" for a, n in self.split.items())
-            raise UserError(f"{sizes} ({named}) does not divide the {devices} {what}")
+            label = self.named() if len(self.split) == 1 else f"{self.named()} ({named} devices a group)"
+            raise UserError(f"{label} does not divide the {devices} {what}")
         rest = devices // named
         given = self.fsdp if sharded else self.data
         if given and given != rest:
@@ -123,23 +129,26 @@ class Mesh:
         return rank // self.inner
 
     # --- partition specs by axis name (XLA's SPMD) ------------------------------------------
-    def _present(self, axes: tuple[str, ...], main: str) -> str | tuple[str, ...] | None:
-        names = tuple(a for a, _ in self.shape(main) if a in axes)
+    def _present(self, axes: tuple[str, ...]) -> str | tuple[str, ...] | None:
+        # axes of one device split nothing, and are left out: torch_xla 2.9's ShardingSpec (the
+        # loaders') fails on a spec naming one beside another ("IndexError: too many indices",
+        # tried: mesh (fsdp 1, context 2, tensor 2), spec ("fsdp", "context")); mark_sharding does not
+        names = tuple(a for a in AXES if a in axes and getattr(self, a) > 1)
         return names[0] if len(names) == 1 else (names or None)
 
-    def row_axes(self, main: str) -> str | tuple[str, ...] | None:
+    def row_axes(self) -> str | tuple[str, ...] | None:
         """The spec entry of a batch's first dimension: its rows over every row axis."""
-        return self._present(ROWS, main)
+        return self._present(ROWS)
 
-    def param_axes(self, main: str, but: tuple[str, ...] = ()) -> str | tuple[str, ...] | None:
+    def param_axes(self, but: tuple[str, ...] = ()) -> str | tuple[str, ...] | None:
         """The spec entry of a parameter's dimension that FSDP splits: every axis of PARAMS present
         (except `but`, the axes another dimension of the same parameter takes)."""
-        return self._present(tuple(a for a in PARAMS if a not in but), main)
+        return self._present(tuple(a for a in PARAMS if a not in but))
 
-    def batch_spec(self, dims: int, main: str, tokens: bool = False) -> Spec:
+    def batch_spec(self, dims: int, tokens: bool = False) -> Spec:
         """The partition spec of a batch's tensor of `dims` dimensions: rows over the row axes,
         and where `tokens` (a [rows, length, ...] tensor of a causal LM) its tokens over `context`."""
-        spec: list[Any] = [self.row_axes(main)] + [None] * (dims - 1)
+        spec: list[Any] = [self.row_axes()] + [None] * (dims - 1)
         if tokens and dims > 1 and self.context > 1:
             spec[1] = "context"
         return tuple(spec)

@@ -250,23 +250,31 @@ def shard_places(shape: tuple[int, ...], mesh: Any, spec: tuple[Any, ...], devic
     under `spec` over `mesh`, and the shard's padded shape. A dimension split over a mesh axis of
     n devices is cut into pieces of ceil(size / n), the last ones shorter or empty (XLA's tiling;
     torch_xla 2.9's csrc/xla_sharding_util.cpp, GetShardReplicaAndIndicesForDevices clamps each
-    piece to the tensor); the mesh axes not named replicate. Specs name one axis (or none) per
-    dimension, as FSDPv2's do (`_prepare_spmd_partition_spec`)."""
+    piece to the tensor); the mesh axes not named replicate. A dimension may name several axes (a
+    tuple): split over all of them, the first the most significant (torch_xla's Mesh.get_op_sharding
+    flattens them so)."""
     import numpy as np
 
     grid = np.asarray(mesh.device_ids).reshape(mesh.mesh_shape)
-    axes = [None if s is None else mesh.get_axis_name_idx(s) if isinstance(s, str) else int(s) for s in spec]
-    counts = [1 if a is None else mesh.mesh_shape[a] for a in axes]
+    axes = [() if s is None else tuple(_axis(mesh, a) for a in (s if isinstance(s, tuple) else (s,))) for s in spec]
+    counts = [math.prod(mesh.mesh_shape[a] for a in group) for group in axes]
     shard_shape = tuple(-(-n // c) for n, c in zip(shape, counts))
     places = []
     for device in devices:
         coords = [int(c[0]) for c in np.nonzero(grid == device)]
         index = []
-        for n, a, size in zip(shape, axes, shard_shape):
-            start = 0 if a is None else min(coords[a] * size, n)
+        for n, group, size in zip(shape, axes, shard_shape):
+            piece = 0
+            for a in group:  # the piece's number over the axes of the group, the first most significant
+                piece = piece * mesh.mesh_shape[a] + coords[a]
+            start = min(piece * size, n)
             index.append(slice(start, min(start + size, n)))
         places.append(tuple(index))
     return places, shard_shape
+
+
+def _axis(mesh: Any, axis: str | int) -> int:
+    return mesh.get_axis_name_idx(axis) if isinstance(axis, str) else int(axis)
 
 
 def _check_places(tensor: torch.Tensor, places: list[tuple[slice, ...]]) -> None:

@@ -25,8 +25,10 @@ from ..core.roles import (
     shaped_like,
 )
 from ..core.xla import XlaAccelerator
+from ..kernels.experts import EXPERT, expert_refusal, expert_weights
 from . import sharded_load
 from . import tensor_parallel as tensor_plan
+from .mesh import Mesh
 
 
 class XlaDdp(Strategy):
@@ -101,9 +103,7 @@ class XlaSpmd(XlaDdp):
     collectives. The world size is 1, but every host has a process (`peers`). Its accelerator is
     virtual (one device for all of them)."""
 
-    data_axes = ("data",)  # the mesh's one axis, over every device of every host
-
-    def planned_data_parallel_size(self, launcher: Launcher) -> int:
+    def planned_devices(self, launcher: Launcher) -> int:
         if os.environ["PJRT_DEVICE"].upper() == "TPU":
             from torch_xla._internal import tpu
 
@@ -139,20 +139,14 @@ class XlaSpmd(XlaDdp):
     def replicas_per_process(self) -> int:
         return 1
 
-    def mesh_shape(self) -> tuple[tuple[str, int], ...]:
-        return ((self.data_axes[0], self.devices_per_process),)
-
     def mesh(self) -> Any:
-        import numpy as np
-        import torch_xla.distributed.spmd as xs
+        return self.layout().xla(self.main_axis)
 
-        names, sizes = zip(*self.mesh_shape())
-        return xs.Mesh(np.arange(math.prod(sizes)), sizes, names)
-
-    def batch_spec(self, dims: int) -> tuple[str | tuple[str, ...] | None, ...]:
-        """The partition spec of a tensor of `dims` dimensions split by rows over the data axes."""
-        rows = self.data_axes[0] if len(self.data_axes) == 1 else self.data_axes
-        return (rows,) + (None,) * (dims - 1)
+    def batch_spec(self, dims: int, tokens: bool = True) -> tuple[str | tuple[str, ...] | None, ...]:
+        """The partition spec of a batch's tensor of `dims` dimensions: split by rows over the row
+        axes and, where `tokens` and the mesh has a context axis, its second dimension (a row's
+        tokens: only causal LMs run under context parallelism) over `context`."""
+        return self.layout().batch_spec(dims, tokens)
 
     def input_sharding(self) -> Any:
         import torch_xla.distributed.spmd as xs
@@ -180,7 +174,7 @@ class XlaSpmd(XlaDdp):
         # They are then gathered across the hosts on the device (`gather`); each process alone
         # would give one host's view of a stop.
         local = row[None].expand(xr.addressable_runtime_device_count(), -1).contiguous()
-        sharding = xs.ShardingSpec(self.mesh(), self.batch_spec(2), minibatch=True)
+        sharding = xs.ShardingSpec(self.mesh(), self.batch_spec(2, tokens=False), minibatch=True)
         # torch_xla 2.9 annotates send_cpu_data_to_device's result as ToXlaTensorArena; it returns
         # what ToXlaTensorArena.transfer returns: the list given, its tensors on the device
         sent: Any = xm.send_cpu_data_to_device([local], self.accelerator.device, sharding)
@@ -208,64 +202,64 @@ class XlaFsdp(XlaSpmd):
     wraps each transformer block the model declares (transformers' `_no_split_modules`), then the
     rest; the partitioner gathers a block's weights for its forward and backward only."""
 
-    data_axes = ("fsdp",)  # the name FSDPv2 requires (spmd_fully_sharded_data_parallel.py, __init__)
+    main_axis = "fsdp"  # the name FSDPv2 requires (spmd_fully_sharded_data_parallel.py, __init__)
+    sharded = True
     loads_shards = True  # job.prepare builds the model without its weights; wrap_model reads its shards
 
-    def __init__(self, accelerator: XlaAccelerator, tensor_parallel: int = 1) -> None:
-        """`tensor_parallel` > 1: a 2-D mesh, (fsdp, devices / N) x (tensor, N), each block's
-        projections split over `tensor` by the model's tensor-parallel plan (parallel.tensor_parallel),
-        every parameter over `fsdp` too; the batch is split over `fsdp` only, so the N devices of a
-        tensor group see the same rows."""
-        super().__init__(accelerator)
-        self.tensor_parallel = tensor_parallel
+    def __init__(self, accelerator: XlaAccelerator, mesh: Mesh | None = None) -> None:
+        """`mesh` names axes beside fsdp (parallel.mesh): `tensor` splits each block's projections by
+        the model's tensor-parallel plan (parallel.tensor_parallel), `expert` a mixture's experts
+        (kernels.experts.expert_weights), `context` each row's tokens; every parameter is split over
+        fsdp, expert and context too (ZeRO-3 over them). The batch's rows are split over fsdp and
+        expert, so the devices of a context x tensor group see the same rows."""
+        super().__init__(accelerator, mesh)
 
-    def planned_data_parallel_size(self, launcher: Launcher) -> int:
-        devices = super().planned_data_parallel_size(launcher)
+    def planned_devices(self, launcher: Launcher) -> int:
         hosts = launcher.host_position()[1]
-        if self.tensor_parallel > 1 and hosts > 1:
+        if self.axes.split and hosts > 1:
             # Each host's rows go to torch_xla as its part of the batch (`_HostRows`, minibatch), by a
             # ShardingSpec per rank: a 1-D one, ("fsdp",), over a 2-D mesh comes out TILED with a 2-D
             # tile assignment (distributed/spmd/xla_sharding.py, ShardingSpec.__post_init__ and
             # _get_tile_assignment: unlike Mesh.get_op_sharding, it does not replicate over the axes
             # a spec leaves out), so 1-D labels would not be laid out; not built yet
-            raise UserError(f"`tensor_parallel` {self.tensor_parallel} runs on one host only so far (this slice has "
-                            f"{hosts} hosts); on a pod, `strategy` fsdp alone shards over every chip")
-        self._check_devices(devices)
-        return devices // self.tensor_parallel
-
-    def _check_devices(self, devices: int) -> None:
-        if devices % self.tensor_parallel:
-            raise UserError(f"`tensor_parallel` {self.tensor_parallel} does not divide the {devices} devices")
-
-    def mesh_shape(self) -> tuple[tuple[str, int], ...]:
-        if self.tensor_parallel == 1:
-            return super().mesh_shape()
-        self._check_devices(self.devices_per_process)  # an Engine made in a script is not planned first
-        # tensor peers are neighbouring devices (the mesh's last axis): on a TPU, chips of one host
-        return (("fsdp", self.devices_per_process // self.tensor_parallel),
-                (tensor_plan.TENSOR, self.tensor_parallel))
+            names = ", ".join(f"`{a}_parallel` {n}" for a, n in self.axes.split.items())
+            raise UserError(f"{names} runs on one host only so far (this slice has {hosts} hosts); on a pod, "
+                            "`strategy` fsdp alone shards over every chip")
+        return super().planned_devices(launcher)
 
     def check_model(self, config: Any, lora: bool = False) -> None:
-        line = tensor_plan.refusal(config, self.tensor_parallel)  # LoRA's layers split as their base's
+        line = tensor_plan.refusal(config, self.axes.tensor)  # LoRA's layers split as their base's
+        line = line or expert_refusal(config, self.axes.expert)
         if line:
             raise UserError(line)
 
     @property
     def param_shards(self) -> int:
-        return self.devices_per_process
+        return self.layout().param_shards
 
     def param_spec(self, param: torch.Tensor) -> tuple[Any, ...]:
-        """The partition spec of `param` over the mesh: FSDPv2's, or under tensor parallelism the
-        plan's (which `_plan` gives the parameter itself) else tensor_plan.default_spec."""
-        if self.tensor_parallel == 1:
+        """The partition spec of `param` over the mesh: FSDPv2's over fsdp alone; with more axes
+        the plan's (which `_plan` gives the parameter itself: tensor-parallel projections, experts
+        split by expert) else tensor_plan.default_spec, its `fsdp` dimension over every axis FSDP
+        splits parameters over (fsdp, and expert and context where the mesh has them)."""
+        layout = self.layout()
+        if not layout.split:
             return _param_spec(param)
-        return getattr(param, _PLANNED, None) or tensor_plan.default_spec(param.shape, tensor=True)
+        spec = getattr(param, _PLANNED, None) or tensor_plan.default_spec(param.shape, tensor=layout.tensor > 1)
+        rest = layout.param_axes(but=tuple(a for a in spec if a == EXPERT))
+        return tuple(rest if a == tensor_plan.FSDP else a for a in spec)
 
     def _plan(self, model: torch.nn.Module) -> None:
         """Each of `model`'s parameters that the plan splits given its spec, as they are now (a
         parameter made anew, on the devices from its shards or sent there, is given it again). On
-        the parameter itself: every model a run prepares (a frozen reference too) keeps its own."""
-        specs = tensor_plan.planned_specs(model, self.tensor_parallel)
+        the parameter itself: every model a run prepares (a frozen reference too) keeps its own.
+        A mixture's experts (first dimension: the expert) over `expert`, the rest as default_spec."""
+        layout = self.layout()
+        specs = tensor_plan.planned_specs(model, layout.tensor) if layout.tensor > 1 else {}
+        if layout.expert > 1:
+            for name in expert_weights(model):
+                shape = dict(model.named_parameters())[name].shape
+                specs[name] = (EXPERT, *tensor_plan.default_spec(shape[1:], tensor=layout.tensor > 1))
         for name, p in model.named_parameters():
             if name in specs:
                 setattr(p, _PLANNED, specs[name])
@@ -300,14 +294,15 @@ class XlaFsdp(XlaSpmd):
         # A model built without its checkpoint's weights (job.prepare, parallel.sharded_load): they are
         # made on the devices already sharded as FSDPv2 shards them, which its wrappers then keep.
         source = getattr(model, sharded_load.SOURCE, None)
-        if self.tensor_parallel > 1:
+        split = bool(self.axes.split)
+        if split:
             self.check_model(model.config)  # job.prepare checked it already; an Engine in a script has not
             self._plan(model)  # the parameters as built: on the meta device, or whole on the host
         if source is not None:
             source.materialise(model, self.mesh(), self.param_spec)
             delattr(model, sharded_load.SOURCE)
             print(source.line(), flush=True)
-        if self.tensor_parallel > 1:
+        if split:
             self._place(model)  # those on the host (a whole load: LoRA's base, a resumed run; a new head)
             self._plan(model)  # as they are now, made anew on the devices
         import torch_xla.distributed.spmd as xs

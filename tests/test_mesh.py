@@ -1,0 +1,216 @@
+"""parallel/mesh.py: one value for every axis of the device mesh (issue 62), and the two axes it
+brought, experts and context, on XLA's SPMD.
+
+In pytest's process: the value's layout, its refusals and the strategies' use of it. In one
+process of 4 XLA:CPU devices (a module fixture, as test_tensor_parallel.py's): a tiny Llama and
+Qwen3 on packed 512-token rows and a tiny Qwen3-MoE and gpt-oss, each trained under fsdp alone and
+under `context`, `expert` and `tensor` beside it; every way must give fsdp alone's losses and
+weights within 1e-5 (fp32), compile no more graphs and run no aten op on the CPU."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import tiny_decoders as td
+from conftest import ROOT
+
+from xla_train.core.errors import UserError
+from xla_train.parallel.mesh import Mesh, rows_entry, tokens_entry
+
+FOUR = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4", "XLA_USE_SPMD": "1"}
+
+
+# --- the value -----------------------------------------------------------------------------------
+def test_the_mesh_lays_the_devices_out_once():
+    """What the named axes leave goes to fsdp (the parameters split) or data; rows are split over
+    data, fsdp and expert; a context x tensor group's devices see the same rows."""
+    mesh = Mesh(context=2, tensor=2).resolve(8, sharded=True)
+    assert (mesh.data, mesh.fsdp, mesh.expert, mesh.context, mesh.tensor) == (1, 2, 1, 2, 2)
+    assert mesh.shape("fsdp") == (("fsdp", 2), ("context", 2), ("tensor", 2))
+    assert mesh.rows == 2 and mesh.param_shards == 4 and mesh.devices == 8
+    assert [mesh.row_share(rank) for rank in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    experts = Mesh(expert=2).resolve(4, sharded=True)
+    assert experts.shape("fsdp") == (("fsdp", 2), ("expert", 2)) and experts.rows == 4
+    assert Mesh().resolve(4, sharded=False).shape("data") == (("data", 4),)
+    assert Mesh().resolve(1, sharded=True).shape("fsdp") == (("fsdp", 1),)  # the strategy's axis is always there
+
+
+def test_the_specs_name_the_axes_the_mesh_has():
+    mesh = Mesh(expert=2, context=2).resolve(8, sharded=True)
+    assert mesh.batch_spec(2, tokens=True) == (("fsdp", "expert"), "context")
+    assert mesh.batch_spec(3, tokens=False) == (("fsdp", "expert"), None, None)
+    assert mesh.param_axes() == ("fsdp", "expert", "context")
+    assert mesh.param_axes(but=("expert",)) == ("fsdp", "context")
+    assert Mesh().resolve(4, sharded=True).batch_spec(2) == ("fsdp", None)
+    # an axis of one device is left out (torch_xla's ShardingSpec fails on one beside another)
+    assert Mesh(context=2, tensor=2).resolve(4, sharded=True).batch_spec(2, tokens=True) == (None, "context")
+    assert rows_entry(("fsdp", "expert", "tensor")) == ("fsdp", "expert")
+    assert rows_entry(("data",)) == "data"
+    assert tokens_entry(("fsdp", "expert", "context", "tensor"), but="expert") == ("fsdp", "context")
+
+
+def test_the_mesh_refuses_in_one_line():
+    with pytest.raises(UserError, match=r"^`context_parallel` 2, `tensor_parallel` 2 \(4 devices a group\) does "
+                                        r"not divide the 6 devices$"):
+        Mesh(context=2, tensor=2).resolve(6, sharded=True)
+    with pytest.raises(UserError, match=r"^`expert_parallel` must be a whole number of at least 1, not 0$"):
+        Mesh(expert=0)
+    with pytest.raises(UserError, match=r"^`pipeline_parallel` 2: not built yet"):
+        Mesh(pipeline=2)
+
+
+def test_the_new_axes_run_under_fsdp_on_xla_only():
+    from xla_train.core.select import select_roles
+
+    with pytest.raises(UserError, match=r"^`context_parallel` 2 runs under `strategy` fsdp .* on the xla backend "
+                                        r"only, not cpu with fsdp$"):
+        select_roles("cpu", 4, "fsdp", Mesh(context=2))
+    with pytest.raises(UserError, match=r"^`expert_parallel` 2 runs under .* not xla with ddp$"):
+        select_roles("xla", None, "ddp", Mesh(expert=2))
+
+
+def test_experts_split_only_where_there_are_experts_that_n_divides():
+    from transformers import GptOssConfig, LlamaConfig, Qwen3MoeConfig
+
+    from xla_train.kernels.experts import expert_refusal
+
+    assert expert_refusal(LlamaConfig(), 2) == "`expert_parallel` 2: LlamaConfig is not a mixture of experts"
+    assert expert_refusal(Qwen3MoeConfig(num_experts=6), 4) == (
+        "`expert_parallel` 4: Qwen3MoeConfig's 6 experts cannot be split evenly over 4 devices")
+    assert expert_refusal(GptOssConfig(num_local_experts=8), 4) is None
+    assert expert_refusal(LlamaConfig(), 1) is None
+
+
+def test_the_options_make_one_mesh():
+    from xla_train.options import TrainOptions
+
+    cfg = TrainOptions(strategy="fsdp", tensor_parallel=2, context_parallel=2)
+    assert cfg.mesh() == Mesh(tensor=2, context=2)
+    assert cfg.mesh().named() == "`context_parallel` 2, `tensor_parallel` 2"
+
+
+# --- on 4 XLA:CPU devices ------------------------------------------------------------------------
+SAME = r"""
+import functools, json, sys
+import torch, torch_xla
+from transformers import AutoConfig
+from xla_train import Mesh
+from xla_train.core.engine import Engine
+from xla_train.tasks.causal_lm import DecoderModel, NextToken
+
+STEPS, LR, ROWS, LENGTH = 2, 2e-5, 4, 512
+MESHES = {"fsdp": Mesh(), "cp2": Mesh(context=2), "cp2tp2": Mesh(context=2, tensor=2), "ep2": Mesh(expert=2),
+          "ep2tp2": Mesh(expert=2, tensor=2)}
+engines = {}
+
+
+def packed(vocab, seed):
+    # rows of 3 or 4 documents each, then padding (segment 0): positions from 0 in each document,
+    # a token's label the next token of its document
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (ROWS, LENGTH), generator=g)
+    positions, segments = torch.zeros_like(ids), torch.zeros_like(ids)
+    labels = torch.full_like(ids, -100)
+    for r in range(ROWS):
+        cuts = [0, *sorted(torch.randint(8, LENGTH - 40, (3,), generator=g).tolist()), LENGTH - 8 * (r + 1)]
+        for n, (a, b) in enumerate(zip(cuts, cuts[1:]), 1):
+            positions[r, a:b], segments[r, a:b] = torch.arange(b - a), n
+            labels[r, a:b - 1] = ids[r, a + 1:b]
+    return [{"input_ids": ids[r], "position_ids": positions[r], "segments": segments[r], "labels": labels[r]}
+            for r in range(ROWS)]
+
+
+def train(folder, way, vocab):
+    engine = engines.setdefault(way, Engine("xla", strategy="fsdp", mesh=MESHES[way]))
+    engine.strategy.check_model(AutoConfig.from_pretrained(folder))  # the CLI's check: it splits
+    torch.manual_seed(0)
+    model = DecoderModel().load(folder, 7, 0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    rows = [row for step in range(STEPS) for row in packed(vocab, step)]
+    loader = torch.utils.data.DataLoader(rows, batch_size=ROWS)
+    before = engine.accelerator.compile_stats()
+    model, optimizer, loader = engine.prepare(model, optimizer, loader)
+    objective, losses, spec = NextToken(), [], None
+    for batch in loader:
+        spec = spec or torch_xla._XLAC._get_xla_sharding_spec(batch["input_ids"])
+        labels = batch.pop("labels")
+        loss = objective.loss(objective.forward(model, batch), labels)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss)
+        torch_xla.sync()
+    plain = engine.unwrap_model(model)
+    state = plain.state_dict()
+    values = engine.strategy.read([*losses, *state.values()])
+    after = engine.accelerator.compile_stats()
+    experts = [n for n in state if "experts" in n and n.endswith(("gate_up_proj", "down_proj"))]
+    return {"losses": [v.item() for v in values[:STEPS]], "state": dict(zip(state, values[STEPS:])),
+            "input_spec": spec, "expert_spec": experts and torch_xla._XLAC._get_xla_sharding_spec(state[experts[0]]),
+            "compiles": after["compiles"] - before["compiles"],
+            "fallbacks": after["aten_fallbacks"] - before["aten_fallbacks"]}
+
+
+report = {}
+for case in sys.argv[1:]:
+    folder, vocab, ways = case.split("|")
+    runs = {way: train(folder, way, int(vocab)) for way in ways.split(",")}
+    first = runs["fsdp"]
+    furthest = lambda state: max((state[k] - first["state"][k]).abs().max().item() for k in state)
+    report[folder] = {way: {"losses": r["losses"], "fsdp_losses": first["losses"], "from_fsdp": furthest(r["state"]),
+                            "input_spec": r["input_spec"], "expert_spec": r["expert_spec"],
+                            "compiles": r["compiles"], "fsdp_compiles": first["compiles"], "fallbacks": r["fallbacks"]}
+                      for way, r in runs.items()}
+print(json.dumps(report))
+"""
+
+CASES = {"llama": ("llama", "fsdp,cp2,cp2tp2"), "qwen3": ("qwen3", "fsdp,cp2"),
+         "qwen3moe": ("qwen3moe", "fsdp,ep2,ep2tp2"), "gptoss": ("gptoss", "fsdp,ep2")}
+
+
+@pytest.fixture(scope="module")
+def ways(tmp_path_factory):
+    """The script above in one process of 4 XLA:CPU devices, every family and way of CASES."""
+    from transformers import AutoConfig
+
+    folder = tmp_path_factory.mktemp("mesh")
+    args, names = [], {}
+    for family, (name, ways_) in CASES.items():
+        path = td.save(name, folder / family)
+        vocab = min(AutoConfig.from_pretrained(path).vocab_size, 120)
+        args.append(f"{path}|{vocab}|{ways_}")
+        names[family] = str(path)
+    proc = subprocess.run([sys.executable, "-c", SAME, *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=1200, env={**os.environ, **FOUR})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {family: out[path] for family, path in names.items()}
+
+
+@pytest.mark.parametrize("family,way", [(f, w) for f, (_, ws) in CASES.items() for w in ws.split(",")[1:]])
+def test_every_axis_trains_as_fsdp_alone(ways, family, way):
+    """Two AdamW steps: the same losses and weights as fsdp over the 4 devices (fp32, 1e-5), no
+    more compilations, no aten op on the CPU."""
+    run = ways[family][way]
+    assert run["losses"] == pytest.approx(run["fsdp_losses"], abs=1e-5), run
+    assert run["from_fsdp"] < 1e-5, run
+    assert run["compiles"] <= run["fsdp_compiles"], run
+    assert run["fallbacks"] == 0, run
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_context_splits_each_rows_tokens(ways, family):
+    """Under fsdp 2 x context 2 a batch's rows go over fsdp and each row's 512 tokens over context:
+    each device holds 2 rows x 256 tokens; fsdp alone splits the rows only."""
+    assert ways[family]["cp2"]["input_spec"].startswith("{devices=[2,2]"), ways[family]["cp2"]
+    assert ways[family]["fsdp"]["input_spec"].startswith("{devices=[4,1]"), ways[family]["fsdp"]
+
+
+@pytest.mark.parametrize("family", ["qwen3moe", "gptoss"])
+def test_experts_are_split_by_expert(ways, family):
+    """Under fsdp 2 x expert 2 each device holds half the experts: the stacked weights' first
+    dimension split over `expert` (and their largest other one over fsdp)."""
+    spec = ways[family]["ep2"]["expert_spec"]
+    assert spec.startswith("{devices=[2,"), spec
