@@ -261,8 +261,9 @@ class Trainer:
     def check_stop(self, stop: StopRequest, at_log_point: bool) -> None:
         """Raises `Stopped` on every replica at once if any replica got a signal (after saving a
         checkpoint) or saw a non-finite loss (without saving). Where a step's batches are trained
-        on several times in a row (Shapes.repeats: GRPO's updates on one rollout), an agreed signal
-        stops the run once the last of them has run: a checkpoint falls between rollouts."""
+        on several times in a row (Shapes.repeats: GRPO's K updates on one rollout, whose rule reads
+        in tasks.grpo.Iterations), an agreed signal stops the run once the last of them has run: a
+        checkpoint falls between rollouts."""
         state = self.state
         if not self.stopping:
             if self.engine.strategy.peers > 1 and not at_log_point:  # agreeing needs a collective
