@@ -408,10 +408,9 @@ def _experts_name(model):
 
 
 def paper_mesh(cfg, devices: int) -> Mesh:
-    """The mesh a run of `cfg` (options.TrainOptions) lays over `devices` devices: its named axes,
-    the rest fsdp under --strategy fsdp, else data."""
-    return Mesh(tensor=cfg.tensor_parallel, expert=getattr(cfg, "expert_parallel", 1),
-                context=getattr(cfg, "context_parallel", 1)).resolve(devices, sharded=cfg.strategy == "fsdp")
+    """The mesh a run of `cfg` (options.TrainOptions) lays over `devices` devices: its named axes
+    (TrainOptions.mesh), the rest fsdp under --strategy fsdp, else data."""
+    return cfg.mesh().resolve(devices, sharded=cfg.strategy == "fsdp")
 
 
 def plan_on_paper(cfg, config, devices: int, device_bytes: int | None) -> Plan:
