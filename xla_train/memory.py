@@ -2,6 +2,10 @@
 from the parameters' shapes, dtypes and how the strategy lays them out), an estimate of the
 activations, and the device's memory where the backend can tell. Printed at the start of every
 run, written to the metrics JSON as `memory`, and checked before the first step compiles.
+
+    plan(mesh, step, shape) -> Plan     the mesh (parallel.mesh.Mesh), the step (tasks.base.PassInputs:
+                                        the kind's passes and the run's rows), the model (shape_of)
+    plan_on_paper(cfg, config, devices, device_bytes)   the same for a recipe, without weights or a device
 """
 
 import os
