@@ -20,6 +20,7 @@ from xla_train.memory import (
     MIB,
     activation_estimate,
     checkpointing_needed,
+    describe,
     layer_bytes,
     measure_peak,
     plan,
@@ -189,6 +190,7 @@ def test_a_rows_activations_per_device_halve_under_context_2(attention, dense_ma
         # one block's attention gathers the other half of each row's keys and values (repeated to
         # the 32 query heads, 64 wide, on each of these paths), in bf16
         assert alone.gathered == 0 and split.gathered == 2 * 2 * (32 * 64) * 2 * 4096
+        assert ", gathered keys and values 64.0 MiB (mesh: context 2), peak" in describe(split)
 
 
 def test_the_plan_on_paper_counts_the_steps_other_passes():
