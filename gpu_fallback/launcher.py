@@ -71,9 +71,33 @@ def worker_environments(nprocs: int, several_hosts: bool = False) -> list[dict[s
              "LOCAL_RANK": str(local_rank)} for local_rank in range(nprocs)]
 
 
+def fork_hazard() -> str | None:
+    """Why gloo workers must be spawned from this process rather than forked (None: forking is safe).
+    A forked child keeps only the thread that forked, so any pool or runtime whose threads the
+    parent started is broken in it. torch's OpenMP pool (GNU libgomp in torch's wheels): once the
+    parent ran a parallel region with more than one thread, a forked child's first parallel
+    region waits for ever for threads it does not have (a 2000x2000 matmul in the parent, then
+    a matmul in each child: hung, tests/test_distributed.py, test_forking_gloo_workers_after_openmp).
+    With one thread (`torch.get_num_threads() == 1`, as OMP_NUM_THREADS=1 sets) no region uses the
+    pool, even one started before (measured), so the children, which inherit that one thread, are safe."""
+    if torch.get_num_threads() > 1:
+        return f"torch's OpenMP pool may hold {torch.get_num_threads()} threads"
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return "CUDA is initialised"
+    xla = sys.modules.get("torch_xla")
+    if xla is not None and xla._XLAC._xla_runtime_is_initialized():
+        return "torch_xla's runtime has started"
+    return None
+
+
 class TorchLauncher(Launcher):
     """One process per device (`default_processes()`: the accelerator's count), `num_processes`
     gloo workers on the CPU, or the processes torchrun started."""
+
+    # "auto": gloo workers are forked where `fork_hazard` finds nothing (they then skip importing
+    # torch, transformers and the package again, and take the job without pickling it), else
+    # spawned; workers of an accelerator are spawned
+    start_method = "auto"
 
     def __init__(self, num_processes: int | None, default_processes: Callable[[], int]) -> None:
         self.num_processes, self.default_processes = num_processes, default_processes
@@ -94,11 +118,13 @@ class TorchLauncher(Launcher):
         if nprocs == 1 and _hosts(several_hosts) == 1:
             roles.run_worker(fn, args)
             return
-        # spawn by default: a forked child of a process whose OpenMP pool already ran can hang.
+        # "auto" (`start_method` above): fork the CPU's workers where `fork_hazard` allows, else spawn.
         # Notebooks need fork (spawn cannot import a function defined in a cell), so
         # notebook_launcher forks before the notebook has run torch ops in parallel, as Accelerate's does.
         # A worker that fails leaves its one-line message in the launch's folder and this process
         # prints it: torch stops the other workers as soon as one exits, maybe before they could print.
+        if start_method == "auto":
+            start_method = "fork" if accelerator.name == "cpu" and fork_hazard() is None else "spawn"
         refusal = start_method == "fork" and accelerator.fork_refusal()
         if refusal:
             raise UserError(refusal)

@@ -193,9 +193,10 @@ def test_main_worker_failing_to_publish_stops_both_gloo_workers(mrpc_slice, tiny
     stop, the error is shown in one line, and the run exits non-zero instead of hanging."""
     inject = tmp_path / "inject"
     inject.mkdir()
-    # sitecustomize runs at the start of every Python process, the spawned workers included
+    # sitecustomize runs at the start of every Python process: the launcher's (its forked workers
+    # inherit the patch) and spawned workers' alike
     (inject / "sitecustomize.py").write_text(
-        "from xla_train.core import storage\n"
+        "from xla_train.io import storage\n"
         "def publish(self):\n"
         "    raise RuntimeError('connection reset by peer')\n"
         "storage.LocalStore.publish = publish\n")

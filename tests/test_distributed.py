@@ -281,7 +281,7 @@ def test_only_the_launchers_children_are_its_replicas():
     replica, and the child it starts for a process a replica starts."""
     from xla_train.parallel import launchers
 
-    ask = "from xla_train.core import launchers; print(launchers.worker_folder())"
+    ask = "from xla_train.parallel import launchers; print(launchers.worker_folder())"
     replica = f"import subprocess, sys; {ask}; subprocess.run([sys.executable, '-c', {ask!r}])"
     with launchers.replica_failures():
         assert launchers.worker_folder() is None  # the launcher itself
@@ -324,6 +324,58 @@ def test_a_failure_in_any_process_reaches_every_one(tmp_path):
     noise = [torch.load(tmp_path / f"noise-{r}.pt") for r in (0, 1)]
     torch.manual_seed(42)
     assert torch.equal(noise[0], torch.rand(8)) and not torch.equal(noise[0], noise[1])  # replica 0: as one process
+
+
+FORK_OR_SPAWN = """
+import json, os, sys, torch
+from xla_train import launch
+
+FORKED = []  # filled below, in the launching process: forked workers inherit it, spawned ones import this file afresh
+
+
+def work(folder, launch_index):
+    a = torch.randn(600, 600)
+    (a @ a).sum() + torch.randn(2_000_000).exp().sum()  # OpenMP-parallel ops in the worker
+    total = torch.ones(1)
+    torch.distributed.all_reduce(total)
+    with open(os.path.join(folder, f"{launch_index}-{torch.distributed.get_rank()}.json"), "w") as f:
+        json.dump({"forked": bool(FORKED), "threads": torch.get_num_threads(), "total": total.item()}, f)
+
+
+if __name__ == "__main__":
+    FORKED.append(True)
+    a = torch.randn(2000, 2000)
+    (a @ a).sum()  # the launcher's OpenMP pool has run with 2 threads
+    torch.set_num_threads(1)
+    launch(work, (sys.argv[1], 0), backend="cpu", num_processes=2)  # one thread now: forked
+    torch.set_num_threads(2)
+    (a @ a).sum()
+    launch(work, (sys.argv[1], 1), backend="cpu", num_processes=2)  # 2 threads: forking would hang, spawned
+"""
+
+
+def test_gloo_workers_fork_unless_openmp_threads_would_hang_them(tmp_path):
+    """Forked gloo workers skip importing everything again (gpu_fallback/launcher.py, fork_hazard).
+    A child forked after torch's OpenMP pool ran with 2 threads hangs in its first parallel region
+    (GNU libgomp keeps no threads across fork): such a launcher spawns its workers. With one thread
+    no parallel region uses the pool, even one that ran before, and the workers are forked. Each
+    worker runs parallel ops and a gloo reduction; a hang fails the test after 120 s."""
+    script = tmp_path / "launch_twice.py"
+    script.write_text(FORK_OR_SPAWN)
+    proc = subprocess.Popen([sys.executable, script, tmp_path], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "2"})
+    try:
+        _, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail("the gloo workers still run after 120 s: hung")
+    assert proc.returncode == 0, err[-3000:]
+    told = {(n, r): json.loads((tmp_path / f"{n}-{r}.json").read_text()) for n in (0, 1) for r in (0, 1)}
+    assert all(t["total"] == 2 for t in told.values())
+    assert [told[0, r]["forked"] for r in (0, 1)] == [True, True] and told[0, 0]["threads"] == 1
+    assert [told[1, r]["forked"] for r in (0, 1)] == [False, False] and told[1, 0]["threads"] == 2
 
 
 def test_spmd_processes_agree_through_a_reduction_over_every_device(tmp_path):
@@ -422,7 +474,8 @@ def test_spmd_hosts_tell_each_other_their_failures(gcs_emulator, tmp_path, monke
         raise UserError("cannot write checkpoint gs://b/run/checkpoints/step-00000004: full", 2)
     failed = launchers.pod_failure()
     assert (str(failed), failed.exit_code) == ("cannot write checkpoint gs://b/run/checkpoints/step-00000004: full", 2)
-    waiting = "import time\nfrom xla_train.core import launchers\nwith launchers.pod_watch():\n    time.sleep(120)\n"
+    waiting = ("import time\nfrom xla_train.parallel import launchers\n"
+               "with launchers.pod_watch():\n    time.sleep(120)\n")
     proc = subprocess.run([sys.executable, "-c", waiting], cwd=ROOT, capture_output=True, text=True, timeout=60,
                           env={**os.environ, **gcs_emulator})
     assert proc.returncode == 2
