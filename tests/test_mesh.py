@@ -44,7 +44,7 @@ def test_the_specs_name_the_axes_the_mesh_has():
     assert mesh.param_axes() == ("fsdp", "expert", "context")
     assert mesh.param_axes(but=("expert",)) == ("fsdp", "context")
     assert Mesh().resolve(4, sharded=True).batch_spec(2) == ("fsdp", None)
-    # an axis of one device is left out (torch_xla's ShardingSpec fails on one beside another)
+    # an axis of one device is left out: it splits nothing
     assert Mesh(context=2, tensor=2).resolve(4, sharded=True).batch_spec(2, tokens=True) == (None, "context")
     assert rows_entry(("fsdp", "expert", "tensor")) == ("fsdp", "expert")
     assert rows_entry(("data",)) == "data"
@@ -163,6 +163,22 @@ for case in sys.argv[1:]:
                             "input_spec": r["input_spec"], "expert_spec": r["expert_spec"],
                             "compiles": r["compiles"], "fsdp_compiles": first["compiles"], "fallbacks": r["fallbacks"]}
                       for way, r in runs.items()}
+
+# the loaders' sharding where the spec names every dimension and the mesh has more axes: as mark_sharding's
+import numpy as np
+import torch_xla.core.xla_model as xm
+import torch_xla.distributed.spmd as xs
+from xla_train.parallel.xla_strategies import _sharding_spec
+
+report["layouts"] = []
+for shape, names, spec in [((1, 2, 2), ("fsdp", "expert", "context"), ("expert", "context")),
+                           ((1, 2, 2), ("fsdp", "context", "tensor"), ("fsdp", "context"))]:
+    mesh, t = xs.Mesh(np.arange(4), shape, names), torch.arange(4 * 512).reshape(4, 512)
+    (sent,) = xm.send_cpu_data_to_device([t], torch_xla.device(), _sharding_spec(mesh, spec))
+    marked = t.to(torch_xla.device())
+    xs.mark_sharding(marked, mesh, spec)
+    layout = torch_xla._XLAC._get_xla_sharding_spec
+    report["layouts"].append([layout(sent), layout(marked), torch.equal(sent.cpu(), t)])
 print(json.dumps(report))
 """
 
@@ -186,7 +202,7 @@ def ways(tmp_path_factory):
                           timeout=1200, env={**os.environ, **FOUR})
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    return {family: out[path] for family, path in names.items()}
+    return {**{family: out[path] for family, path in names.items()}, "layouts": out["layouts"]}
 
 
 @pytest.mark.parametrize("family,way", [(f, w) for f, (_, ws) in CASES.items() for w in ws.split(",")[1:]])
@@ -208,9 +224,53 @@ def test_context_splits_each_rows_tokens(ways, family):
     assert ways[family]["fsdp"]["input_spec"].startswith("{devices=[4,1]"), ways[family]["fsdp"]
 
 
+def test_the_loaders_lay_a_fully_named_spec_as_mark_sharding_does(ways):
+    """torch_xla 2.9's ShardingSpec fails on a spec naming every dimension over a mesh with more
+    axes; the loaders' (xla_strategies._sharding_spec) gives mark_sharding's layout and the data."""
+    for sent, marked, same in ways["layouts"]:
+        assert sent == marked and same, (sent, marked)
+
+
 @pytest.mark.parametrize("family", ["qwen3moe", "gptoss"])
 def test_experts_are_split_by_expert(ways, family):
     """Under fsdp 2 x expert 2 each device holds half the experts: the stacked weights' first
     dimension split over `expert` (and their largest other one over fsdp)."""
     spec = ways[family]["ep2"]["expert_spec"]
     assert spec.startswith("{devices=[2,"), spec
+
+
+# --- the command line under both new axes --------------------------------------------------------
+STEPS = 8
+
+
+def _cli(task, model):
+    """A bf16 causal-LM run of the CLI on 4 devices, fsdp 1 x expert 2 x context 2: a tiny
+    Qwen3-MoE on the synthetic task, a checkpoint every 4 steps."""
+    return ["--backend", "xla", "--strategy", "fsdp", "--expert-parallel", 2, "--context-parallel", 2,
+            "--precision", "bf16", "--max-steps", STEPS, "--batch-size", 2, "--log-every", 2, "--save-every", 4,
+            "--problem", "causal-lm", "--model", model, "--train-file", task["train"], "--validation-file",
+            task["validation"], "--max-length", 64]
+
+
+def test_a_run_under_experts_and_context_resumes_exactly(reverse_task, tmp_path):
+    """Stopped by SIGTERM once its step-4 checkpoint (each device's shards of the experts split by
+    expert, of every parameter over expert x context) is written, then resumed with --resume under
+    the same mesh: the losses after the stop, the evaluation and the final weights are the
+    uninterrupted run's, bit for bit, with no graph more; the rows are split over the expert axis
+    only (world size 2) and the saved model loads in plain transformers."""
+    from conftest import assert_same_weights, run_cli, stop_and_resume
+    from transformers import AutoModelForCausalLM
+
+    model = td.save("qwen3moe", tmp_path / "moe", chat=True, letters=True)
+    whole_proc, whole = run_cli([*_cli(reverse_task, model), "--output-dir", tmp_path / "whole"], tmp_path, env=FOUR)
+    assert whole_proc.returncode == 0, whole_proc.stderr[-3000:]
+    assert whole["world_size"] == 2 and whole["train_samples"] == STEPS * 4
+    assert whole["xla"]["aten_fallbacks"] == 0
+    _, stopped_at, resumed = stop_and_resume(_cli(reverse_task, model), tmp_path / "run", tmp_path, env=FOUR)
+    assert 4 <= stopped_at < STEPS and resumed["first_step"] == stopped_at
+    after = [h for h in resumed["train_loss"] if h[0] > stopped_at]
+    assert after and after == [h for h in whole["train_loss"] if h[0] > stopped_at]
+    assert resumed["eval"] == whole["eval"]
+    assert_same_weights(tmp_path / "run", tmp_path / "whole", atol=0)
+    assert resumed["xla"]["compiles"] <= whole["xla"]["compiles"], (resumed["xla"], whole["xla"])
+    assert type(AutoModelForCausalLM.from_pretrained(tmp_path / "whole")).__name__ == "Qwen3MoeForCausalLM"

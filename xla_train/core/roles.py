@@ -269,6 +269,7 @@ class Strategy(ABC):
     # (the parameters split, `sharded`: what the named axes leave of the devices goes to it)
     main_axis: str = "data"
     sharded: bool = False
+    devices_named = "devices"  # what a refusal calls the devices the mesh is laid over
     # Checkpoints of this host's shards (FSDPv2, FSDP2), instead of whole copies that one process
     # writes: on several hosts no host can read another's shards.
     writes_shards: bool = False
@@ -365,8 +366,6 @@ class Strategy(ABC):
     def planned_devices(self, launcher: Launcher) -> int:
         """Every device of the job, counted in the launching process (see above)."""
         return launcher.planned_replicas()
-
-    devices_named = "devices"  # what a refusal calls the devices the mesh is laid over
 
     def input_sharding(self) -> Any:
         """How a batch is laid over the process's devices (None: the batch on its one device)."""

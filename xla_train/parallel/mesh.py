@@ -130,9 +130,7 @@ class Mesh:
 
     # --- partition specs by axis name (XLA's SPMD) ------------------------------------------
     def _present(self, axes: tuple[str, ...]) -> str | tuple[str, ...] | None:
-        # axes of one device split nothing, and are left out: torch_xla 2.9's ShardingSpec (the
-        # loaders') fails on a spec naming one beside another ("IndexError: too many indices",
-        # tried: mesh (fsdp 1, context 2, tensor 2), spec ("fsdp", "context")); mark_sharding does not
+        # axes of one device split nothing: left out
         names = tuple(a for a in AXES if a in axes and getattr(self, a) > 1)
         return names[0] if len(names) == 1 else (names or None)
 

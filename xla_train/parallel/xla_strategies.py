@@ -149,12 +149,11 @@ class XlaSpmd(XlaDdp):
         return self.layout().batch_spec(dims, tokens)
 
     def input_sharding(self) -> Any:
-        import torch_xla.distributed.spmd as xs
         import torch_xla.runtime as xr
 
         if xr.process_count() == 1:
             # One host: its batch is the global batch, 2-D inputs split by rows, the rest replicated
-            return xs.ShardingSpec(self.mesh(), self.batch_spec(2))
+            return _sharding_spec(self.mesh(), self.batch_spec(2))
         return _HostRows(self)
 
     @property
@@ -165,7 +164,6 @@ class XlaSpmd(XlaDdp):
 
     def gather_rows(self, row: torch.Tensor) -> torch.Tensor:
         import torch_xla.core.xla_model as xm
-        import torch_xla.distributed.spmd as xs
         import torch_xla.runtime as xr
 
         # Each process gives its own rows (one per local device) of a tensor sharded over every
@@ -174,7 +172,7 @@ class XlaSpmd(XlaDdp):
         # They are then gathered across the hosts on the device (`gather`); each process alone
         # would give one host's view of a stop.
         local = row[None].expand(xr.addressable_runtime_device_count(), -1).contiguous()
-        sharding = xs.ShardingSpec(self.mesh(), self.batch_spec(2, tokens=False), minibatch=True)
+        sharding = _sharding_spec(self.mesh(), self.batch_spec(2, tokens=False), minibatch=True)
         # torch_xla 2.9 annotates send_cpu_data_to_device's result as ToXlaTensorArena; it returns
         # what ToXlaTensorArena.transfer returns: the list given, its tensors on the device
         sent: Any = xm.send_cpu_data_to_device([local], self.accelerator.device, sharding)
@@ -547,6 +545,28 @@ def _param_spec(param):
     return _prepare_spmd_partition_spec(param, shard_maximal=True)  # how FSDPv2 shards a parameter
 
 
+def _sharding_spec(mesh: Any, spec: tuple[Any, ...], minibatch: bool = False) -> Any:
+    """torch_xla's ShardingSpec of `spec` over `mesh` (what its loaders take), replicated over the
+    mesh axes the spec leaves out, as mark_sharding lays it. torch_xla 2.9's ShardingSpec calls a
+    spec that names every dimension TILED even where the mesh has axes it leaves out, with a tile
+    assignment of the mesh's rank, and the transfer fails ("IndexError: too many indices for
+    tensor of dimension 2", tried: a mesh fsdp 1 x expert 2 x context 2 and ("expert", "context"),
+    or fsdp 1 x context 2 x tensor 2 and ("fsdp", "context")): distributed/spmd/xla_sharding.py,
+    _get_sharding_type and _get_tile_assignment. It is PARTIAL then, the left-out axes last: the
+    same tiles and replicas as mark_sharding's (checked in tests/test_mesh.py)."""
+    import numpy as np
+    import torch_xla.distributed.spmd as xs
+    from torch_xla.distributed.spmd.xla_sharding import ShardingType, _get_group_assignment
+
+    sharding = xs.ShardingSpec(mesh, spec, minibatch=minibatch)
+    tiles = np.asarray(sharding._tile_assignment)
+    if sharding._sharding_type is ShardingType.TILED and tiles.ndim > len(spec):
+        sharding._sharding_type = ShardingType.PARTIAL
+        sharding._group_assignment, sharding._replication_groups = _get_group_assignment(
+            ShardingType.PARTIAL, tiles, len(spec), set())
+    return sharding
+
+
 def _shard_output(output, mesh, strategy):
     """Tells the partitioner that a block's or the model's output is split by rows over the
     strategy's data axes (FSDPv2: `fsdp`):
@@ -586,11 +606,10 @@ class _HostRows:
         self.strategy, self.specs = strategy, {}
 
     def xla_spec(self, tensor):
-        import torch_xla.distributed.spmd as xs
 
         if tensor.dim() == 0:  # no rows: replicated (the same on every host, or not its part of anything)
             return None
         if tensor.dim() not in self.specs:
-            self.specs[tensor.dim()] = xs.ShardingSpec(self.strategy.mesh(), self.strategy.batch_spec(tensor.dim()),
-                                                       minibatch=True)
+            self.specs[tensor.dim()] = _sharding_spec(self.strategy.mesh(), self.strategy.batch_spec(tensor.dim()),
+                                                      minibatch=True)
         return self.specs[tensor.dim()].xla_spec(tensor)
