@@ -274,3 +274,34 @@ def test_a_run_under_experts_and_context_resumes_exactly(reverse_task, tmp_path)
     assert_same_weights(tmp_path / "run", tmp_path / "whole", atol=0)
     assert resumed["xla"]["compiles"] <= whole["xla"]["compiles"], (resumed["xla"], whole["xla"])
     assert type(AutoModelForCausalLM.from_pretrained(tmp_path / "whole")).__name__ == "Qwen3MoeForCausalLM"
+
+
+@pytest.mark.parametrize("kind", ["dpo", "grpo"])
+def test_dpo_pairs_and_grpo_rollouts_take_the_context_axis(kind, reverse_task, tmp_path):
+    """Three steps of DPO (a pair's two rows) and of GRPO (rollouts sampled in the step, scored,
+    trained on) under fsdp 2 x context 2 on 4 XLA:CPU devices, beside fsdp 4 on the same global
+    batch: the same losses (the rollouts are the same: one program samples every row), the same
+    number of graphs, no aten fallback."""
+    from conftest import run_cli
+    from test_dpo import pairs
+    from test_grpo import REWARD, prompts
+
+    if kind == "dpo":
+        train = td.write_jsonl(tmp_path / "pairs.jsonl", pairs(64, 1))
+        args, rows = ["--problem", "dpo", "--max-length", 32, "--buckets", 32], 2
+    else:
+        train = td.write_jsonl(tmp_path / "prompts.jsonl", prompts(64, 1))
+        args, rows = ["--problem", "grpo", "--reward", REWARD, "--num-generations", 8, "--max-completion-length", 8,
+                      "--max-length", 16], 8
+    runs = {}
+    for way, extra in (("fsdp", ["--batch-size", rows]), ("cp2", ["--batch-size", 2 * rows, "--context-parallel", 2])):
+        proc, runs[way] = run_cli(["--backend", "xla", "--strategy", "fsdp", "--model", reverse_task["model"],
+                                   "--train-file", train, "--max-steps", 3, "--log-every", 1, "--lr", 1e-3,
+                                   "--no-data-cache", *args, *extra, "--output-dir", tmp_path / way], tmp_path,
+                                  env=FOUR)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    fsdp, split = runs["fsdp"], runs["cp2"]
+    assert split["world_size"] == 2 and fsdp["world_size"] == 4
+    losses = [loss for _, loss, _ in split["train_loss"]], [loss for _, loss, _ in fsdp["train_loss"]]
+    assert losses[0] == pytest.approx(losses[1], abs=1e-5), losses
+    assert split["xla"]["compiles"] == fsdp["xla"]["compiles"] and split["xla"]["aten_fallbacks"] == 0
