@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -160,7 +160,7 @@ class TorchAccelerator(Accelerator):
             torch.accelerator.set_device_index(self.device)
 
     def wrap_loader(self, loader: torch.utils.data.DataLoader, sharding: Any = None) -> _DeviceLoader:
-        return _DeviceLoader(loader, self.device)
+        return _DeviceLoader(loader, self.device, sharding)
 
     def use_compile(self) -> None:
         super().use_compile()
@@ -261,14 +261,18 @@ class TorchAccelerator(Accelerator):
 
 
 class _DeviceLoader:
-    """Moves each batch of a DataLoader to the device."""
+    """Moves each batch of a DataLoader to the device; `split`, where given (the strategy's
+    `input_sharding`: FSDP2 under a `context` axis), cuts it to this worker's part first."""
 
-    def __init__(self, loader: torch.utils.data.DataLoader, device: torch.device) -> None:
-        self.loader, self.device = loader, device
+    def __init__(self, loader: torch.utils.data.DataLoader, device: torch.device,
+                 split: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None) -> None:
+        self.loader, self.device, self.split = loader, device, split
 
     def __len__(self) -> int:
         return len(self.loader)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         for batch in self.loader:
+            if self.split is not None:
+                batch = self.split(batch)
             yield {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}

@@ -19,6 +19,8 @@ from torch.nn.parallel import DistributedDataParallel
 from xla_train.core.errors import UserError
 from xla_train.core.roles import PathLike, Strategy, blocks_of, dcp_errors, optimizer_params, shaped_like
 from xla_train.core.ties import retie, ties
+from xla_train.kernels import context
+from xla_train.kernels.attention import unwrapped
 from xla_train.parallel import sharded_load
 from xla_train.parallel import tensor_parallel as tensor_plan
 from xla_train.parallel.mesh import Mesh
@@ -101,7 +103,12 @@ class Fsdp2(TorchStrategy):
     neighbouring ranks: each block's projections are first split over `tensor` by the model's own
     plan with transformers' own styles (`_resolve_parallel_plans`, `apply_tensor_parallelism`:
     transformers/distributed/tensor_parallel.py, as `from_pretrained(distributed_config=...)` does),
-    then FSDP2 shards every parameter over `fsdp`. A tensor group's workers see the same rows."""
+    then FSDP2 shards every parameter over `fsdp`. A tensor group's workers see the same rows.
+
+    With a mesh's `context` axis N, a context group's N workers (neighbouring ranks) load the same
+    rows and each keeps 1/N of every row's tokens (`input_sharding`); attention sees the whole row
+    and the loss sums each row over the group (kernels/context.py). Context peers hold the same
+    parameters, so FSDP2 shards them and reduces their gradients over fsdp x context flattened."""
 
     main_axis = "fsdp"
     sharded = True
@@ -173,15 +180,38 @@ class Fsdp2(TorchStrategy):
             mesh = self.mesh()
             if self.axes.tensor > 1:
                 self._split(model, mesh[tensor_plan.TENSOR])
+            shards = self._param_mesh()
             for block in blocks_of(model):
-                fully_shard(block, mesh=mesh["fsdp"])
-            fully_shard(model, mesh=mesh["fsdp"])
+                fully_shard(block, mesh=shards)
+            fully_shard(model, mesh=shards)
+            if self.axes.context > 1:  # the forward and the loss take the rows' local tokens
+                setattr(unwrapped(model), context.ATTRIBUTE, self.context_group())
         elif self.axes.split:  # an Engine made in a script without launch
             raise UserError(f"{self.axes.named()} needs as many workers or more: start them "
                             "with launch(..., num_processes=..., mesh=...)")
         if source is not None:
             self._fill(model, source, built)
         return model
+
+    def _param_mesh(self) -> DeviceMesh:
+        """The mesh FSDP2 shards the parameters over and reduces their gradients on: `fsdp`, and
+        with a `context` axis fsdp x context flattened (torchtitan's dp_shard_cp): context peers
+        hold the same parameters and each computes a part of every row's gradient."""
+        mesh = self.mesh()
+        return mesh["fsdp", "context"]._flatten() if self.axes.context > 1 else mesh["fsdp"]
+
+    def context_group(self) -> context.Context | None:
+        """This worker's context group (kernels.context), or None without a `context` axis."""
+        if self.axes.context == 1 or not dist.is_initialized():
+            return None
+        group = self.mesh()["context"]
+        return context.Context(group.get_group(), self.axes.context, group.get_local_rank())
+
+    def input_sharding(self) -> Any:
+        """With a `context` axis: what cuts each batch's rows to this worker's tokens (the
+        accelerator's loader calls it on every batch)."""
+        split = self.context_group()
+        return split.split_rows if split else None
 
     def _fill(self, model: torch.nn.Module, source: sharded_load.Checkpoint, built: dict[str, torch.Tensor]
               ) -> None:

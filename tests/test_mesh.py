@@ -64,9 +64,13 @@ def test_the_mesh_refuses_in_one_line():
 def test_the_new_axes_run_under_fsdp_on_xla_only():
     from xla_train.core.select import select_roles
 
-    with pytest.raises(UserError, match=r"^`context_parallel` 2 runs under `strategy` fsdp .* on the xla backend "
+    with pytest.raises(UserError, match=r"^`expert_parallel` 2 runs under `strategy` fsdp .* on the xla backend "
                                         r"only, not cpu with fsdp$"):
-        select_roles("cpu", 4, "fsdp", Mesh(context=2))
+        select_roles("cpu", 4, "fsdp", Mesh(expert=2))
+    with pytest.raises(UserError, match=r"^`context_parallel` 2 runs under `strategy` fsdp .* on the xla, cuda and "
+                                        r"cpu backends only, not cpu with ddp$"):
+        select_roles("cpu", 4, "ddp", Mesh(context=2))
+    assert select_roles("cpu", 4, "fsdp", Mesh(context=2)).planned_data_parallel_size() == 2
     with pytest.raises(UserError, match=r"^`expert_parallel` 2 runs under .* not xla with ddp$"):
         select_roles("xla", None, "ddp", Mesh(expert=2))
 
@@ -305,3 +309,120 @@ def test_dpo_pairs_and_grpo_rollouts_take_the_context_axis(kind, reverse_task, t
     losses = [loss for _, loss, _ in split["train_loss"]], [loss for _, loss, _ in fsdp["train_loss"]]
     assert losses[0] == pytest.approx(losses[1], abs=1e-5), losses
     assert split["xla"]["compiles"] == fsdp["xla"]["compiles"] and split["xla"]["aten_fallbacks"] == 0
+
+
+# --- context on 4 gloo workers (FSDP2) -----------------------------------------------------------
+# Both meshes in one subprocess, each a launch of 4 workers: fsdp 4, then fsdp 2 x context 2, whose
+# context peers each hold 256 of every row's 512 tokens (kernels.context). Every row has the same
+# trained tokens: data parallelism averages each worker's mean, which equals the token-weighted
+# mean over the batch only then.
+GLOO = r"""
+import sys
+import torch
+from xla_train import Mesh, launch
+from xla_train.core.engine import Engine
+from xla_train.core.roles import optimizer_params
+from xla_train.tasks.causal_lm import DecoderModel, NextToken
+
+STEPS, LR, ROWS, LENGTH = 2, 2e-5, 4, 512
+
+
+def packed(vocab, seed):
+    # test_mesh's rows (3 or 4 documents, then padding), every row ending 8 tokens short
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (ROWS, LENGTH), generator=g)
+    positions, segments = torch.zeros_like(ids), torch.zeros_like(ids)
+    labels = torch.full_like(ids, -100)
+    for r in range(ROWS):
+        cuts = [0, *sorted(torch.randint(8, LENGTH - 40, (3,), generator=g).tolist()), LENGTH - 8]
+        for n, (a, b) in enumerate(zip(cuts, cuts[1:]), 1):
+            positions[r, a:b], segments[r, a:b] = torch.arange(b - a), n
+            labels[r, a:b - 1] = ids[r, a + 1:b]
+    return [{"input_ids": ids[r], "position_ids": positions[r], "segments": segments[r], "labels": labels[r]}
+            for r in range(ROWS)]
+
+
+def worker(cases, out):
+    engine = Engine()
+    results = {}
+    for case in cases:
+        folder, vocab = case.split("|")
+        torch.manual_seed(0)
+        model = DecoderModel().load(folder, 7, 0)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+        rows = [row for step in range(STEPS) for row in packed(int(vocab), step)]
+        loader = torch.utils.data.DataLoader(rows, batch_size=ROWS // engine.strategy.row_shares)
+        model, optimizer, loader = engine.prepare(model, optimizer, loader)
+        objective, losses, norms, length = NextToken(), [], [], None
+        for batch in loader:
+            length = batch["input_ids"].shape[1]
+            labels = batch.pop("labels")
+            loss = objective.loss(objective.forward(model, batch), labels)
+            engine.backward(loss)
+            norms.append(engine.strategy.grad_norm(optimizer_params(optimizer)).item())  # AdamW hides a scale
+            engine.optimizer_step(optimizer)
+            optimizer.zero_grad()
+            losses.append(engine.strategy.gather_batch(loss.detach()[None]).mean().item())
+        state = engine.unwrap_model(model).state_dict()
+        results[folder] = {"losses": losses, "norms": norms, "length": length,
+                           "state": {k: engine.strategy.whole(v.detach()).clone() for k, v in state.items()}}
+    if engine.strategy.is_main:
+        torch.save(results, out)
+
+
+if __name__ == "__main__":
+    folder, cases = sys.argv[1], sys.argv[2:]
+    for name, mesh in (("fsdp", Mesh()), ("cp2", Mesh(context=2))):
+        launch(worker, (cases, f"{folder}/{name}.pt"), backend="cpu", num_processes=4, strategy="fsdp", mesh=mesh)
+"""
+
+
+@pytest.fixture(scope="module")
+def gloo_context(tmp_path_factory):
+    """The script above: {family: {"fsdp": result, "cp2": result}}."""
+    import torch
+    from transformers import AutoConfig
+
+    folder = tmp_path_factory.mktemp("mesh_gloo")
+    script = folder / "gloo.py"
+    script.write_text(GLOO)
+    paths = {family: td.save(family, folder / family) for family in ("llama", "qwen3")}
+    cases = [f"{p}|{min(AutoConfig.from_pretrained(p).vocab_size, 120)}" for p in paths.values()]
+    proc = subprocess.run([sys.executable, script, folder, *cases], cwd=ROOT, capture_output=True, text=True,
+                          timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    runs = {way: torch.load(folder / f"{way}.pt") for way in ("fsdp", "cp2")}
+    return {family: {way: runs[way][str(p)] for way in runs} for family, p in paths.items()}
+
+
+@pytest.mark.torch_native  # make test-torch runs it on the newest torch too (_flatten, DTensor)
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_context_on_gloo_trains_as_fsdp_alone(gloo_context, family):
+    """Two AdamW steps on packed 512-token rows: fsdp 2 x context 2 (each worker 256 tokens of each
+    row, attention over the whole row's gathered keys and values, the loss summed over the context
+    group, FSDP2 over fsdp x context) gives fsdp 4's losses and weights within 1e-5 (fp32), and
+    its gradients' norm (which AdamW's update does not show) within 1e-5 of it."""
+    fsdp, split = gloo_context[family]["fsdp"], gloo_context[family]["cp2"]
+    assert (fsdp["length"], split["length"]) == (512, 256)
+    assert split["losses"] == pytest.approx(fsdp["losses"], abs=1e-5), (split["losses"], fsdp["losses"])
+    assert fsdp["losses"][0] != fsdp["losses"][1]
+    assert split["norms"] == pytest.approx(fsdp["norms"], rel=1e-5), (split["norms"], fsdp["norms"])
+    furthest = max((split["state"][k] - w).abs().max().item() for k, w in fsdp["state"].items())
+    assert furthest < 1e-5, furthest
+
+
+def test_context_peers_take_their_slice_of_every_row():
+    """kernels.context.Context.split_rows: the second of 2 workers keeps tokens 4..7 of every token
+    column, plain rows get their global positions, other tensors are left whole; a length 2 does
+    not divide is refused in one line."""
+    import torch
+
+    from xla_train.kernels.context import Context
+
+    ids = torch.arange(16).reshape(2, 8)
+    part = Context(None, 2, 1).split_rows({"input_ids": ids, "labels": ids + 1, "valid": torch.ones(2)})
+    assert part["input_ids"].tolist() == [[4, 5, 6, 7], [12, 13, 14, 15]]
+    assert part["labels"].tolist() == [[5, 6, 7, 8], [13, 14, 15, 16]]
+    assert part["position_ids"].tolist() == [[4, 5, 6, 7]] * 2 and part["valid"].shape == (2,)
+    with pytest.raises(UserError, match=r"^`context_parallel` 2 does not divide the rows' length 7: "):
+        Context(None, 2, 0).split_rows({"input_ids": ids[:, :7]})

@@ -174,10 +174,11 @@ class TrainOptions:
                                   "devices, E/N each; tokens travel to their experts' devices and back. The axis takes "
                                   "its devices from fsdp's (rows are split over both), as MaxText's does (default: 1)",
                                   section="system")
-    context_parallel: int = option(1, "--strategy fsdp (xla): split each row's tokens over this many devices, for "
-                                   "rows longer than one device holds; attention still sees the whole row (keys and "
-                                   "values gathered), documents and positions kept. Its devices see the same rows, "
-                                   "--batch-size counting a context group's rows (default: 1)", section="system")
+    context_parallel: int = option(1, "--strategy fsdp (xla; cuda and cpu: causal-lm): split each row's tokens "
+                                   "over this many devices, for rows longer than one device holds; attention still "
+                                   "sees the whole row (keys and values gathered), documents and positions kept. Its "
+                                   "devices see the same rows, --batch-size counting a context group's rows "
+                                   "(default: 1)", section="system")
     compile: bool = option(False, "compile the model with torch.compile on the torch-native backends (cuda: with CUDA "
                            "graphs; tpu: TorchTPU's compiler; cpu), one graph per bucket length; xla compiles every "
                            "step already", section="system")

@@ -144,6 +144,7 @@ class HeadInput:
     bias: Any = None
     softcap: float | None = None
     router: Any = None  # RouterLoss: the routers' load-balancing loss, where the forward computed it
+    context: Any = None  # kernels.context.Context: the rows' local tokens, whose sums the loss adds up
 
 
 @dataclass(frozen=True)
@@ -162,7 +163,7 @@ class NextToken(Objective):
 
     def forward(self, model: Any, inputs: dict[str, Any]) -> Any:
         return run_documents(model, inputs, self.attention, self.chunked_logits,
-                             router_weight(model, self.router_aux_loss_coef))
+                             router_weight(model, self.router_aux_loss_coef), whole_rows=True)
 
     def token_losses(self, output: Any, labels: Any) -> tuple[Any, Any]:
         """Per row: the cross-entropy summed over its trained tokens, and their number (fp32)."""
@@ -171,10 +172,14 @@ class NextToken(Objective):
         from ..kernels.lm_loss import chunked_lm_loss
 
         if isinstance(output, HeadInput):
-            return chunked_lm_loss(output.hidden, output.weight, labels, output.bias, output.softcap,
+            sums = chunked_lm_loss(output.hidden, output.weight, labels, output.bias, output.softcap,
                                    ignore_index=IGNORE)
-        losses = F.cross_entropy(output.logits.float().transpose(1, 2), labels, ignore_index=IGNORE, reduction="none")
-        return losses.sum(1), (labels != IGNORE).sum(1).float()
+        else:
+            losses = F.cross_entropy(output.logits.float().transpose(1, 2), labels, ignore_index=IGNORE,
+                                     reduction="none")
+            sums = losses.sum(1), (labels != IGNORE).sum(1).float()
+        split = getattr(output, "context", None)  # local tokens (kernels.context): the whole rows' sums
+        return split.row_sums(*sums) if split else sums
 
     def loss(self, output: Any, labels: Any) -> Any:
         """Mean cross-entropy over the batch's trained tokens (labels are already shifted); plus,
@@ -194,7 +199,8 @@ class NextToken(Objective):
     def eval_columns(self, batch: dict[str, Any], output: Any) -> tuple:
         """Per row: the loss summed over its trained tokens, their number, and its documents."""
         total, tokens = self.token_losses(output, batch["labels"])
-        return total, tokens, batch["segments"].amax(1).float()
+        documents, split = batch["segments"].amax(1).float(), getattr(output, "context", None)
+        return total, tokens, split.row_max(documents) if split else documents
 
     def score(self, metric: Any, columns: tuple) -> dict[str, float]:
         loss_sum, tokens, docs = columns
@@ -204,7 +210,7 @@ class NextToken(Objective):
 
 
 def run_documents(model: Any, inputs: dict[str, Any], attention: str = "auto", chunked: bool = True,
-                  router_weight: float = 0.0) -> Any:
+                  router_weight: float = 0.0, whole_rows: bool = False) -> Any:
     """The model on a batch whose `segments` keep its documents apart: causal within each
     document, nothing across documents (kernels.attention.document_inputs, by `attention`: a 4-D mask,
     or a kernel given the segments); padding (segment 0) attends to padding only. `chunked`, and
@@ -212,13 +218,20 @@ def run_documents(model: Any, inputs: dict[str, Any], attention: str = "auto", c
     one token only) and returns a HeadInput for the chunks; else the model's own output. A
     `router_weight` above 0 (a mixture of experts in training: `router_weight`): the routers'
     load-balancing loss over the batch's real tokens (segment above 0) rides on the output as its
-    `router` (kernels.router_loss; the model's own is off: kernels.router_loss.models_own_off)."""
+    `router` (kernels.router_loss; the model's own is off: kernels.router_loss.models_own_off).
+    `whole_rows`: the caller's loss sums each row over a context group where the model's rows are
+    split (kernels.context: NextToken's does), which any other caller is refused."""
+    from ..kernels import context
     from ..kernels.attention import document_inputs, unwrapped
     from ..kernels.lm_loss import head_of
     from ..kernels.router_loss import collected, load_balancing_loss
 
     segments = inputs["segments"]
-    extra = document_inputs(model, segments, attention=attention)
+    split = context.of(model)  # FSDP2 under a `context` axis: the rows' local tokens (kernels.context)
+    if split and not whole_rows:
+        raise UserError(f"`context_parallel` {split.size} on the cuda and cpu backends takes causal-lm runs only so "
+                        "far (its loss sums each row over the context group; DPO's and GRPO's do not yet)")
+    extra = split.inputs(model, segments) if split else document_inputs(model, segments, attention=attention)
     inputs = {k: v for k, v in inputs.items() if k != "segments"}
     hf = unwrapped(model)
     head = head_of(hf) if chunked else None
@@ -237,6 +250,11 @@ def run_documents(model: Any, inputs: dict[str, Any], attention: str = "auto", c
             output = dataclasses.replace(output, router=router)
         else:  # the model's output (a ModelOutput) takes a new attribute as any object does
             output.router = router
+    if split:
+        if isinstance(output, HeadInput):
+            output = dataclasses.replace(output, context=split)
+        else:
+            output.context = split
     return output
 
 
