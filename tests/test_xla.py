@@ -1,5 +1,7 @@
 """The XLA path, for real on PJRT's CPU device: few graphs, no syncs, no fallbacks, learning."""
 
+import os
+
 import pytest
 import torch
 from conftest import EVALUATION_SETUP, TINY, assert_same_weights, run_cli, write_slice
@@ -88,7 +90,8 @@ def test_gradient_checkpointing_keeps_its_barrier_and_computes_the_same_run(mrpc
     dump = tmp_path / "hlo"
     proc, m = run_cli(["--backend", "xla", "--model", tiny_model, "--data-dir", mrpc_slice, *TINY,
                        "--gradient-checkpointing", "--output-dir", tmp_path / "run"], tmp_path,
-                      env={"XLA_FLAGS": f"--xla_dump_to={dump} --xla_dump_hlo_as_text"})
+                      # the session's flags kept (-O0: conftest.XLA_COMPILE_FLAGS), not XLA's default level
+                      env={"XLA_FLAGS": f"{os.environ['XLA_FLAGS']} --xla_dump_to={dump} --xla_dump_hlo_as_text"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     # the graphs as torch_xla hands them to XLA (XLA:CPU's own pipeline expands barriers at its
     # end; a TPU's keeps them through scheduling): the training graphs carry barriers
