@@ -113,7 +113,8 @@ def test_the_interface_imports_no_implementation():
         "xla_train.parallel.tensor_parallel", "xla_train.parallel.mesh", "xla_train.kernels.experts"}
     assert graph["xla_train.parallel.tensor_parallel"] <= set()
     assert graph["xla_train.parallel.sharded_load"] <= {"xla_train.core.errors"}
-    # gpu_fallback's FSDP2 takes the tensor-parallel plan's refusals and axis name (names only),
+    # gpu_fallback's FSDP2 takes the mesh, the tensor-parallel plan's refusals and axis name (names
+    # only), context parallelism's attention function (kernels.context) and the experts' refusal,
     # keeps a model's ties through transformers' split (core.ties) and reads its shards from the
     # safetensors (parallel.sharded_load's Checkpoint)
     fallback = [m for m in graph if m.startswith("gpu_fallback")]
@@ -121,7 +122,8 @@ def test_the_interface_imports_no_implementation():
     assert not any(m.startswith("xla_train") and m not in (
         "xla_train.core.roles", "xla_train.core.errors", "xla_train.parallel.launchers",
         "xla_train.parallel.tensor_parallel", "xla_train.core.ties", "xla_train.parallel.sharded_load",
-        "xla_train.parallel.mesh")
+        "xla_train.parallel.mesh", "xla_train.kernels.context", "xla_train.kernels.attention",
+        "xla_train.kernels.experts")
                    for name in fallback for m in graph[name])
 
 

@@ -414,7 +414,9 @@ def _experts_name(model):
 def paper_mesh(cfg, devices: int) -> Mesh:
     """The mesh a run of `cfg` (options.TrainOptions) lays over `devices` devices: its named axes
     (TrainOptions.mesh), the rest fsdp under --strategy fsdp, else data."""
-    return cfg.mesh().resolve(devices, sharded=cfg.strategy == "fsdp")
+    from .core.select import shards_parameters
+
+    return cfg.mesh().resolve(devices, sharded=shards_parameters(cfg.strategy))
 
 
 def plan_on_paper(cfg, config, devices: int, device_bytes: int | None) -> Plan:

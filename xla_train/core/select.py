@@ -25,6 +25,12 @@ STRATEGIES = ("ddp", "spmd", "fsdp")
 TPU_RUNTIMES = ("torch_xla", "torch_tpu", "libtpu")
 
 
+def shards_parameters(strategy: str) -> bool:
+    """Whether `strategy` splits the parameters (its mesh's first axis is fsdp): what a mesh laid
+    out on paper, before any roles are made, gives the devices the named axes leave."""
+    return strategy == "fsdp"
+
+
 def xla_available():
     return importlib.util.find_spec("torch_xla") is not None
 
