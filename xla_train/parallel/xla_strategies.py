@@ -254,11 +254,11 @@ class XlaFsdp(XlaSpmd):
         A mixture's experts (first dimension: the expert) over `expert`, the rest as default_spec."""
         layout = self.layout()
         specs = tensor_plan.planned_specs(model, layout.tensor) if layout.tensor > 1 else {}
+        params = dict(model.named_parameters())
         if layout.expert > 1:
             for name in expert_weights(model):
-                shape = dict(model.named_parameters())[name].shape
-                specs[name] = (EXPERT, *tensor_plan.default_spec(shape[1:], tensor=layout.tensor > 1))
-        for name, p in model.named_parameters():
+                specs[name] = (EXPERT, *tensor_plan.default_spec(params[name].shape[1:], tensor=layout.tensor > 1))
+        for name, p in params.items():
             if name in specs:
                 setattr(p, _PLANNED, specs[name])
 
