@@ -21,6 +21,7 @@ from xla_train.core.roles import PathLike, Strategy, blocks_of, dcp_errors, opti
 from xla_train.core.ties import retie, ties
 from xla_train.kernels import context
 from xla_train.kernels.attention import unwrapped
+from xla_train.kernels.experts import expert_refusal
 from xla_train.parallel import sharded_load
 from xla_train.parallel import tensor_parallel as tensor_plan
 from xla_train.parallel.mesh import Mesh
@@ -108,7 +109,14 @@ class Fsdp2(TorchStrategy):
     With a mesh's `context` axis N, a context group's N workers (neighbouring ranks) load the same
     rows and each keeps 1/N of every row's tokens (`input_sharding`); attention sees the whole row
     and the loss sums each row over the group (kernels/context.py). Context peers hold the same
-    parameters, so FSDP2 shards them and reduces their gradients over fsdp x context flattened."""
+    parameters, so FSDP2 shards them and reduces their gradients over fsdp x context flattened.
+
+    With a mesh's `expert` axis N, an expert group's N workers (neighbouring ranks, different rows)
+    hold E/N experts each, by the model's own expert plan (`base_model_ep_plan`: `grouped_gemm` splits
+    the stacked weights by expert, `ep_dispatch_experts` sends each (token, expert) pair to its
+    expert's worker and the result back, two all-to-alls: transformers/distributed/expert_parallel.py,
+    as `from_pretrained(distributed_config=DistributedConfig(ep_size=N))` does). FSDP2 then shards the
+    experts over `fsdp` (torchtitan's dp_shard_mod_ep) and the rest over fsdp x expert flattened."""
 
     main_axis = "fsdp"
     sharded = True
@@ -140,8 +148,24 @@ class Fsdp2(TorchStrategy):
         if not line and lora and tensor > 1:
             line = (f"`tensor_parallel` {tensor} with `lora` runs on the xla backend only so far "
                     "(transformers' styles split the layers LoRA wraps)")
+        line = line or self._expert_refusal(config, lora)
         if line:
             raise UserError(line)
+
+    def _expert_refusal(self, config: Any, lora: bool) -> str | None:
+        """Why `config`'s experts do not split over the `expert` axis here, in one line, or None."""
+        axes = self.axes
+        n = axes.expert
+        line = expert_refusal(config, n)
+        if line or n == 1:
+            return line
+        text = getattr(config, "get_text_config", lambda: config)()
+        if "ep_dispatch_experts" not in (getattr(text, "base_model_ep_plan", None) or {}).values():
+            return f"`expert_parallel` {n}: {type(config).__name__} has no expert-parallel plan in transformers"
+        if axes.tensor > 1 or axes.context > 1 or lora:
+            beside = "`lora`" if lora else "`tensor_parallel`" if axes.tensor > 1 else "`context_parallel`"
+            return f"`expert_parallel` {n} with {beside} runs on the xla backend only so far"
+        return None
 
     @property
     def param_shards(self) -> int:
@@ -153,7 +177,15 @@ class Fsdp2(TorchStrategy):
         if self._mesh is None:
             # given explicitly: the default mesh of a GPU host is CUDA's even when the group is gloo
             # (pytorch#132471)
-            self._mesh = self.layout().device_mesh(self.accelerator.device.type, self.main_axis)
+            layout = self.layout()
+            if layout.expert > 1 and layout.tensor == 1:
+                # transformers' token dispatch takes the tensor group as well (here one worker each)
+                from torch.distributed.device_mesh import init_device_mesh
+
+                names, sizes = zip(*layout.shape(self.main_axis), (tensor_plan.TENSOR, 1))
+                self._mesh = init_device_mesh(self.accelerator.device.type, sizes, mesh_dim_names=names)
+            else:
+                self._mesh = layout.device_mesh(self.accelerator.device.type, self.main_axis)
         return self._mesh
 
     def teardown(self) -> None:
@@ -181,6 +213,8 @@ class Fsdp2(TorchStrategy):
             if self.axes.tensor > 1:
                 self._split(model, mesh[tensor_plan.TENSOR])
             shards = self._param_mesh()
+            if self.axes.expert > 1:
+                self._split_experts(model, mesh)
             for block in blocks_of(model):
                 fully_shard(block, mesh=shards)
             fully_shard(model, mesh=shards)
@@ -198,7 +232,30 @@ class Fsdp2(TorchStrategy):
         with a `context` axis fsdp x context flattened (torchtitan's dp_shard_cp): context peers
         hold the same parameters and each computes a part of every row's gradient."""
         mesh = self.mesh()
+        if self.axes.expert > 1:  # expert peers load different rows: each parameter split over both
+            return mesh["fsdp", "expert"]._flatten()
         return mesh["fsdp", "context"]._flatten() if self.axes.context > 1 else mesh["fsdp"]
+
+    def _split_experts(self, model: torch.nn.Module, mesh: DeviceMesh) -> None:
+        """`model`'s experts split over the `expert` axis by its expert plan and transformers'
+        styles, then each experts module sharded by FSDP2 over `fsdp` (its weights' other dimension
+        of the mesh). An expert's gradient sums the tokens of every row its group sent it: FSDP2's
+        sum over `fsdp` is divided by all the workers that load different rows, as the rest's is
+        (transformers/distributed/fsdp.py does the same; summed, then divided: gloo has no PREMUL_SUM)."""
+        from torch.distributed.fsdp import fully_shard
+        from transformers.distributed import DistributedConfig
+        from transformers.distributed.expert_parallel import apply_expert_parallelism
+
+        self.check_model(model.config, lora=hasattr(model, "peft_config"))  # job.prepare checked; a script has not
+        pretrained = cast("PreTrainedModel", model)
+        n = self.axes.expert
+        _, plan, _ = pretrained._resolve_parallel_plans(DistributedConfig(ep_size=n, fsdp_size=self.layout().rows))
+        apply_expert_parallelism(model, mesh["expert"], mesh[tensor_plan.TENSOR], plan, ep_implementation="all_to_all")
+        for name, style in plan.items():
+            if style == "ep_dispatch_experts":
+                experts = fully_shard(model.get_submodule(name), mesh=mesh["fsdp"])
+                experts.set_gradient_divide_factor(float(self.layout().rows))
+                experts.set_force_sum_reduction_for_comms(True)
 
     def context_group(self) -> context.Context | None:
         """This worker's context group (kernels.context), or None without a `context` axis."""

@@ -61,12 +61,12 @@ def test_the_mesh_refuses_in_one_line():
         Mesh(pipeline=2)
 
 
-def test_the_new_axes_run_under_fsdp_on_xla_only():
+def test_the_new_axes_run_under_fsdp_only():
     from xla_train.core.select import select_roles
 
-    with pytest.raises(UserError, match=r"^`expert_parallel` 2 runs under `strategy` fsdp .* on the xla backend "
-                                        r"only, not cpu with fsdp$"):
-        select_roles("cpu", 4, "fsdp", Mesh(expert=2))
+    with pytest.raises(UserError, match=r"^`expert_parallel` 2 runs under `strategy` fsdp .* on the xla, cuda and "
+                                        r"cpu backends only, not cpu with ddp$"):
+        select_roles("cpu", 4, "ddp", Mesh(expert=2))
     with pytest.raises(UserError, match=r"^`context_parallel` 2 runs under `strategy` fsdp .* on the xla, cuda and "
                                         r"cpu backends only, not cpu with ddp$"):
         select_roles("cpu", 4, "ddp", Mesh(context=2))
@@ -426,3 +426,119 @@ def test_context_peers_take_their_slice_of_every_row():
     assert part["position_ids"].tolist() == [[4, 5, 6, 7]] * 2 and part["valid"].shape == (2,)
     with pytest.raises(UserError, match=r"^`context_parallel` 2 does not divide the rows' length 7: "):
         Context(None, 2, 0).split_rows({"input_ids": ids[:, :7]})
+
+
+# --- experts on 4 gloo workers (FSDP2) -----------------------------------------------------------
+# Both meshes in one subprocess, each a launch of 4 workers: fsdp 4, then fsdp 2 x expert 2, whose
+# expert peers (different rows) each hold 2 of the 4 experts and send each (token, expert) pair to
+# its expert's worker and back (transformers' expert plan and all-to-all token dispatch).
+GLOO_EXPERTS = r"""
+import sys
+import torch
+from xla_train import Mesh, launch
+from xla_train.core.engine import Engine
+from xla_train.core.roles import optimizer_params
+from xla_train.tasks.causal_lm import DecoderModel, NextToken
+
+STEPS, LR, ROWS, LENGTH = 2, 1e-3, 4, 64
+
+
+def rows(vocab, seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (ROWS, LENGTH), generator=g)
+    labels = torch.cat([ids[:, 1:], torch.full((ROWS, 1), -100)], 1)
+    positions, segments = torch.arange(LENGTH).expand(ROWS, LENGTH), torch.ones_like(ids)
+    return [{"input_ids": ids[r], "position_ids": positions[r], "segments": segments[r], "labels": labels[r]}
+            for r in range(ROWS)]
+
+
+def worker(cases, out):
+    engine = Engine()
+    results = {}
+    for case in cases:
+        folder, vocab = case.split("|")
+        torch.manual_seed(0)
+        model = DecoderModel().load(folder, 7, 0)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+        data = [row for step in range(STEPS) for row in rows(int(vocab), step)]
+        loader = torch.utils.data.DataLoader(data, batch_size=ROWS // engine.strategy.row_shares)
+        model, optimizer, loader = engine.prepare(model, optimizer, loader)
+        objective, losses, norms = NextToken(), [], []
+        for batch in loader:
+            labels = batch.pop("labels")
+            loss = objective.loss(objective.forward(model, batch), labels)
+            engine.backward(loss)
+            norms.append(engine.strategy.grad_norm(optimizer_params(optimizer)).item())  # AdamW hides a scale
+            engine.optimizer_step(optimizer)
+            optimizer.zero_grad()
+            losses.append(engine.strategy.gather_batch(loss.detach()[None]).mean().item())
+        inner = engine.unwrap_model(model)
+        held = sorted({m.num_experts for name, m in inner.named_modules() if name.endswith("mlp.experts")})
+        state = inner.state_dict()
+        placed = {k: str(getattr(v, "placements", None)) for k, v in state.items() if "experts.gate_up_proj" in k}
+        results[folder] = {"losses": losses, "norms": norms, "held": held, "placed": placed,
+                           "state": {k: engine.strategy.whole(v.detach()).clone() for k, v in state.items()}}
+    if engine.strategy.is_main:
+        torch.save(results, out)
+
+
+if __name__ == "__main__":
+    folder, cases = sys.argv[1], sys.argv[2:]
+    for name, mesh in (("fsdp", Mesh()), ("ep2", Mesh(expert=2))):
+        launch(worker, (cases, f"{folder}/{name}.pt"), backend="cpu", num_processes=4, strategy="fsdp", mesh=mesh)
+"""
+
+
+@pytest.fixture(scope="module")
+def gloo_experts(tmp_path_factory):
+    """The script above: {family: {"fsdp": result, "ep2": result}}."""
+    import torch
+    from transformers import AutoConfig
+
+    folder = tmp_path_factory.mktemp("mesh_gloo_experts")
+    script = folder / "gloo.py"
+    script.write_text(GLOO_EXPERTS)
+    paths = {family: td.save(family, folder / family) for family in ("qwen3moe", "gptoss")}
+    cases = [f"{p}|{min(AutoConfig.from_pretrained(p).vocab_size, 120)}" for p in paths.values()]
+    proc = subprocess.run([sys.executable, script, folder, *cases], cwd=ROOT, capture_output=True, text=True,
+                          timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    runs = {way: torch.load(folder / f"{way}.pt") for way in ("fsdp", "ep2")}
+    return {family: {way: runs[way][str(p)] for way in runs} for family, p in paths.items()}
+
+
+@pytest.mark.torch_native  # make test-torch runs it on the newest torch too (DTensor, all-to-all)
+@pytest.mark.parametrize("family", ["qwen3moe", "gptoss"])
+def test_experts_on_gloo_train_as_fsdp_alone(gloo_experts, family):
+    """Two AdamW steps: fsdp 2 x expert 2 (each worker 2 of the 4 experts, split by expert over
+    `expert` and sharded by FSDP2 over `fsdp`; the rest over both) gives fsdp 4's losses and
+    weights within 1e-5 (fp32), and its gradients' norm within 1e-5: an expert's gradient, summed
+    over the rows its group sent it, is divided by the 4 workers' rows as the rest's is."""
+    fsdp, split = gloo_experts[family]["fsdp"], gloo_experts[family]["ep2"]
+    assert (fsdp["held"], split["held"]) == ([4], [2])
+    assert set(split["placed"].values()) == {"(_StridedShard(dim=0, sf=2), Shard(dim=0))"}
+    assert split["losses"] == pytest.approx(fsdp["losses"], abs=1e-5), (split["losses"], fsdp["losses"])
+    assert fsdp["losses"][0] != fsdp["losses"][1]
+    assert split["norms"] == pytest.approx(fsdp["norms"], rel=1e-5), (split["norms"], fsdp["norms"])
+    furthest = max((split["state"][k] - w).abs().max().item() for k, w in fsdp["state"].items())
+    assert furthest < 1e-5, furthest
+
+
+def test_experts_on_fsdp2_refuse_in_one_line():
+    """What FSDP2's expert axis does not take, before anything loads: a dense model, experts N does
+    not divide, a family without transformers' expert plan, LoRA and the other new axes beside it."""
+    from transformers import JetMoeConfig, LlamaConfig, Qwen3MoeConfig
+
+    from xla_train.core.select import select_roles
+
+    strategy = select_roles("cpu", 4, "fsdp", Mesh(expert=2)).strategy
+    for config, lora, line in [
+            (LlamaConfig(), False, "LlamaConfig is not a mixture of experts"),
+            (Qwen3MoeConfig(num_experts=3), False, "Qwen3MoeConfig's 3 experts cannot be split evenly over 2"),
+            (JetMoeConfig(num_local_experts=4), False, "JetMoeConfig has no expert-parallel plan in transformers"),
+            (Qwen3MoeConfig(num_experts=4), True, "with `lora` runs on the xla backend only so far")]:
+        with pytest.raises(UserError, match=r"^`expert_parallel` 2:? " + line.replace("`", ".")):
+            strategy.check_model(config, lora)
+    strategy.check_model(Qwen3MoeConfig(num_experts=4))
+    with pytest.raises(UserError, match=r"^`expert_parallel` 2 with `context_parallel` runs on the xla backend"):
+        select_roles("cpu", 4, "fsdp", Mesh(expert=2, context=2)).strategy.check_model(Qwen3MoeConfig(num_experts=4))

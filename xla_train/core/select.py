@@ -138,9 +138,9 @@ def select_roles(name="auto", num_processes=None, strategy="ddp", mesh: Mesh | N
     mesh = mesh or Mesh()
     if name == "auto":
         name, _ = auto_choice()
-    # tensor and context parallelism run on FSDP2 too (TorchTPU's DTensors under transformers' styles
-    # are not read yet); experts split on XLA's SPMD only so far
-    backends = ("xla",) if "expert" in mesh.split else ("xla", "cuda", "cpu")
+    # tensor, expert and context parallelism run on FSDP2 too (TorchTPU's DTensors under transformers'
+    # styles are not read yet)
+    backends = ("xla", "cuda", "cpu")
     if mesh.split and (name not in backends or strategy != "fsdp"):
         raise UserError(f"{mesh.named()} runs under `strategy` fsdp (a mesh of fsdp and the named axes) on the "
                         f"{' and '.join([', '.join(backends[:-1]), backends[-1]] if len(backends) > 1 else backends)} "
