@@ -170,7 +170,8 @@ class TrainOptions:
                                   "tensor-parallel plan of the model), a mesh of fsdp x tensor; the rows are split "
                                   "over the fsdp axis only, --batch-size counting a tensor group's rows (default: 1)",
                                   section="system")
-    expert_parallel: int = option(1, "--strategy fsdp (xla): split a mixture of experts' experts over this many "
+    expert_parallel: int = option(1, "--strategy fsdp (xla; cuda and cpu: FSDP2, without tensor or context "
+                                  "parallelism): split a mixture of experts' experts over this many "
                                   "devices, E/N each; tokens travel to their experts' devices and back. The axis takes "
                                   "its devices from fsdp's (rows are split over both), as MaxText's does (default: 1)",
                                   section="system")
