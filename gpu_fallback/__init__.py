@@ -19,7 +19,7 @@ def roles(backend: str, num_processes: int | None = None, strategy: str = "ddp",
           ) -> Roles:
     """The roles of the torch-native `backend` (cuda, cpu, tpu) under `strategy` (ddp or fsdp),
     with `num_processes` workers (None: the device's default), not yet started; under fsdp, the
-    `mesh`'s tensor axis splits each block (select_roles refuses the other axes here)."""
+    `mesh`'s axes split the work (parallel.mesh: tensor, expert, context)."""
     accelerator = TorchAccelerator(backend)
     launcher = TorchLauncher(num_processes, accelerator.default_processes)
     strategies: dict[str, Callable[[TorchAccelerator, Mesh | None], Strategy]] = {"ddp": Ddp, "fsdp": Fsdp2}

@@ -169,7 +169,7 @@ class Fsdp2(TorchStrategy):
 
     @property
     def param_shards(self) -> int:
-        return self.layout().param_shards
+        return self.layout().devices  # fsdp, expert and context, and the plan's over tensor too
 
     def mesh(self) -> DeviceMesh:
         """The job's mesh, made once (each sub-mesh is a process group of its own)."""

@@ -59,6 +59,9 @@ def test_the_mesh_refuses_in_one_line():
         Mesh(expert=0)
     with pytest.raises(UserError, match=r"^`pipeline_parallel` 2: not built yet"):
         Mesh(pipeline=2)
+    with pytest.raises(UserError, match=r"^`fsdp_parallel` 2: this strategy lays the devices the named axes leave "
+                                        r"out over `data`$"):
+        Mesh(fsdp=2).resolve(4, sharded=False)
 
 
 def test_the_new_axes_run_under_fsdp_only():
@@ -413,19 +416,24 @@ def test_context_on_gloo_trains_as_fsdp_alone(gloo_context, family):
 
 def test_context_peers_take_their_slice_of_every_row():
     """kernels.context.Context.split_rows: the second of 2 workers keeps tokens 4..7 of every token
-    column, plain rows get their global positions, other tensors are left whole; a length 2 does
-    not divide is refused in one line."""
+    column of a causal LM's document rows (they carry segments), rows without positions get their
+    global ones, other tensors are left whole; a batch without segments (a classifier's rows,
+    prompts to generate from) goes whole to every worker; a length 2 does not divide is refused
+    in one line."""
     import torch
 
     from xla_train.kernels.context import Context
 
     ids = torch.arange(16).reshape(2, 8)
-    part = Context(None, 2, 1).split_rows({"input_ids": ids, "labels": ids + 1, "valid": torch.ones(2)})
+    rows = {"input_ids": ids, "labels": ids + 1, "segments": torch.ones_like(ids), "valid": torch.ones(2)}
+    part = Context(None, 2, 1).split_rows(rows)
     assert part["input_ids"].tolist() == [[4, 5, 6, 7], [12, 13, 14, 15]]
     assert part["labels"].tolist() == [[5, 6, 7, 8], [13, 14, 15, 16]]
     assert part["position_ids"].tolist() == [[4, 5, 6, 7]] * 2 and part["valid"].shape == (2,)
+    classifier = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.ones(2)}
+    assert Context(None, 2, 1).split_rows(classifier) is classifier
     with pytest.raises(UserError, match=r"^`context_parallel` 2 does not divide the rows' length 7: "):
-        Context(None, 2, 0).split_rows({"input_ids": ids[:, :7]})
+        Context(None, 2, 0).split_rows({"input_ids": ids[:, :7], "segments": ids[:, :7]})
 
 
 # --- experts on 4 gloo workers (FSDP2) -----------------------------------------------------------

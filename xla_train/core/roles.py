@@ -2,8 +2,9 @@
 split over devices and processes (`Strategy`) and how those processes start (`Launcher`), as
 Lightning Fabric separates them. `Roles` composes one of each; `xla_train.core.select` picks them.
 
-This module imports no implementation. Implementations: `xla_train.core.xla` (torch_xla: the XLA
-accelerator, the XlaDdp, XlaSpmd and XlaFsdp strategies), `xla_train.parallel.launchers` (xmp.spawn's
+This module imports no implementation (only the mesh's value, parallel.mesh). Implementations:
+`xla_train.core.xla` (torch_xla's accelerator), `xla_train.parallel.xla_strategies` (its XlaDdp,
+XlaSpmd and XlaFsdp strategies), `xla_train.parallel.launchers` (xmp.spawn's
 replicas, one process per host) and, in `gpu_fallback`, the torch-native accelerator (CUDA, the
 CPU), the Ddp and Fsdp2 strategies and torch.multiprocessing's launcher. Nothing outside those
 files imports torch_xla or torch.distributed, and nothing else branches on a kind: where kinds

@@ -10,7 +10,7 @@ def trained_state(model, live=False):
     base), the trained parameters only; the frozen ones come again from the model's own files.
     Which are trained is read from the state's own values (`keep_vars`), so the keys may differ
     from `named_parameters()`' (under FSDPv2 the state's keys lose the wrappers' `_orig_module.`,
-    core.xla._drop_wrapper_keys; the parameters' names keep it). A tied parameter (an output
+    parallel.xla_strategies._drop_wrapper_keys; the parameters' names keep it). A tied parameter (an output
     projection that is the input embedding) appears once, under its first key (`core.ties.untied`).
     `live`: the parameters and buffers themselves (to load into in place), not detached views."""
     state = untied(model.state_dict(keep_vars=True))

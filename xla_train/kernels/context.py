@@ -51,7 +51,10 @@ class Context:
         import torch
 
         ids = batch.get("input_ids")
-        if ids is None or ids.dim() != 2:
+        if ids is None or ids.dim() != 2 or "segments" not in batch:
+            # a causal LM's document rows only (they carry their segments: tasks.causal_lm), which
+            # its loss puts back together; others (a classifier's rows, prompts to generate from)
+            # go whole to every worker of the group
             return batch
         rows, length = ids.shape
         if length % self.size:

@@ -98,7 +98,10 @@ class Mesh:
             label = self.named() if len(self.split) == 1 else f"{self.named()} ({named} devices a group)"
             raise UserError(f"{label} does not divide the {devices} {what}")
         rest = devices // named
-        given = self.fsdp if sharded else self.data
+        given, other = (self.fsdp, self.data) if sharded else (self.data, self.fsdp)
+        if other > 1:
+            raise UserError(f"`{'data' if sharded else 'fsdp'}_parallel` {other}: this strategy lays the devices the "
+                            f"named axes leave out over `{'fsdp' if sharded else 'data'}`")
         if given and given != rest:
             raise UserError(f"`{'fsdp' if sharded else 'data'}_parallel` {given} is not the {rest} {what} left")
         return replace(self, data=1 if sharded else rest, fsdp=rest if sharded else 1)

@@ -220,9 +220,8 @@ class XlaFsdp(XlaSpmd):
             # tile assignment (distributed/spmd/xla_sharding.py, ShardingSpec.__post_init__ and
             # _get_tile_assignment: unlike Mesh.get_op_sharding, it does not replicate over the axes
             # a spec leaves out), so 1-D labels would not be laid out; not built yet
-            names = ", ".join(f"`{a}_parallel` {n}" for a, n in self.axes.split.items())
-            raise UserError(f"{names} runs on one host only so far (this slice has {hosts} hosts); on a pod, "
-                            "`strategy` fsdp alone shards over every chip")
+            raise UserError(f"{self.axes.named()} runs on one host only so far (this slice has {hosts} hosts); on a "
+                            "pod, `strategy` fsdp alone shards over every chip")
         return super().planned_devices(launcher)
 
     def check_model(self, config: Any, lora: bool = False) -> None:
@@ -233,7 +232,7 @@ class XlaFsdp(XlaSpmd):
 
     @property
     def param_shards(self) -> int:
-        return self.layout().param_shards
+        return self.layout().devices  # fsdp, expert and context, and the plan's over tensor too
 
     def param_spec(self, param: torch.Tensor) -> tuple[Any, ...]:
         """The partition spec of `param` over the mesh: FSDPv2's over fsdp alone; with more axes

@@ -231,6 +231,10 @@ def run_documents(model: Any, inputs: dict[str, Any], attention: str = "auto", c
     if split and not whole_rows:
         raise UserError(f"`context_parallel` {split.size} on the cuda and cpu backends takes causal-lm runs only so "
                         "far (its loss sums each row over the context group; DPO's and GRPO's do not yet)")
+    if split and router_weight:
+        raise UserError(f"`context_parallel` {split.size} on the cuda and cpu backends does not take a mixture of "
+                        "experts' routers' loss yet (it is not summed over the context group): set "
+                        "`router_aux_loss_coef` 0, or use the xla backend")
     extra = split.inputs(model, segments) if split else document_inputs(model, segments, attention=attention)
     inputs = {k: v for k, v in inputs.items() if k != "segments"}
     hf = unwrapped(model)
