@@ -250,7 +250,7 @@ def test_a_cli_fsdp_run_loads_sharded_and_trains_as_the_whole_load(tmp_path):
     runs = {}
     for way in ("new", "whole"):
         metrics = tmp_path / f"{way}.json"
-        script = ("import sys; from xla_train.core import sharded_load\n"
+        script = ("import sys; from xla_train.parallel import sharded_load\n"
                   + ("sharded_load.skeleton = lambda load, name: None\n" if way == "whole" else "")
                   + "from xla_train.commands.cli import main; sys.exit(main(sys.argv[1:]))")
         proc = subprocess.run([sys.executable, "-c", script, *map(str, args), "--metrics-out", str(metrics),
