@@ -380,22 +380,26 @@ if __name__ == "__main__":
 """
 
 
-@pytest.fixture(scope="module")
-def gloo_context(tmp_path_factory):
-    """The script above: {family: {"fsdp": result, "cp2": result}}."""
+def _on_gloo(folder, script, families, ways):
+    """`script` (its launches of 4 gloo workers, one a mesh of `ways`) run once on tiny models of
+    `families` in `folder`: {family: {way: the worker's results}}."""
     import torch
     from transformers import AutoConfig
 
-    folder = tmp_path_factory.mktemp("mesh_gloo")
-    script = folder / "gloo.py"
-    script.write_text(GLOO)
-    paths = {family: td.save(family, folder / family) for family in ("llama", "qwen3")}
+    (folder / "gloo.py").write_text(script)
+    paths = {family: td.save(family, folder / family) for family in families}
     cases = [f"{p}|{min(AutoConfig.from_pretrained(p).vocab_size, 120)}" for p in paths.values()]
-    proc = subprocess.run([sys.executable, script, folder, *cases], cwd=ROOT, capture_output=True, text=True,
-                          timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run([sys.executable, folder / "gloo.py", folder, *cases], cwd=ROOT, capture_output=True,
+                          text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-4000:]
-    runs = {way: torch.load(folder / f"{way}.pt") for way in ("fsdp", "cp2")}
+    runs = {way: torch.load(folder / f"{way}.pt") for way in ways}
     return {family: {way: runs[way][str(p)] for way in runs} for family, p in paths.items()}
+
+
+@pytest.fixture(scope="module")
+def gloo_context(tmp_path_factory):
+    """The script above: {family: {"fsdp": result, "cp2": result}}."""
+    return _on_gloo(tmp_path_factory.mktemp("mesh_gloo"), GLOO, ("llama", "qwen3"), ("fsdp", "cp2"))
 
 
 @pytest.mark.torch_native  # make test-torch runs it on the newest torch too (_flatten, DTensor)
@@ -500,19 +504,7 @@ if __name__ == "__main__":
 @pytest.fixture(scope="module")
 def gloo_experts(tmp_path_factory):
     """The script above: {family: {"fsdp": result, "ep2": result}}."""
-    import torch
-    from transformers import AutoConfig
-
-    folder = tmp_path_factory.mktemp("mesh_gloo_experts")
-    script = folder / "gloo.py"
-    script.write_text(GLOO_EXPERTS)
-    paths = {family: td.save(family, folder / family) for family in ("qwen3moe", "gptoss")}
-    cases = [f"{p}|{min(AutoConfig.from_pretrained(p).vocab_size, 120)}" for p in paths.values()]
-    proc = subprocess.run([sys.executable, script, folder, *cases], cwd=ROOT, capture_output=True, text=True,
-                          timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    runs = {way: torch.load(folder / f"{way}.pt") for way in ("fsdp", "ep2")}
-    return {family: {way: runs[way][str(p)] for way in runs} for family, p in paths.items()}
+    return _on_gloo(tmp_path_factory.mktemp("mesh_gloo_experts"), GLOO_EXPERTS, ("qwen3moe", "gptoss"), ("fsdp", "ep2"))
 
 
 @pytest.mark.torch_native  # make test-torch runs it on the newest torch too (DTensor, all-to-all)
