@@ -314,12 +314,9 @@ def test_dpo_pairs_and_grpo_rollouts_take_the_context_axis(kind, reverse_task, t
     assert split["xla"]["compiles"] == fsdp["xla"]["compiles"] and split["xla"]["aten_fallbacks"] == 0
 
 
-# --- context on 4 gloo workers (FSDP2) -----------------------------------------------------------
-# Both meshes in one subprocess, each a launch of 4 workers: fsdp 4, then fsdp 2 x context 2, whose
-# context peers each hold 256 of every row's 512 tokens (kernels.context). Every row has the same
-# trained tokens: data parallelism averages each worker's mean, which equals the token-weighted
-# mean over the batch only then.
-GLOO = r"""
+# The workers' loop, shared by the two axes' scripts below: each tail gives STEPS, LR, ROWS, `rows`
+# and the meshes. Every run records what either test reads (the row length, the experts held).
+GLOO_WORKER = r"""
 import sys
 import torch
 from xla_train import Mesh, launch
@@ -327,10 +324,54 @@ from xla_train.core.engine import Engine
 from xla_train.core.roles import optimizer_params
 from xla_train.tasks.causal_lm import DecoderModel, NextToken
 
+
+def worker(cases, out):
+    engine = Engine()
+    results = {}
+    for case in cases:
+        folder, vocab = case.split("|")
+        torch.manual_seed(0)
+        model = DecoderModel().load(folder, 7, 0)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+        data = [row for step in range(STEPS) for row in rows(int(vocab), step)]
+        loader = torch.utils.data.DataLoader(data, batch_size=ROWS // engine.strategy.row_shares)
+        model, optimizer, loader = engine.prepare(model, optimizer, loader)
+        objective, losses, norms, length = NextToken(), [], [], None
+        for batch in loader:
+            length = batch["input_ids"].shape[1]
+            labels = batch.pop("labels")
+            loss = objective.loss(objective.forward(model, batch), labels)
+            engine.backward(loss)
+            norms.append(engine.strategy.grad_norm(optimizer_params(optimizer)).item())  # AdamW hides a scale
+            engine.optimizer_step(optimizer)
+            optimizer.zero_grad()
+            losses.append(engine.strategy.gather_batch(loss.detach()[None]).mean().item())
+        inner = engine.unwrap_model(model)
+        held = sorted({m.num_experts for name, m in inner.named_modules() if name.endswith("mlp.experts")})
+        state = inner.state_dict()
+        placed = {k: str(getattr(v, "placements", None)) for k, v in state.items() if "experts.gate_up_proj" in k}
+        results[folder] = {"losses": losses, "norms": norms, "length": length, "held": held, "placed": placed,
+                           "state": {k: engine.strategy.whole(v.detach()).clone() for k, v in state.items()}}
+    if engine.strategy.is_main:
+        torch.save(results, out)
+
+
+def run(meshes):
+    folder, cases = sys.argv[1], sys.argv[2:]
+    for name, mesh in meshes:
+        launch(worker, (cases, f"{folder}/{name}.pt"), backend="cpu", num_processes=4, strategy="fsdp", mesh=mesh)
+"""
+
+# --- context on 4 gloo workers (FSDP2) -----------------------------------------------------------
+# Both meshes in one subprocess, each a launch of 4 workers: fsdp 4, then fsdp 2 x context 2, whose
+# context peers each hold 256 of every row's 512 tokens (kernels.context). Every row has the same
+# trained tokens: data parallelism averages each worker's mean, which equals the token-weighted
+# mean over the batch only then.
+GLOO = GLOO_WORKER + r"""
 STEPS, LR, ROWS, LENGTH = 2, 2e-5, 4, 512
 
 
-def packed(vocab, seed):
+def rows(vocab, seed):
     # test_mesh's rows (3 or 4 documents, then padding), every row ending 8 tokens short
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, vocab, (ROWS, LENGTH), generator=g)
@@ -345,38 +386,8 @@ def packed(vocab, seed):
             for r in range(ROWS)]
 
 
-def worker(cases, out):
-    engine = Engine()
-    results = {}
-    for case in cases:
-        folder, vocab = case.split("|")
-        torch.manual_seed(0)
-        model = DecoderModel().load(folder, 7, 0)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-        rows = [row for step in range(STEPS) for row in packed(int(vocab), step)]
-        loader = torch.utils.data.DataLoader(rows, batch_size=ROWS // engine.strategy.row_shares)
-        model, optimizer, loader = engine.prepare(model, optimizer, loader)
-        objective, losses, norms, length = NextToken(), [], [], None
-        for batch in loader:
-            length = batch["input_ids"].shape[1]
-            labels = batch.pop("labels")
-            loss = objective.loss(objective.forward(model, batch), labels)
-            engine.backward(loss)
-            norms.append(engine.strategy.grad_norm(optimizer_params(optimizer)).item())  # AdamW hides a scale
-            engine.optimizer_step(optimizer)
-            optimizer.zero_grad()
-            losses.append(engine.strategy.gather_batch(loss.detach()[None]).mean().item())
-        state = engine.unwrap_model(model).state_dict()
-        results[folder] = {"losses": losses, "norms": norms, "length": length,
-                           "state": {k: engine.strategy.whole(v.detach()).clone() for k, v in state.items()}}
-    if engine.strategy.is_main:
-        torch.save(results, out)
-
-
 if __name__ == "__main__":
-    folder, cases = sys.argv[1], sys.argv[2:]
-    for name, mesh in (("fsdp", Mesh()), ("cp2", Mesh(context=2))):
-        launch(worker, (cases, f"{folder}/{name}.pt"), backend="cpu", num_processes=4, strategy="fsdp", mesh=mesh)
+    run((("fsdp", Mesh()), ("cp2", Mesh(context=2))))
 """
 
 
@@ -444,14 +455,7 @@ def test_context_peers_take_their_slice_of_every_row():
 # Both meshes in one subprocess, each a launch of 4 workers: fsdp 4, then fsdp 2 x expert 2, whose
 # expert peers (different rows) each hold 2 of the 4 experts and send each (token, expert) pair to
 # its expert's worker and back (transformers' expert plan and all-to-all token dispatch).
-GLOO_EXPERTS = r"""
-import sys
-import torch
-from xla_train import Mesh, launch
-from xla_train.core.engine import Engine
-from xla_train.core.roles import optimizer_params
-from xla_train.tasks.causal_lm import DecoderModel, NextToken
-
+GLOO_EXPERTS = GLOO_WORKER + r"""
 STEPS, LR, ROWS, LENGTH = 2, 1e-3, 4, 64
 
 
@@ -464,40 +468,8 @@ def rows(vocab, seed):
             for r in range(ROWS)]
 
 
-def worker(cases, out):
-    engine = Engine()
-    results = {}
-    for case in cases:
-        folder, vocab = case.split("|")
-        torch.manual_seed(0)
-        model = DecoderModel().load(folder, 7, 0)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-        data = [row for step in range(STEPS) for row in rows(int(vocab), step)]
-        loader = torch.utils.data.DataLoader(data, batch_size=ROWS // engine.strategy.row_shares)
-        model, optimizer, loader = engine.prepare(model, optimizer, loader)
-        objective, losses, norms = NextToken(), [], []
-        for batch in loader:
-            labels = batch.pop("labels")
-            loss = objective.loss(objective.forward(model, batch), labels)
-            engine.backward(loss)
-            norms.append(engine.strategy.grad_norm(optimizer_params(optimizer)).item())  # AdamW hides a scale
-            engine.optimizer_step(optimizer)
-            optimizer.zero_grad()
-            losses.append(engine.strategy.gather_batch(loss.detach()[None]).mean().item())
-        inner = engine.unwrap_model(model)
-        held = sorted({m.num_experts for name, m in inner.named_modules() if name.endswith("mlp.experts")})
-        state = inner.state_dict()
-        placed = {k: str(getattr(v, "placements", None)) for k, v in state.items() if "experts.gate_up_proj" in k}
-        results[folder] = {"losses": losses, "norms": norms, "held": held, "placed": placed,
-                           "state": {k: engine.strategy.whole(v.detach()).clone() for k, v in state.items()}}
-    if engine.strategy.is_main:
-        torch.save(results, out)
-
-
 if __name__ == "__main__":
-    folder, cases = sys.argv[1], sys.argv[2:]
-    for name, mesh in (("fsdp", Mesh()), ("ep2", Mesh(expert=2))):
-        launch(worker, (cases, f"{folder}/{name}.pt"), backend="cpu", num_processes=4, strategy="fsdp", mesh=mesh)
+    run((("fsdp", Mesh()), ("ep2", Mesh(expert=2))))
 """
 
 
