@@ -178,14 +178,9 @@ class Fsdp2(TorchStrategy):
             # given explicitly: the default mesh of a GPU host is CUDA's even when the group is gloo
             # (pytorch#132471)
             layout = self.layout()
-            if layout.expert > 1 and layout.tensor == 1:
-                # transformers' token dispatch takes the tensor group as well (here one worker each)
-                from torch.distributed.device_mesh import init_device_mesh
-
-                names, sizes = zip(*layout.shape(self.main_axis), (tensor_plan.TENSOR, 1))
-                self._mesh = init_device_mesh(self.accelerator.device.type, sizes, mesh_dim_names=names)
-            else:
-                self._mesh = layout.device_mesh(self.accelerator.device.type, self.main_axis)
+            # transformers' token dispatch takes the tensor group as well (of one worker without tensor parallelism)
+            keep = (tensor_plan.TENSOR,) if layout.expert > 1 else ()
+            self._mesh = layout.device_mesh(self.accelerator.device.type, self.main_axis, keep)
         return self._mesh
 
     def teardown(self) -> None:

@@ -110,11 +110,12 @@ class Mesh:
     def devices(self) -> int:
         return math.prod(getattr(self, a) or 1 for a in AXES)
 
-    def shape(self, main: str) -> tuple[tuple[str, int], ...]:
+    def shape(self, main: str, keep: tuple[str, ...] = ()) -> tuple[tuple[str, int], ...]:
         """((axis, size), ...) of the axes above 1, and always `main` (the strategy's first axis,
-        which torch_xla's FSDPv2 and the loaders name): what torch_xla's Mesh and torch's
-        DeviceMesh are built with."""
-        return tuple((a, getattr(self, a)) for a in AXES if a == main or getattr(self, a) > 1)
+        which torch_xla's FSDPv2 and the loaders name) and those in `keep` (a library that asks for
+        an axis's group even of one device): what torch_xla's Mesh and torch's DeviceMesh are
+        built with."""
+        return tuple((a, getattr(self, a)) for a in AXES if a == main or a in keep or getattr(self, a) > 1)
 
     @property
     def rows(self) -> int:
@@ -162,9 +163,9 @@ class Mesh:
         names, sizes = zip(*self.shape(main))
         return xs.Mesh(np.arange(math.prod(sizes)), sizes, names)
 
-    def device_mesh(self, device_type: str, main: str) -> Any:
+    def device_mesh(self, device_type: str, main: str, keep: tuple[str, ...] = ()) -> Any:
         """torch's DeviceMesh of the same axes (each sub-mesh a process group of its own)."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        names, sizes = zip(*self.shape(main))
+        names, sizes = zip(*self.shape(main, keep))
         return init_device_mesh(device_type, sizes, mesh_dim_names=names)
