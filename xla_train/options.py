@@ -21,6 +21,7 @@ from typing import Any
 from .core.errors import UserError, check_choice, check_number
 from .core.shapes import parse_buckets
 from .kernels.attention import PATHS as ATTENTION_PATHS
+from .kernels.quant import FOUR_BIT_TYPES, Quant
 from .models import BUNDLED_MODEL, bundled_model_path
 from .observe.trackers import TRACKERS, trackers
 from .parallel.mesh import Mesh
@@ -121,6 +122,15 @@ class TrainOptions:
                                section="model")
     merge_lora: bool = option(False, "--lora: write the merged whole model to OUTPUT_DIR instead of the adapter "
                               "(plain transformers loads it)", section="model")
+    load_in_8bit: bool = option(False, "--lora: keep the frozen base's linear projections in 8 bits (int8, a scale "
+                                "per output channel; bitsandbytes' LLM.int8 on CUDA and the CPU), about half "
+                                "bf16's bytes", section="model")
+    load_in_4bit: bool = option(False, "--lora: keep the frozen base's linear projections in 4 bits "
+                                "(--bnb-4bit-quant-type), about a quarter of bf16's bytes", section="model")
+    bnb_4bit_quant_type: str = option("nf4", "--load-in-4bit: the 4-bit type, " + " | ".join(FOUR_BIT_TYPES),
+                                      FOUR_BIT_TYPES, section="model")
+    use_bnb_nested_quant: bool = option(False, "--load-in-4bit: quantize the scales too (double quantization, "
+                                        "QLoRA's)", section="model")
     # optimizer: the course's hyperparameters (AdamW, linear schedule, 3 epochs, batch 8)
     epochs: int = option(3, "passes over the training data", section="optimizer")
     batch_size: int = option(8, "per replica", section="optimizer")
@@ -242,6 +252,14 @@ class TrainOptions:
         sections for the run state."""
         return Section(name, {key: getattr(self, key) for key in section_names(type(self))[_section(name)]})
 
+    def quantization(self) -> Quant | None:
+        """The LoRA base's quantization (--load-in-8bit, --load-in-4bit), None for none."""
+        if self.load_in_8bit:
+            return Quant(8, "int8")
+        if self.load_in_4bit:
+            return Quant(4, self.bnb_4bit_quant_type, self.use_bnb_nested_quant)
+        return None
+
     def mesh(self) -> Mesh:
         """The axes the run asks for beside the strategy's own, as one value (parallel.mesh)."""
         return Mesh(tensor=self.tensor_parallel, expert=self.expert_parallel, context=self.context_parallel)
@@ -251,7 +269,7 @@ class TrainOptions:
         from .core.select import BACKENDS, STRATEGIES
 
         _check_choices(self, {"padding": PADDING_MODES, "precision": PRECISIONS, "backend": BACKENDS,
-                              "strategy": STRATEGIES})
+                              "strategy": STRATEGIES, "bnb_4bit_quant_type": FOUR_BIT_TYPES})
         _at_least_one(self, ("epochs", "batch_size", "grad_accum", "log_every", "max_length", "tensor_parallel",
                              "expert_parallel", "context_parallel"),
                       ("max_steps", "save_every", "keep_last", "eval_every", "eval_samples", "early_stopping_patience",
@@ -307,9 +325,14 @@ class TrainOptions:
             own.check()
 
     def _check_lora(self):
-        given = [name for name in ("lora_targets", "merge_lora") if getattr(self, name)]
+        given = [name for name in ("lora_targets", "merge_lora", "load_in_8bit", "load_in_4bit") if getattr(self, name)]
         if given and not self.lora:
             raise UserError(f"{flag_name(given[0])} needs --lora")
+        if self.load_in_8bit and self.load_in_4bit:
+            raise UserError("--load-in-8bit and --load-in-4bit: choose one")
+        if not self.load_in_4bit and (self.use_bnb_nested_quant or self.bnb_4bit_quant_type != "nf4"):
+            raise UserError(f"{'--use-bnb-nested-quant' if self.use_bnb_nested_quant else '--bnb-4bit-quant-type'} "
+                            "needs --load-in-4bit")
         if self.lora_r < 1:
             raise UserError(f"--lora-r must be at least 1, not {self.lora_r}")
 
