@@ -2,10 +2,15 @@ from setuptools import find_packages, setup
 
 # pytest 9.2 reads a test's id from Node._id, while pytest-xdist 3.8's --dist loadgroup writes its
 # group into Node._nodeid: groups were ignored and shared runs made twice
+# --load-in-8bit / --load-in-4bit on the cuda and cpu backends (xla_train/kernels/bnb.py). 0.50.2: the
+# release the tests ran on, under torch 2.9 and 2.13 (its own requirement: torch>=2.4,<3); its CPU
+# backend (libbitsandbytes_cpu.so) runs LLM.int8 and NF4 forward and backward.
+QUANT = ["bitsandbytes>=0.50.2,<1"]
 TEST = ["pytest<9.2", "pytest-xdist", "accelerate", "gcp-storage-emulator", "google-cloud-storage",
         "nbclient", "nbformat", "ipykernel",
         "build", "setuptools", "wheel",  # make dist and tests/test_install.py build the wheel
-        "ruff>=0.17,<0.18", "mypy>=2.4,<2.5"]  # tests/test_lint.py; pyproject.toml configures both
+        "ruff>=0.17,<0.18", "mypy>=2.4,<2.5",  # tests/test_lint.py; pyproject.toml configures both
+        *QUANT]  # tests/test_quant_bnb.py, in make test and make test-torch
 
 XLA_VERSION = "2.9.0"  # torch_xla's last release, and the torch release it was built for (see the extras)
 XLA_TORCH = f"torch=={XLA_VERSION}"
@@ -58,7 +63,8 @@ setup(
         "gcs": ["google-cloud-storage"],
         # --report-to mlflow (the full package: its sqlite store needs it) and wandb
         "trackers": ["mlflow==3.17.2", "wandb"],
-        "profile": ["tensorboard-plugin-profile"],  # TensorBoard's Profile tab for --profile-steps
+        "profile": ["tensorboard-plugin-profile"],
+        "quant": QUANT,  # a LoRA base in 8 or 4 bits on CUDA and the CPU (bitsandbytes)  # TensorBoard's Profile tab for --profile-steps
         "test": TEST,  # the tests without torch_xla (make test-torch)
         # every test (make test), and TRL for benchmarks/bench_sft.py (TRL's SFTTrainer side by side)
         # and jax (torch_xla's pallas extra), whose Pallas TPU kernels run in interpret mode on the

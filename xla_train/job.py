@@ -18,6 +18,7 @@ from .core.errors import UserError
 from .core.shapes import Padding, PaddingRequest, Shapes, check_steps, lengths, settle_padding
 from .core.signals import StopRequest
 from .io.storage import is_remote, open_store
+from .kernels import bnb
 from .kernels.attention import row_length, row_lengths_line
 from .models import (
     add_adapters,
@@ -216,6 +217,7 @@ def load_model(cfg: TrainOptions, backend: Roles, task: Task, tokenizer: Any,
     """The model stage's second part: the pretrained model as the task loads it, its adapters
     (--lora), a resumed run's weights, a LoRA base held in bf16."""
     weights = resume.model_weights() if resume else None  # a corrupt file fails before any loading
+    bnb.check_roles(cfg.quantization(), backend, cfg.strategy)  # a bitsandbytes base where it cannot run
     model = pretrained(backend.strategy, cfg, task, tokenizer, whole=cfg.lora or weights is not None)
     if cfg.lora:
         model = add_adapters(model, cfg.section("model"), task.model.peft_task_type)
@@ -233,9 +235,13 @@ def pretrained(strategy: Strategy, cfg: TrainOptions, task: Task, tokenizer: Any
     it is built without the checkpoint's weights, which `wrap_model` reads into their shards on the
     devices, never whole on this host (parallel.sharded_load); loaded `whole` where asked (LoRA's base,
     a resumed run's whole weights) or where the folder does not allow it."""
-    load = functools.partial(task.model.load, cfg.model, cfg.seed, tokenizer.pad_token_id)
+    quantized = bnb.loading(cfg.quantization(), strategy.accelerator.name, cfg.precision)  # cuda, cpu: bitsandbytes
+    load = functools.partial(task.model.load, cfg.model, cfg.seed, tokenizer.pad_token_id, **quantized)
     model = sharded_load.skeleton(load, cfg.model) if strategy.loads_shards and not whole else None
-    return model if model is not None else load()
+    model = model if model is not None else load()
+    if quantized:
+        bnb.check_quantized(model, cfg.quantization(), cfg.model)
+    return model
 
 
 def _say(line: str | None) -> None:

@@ -244,9 +244,14 @@ def load_trained(model_class, folder):
         return no_cache(load_pretrained(model_class, folder))
     from peft import PeftConfig, PeftModel
 
+    from .kernels import bnb
+
     base = PeftConfig.from_pretrained(folder).base_model_name_or_path
     config = load_pretrained(AutoConfig, folder)
-    model = no_cache(load_pretrained(model_class, base, config=config))
+    quantized = bnb.recorded(config)  # a --load-in-8bit/4bit run's adapter: its base quantized as in training
+    model = no_cache(load_pretrained(model_class, base, config=config, **quantized))
+    if quantized:
+        bnb.settle(model)
     try:
         with quiet_transformers(), _peft_quiet():
             return PeftModel.from_pretrained(model, folder)

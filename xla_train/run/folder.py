@@ -37,7 +37,9 @@ RUN_FILES = (RECORD, RECIPE, "checkpoints", "tensorboard", "report", "metrics.js
 # (pytorch/xla PR #4043), so the id cannot travel from one to the other inside the run.
 RUN_ID_VARIABLE = "XLA_TRAIN_RUN_ID"
 MUST_MATCH = ("model", "task", "train_file", "text_columns", "label_column", "problem", "batch_size", "grad_accum",
-              "seed", "padding", "max_length", "lora", "lora_r", "lora_targets")
+              "seed", "padding", "max_length", "lora", "lora_r", "lora_targets",
+              # the base's quantization: the adapters trained against its rounding
+              "load_in_8bit", "load_in_4bit", "bnb_4bit_quant_type", "use_bnb_nested_quant")
 
 
 def mismatch(saved, cfg, where):

@@ -262,8 +262,9 @@ class ModelPart:
     def check(self, config: Any, name: str) -> None:
         """Stops with one line if the model `name` (its transformers `config`) cannot do this kind's work."""
 
-    def load(self, name: str, seed: int, pad_token_id: int | None = None) -> Any:
-        """The pretrained model with what this kind trains on top (a new head), from `seed`."""
+    def load(self, name: str, seed: int, pad_token_id: int | None = None, **loading: Any) -> Any:
+        """The pretrained model with what this kind trains on top (a new head), from `seed`;
+        `loading`: more of `from_pretrained`'s arguments (a bitsandbytes `quantization_config`)."""
         raise NotImplementedError
 
     def load_trained(self, folder: str) -> Any:

@@ -353,7 +353,7 @@ class DecoderModel(ModelPart):
                             f"({config.model_type}) is not a mixture of experts with router logits (Qwen3-MoE, "
                             "Mixtral, gpt-oss), so there is no routers' loss to weight")
 
-    def load(self, name: str, seed: int, pad_token_id: int | None = None) -> Any:
+    def load(self, name: str, seed: int, pad_token_id: int | None = None, **loading: Any) -> Any:
         """The pretrained decoder with its LM head, in fp32 whatever the checkpoint holds
         (--precision bf16 is autocast), without a key/value cache (training reads each row once)
         and without its own routers' loss (kernels.router_loss: the package computes it)."""
@@ -363,7 +363,7 @@ class DecoderModel(ModelPart):
         from ..models import load_pretrained, no_cache, seed_host
 
         seed_host(seed)
-        model = load_pretrained(_causal_lm(), name, dtype=torch.float32)
+        model = load_pretrained(_causal_lm(), name, dtype=torch.float32, **loading)
         return models_own_off(no_cache(model))
 
     def load_trained(self, folder: str) -> Any:

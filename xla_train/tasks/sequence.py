@@ -49,7 +49,7 @@ class SequenceModel(ModelPart):
     num_labels: int = 1
     peft_task_type = "SEQ_CLS"  # peft keeps the head ("classifier", "score") trainable in full
 
-    def load(self, name: str, seed: int, pad_token_id: int | None = None) -> Any:
+    def load(self, name: str, seed: int, pad_token_id: int | None = None, **loading: Any) -> Any:
         """The pretrained model with a new head for the task, initialised from `seed`."""
         import torch
         from transformers import AutoConfig
@@ -68,7 +68,7 @@ class SequenceModel(ModelPart):
         # fp32 weights whatever the checkpoint holds (transformers' dtype "auto" would keep a bf16
         # checkpoint's bf16, and AdamW would then update bf16 weights); --precision bf16 is autocast
         model, info = load_pretrained(_classifier(), name, output_loading_info=True, dtype=torch.float32,
-                                      **options)
+                                      **options, **loading)
         no_cache(model)
         # transformers' load report would list the new head as a problem: say it here
         new = sorted({*info["missing_keys"], *(k[0] if isinstance(k, tuple) else k for k in info["mismatched_keys"])})

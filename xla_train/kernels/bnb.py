@@ -1,0 +1,131 @@
+"""A LoRA base kept in 8 or 4 bits on the torch-native backends (--backend cuda, cpu): bitsandbytes
+through transformers' `BitsAndBytesConfig` and peft's own bnb LoRA layers, as TRL users run QLoRA.
+
+transformers quantizes tensor by tensor as it loads (`replace_with_bnb_linear` puts bnb's
+`Linear8bitLt` / `Linear4bit` in place of every `nn.Linear`, and of GPT-2's `Conv1D`, transposed:
+transformers/integrations/bitsandbytes.py); peft's `get_peft_model` then wraps those in its
+`peft.tuners.lora.bnb.Linear8bitLt` / `Linear4bit`. The head stays in full precision and trains:
+`HEADS` is passed as `llm_int8_skip_modules`, because transformers' default skip list
+(quantizers/base.py, get_keys_to_not_convert) names the last parameter without its ".weight" only, so a
+head with a bias (BERT's `classifier.bias`) would be quantized. Embeddings are `nn.Embedding`, never
+converted. Imports no torch at module level (the options check reads `refusal`)."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from typing import Any
+
+from ..core.errors import UserError
+from .quant import Quant
+
+EXTRA = "pip install 'xla-train[quant]'"  # setup.py's extra that brings bitsandbytes
+BACKENDS = ("cuda", "cpu")  # where bitsandbytes holds the base (the XLA backend has its own quantized linear)
+# The heads a task trains (peft's modules_to_save for SEQ_CLS: PeftModelForSequenceClassification's
+# classifier_module_names; a causal LM's lm_head): never quantized
+HEADS = ["classifier", "score", "lm_head"]
+
+
+def require(module: str = "bitsandbytes") -> None:
+    """Stops in one line, naming the extra, where `module` (bitsandbytes) is not installed."""
+    if importlib.util.find_spec(module) is None:
+        raise UserError(f"--load-in-8bit and --load-in-4bit on the cuda and cpu backends need {module}, which is "
+                        f"not installed: {EXTRA}")
+    # bitsandbytes' warnings a user can do nothing about: LLM.int8 quantizes fp16 activations by
+    # design ("inputs will be cast ... to float16", every eval forward: autograd/_functions.py), and
+    # its CPU backend's optional kernels package (backends/cpu/ops.py, at import)
+    for name in ("bitsandbytes.autograd._functions", "bitsandbytes.backends.cpu.ops"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def refusal(quant: Quant, backend: str, strategy: str, processes: int) -> str | None:
+    """Why the torch-native `backend` under `strategy` with `processes` workers on this host cannot
+    hold a bitsandbytes base, or None (None too for the xla backend, whose quantized linear is its own)."""
+    if backend == "tpu":  # TorchTPU: bitsandbytes has no tpu backend (bitsandbytes/backends: cpu, cuda, xpu, ...)
+        return f"{quant.flag} runs on the xla, cuda and cpu backends; TorchTPU (--backend tpu) has no bitsandbytes"
+    if backend not in BACKENDS:
+        return None
+    if strategy == "fsdp":
+        # FSDP2's fully_shard replaces every parameter by a plain nn.Parameter around a DTensor shard
+        # (torch/distributed/fsdp/_fully_shard/_fsdp_param.py, FSDPParam._init_sharded_param and
+        # init_unsharded_param), which drops Params4bit's quant_state and Int8Params' SCB scales
+        # (--tensor-parallel, --expert-parallel and --context-parallel run under fsdp only)
+        return (f"{quant.flag} on the {backend} backend runs under --strategy ddp: FSDP2 (--strategy fsdp) shards "
+                "plain tensors and would drop bitsandbytes' scales")
+    if backend == "cuda" and processes > 1:
+        # the spawned CUDA workers get the model pickled, and torch's Parameter.__reduce_ex__
+        # (torch/nn/parameter.py, _rebuild_parameter_with_state) rebuilds a plain Parameter: bnb's
+        # Params4bit / Int8Params, whose .to() moves the scales to the GPU, are lost
+        return f"{quant.flag} on the cuda backend runs in one process: give --num-processes 1"
+    return None
+
+
+def check_roles(quant: Quant | None, roles: Any, strategy: str) -> None:
+    """`refusal` of the run's roles (core.roles.Roles) as a UserError, before the model loads."""
+    line = quant and refusal(quant, roles.name, strategy, roles.launcher.planned_replicas())
+    if line:
+        raise UserError(line)
+
+
+def loading(quant: Quant | None, backend: str, precision: str) -> dict[str, Any]:
+    """`from_pretrained`'s arguments that load the base quantized on a torch-native `backend`
+    ({} without a quantization, or on the xla backend). 4-bit computes in the training precision
+    (bf16 under --precision bf16, else fp32); LLM.int8 keeps its outlier threshold (6.0)."""
+    if quant is None or backend not in BACKENDS:
+        return {}
+    require()
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    if quant.bits == 8:
+        return {"quantization_config": BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=HEADS)}
+    compute = torch.bfloat16 if precision == "bf16" else torch.float32
+    return {"quantization_config": BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type=quant.kind, bnb_4bit_use_double_quant=quant.nested,
+        bnb_4bit_compute_dtype=compute, llm_int8_skip_modules=HEADS)}
+
+
+def quantized_modules(model: Any) -> list[str]:
+    """The names of `model`'s bitsandbytes linear layers (the base's quantized projections)."""
+    import bitsandbytes as bnb
+
+    return [name for name, m in model.named_modules() if isinstance(m, (bnb.nn.Linear8bitLt, bnb.nn.Linear4bit))]
+
+
+def settle(model: Any) -> Any:
+    """`model`'s 4-bit layers kept in one weight layout for training and evaluation. bitsandbytes'
+    Linear4bit.forward (nn/modules.py) repacks its weight for AVX512-BF16 CPUs the first time it runs
+    in eval mode without grad (_convert_weight_packed_for_cpu), and from then on computes through
+    F.gemv_4bit, which has no backward: training after an evaluation would silently stop the
+    gradients at every 4-bit layer (and the repacking fails on widths below its 64-wide blocks)."""
+    import bitsandbytes as bnb
+
+    for m in model.modules():
+        if isinstance(m, bnb.nn.Linear4bit):
+            m.support_avx512bf16_for_cpu = False
+    return model
+
+
+def check_quantized(model: Any, quant: Quant, name: str) -> None:
+    """Stops in one line where loading quantized nothing: the model has no linear projection
+    outside its head."""
+    if not quantized_modules(model):
+        raise UserError(f"{quant.flag}: model {name} has no linear projection to quantize outside its head "
+                        f"({', '.join(HEADS)}); train it without {quant.flag}")
+    settle(model)
+
+
+def recorded(config: Any) -> dict[str, Any]:
+    """An adapter folder's quantized base (`config`, its config.json: transformers records the
+    quantization_config of a model it loaded quantized) as `from_pretrained`'s arguments that quantize
+    the full-precision base again as it loads; {} for none. The record is taken off `config`, which
+    would otherwise make transformers read the base as a checkpoint saved quantized."""
+    saved = getattr(config, "quantization_config", None)
+    if not saved:
+        return {}
+    require()
+    from transformers import BitsAndBytesConfig
+
+    del config.quantization_config
+    saved = saved if isinstance(saved, dict) else saved.to_dict()
+    return {"quantization_config": BitsAndBytesConfig.from_dict(dict(saved))}
