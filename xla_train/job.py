@@ -235,12 +235,13 @@ def pretrained(strategy: Strategy, cfg: TrainOptions, task: Task, tokenizer: Any
     it is built without the checkpoint's weights, which `wrap_model` reads into their shards on the
     devices, never whole on this host (parallel.sharded_load); loaded `whole` where asked (LoRA's base,
     a resumed run's whole weights) or where the folder does not allow it."""
-    quantized = bnb.loading(cfg.quantization(), strategy.accelerator.name, cfg.precision)  # cuda, cpu: bitsandbytes
+    quant = cfg.quantization()
+    quantized = bnb.loading(quant, strategy.accelerator.name, cfg.precision)  # cuda, cpu: bitsandbytes
     load = functools.partial(task.model.load, cfg.model, cfg.seed, tokenizer.pad_token_id, **quantized)
     model = sharded_load.skeleton(load, cfg.model) if strategy.loads_shards and not whole else None
     model = model if model is not None else load()
-    if quantized:
-        bnb.check_quantized(model, cfg.quantization(), cfg.model)
+    if quant and quantized:
+        bnb.check_quantized(model, quant, cfg.model)
     return model
 
 

@@ -1,0 +1,181 @@
+"""--load-in-8bit / --load-in-4bit on the torch-native backends (xla_train/kernels/bnb.py): the base
+quantized by bitsandbytes as transformers loads it, peft's bnb LoRA layers on it, on this CPU
+(bitsandbytes' CPU backend). Every adapter of every layer of a tiny Llama gets the gradient of a
+reference whose base is the dequantized weights in plain nn.Linear (fp32); two short CLI runs on the
+tiny BERT (8-bit: the adapter, read back by predict and refused a resume under 4 bits; 4-bit NF4
+with nested quantization and --merge-lora: merged onto the fp32 base); the refusals, in this process."""
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import run_cli
+
+from xla_train.commands.cli import main
+from xla_train.core.errors import UserError
+from xla_train.kernels import bnb
+from xla_train.kernels.quant import Quant
+from xla_train.models import add_adapters
+
+sys.path.insert(0, str(Path(__file__).parent))
+import tiny_decoders  # noqa: E402
+
+INT8, NF4 = Quant(8, "int8"), Quant(4, "nf4", nested=True)
+PROJECTIONS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # every Linear of a Llama block
+
+
+def _adapted(path, loading):
+    """The tiny Llama (fp32) with rank-4 adapters on every projection, B drawn at random (peft starts
+    it at zero, which would leave A's gradient zero), the same draws for every base."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **loading)
+    lora = SimpleNamespace(lora_targets=PROJECTIONS, lora_r=4, lora_alpha=8.0, lora_dropout=0.0)
+    torch.manual_seed(1)  # peft draws A
+    model = add_adapters(model, lora, "CAUSAL_LM")
+    for name, p in sorted(model.named_parameters()):
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.1)
+    return model
+
+
+def _dequantized(weight):
+    """A bitsandbytes weight as the fp32 matrix it stands for (bnb's own dequantization)."""
+    import bitsandbytes.functional as F
+
+    if hasattr(weight, "quant_state"):  # Params4bit: NF4/FP4 blocks (and, nested, their absmax quantized too)
+        return F.dequantize_4bit(weight.data, weight.quant_state).float()
+    return weight.data.float() * (weight.SCB.float().unsqueeze(1) / 127)  # Int8Params: a scale per output row
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    return tiny_decoders.save("llama", tmp_path_factory.mktemp("llama"), size=64, layers=2)
+
+
+@pytest.mark.parametrize("quant", [INT8, NF4], ids=["int8", "nf4-nested"])
+def test_every_adapter_gets_the_dequantized_references_gradient(quant, tiny_llama):
+    quantized = _adapted(tiny_llama, bnb.loading(quant, "cpu", "fp32"))
+    bnb.check_quantized(quantized, quant, "tiny llama")
+    reference = _adapted(tiny_llama, {})
+    layers = dict(reference.named_modules())
+    names = bnb.quantized_modules(quantized)
+    assert len(names) == 2 * 7  # every projection of both blocks; lm_head kept
+    assert type(quantized.base_model.model.lm_head) is torch.nn.Linear
+    with torch.no_grad():
+        for name, module in quantized.named_modules():
+            if name in names:  # the reference's plain nn.Linear gets the weights the base stands for
+                layers[name].weight.copy_(_dequantized(module.weight))
+    ids = torch.randint(0, 200, (2, 12), generator=torch.Generator().manual_seed(0))
+    for model in (quantized, reference):
+        model.train()  # bitsandbytes' training path on the CPU (LLM.int8: MatMul8bitFp)
+        model(input_ids=ids, labels=ids).loss.backward()
+    grads = {n: p.grad for n, p in quantized.named_parameters() if p.requires_grad}
+    expected = {n: p.grad for n, p in reference.named_parameters() if p.requires_grad}
+    assert grads.keys() == expected.keys() and len(grads) == 2 * 7 * 2  # A and B of every adapter
+    for name, grad in grads.items():
+        assert grad is not None and grad.abs().sum() > 0, name
+        torch.testing.assert_close(grad, expected[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+# --- one CLI run per quantization (tiny BERT, 4 steps), shared ------------------------------------
+@pytest.fixture(scope="module")
+def bnb_runs(mrpc_slice, tiny_model, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bnb")
+    runs = {}
+    for name, extra in (("int8", ["--load-in-8bit"]),
+                        ("nf4", ["--load-in-4bit", "--use-bnb-nested-quant", "--merge-lora"])):
+        proc, m = run_cli(["--backend", "cpu", "--lora", *extra, "--model", tiny_model, "--data-dir", mrpc_slice,
+                           "--max-steps", 4, "--lr", 1e-2, "--output-dir", out / name], out)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[name] = (m, out / name, proc.stderr)
+    return runs
+
+
+@pytest.mark.slow
+@pytest.mark.torch_native
+def test_an_8bit_adapter_is_peft_own_and_predict_reads_it(bnb_runs, tiny_model, mrpc_slice, tmp_path):
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import load_file
+    from transformers import AutoModelForSequenceClassification
+
+    m, folder, stderr = bnb_runs["int8"]
+    assert "MatMul8bitLt" not in stderr and "Traceback" not in stderr
+    plain = AutoModelForSequenceClassification.from_pretrained(tiny_model, dtype=torch.float32)
+    lora = SimpleNamespace(lora_targets=None, lora_r=8, lora_alpha=16.0, lora_dropout=0.05)
+    plain = add_adapters(plain, lora, "SEQ_CLS")
+    assert set(load_file(folder / "adapter_model.safetensors")) == set(get_peft_model_state_dict(plain))
+    out = tmp_path / "pred.tsv"
+    assert main(["predict", "--backend", "cpu", "--model", str(folder), "--input", str(mrpc_slice / "dev.tsv"),
+                 "--output", str(out)]) == 0
+    assert len(out.read_text().splitlines()) == 1 + 48
+
+
+@pytest.mark.slow
+@pytest.mark.torch_native
+def test_a_resume_under_another_quantization_is_one_line(bnb_runs, tiny_model, mrpc_slice, capsys):
+    _, folder, _ = bnb_runs["int8"]
+    assert main(["train", "--backend", "cpu", "--lora", "--load-in-4bit", "--model", str(tiny_model), "--data-dir",
+                 str(mrpc_slice), "--max-steps", "4", "--output-dir", str(folder), "--resume"]) == 2
+    assert capsys.readouterr().err == (f"xla-train: error: the run in {folder} was made with --load-in-8bit True; "
+                                       "this run has --load-in-8bit False: resume with the same value, or start "
+                                       "over with --overwrite\n")
+    assert (folder / "adapter_model.safetensors").is_file()  # the run folder kept
+
+
+@pytest.mark.slow
+@pytest.mark.torch_native
+def test_merge_lora_merges_onto_the_full_precision_base(bnb_runs, tiny_model):
+    """The merged weights are the fp32 checkpoint's plus B @ A * alpha / r from the final
+    checkpoint's adapters: never the 4-bit rounding of the base."""
+    from safetensors.torch import load_file
+
+    _, folder, _ = bnb_runs["nf4"]
+    merged, base = load_file(folder / "model.safetensors"), load_file(Path(tiny_model) / "model.safetensors")
+    adapters = load_file(sorted((folder / "checkpoints").glob("step-*"))[-1] / "model.safetensors")
+    checked = 0
+    for key, a in adapters.items():
+        if ".lora_A." not in key:
+            continue
+        b = adapters[key.replace("lora_A", "lora_B")]
+        weight = key.split("base_model.model.")[1].split(".lora_A")[0] + ".weight"
+        torch.testing.assert_close(merged[weight], base[weight] + b @ a * (16 / 8), rtol=0, atol=1e-6)
+        checked += 1
+    assert checked == 4  # query and value of both layers
+
+
+# --- refusals, in this process ---------------------------------------------------------------------
+def test_backends_and_strategies_that_cannot_hold_a_bitsandbytes_base():
+    assert bnb.refusal(NF4, "tpu", "ddp", 1) == ("--load-in-4bit runs on the xla, cuda and cpu backends; "
+                                                 "TorchTPU (--backend tpu) has no bitsandbytes")
+    assert bnb.refusal(INT8, "cpu", "fsdp", 2) == ("--load-in-8bit on the cpu backend runs under --strategy ddp: "
+                                                   "FSDP2 (--strategy fsdp) shards plain tensors and would drop "
+                                                   "bitsandbytes' scales")
+    assert bnb.refusal(NF4, "cuda", "ddp", 2) == ("--load-in-4bit on the cuda backend runs in one process: give "
+                                                  "--num-processes 1")
+    assert bnb.refusal(NF4, "cuda", "ddp", 1) is None and bnb.refusal(INT8, "cpu", "ddp", 4) is None
+    assert bnb.refusal(INT8, "xla", "fsdp", 8) is None  # the xla backend's quantized linear is its own
+    from xla_train.core.select import select_roles
+
+    with pytest.raises(UserError, match="runs under --strategy ddp"):
+        bnb.check_roles(NF4, select_roles("cpu", 2, "fsdp"), "fsdp")
+    bnb.check_roles(None, select_roles("cpu", 2, "fsdp"), "fsdp")  # no quantization: nothing to refuse
+
+
+def test_missing_bitsandbytes_names_the_extra():
+    with pytest.raises(UserError) as e:
+        bnb.require("no_such_bitsandbytes_module")
+    assert str(e.value) == ("--load-in-8bit and --load-in-4bit on the cuda and cpu backends need "
+                            "no_such_bitsandbytes_module, which is not installed: pip install 'xla-train[quant]'")
+
+
+def test_a_model_with_nothing_quantized_is_one_line(tiny_llama):
+    from transformers import AutoModelForCausalLM
+
+    plain = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)  # no bitsandbytes layer
+    with pytest.raises(UserError) as e:
+        bnb.check_quantized(plain, INT8, "m")
+    assert str(e.value) == ("--load-in-8bit: model m has no linear projection to quantize outside its head "
+                            "(classifier, score, lm_head); train it without --load-in-8bit")
