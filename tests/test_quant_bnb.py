@@ -80,6 +80,34 @@ def test_every_adapter_gets_the_dequantized_references_gradient(quant, tiny_llam
         torch.testing.assert_close(grad, expected[name], rtol=1e-5, atol=1e-5, msg=name)
 
 
+def test_spawned_workers_get_bitsandbytes_parameters_of_their_kind(tiny_llama):
+    """The job pickled to spawned workers (CUDA's; the CPU's where forking is unsafe) keeps
+    Params4bit's quant_state and Int8Params' scales on parameters of their own kind, whose .to()
+    moves them to the GPU (torch would rebuild plain Parameters)."""
+    import io
+    import pickle
+    from multiprocessing.reduction import ForkingPickler
+
+    import bitsandbytes
+    import torch.multiprocessing  # noqa: F401  torch's tensor reducers, as spawn pickles with them
+    from transformers import AutoModelForCausalLM
+
+    for quant, kind in ((INT8, bitsandbytes.nn.Int8Params), (NF4, bitsandbytes.nn.Params4bit)):
+        model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32,
+                                                     **bnb.loading(quant, "cpu", "fp32"))
+        buf = io.BytesIO()
+        ForkingPickler(buf).dump(model)
+        copy = pickle.loads(buf.getvalue())
+        layer, copied = model.model.layers[1].mlp.down_proj, copy.model.layers[1].mlp.down_proj
+        assert type(copied.weight) is kind and torch.equal(copied.weight.data, layer.weight.data)
+        if quant.bits == 4:
+            assert copied.weight.module is copied and copied.weight.quant_state.nested
+        else:
+            assert torch.equal(copied.weight.SCB, layer.weight.SCB)
+        ids = torch.arange(8)[None]
+        torch.testing.assert_close(copy(input_ids=ids).logits, model(input_ids=ids).logits, rtol=0, atol=0)
+
+
 # --- one CLI run per quantization (tiny BERT, 4 steps), shared ------------------------------------
 @pytest.fixture(scope="module")
 def bnb_runs(mrpc_slice, tiny_model, tmp_path_factory):
@@ -148,15 +176,13 @@ def test_merge_lora_merges_onto_the_full_precision_base(bnb_runs, tiny_model):
 
 # --- refusals, in this process ---------------------------------------------------------------------
 def test_backends_and_strategies_that_cannot_hold_a_bitsandbytes_base():
-    assert bnb.refusal(NF4, "tpu", "ddp", 1) == ("--load-in-4bit runs on the xla, cuda and cpu backends; "
+    assert bnb.refusal(NF4, "tpu", "ddp") == ("--load-in-4bit runs on the xla, cuda and cpu backends; "
                                                  "TorchTPU (--backend tpu) has no bitsandbytes")
-    assert bnb.refusal(INT8, "cpu", "fsdp", 2) == ("--load-in-8bit on the cpu backend runs under --strategy ddp: "
+    assert bnb.refusal(INT8, "cpu", "fsdp") == ("--load-in-8bit on the cpu backend runs under --strategy ddp: "
                                                    "FSDP2 (--strategy fsdp) shards plain tensors and would drop "
                                                    "bitsandbytes' scales")
-    assert bnb.refusal(NF4, "cuda", "ddp", 2) == ("--load-in-4bit on the cuda backend runs in one process: give "
-                                                  "--num-processes 1")
-    assert bnb.refusal(NF4, "cuda", "ddp", 1) is None and bnb.refusal(INT8, "cpu", "ddp", 4) is None
-    assert bnb.refusal(INT8, "xla", "fsdp", 8) is None  # the xla backend's quantized linear is its own
+    assert bnb.refusal(NF4, "cuda", "ddp") is None and bnb.refusal(INT8, "cpu", "ddp") is None
+    assert bnb.refusal(INT8, "xla", "fsdp") is None  # the xla backend's quantized linear is its own
     from xla_train.core.select import select_roles
 
     with pytest.raises(UserError, match="runs under --strategy ddp"):

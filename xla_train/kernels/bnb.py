@@ -38,9 +38,9 @@ def require(module: str = "bitsandbytes") -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
-def refusal(quant: Quant, backend: str, strategy: str, processes: int) -> str | None:
-    """Why the torch-native `backend` under `strategy` with `processes` workers on this host cannot
-    hold a bitsandbytes base, or None (None too for the xla backend, whose quantized linear is its own)."""
+def refusal(quant: Quant, backend: str, strategy: str) -> str | None:
+    """Why the torch-native `backend` under `strategy` cannot hold a bitsandbytes base, or None
+    (None too for the xla backend, whose quantized linear is its own)."""
     if backend == "tpu":  # TorchTPU: bitsandbytes has no tpu backend (bitsandbytes/backends: cpu, cuda, xpu, ...)
         return f"{quant.flag} runs on the xla, cuda and cpu backends; TorchTPU (--backend tpu) has no bitsandbytes"
     if backend not in BACKENDS:
@@ -52,17 +52,12 @@ def refusal(quant: Quant, backend: str, strategy: str, processes: int) -> str | 
         # (--tensor-parallel, --expert-parallel and --context-parallel run under fsdp only)
         return (f"{quant.flag} on the {backend} backend runs under --strategy ddp: FSDP2 (--strategy fsdp) shards "
                 "plain tensors and would drop bitsandbytes' scales")
-    if backend == "cuda" and processes > 1:
-        # the spawned CUDA workers get the model pickled, and torch's Parameter.__reduce_ex__
-        # (torch/nn/parameter.py, _rebuild_parameter_with_state) rebuilds a plain Parameter: bnb's
-        # Params4bit / Int8Params, whose .to() moves the scales to the GPU, are lost
-        return f"{quant.flag} on the cuda backend runs in one process: give --num-processes 1"
     return None
 
 
 def check_roles(quant: Quant | None, roles: Any, strategy: str) -> None:
     """`refusal` of the run's roles (core.roles.Roles) as a UserError, before the model loads."""
-    line = quant and refusal(quant, roles.name, strategy, roles.launcher.planned_replicas())
+    line = quant and refusal(quant, roles.name, strategy)
     if line:
         raise UserError(line)
 
@@ -77,12 +72,45 @@ def loading(quant: Quant | None, backend: str, precision: str) -> dict[str, Any]
     import torch
     from transformers import BitsAndBytesConfig
 
+    keep_kind_when_pickled()
+
     if quant.bits == 8:
         return {"quantization_config": BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=HEADS)}
     compute = torch.bfloat16 if precision == "bf16" else torch.float32
     return {"quantization_config": BitsAndBytesConfig(
         load_in_4bit=True, bnb_4bit_quant_type=quant.kind, bnb_4bit_use_double_quant=quant.nested,
         bnb_4bit_compute_dtype=compute, llm_int8_skip_modules=HEADS)}
+
+
+def _rebuilt(cls: type, data: Any, requires_grad: bool) -> Any:
+    import torch
+
+    return torch.Tensor._make_subclass(cls, data, requires_grad)
+
+
+def _set_attributes(param: Any, attributes: dict[str, Any]) -> None:
+    param.__dict__.update(attributes)
+
+
+def _reduce_param(param: Any) -> tuple:
+    # the attributes as pickle's state, set once the parameter exists (its `module` refers back to it)
+    return _rebuilt, (type(param), param.data, param.requires_grad), dict(param.__dict__), None, None, _set_attributes
+
+
+def keep_kind_when_pickled() -> None:
+    """bitsandbytes' quantized parameters (Params4bit with its quant_state, Int8Params with its SCB
+    scales) stay of their kind when the job is pickled to spawned workers (CUDA's, and the CPU's
+    where forking is unsafe: gpu_fallback/launcher.py). torch's Parameter.__reduce_ex__
+    (torch/nn/parameter.py, torch._utils._rebuild_parameter_with_state) rebuilds a plain Parameter,
+    whose .to("cuda") would leave the scales behind; their own .to() moves them. Registered with
+    multiprocessing's ForkingPickler, which torch.multiprocessing's spawn pickles with (the data
+    through torch's shared-memory reducers)."""
+    from multiprocessing.reduction import ForkingPickler
+
+    import bitsandbytes as bnb
+
+    for cls in (bnb.nn.Params4bit, bnb.nn.Int8Params):
+        ForkingPickler.register(cls, _reduce_param)
 
 
 def quantized_modules(model: Any) -> list[str]:
@@ -127,5 +155,6 @@ def recorded(config: Any) -> dict[str, Any]:
     from transformers import BitsAndBytesConfig
 
     del config.quantization_config
+    keep_kind_when_pickled()  # predict's workers too
     saved = saved if isinstance(saved, dict) else saved.to_dict()
     return {"quantization_config": BitsAndBytesConfig.from_dict(dict(saved))}
