@@ -80,6 +80,16 @@ def test_every_adapter_gets_the_dequantized_references_gradient(quant, tiny_llam
         torch.testing.assert_close(grad, expected[name], rtol=1e-5, atol=1e-5, msg=name)
 
 
+def test_generation_keeps_the_live_adapter_on_a_quantized_base(tiny_llama):
+    """predict's generation merges a plain adapter into its base, never into 4-bit blocks (peft's
+    bnb merge would round the adapter into them)."""
+    from xla_train.tasks.completion import generation_model
+
+    model = generation_model(_adapted(tiny_llama, bnb.loading(NF4, "cpu", "fp32")))
+    assert hasattr(model, "peft_config") and not model.training
+    assert not hasattr(generation_model(_adapted(tiny_llama, {})), "peft_config")  # plain LoRA: merged
+
+
 def test_spawned_workers_get_bitsandbytes_parameters_of_their_kind(tiny_llama):
     """The job pickled to spawned workers (CUDA's; the CPU's where forking is unsafe) keeps
     Params4bit's quant_state and Int8Params' scales on parameters of their own kind, whose .to()

@@ -11,6 +11,7 @@ import warnings
 from pathlib import Path
 
 from .core.errors import UserError, first_line
+from .kernels import bnb  # (imports no torch) quiets bitsandbytes' warnings before peft imports it
 
 BUNDLED_MODEL = "the bundled MiniLM-L6-H384"
 
@@ -203,7 +204,7 @@ def hold_frozen_in_bf16(model):
     fp32. Autocast computes the base's matmuls in bf16 either way."""
     import torch
 
-    for p in model.parameters():
+    for p in model.parameters():  # bitsandbytes' quantized weights (int8, uint8 blocks) are left as they are
         if not p.requires_grad and p.is_floating_point():
             p.data = p.data.to(torch.bfloat16)
 
@@ -243,8 +244,6 @@ def load_trained(model_class, folder):
     if not (Path(folder) / ADAPTER_FILE).is_file():
         return no_cache(load_pretrained(model_class, folder))
     from peft import PeftConfig, PeftModel
-
-    from .kernels import bnb
 
     base = PeftConfig.from_pretrained(folder).base_model_name_or_path
     config = load_pretrained(AutoConfig, folder)

@@ -19,6 +19,13 @@ from typing import Any
 from ..core.errors import UserError
 from .quant import Quant
 
+# bitsandbytes' warnings a user can do nothing about, quiet from this module's import on (peft imports
+# bitsandbytes where it is installed): LLM.int8 quantizes fp16 activations by design ("inputs will be
+# cast ... to float16", every eval forward: autograd/_functions.py), and its CPU backend's optional
+# kernels package (backends/cpu/ops.py, at import)
+for _name in ("bitsandbytes.autograd._functions", "bitsandbytes.backends.cpu.ops"):
+    logging.getLogger(_name).setLevel(logging.ERROR)
+
 EXTRA = "pip install 'xla-train[quant]'"  # setup.py's extra that brings bitsandbytes
 BACKENDS = ("cuda", "cpu")  # where bitsandbytes holds the base (the XLA backend has its own quantized linear)
 # The heads a task trains (peft's modules_to_save for SEQ_CLS: PeftModelForSequenceClassification's
@@ -31,11 +38,6 @@ def require(module: str = "bitsandbytes") -> None:
     if importlib.util.find_spec(module) is None:
         raise UserError(f"--load-in-8bit and --load-in-4bit on the cuda and cpu backends need {module}, which is "
                         f"not installed: {EXTRA}")
-    # bitsandbytes' warnings a user can do nothing about: LLM.int8 quantizes fp16 activations by
-    # design ("inputs will be cast ... to float16", every eval forward: autograd/_functions.py), and
-    # its CPU backend's optional kernels package (backends/cpu/ops.py, at import)
-    for name in ("bitsandbytes.autograd._functions", "bitsandbytes.backends.cpu.ops"):
-        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def refusal(quant: Quant, backend: str, strategy: str) -> str | None:

@@ -205,8 +205,10 @@ def end_ids(tokenizer, model):
 
 
 def generation_model(model):
-    """The model as generation runs it: an adapter merged into its base (one weight per layer)."""
-    if hasattr(model, "merge_and_unload"):
+    """The model as generation runs it: an adapter merged into its base (one weight per layer),
+    except into a base held in 8 or 4 bits (--load-in-8bit/4bit), which keeps its live adapter:
+    merging would round the adapter into the quantized blocks (peft's bnb merge warns of it)."""
+    if hasattr(model, "merge_and_unload") and getattr(model.get_base_model(), "hf_quantizer", None) is None:
         model = model.merge_and_unload()
     return model.eval()
 
