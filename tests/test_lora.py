@@ -68,12 +68,19 @@ def _dev_accuracy(model, data, tmp_path):
 @pytest.fixture(scope="session")
 def lora_runs(mrpc_slice, tiny_model, tmp_path_factory):
     """Six CPU steps of the tiny BERT with LoRA (lr 1e-2, so the head and adapters move), once
-    saving the adapter, once merged, once merged with the frozen base held in bf16."""
+    saving the adapter, once merged, once merged with the frozen base held in bf16. The tiny BERT
+    is named a bare encoder (BertModel), as the bundled MiniLM's checkpoint is: the head is the run's."""
+    import json
+    import shutil
+
     out = tmp_path_factory.mktemp("lora")
+    bare = shutil.copytree(tiny_model, out / "bare-encoder")
+    config = json.loads((bare / "config.json").read_text())
+    (bare / "config.json").write_text(json.dumps({**config, "architectures": ["BertModel"]}))
     runs = {}
     cases = (("adapter", []), ("merged", ["--merge-lora"]), ("bf16", ["--merge-lora", "--precision", "bf16"]))
     for name, extra in cases:
-        proc, m = run_cli(["--backend", "cpu", "--lora", *extra, "--model", tiny_model, "--data-dir", mrpc_slice,
+        proc, m = run_cli(["--backend", "cpu", "--lora", *extra, "--model", bare, "--data-dir", mrpc_slice,
                            "--max-steps", 6, "--lr", 1e-2, "--output-dir", out / name], out)
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs[name] = (m, out / name, proc.stderr)

@@ -367,8 +367,10 @@ class Engine:
                 else:
                     assert weights is not None  # on the main replica, which got the copies
                     hf.save_pretrained(path, state_dict=dict(zip(state, weights)), max_shard_size=SHARD_SIZE)
-                if adapter:
-                    hf.get_base_model().config.save_pretrained(path)
+                if adapter:  # the head's config beside the adapter, named as the trained class (predict reads it)
+                    base = hf.get_base_model()
+                    base.config.architectures = trained_architectures(base)
+                    base.config.save_pretrained(path)
                 tokenizer.save_pretrained(path)
             if adapter and not had_card:
                 card.unlink(missing_ok=True)  # peft's model card: the folder holds the run's files and the user's only
@@ -540,6 +542,12 @@ def save_file(tensors: dict[str, torch.Tensor], path: Path) -> None:
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata={"format": "pt"})
 
 
+def trained_architectures(model: Any) -> list[str]:
+    """The config's `architectures` of a trained `model`: its class (a checkpoint's own name may be
+    a bare encoder's, BertModel, under the head the task put on it); FSDP2 renames the class."""
+    return [type(model).__name__.removeprefix("FSDP")]
+
+
 def write_config(model: Any, path: PathLike, split: Any) -> None:
     """What transformers' `save_pretrained` writes beside the weights of a model saved file by file:
     the sharded files' index, the config (with its dtype and architecture) and the generation
@@ -551,7 +559,7 @@ def write_config(model: Any, path: PathLike, split: Any) -> None:
                  "weight_map": split.tensor_to_filename}
         Path(path, "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     model.config.dtype = str(model.dtype).split(".")[1]
-    model.config.architectures = [type(model).__name__.removeprefix("FSDP")]  # FSDP2 renames the class
+    model.config.architectures = trained_architectures(model)
     model.config.save_pretrained(path)
     if model.can_generate():
         model.generation_config.save_pretrained(path)
