@@ -151,3 +151,22 @@ def test_the_colab_notebook_runs_the_command_the_plan_checked():
     assert f"COMMAND = {case[5]!r}" in cell.source
     assert json.loads((ROOT / "notebooks" / "colab_tpu_llama8b_int8.ipynb").read_text())["metadata"]["accelerator"] == \
         "TPU"
+
+
+def test_bench_quant_builds_commands_the_cli_takes():
+    """benchmarks/bench_quant.py's arguments, and each variant's command line as the CLI's own
+    parser and TrainOptions read it (the runs themselves: `python benchmarks/bench_quant.py`)."""
+    import bench_quant
+
+    from xla_train.commands.cli import build_parser, train_options
+
+    args = bench_quant.parse(["--seeds", "0,1", "--variants", "bf16,int8,nf4-nested", "--backends", "xla"])
+    assert (args.seeds, args.variants, args.backends) == ([0, 1], ["bf16", "int8", "nf4-nested"], ["xla"])
+    with pytest.raises(SystemExit):
+        bench_quant.parse(["--variants", "int3"])
+    task = {"model": "llama", "train": "train.jsonl", "validation": "validation.jsonl"}
+    for variant, quant in (("bf16", None), ("int8", INT8), ("nf4", NF4), ("nf4-nested", NF4_NESTED)):
+        cmd = bench_quant.command(task, "xla", variant, 1, 5, "out", "m.json")
+        assert cmd[1:3] == ["-m", "xla_train"]
+        cfg = train_options(build_parser().parse_args(cmd[3:]))
+        assert (cfg.quantization(), cfg.lora, cfg.precision, cfg.seed, cfg.max_steps) == (quant, True, "bf16", 1, 5)
