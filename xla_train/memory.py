@@ -129,11 +129,11 @@ def _weights(model, quant: Quant | None = None) -> Weights:
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    base = _quantized_projections(model, head) if quant else {}
-    kept = [p for p in params if id(p) not in base]  # as they are: all but the quantized projections
+    base, held = _quantized_projections(model, head) if quant else ({}, set())
+    kept = [p for p in params if id(p) not in held]  # as they are: all but the quantized projections
     seen, linear = set(), 0
     for m in model.modules():
-        if (isinstance(m, torch.nn.Linear) and id(m.weight) not in seen and id(m.weight) not in base
+        if (isinstance(m, torch.nn.Linear) and id(m.weight) not in seen and id(m.weight) not in held
                 and m.weight.dtype == torch.float32):
             seen.add(id(m.weight))
             linear += m.weight.numel()
@@ -148,23 +148,27 @@ def _weights(model, quant: Quant | None = None) -> Weights:
                    tile=max((o * i for o, i in base.values()), default=0))
 
 
-def _quantized_projections(model, head) -> dict[int, tuple[int, int]]:
+def _quantized_projections(model, head) -> tuple[dict[int, tuple[int, int]], set[int]]:
     """The frozen base's linear projections a quantized base keeps in 8 or 4 bits: id of the weight ->
     (out_features, in_features), for every module with those two sizes and a frozen `weight` but
-    the head (whose weight a tied model shares with its embeddings). Read from the module, not the
-    weight's shape, so that it counts the same before quantization and after: bitsandbytes'
-    Linear8bitLt and Linear4bit keep nn.Linear's sizes over their packed weight (Params4bit is
-    [out x in / 2, 1]), and peft's LoRA layer gives its base layer's `weight` and sizes."""
+    the head (whose weight a tied model shares with its embeddings); and the ids of the parameters
+    that `projection_bytes` counts for them (the weight and, once quantized, any frozen scales the
+    module holds as parameters; not the bias). Read from the module, not the weight's shape, so that it
+    counts the same before quantization and after: bitsandbytes' Linear8bitLt and Linear4bit keep
+    nn.Linear's sizes over their packed weight (Params4bit is [out x in / 2, 1]), and peft's LoRA
+    layer gives its base layer's `weight` and sizes."""
     import torch
 
     head_weight = getattr(head, "weight", None)
-    found = {}
+    found, held = {}, set()
     for m in model.modules():
         weight, out_features, in_features = (getattr(m, n, None) for n in ("weight", "out_features", "in_features"))
         if (isinstance(weight, torch.Tensor) and isinstance(out_features, int) and isinstance(in_features, int)
                 and not weight.requires_grad and weight is not head_weight):
             found[id(weight)] = (out_features, in_features)
-    return found
+            held |= {id(weight)} | {id(p) for n, p in m.named_parameters(recurse=False)
+                                    if n != "bias" and not p.requires_grad}
+    return found, held
 
 
 def _shape(config_or_shape: Any) -> Shape:
