@@ -15,6 +15,7 @@ from typing import Any
 from .core.errors import UserError
 from .core.peaks import experts_of
 from .kernels.lm_loss import CHUNK_TOKENS
+from .kernels.quant import Quant, projection_bytes
 from .parallel.mesh import Mesh
 from .parallel.tensor_parallel import kv_heads_per_device
 from .tasks.base import PassInputs
@@ -41,7 +42,11 @@ class Weights:
     parameter's); the head's weight gradient where the head trains (the chunked head adds to it
     from the start of the backward pass); the elements of the fp32 linear weights, which bf16
     autocast copies to bf16 for its matmuls (and autograd keeps for the backward pass; weights held
-    in bf16 already, --lora's frozen base, are used as they are); and the parameter counts."""
+    in bf16 already, --lora's frozen base, are used as they are); and the parameter counts.
+    A quantized base (--load-in-8bit, --load-in-4bit: `quant`): its frozen linear projections
+    counted at kernels.quant.projection_bytes (`quantized` of the `total`, scales included, for
+    `quantized_params` parameters), and the elements of the largest (`tile`), which a matmul holds
+    dequantized while it runs."""
 
     total: int = 0
     trainable: int = 0
@@ -50,6 +55,10 @@ class Weights:
     fp32_linear: int = 0
     params: int = 0
     trainable_params: int = 0
+    quant: Quant | None = None
+    quantized: int = 0
+    quantized_params: int = 0
+    tile: int = 0
 
 
 @dataclass(frozen=True)
@@ -88,9 +97,10 @@ def _get(config, *names, default=None):
     return default
 
 
-def shape_of(source: Any) -> Shape:
+def shape_of(source: Any, quant: Quant | None = None) -> Shape:
     """The `Shape` of a transformers config (its family's flags), or of a model: its config's and
-    its parameters' (`Weights`)."""
+    its parameters' (`Weights`), its frozen base's linear projections kept as `quant` says
+    (TrainOptions.quantization(); None: as they are)."""
     from .kernels.generate import cache_slots
 
     model = source if hasattr(source, "parameters") else None
@@ -110,26 +120,55 @@ def shape_of(source: Any) -> Shape:
                   slots=tuple(cache_slots(text, LONGEST)) if layers else ())
     if model is None:
         return shape
-    return replace(shape, experts_implementation=_experts_name(model), weights=_weights(model))
+    return replace(shape, experts_implementation=_experts_name(model), weights=_weights(model, quant))
 
 
-def _weights(model) -> Weights:
+def _weights(model, quant: Quant | None = None) -> Weights:
     import torch
 
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    base, held = _quantized_projections(model, head) if quant else ({}, set())
+    kept = [p for p in params if id(p) not in held]  # as they are: all but the quantized projections
     seen, linear = set(), 0
     for m in model.modules():
-        if isinstance(m, torch.nn.Linear) and id(m.weight) not in seen and m.weight.dtype == torch.float32:
+        if (isinstance(m, torch.nn.Linear) and id(m.weight) not in seen and id(m.weight) not in held
+                and m.weight.dtype == torch.float32):
             seen.add(id(m.weight))
             linear += m.weight.numel()
-    return Weights(total=tensor_bytes(params), trainable=tensor_bytes(trainable),
-                   element=params[0].element_size() if params else 4,
+    quantized = sum(projection_bytes(quant, *shape) for shape in base.values()) if quant else 0
+    return Weights(total=tensor_bytes(kept) + quantized, trainable=tensor_bytes(trainable),
+                   element=kept[0].element_size() if kept else 4,
                    head_grad=(head.weight.numel() * head.weight.element_size()
                               if head is not None and head.weight.requires_grad else 0),
-                   fp32_linear=linear, params=sum(p.numel() for p in params),
-                   trainable_params=sum(p.numel() for p in trainable))
+                   fp32_linear=linear, params=sum(p.numel() for p in kept) + sum(o * i for o, i in base.values()),
+                   trainable_params=sum(p.numel() for p in trainable), quant=quant, quantized=quantized,
+                   quantized_params=sum(o * i for o, i in base.values()),
+                   tile=max((o * i for o, i in base.values()), default=0))
+
+
+def _quantized_projections(model, head) -> tuple[dict[int, tuple[int, int]], set[int]]:
+    """The frozen base's linear projections a quantized base keeps in 8 or 4 bits: id of the weight ->
+    (out_features, in_features), for every module with those two sizes and a frozen `weight` but
+    the head (whose weight a tied model shares with its embeddings); and the ids of the parameters
+    that `projection_bytes` counts for them (the weight and, once quantized, any frozen scales the
+    module holds as parameters; not the bias). Read from the module, not the weight's shape, so that it
+    counts the same before quantization and after: bitsandbytes' Linear8bitLt and Linear4bit keep
+    nn.Linear's sizes over their packed weight (Params4bit is [out x in / 2, 1]), and peft's LoRA
+    layer gives its base layer's `weight` and sizes."""
+    import torch
+
+    head_weight = getattr(head, "weight", None)
+    found, held = {}, set()
+    for m in model.modules():
+        weight, out_features, in_features = (getattr(m, n, None) for n in ("weight", "out_features", "in_features"))
+        if (isinstance(weight, torch.Tensor) and isinstance(out_features, int) and isinstance(in_features, int)
+                and not weight.requires_grad and weight is not head_weight):
+            found[id(weight)] = (out_features, in_features)
+            held |= {id(weight)} | {id(p) for n, p in m.named_parameters(recurse=False)
+                                    if n != "bias" and not p.requires_grad}
+    return found, held
 
 
 def _shape(config_or_shape: Any) -> Shape:
@@ -288,6 +327,10 @@ class Plan:
       reference with adapters) that lives through the backward pass, `reference_weights` a frozen
       copy of the weights (GRPO's reference without adapters), `cache` a generation's key/value
       cache in the step (GRPO's rollouts);
+    - a quantized base (`quant`): `quantized` the bytes of its projections with their scales (of
+      `weights_total`), `dequantized` the largest projection a matmul holds dequantized in the
+      compute dtype, one at a time (forward and backward: kernels.quant dequantizes in the graph a
+      layer at a time; bitsandbytes' MatMul4Bit saves the packed weight, never the dequantized one);
     - `step` the pass it plans (its experts named), `mesh` the layout, `device_bytes` the device's
       memory where known, `params`/`trainable_params` the parameter counts.
     `metrics()` gives it under the metrics JSON's names (`memory`)."""
@@ -309,16 +352,21 @@ class Plan:
     device_bytes: int | None = None
     params: int = 0
     trainable_params: int = 0
+    quant: Quant | None = None
+    quantized: int = 0
+    dequantized: int = 0
 
     @property
     def total(self) -> int:
         """Bytes per device at the peak: parameters + optimizer state + the larger of the backward
         pass's start (activations, logits, autocast's weight copies) and its end (gradients and
         one block's activations and, under context parallelism, its gathered keys and values; the
-        blocks' inputs too where checkpointed), with a reference pass's output at both; or, where it
-        is larger, a generation's key/value cache in the step."""
+        blocks' inputs too where checkpointed), with a reference pass's output and a quantized
+        base's dequantized projection at both; or, where it is larger, a generation's key/value
+        cache in the step."""
         start = (self.activations or 0) + (self.logits or 0) + self.autocast_copies + self.reference
         end = self.gradients + (self.layer or 0) + self.gathered + self.reference
+        start, end = start + self.dequantized, end + self.dequantized
         if self.step.checkpointed:
             end += self.activations or 0
         return self.weights + self.reference_weights + self.optimizer + max(start, end, self.cache)
@@ -342,7 +390,8 @@ class Plan:
             "attention": self.step.attention,
             "experts": self.step.experts, "chunked_logits": self.step.logits == "chunked",
             "gradient_checkpointing": self.step.checkpointed, "device_bytes": self.device_bytes, "peak_bytes": None,
-            "peak_bytes_estimate": self.total}
+            "peak_bytes_estimate": self.total, "quantization": quant_label(self.quant),
+            "quantized_base_bytes": self.quantized, "dequantized_bytes": self.dequantized}
 
 
 def plan(mesh: Mesh, pass_: PassInputs, shape: Shape, device_bytes: int | None = None) -> Plan:
@@ -401,7 +450,9 @@ def plan(mesh: Mesh, pass_: PassInputs, shape: Shape, device_bytes: int | None =
         cache=(2 * kv_heads_per_device(shape.kv_heads, tensor) * shape.head_dim * rows * w.element
                * shape.cache_slots(step.cache_tokens) if step.cache_tokens else 0),
         gathered=gathered_bytes(*kept, step.attention, step.dense_mask, w.element, tensor, context),
-        step=step, mesh=mesh, device_bytes=device_bytes, params=w.params, trainable_params=w.trainable_params)
+        step=step, mesh=mesh, device_bytes=device_bytes, params=w.params, trainable_params=w.trainable_params,
+        # the whole projection under fsdp (gathered to run), its share of rows or columns under --tensor-parallel
+        quant=w.quant, quantized=w.quantized, dequantized=compute * -(-w.tile // tensor))
 
 
 def _experts_name(model):
@@ -419,15 +470,17 @@ def paper_mesh(cfg, devices: int) -> Mesh:
     return cfg.mesh().resolve(devices, sharded=shards_parameters(cfg.strategy))
 
 
-def plan_on_paper(cfg, config, devices: int, device_bytes: int | None) -> Plan:
+def plan_on_paper(cfg, config, devices: int, device_bytes: int | None, device_kind: str = "xla-tpu") -> Plan:
     """The plan a decoder run `cfg` (options.TrainOptions of a causal-lm, dpo or grpo recipe) makes
     on a TPU of `devices` chips of `device_bytes` each for a model of `config` (a transformers
     config), without weights or a device, through the trainer's own code: the model on torch's
-    meta device, its adapters and bf16 base as job.prepare makes them; the step as the kind
+    meta device, its adapters and bf16 base as job.prepare makes them, its base's projections
+    counted quantized where `cfg` asks (--load-in-8bit, --load-in-4bit); the step as the kind
     describes it on a TPU (its Objective.memory_inputs: the Pallas kernel's attention, the chunked
     head, DPO's reference pass with adapters, GRPO's rows a completion longer, its rollouts' cache
     and its frozen reference with --beta); a mixture of experts' grouped matmul (kernels/experts.py,
-    xla_grouped); the mesh of the options (`paper_mesh`)."""
+    xla_grouped); the mesh of the options (`paper_mesh`). `device_kind` "cuda": the step as the
+    kind runs it on a GPU instead (kernels.attention.kind_of's names), the experts the model's own."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -435,17 +488,17 @@ def plan_on_paper(cfg, config, devices: int, device_bytes: int | None) -> Plan:
     from .kernels.experts import XLA_GROUPED
     from .models import add_adapters, hold_frozen_in_bf16
 
-    with torch.device("meta"):
+    with torch.device("meta"):  # the adapters too: peft would make them on the CPU first (seconds for a 70B)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    if cfg.lora:
-        model = add_adapters(model, cfg.section("model"), "CAUSAL_LM")
-        if cfg.precision == "bf16":
-            hold_frozen_in_bf16(model)
-    step = _objective_of(cfg).memory_inputs(model, "xla-tpu", cfg.max_length)
+        if cfg.lora:
+            model = add_adapters(model, cfg.section("model"), "CAUSAL_LM")
+    if cfg.lora and cfg.precision == "bf16":
+        hold_frozen_in_bf16(model)
+    step = _objective_of(cfg).memory_inputs(model, device_kind, cfg.max_length)
     step = replace(step, length=step.length or cfg.max_length, rows=cfg.batch_size, precision=cfg.precision,
                    checkpointed=cfg.gradient_checkpointing, adapters=cfg.lora,
-                   experts=XLA_GROUPED if _experts_name(model) else None)
-    return plan(paper_mesh(cfg, devices), step, shape_of(model), device_bytes)
+                   experts=XLA_GROUPED if _experts_name(model) and device_kind == "xla-tpu" else None)
+    return plan(paper_mesh(cfg, devices), step, shape_of(model, cfg.quantization()), device_bytes)
 
 
 def _objective_of(cfg):
@@ -483,6 +536,11 @@ def device_bytes(accelerator):
     return accelerator.device_memory()
 
 
+def quant_label(quant: Quant | None) -> str | None:
+    """A quantized base's name in the plan's line and metrics: int8, nf4, fp4, "nf4 double-quantized"."""
+    return quant.kind + (" double-quantized" if quant.nested else "") if quant else None
+
+
 def describe(memory: Plan) -> str:
     """The plan's console line."""
     def mib(value):
@@ -490,8 +548,11 @@ def describe(memory: Plan) -> str:
 
     step = memory.step
     device = f"{memory.device_bytes / GIB:.1f} GiB" if memory.device_bytes else "unknown"
+    quantized = (f"; its {quant_label(memory.quant)} base {mib(memory.quantized)} with the scales, one projection "
+                 f"dequantized {mib(memory.dequantized)}" if memory.quant else "")
     split = ", ".join(f"{a} {n}" for a, n in memory.mesh.split.items())
-    return (f"memory plan per device: parameters {mib(memory.weights)} (of {mib(memory.weights_total)}), "
+    return (f"memory plan per device: parameters {mib(memory.weights)} (of {mib(memory.weights_total)}"
+            f"{quantized}), "
             f"gradients {mib(memory.gradients)}, optimizer {mib(memory.optimizer)}, "
             f"activations ~{mib(memory.activations)}"
             f"{' (checkpointed)' if step.checkpointed else ''}"
@@ -518,6 +579,7 @@ def check_fits(memory: Plan) -> None:
         remedies += [] if step.checkpointed else ["--gradient-checkpointing"]
         remedies += [] if memory.shards > 1 else ["--strategy fsdp (the model sharded over the devices)"]
         remedies += [] if step.adapters else ["--lora (gradients and AdamW state for adapters only)"]
+        remedies += [] if not step.adapters or memory.quant else ["--load-in-4bit (the frozen base in 4 bits)"]
         raise UserError(f"the memory plan needs {memory.total / GIB:.2f} GiB per device, more than the device's "
                         f"{memory.device_bytes / GIB:.2f} GiB: try {', '.join(remedies[:-1])} or {remedies[-1]}")
 

@@ -333,7 +333,8 @@ def plan_memory(engine, cfg, shapes, model, objective):
     step = dataclasses.replace(path, length=length, rows=cfg.batch_size, precision=cfg.precision,
                                checkpointed=cfg.gradient_checkpointing, adapters=cfg.lora,
                                experts=planned_experts(model, kind, cfg.batch_size * length))
-    mesh, shape, device = engine.strategy.layout(), shape_of(model), device_bytes(engine.accelerator)
+    mesh, device = engine.strategy.layout(), device_bytes(engine.accelerator)
+    shape = shape_of(model, cfg.quantization())  # a quantized base counted as kept (kernels.quant.projection_bytes)
     memory = plan_of(mesh, step, shape, device)
     if not step.checkpointed and device and getattr(model, "supports_gradient_checkpointing", False):
         checkpointed = plan_of(mesh, dataclasses.replace(step, checkpointed=True), shape, device)

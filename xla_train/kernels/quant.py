@@ -20,3 +20,29 @@ class Quant:
     @property
     def flag(self) -> str:
         return f"--load-in-{self.bits}bit"
+
+
+# What a quantized projection keeps, one rule for the memory plan (memory.shape_of) and the benchmarks.
+# The layouts are bitsandbytes 0.50's, which the XLA path keeps too:
+# - int8 (LLM.int8, bitsandbytes/nn/modules.py Int8Params: CB, SCB from F.int8_vectorwise_quant): the
+#   [out, in] weight in int8 and one fp32 scale an output row;
+# - 4-bit (bitsandbytes/functional.py quantize_4bit, blocksize 64): two weights a byte and one fp32
+#   absmax a block of 64 weights (the XLA path's blocks run over the input dimension, the same count
+#   where `in` is a multiple of 64, as in every published model);
+# - nested (compress_statistics: QuantState.state2): the absmax of each block quantized to one byte
+#   (quantize_blockwise), with one fp32 absmax a block of 256 of those: 0.5 + 1/64 + 4/(64 x 256)
+#   bytes a weight, 0.127 bits of scales a weight. The per-tensor constants (the 16- and 256-entry
+#   code books, the offset) are left out: about 1 KiB a projection.
+BLOCK = 64
+NESTED_BLOCK = 256
+
+
+def projection_bytes(quant: Quant, out_features: int, in_features: int) -> int:
+    """Bytes a frozen [out_features, in_features] linear projection is kept in under `quant`, scales
+    included (the layouts above)."""
+    weights = out_features * in_features
+    if quant.bits == 8:
+        return weights + 4 * out_features
+    blocks = out_features * -(-in_features // BLOCK)
+    scales = blocks + 4 * -(-blocks // NESTED_BLOCK) if quant.nested else 4 * blocks
+    return -(-weights // 2) + scales
