@@ -218,6 +218,10 @@ def load_model(cfg: TrainOptions, backend: Roles, task: Task, tokenizer: Any,
     weights = resume.model_weights() if resume else None  # a corrupt file fails before any loading
     model = pretrained(backend.strategy, cfg, task, tokenizer, whole=cfg.lora or weights is not None)
     if cfg.lora:
+        if (quant := cfg.quantization()) and backend.accelerator.name == "xla":  # the base quantized on the host
+            from .kernels.quant_xla import quantize_base
+
+            quantize_base(model, quant)
         model = add_adapters(model, cfg.section("model"), task.model.peft_task_type)
     if weights is not None:
         assert resume is not None  # weights come from it

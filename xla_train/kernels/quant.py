@@ -6,6 +6,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 FOUR_BIT_TYPES = ("nf4", "fp4")  # bitsandbytes' 4-bit types (TRL's --bnb_4bit_quant_type)
+BLOCK = 64  # 4-bit: inputs per scale (bitsandbytes' default blocksize for NF4)
+NESTED_BLOCK = 256  # double quantization: 4-bit scales per int8 scale (bitsandbytes' nested blocksize)
+
+# QLoRA's NormalFloat4 code book, as bitsandbytes 0.50.2 publishes it (bitsandbytes/functional.py,
+# get_4bit_type("nf4"): quantiles of N(0, 1), create_normal_map(offset=0.9677083, use_extra_value=True)),
+# in increasing order; a code is its index. The XLA path (kernels.quant_xla) looks it up in the graph.
+NF4_CODE = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+            -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+            0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+            0.7229568362236023, 1.0)
+INT4_CODE = tuple((i - 8) / 7 for i in range(16))  # symmetric int4, -8..7, absmax at 7 (measured against NF4)
 
 
 @dataclass(frozen=True)
