@@ -113,6 +113,7 @@ def test_quantized_layer_layouts_and_bytes():
         layer = QuantLinear(linear, quant.kind, nested=quant.nested)
         assert [n for n, p in layer.named_parameters() if not p.requires_grad] == ["bias"]  # buffers, a frozen bias
         sizes[kind] = base_bytes(torch.nn.Sequential(layer)) / bf16
+        assert base_bytes(torch.nn.Sequential(layer)) == quant.weight_bytes(256, 512)  # what the memory plan counts
         w = layer.dequantize()
         assert w.shape == (256, 512) and layer.dequantize(torch.bfloat16).dtype == torch.bfloat16
         # int8: at most half a step of its row's scale; 4-bit: NF4's widest gap (0.30 of the block's absmax) / 2
@@ -219,3 +220,22 @@ def test_quantized_steps_on_xla_are_as_clean_as_plain_lora(on_xla):
         assert steps[kind]["aten"] == [] and plain["aten"] == [], steps
         assert steps[kind]["compiles"] <= plain["compiles"] + 1, steps
         assert steps[kind]["transfers"] <= plain["transfers"], steps
+
+
+def test_xla_run_over_a_4bit_base_trains_saves_and_merges_onto_the_full_precision_base(mrpc_slice, tiny_model,
+                                                                                        tmp_path):
+    """The job's wiring (--backend xla --lora --load-in-4bit --use-bnb-nested-quant --merge-lora) on
+    the tiny BERT: its 12 projections quantized, no fallback, no more host syncs than plain LoRA's
+    run of these rows (1 in 8 steps, measured), and the merged model a plain fp32 one."""
+    from conftest import run_cli
+    from safetensors import safe_open
+
+    proc, m = run_cli(["--backend", "xla", "--lora", "--load-in-4bit", "--use-bnb-nested-quant", "--merge-lora",
+                       "--model", tiny_model, "--data-dir", mrpc_slice, "--max-steps", 8, "--buckets", "64,128",
+                       "--output-dir", tmp_path / "out"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "--load-in-4bit: 12 linear projections of the base held in nf4" in proc.stdout
+    assert m["xla"]["aten_fallbacks"] == 0 and m["xla"]["host_syncs_per_step"] <= 1 / 8, m["xla"]
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.float32}
+        assert not [k for k in f.keys() if "qweight" in k or "lora" in k or "scales" in k]

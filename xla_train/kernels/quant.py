@@ -31,3 +31,14 @@ class Quant:
     @property
     def flag(self) -> str:
         return f"--load-in-{self.bits}bit"
+
+    def weight_bytes(self, out_features: int, in_features: int, block: int = BLOCK) -> int:
+        """The bytes a Linear [out, in] takes quantized on XLA (kernels.quant_xla.QuantLinear's buffers):
+        int8 one byte a weight and a float32 scale a row; 4-bit half a byte a weight, a float32 scale
+        per `block` inputs of a row (a row `block` does not divide: one), nested: those scales in
+        int8 with a float32 scale per NESTED_BLOCK and their mean, and the 16 floats of the code book."""
+        if self.bits == 8:
+            return out_features * in_features + 4 * out_features
+        scales = out_features * (in_features // block if in_features % block == 0 else 1)
+        scale_bytes = scales + 4 * -(-scales // NESTED_BLOCK) + 4 if self.nested else 4 * scales
+        return out_features * in_features // 2 + scale_bytes + 4 * 16
