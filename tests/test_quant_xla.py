@@ -5,6 +5,7 @@ fallbacks and host transfers against plain LoRA's); the adapter saved as peft sa
 
 import copy
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -202,7 +203,7 @@ print(json.dumps(out))
 @pytest.fixture(scope="module")
 def on_xla():
     proc = subprocess.run([sys.executable, "-c", XLA_SCRIPT, str(HERE)], capture_output=True, text=True,
-                          timeout=900, env={**__import__("os").environ, "PJRT_DEVICE": "CPU"})
+                          timeout=900, env={**os.environ, "PJRT_DEVICE": "CPU"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -239,3 +240,30 @@ def test_xla_run_over_a_4bit_base_trains_saves_and_merges_onto_the_full_precisio
     with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as f:
         assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.float32}
         assert not [k for k in f.keys() if "qweight" in k or "lora" in k or "scales" in k]
+
+
+# --strategy fsdp (FSDPv2) on 2 XLA:CPU devices: the quantized buffers split with their rows, the
+# loss the CPU reference's
+FSDP_SCRIPT = """
+import json, sys, torch, torch_xla
+sys.path.insert(0, sys.argv[1])
+from xla_train.core.engine import Engine
+from test_quant_xla import QUANTS, batch, pair
+model, reference, _ = pair("llama", QUANTS["nf4-nested"])
+engine = Engine("xla", strategy="fsdp")
+wrapped = engine.prepare(model)
+specs = {name.split(".")[-1]: torch_xla._XLAC._get_xla_sharding_spec(b) for name, b in wrapped.named_buffers()
+         if name.endswith((".qweight", ".scales", ".code"))}
+loss = wrapped(**{k: v.to(torch_xla.device()) for k, v in batch("llama").items()}).loss
+print(json.dumps({"specs": specs, "loss": loss.item(), "reference": reference(**batch("llama")).loss.item()}))
+"""
+
+
+def test_fsdp_splits_the_quantized_buffers_with_their_rows():
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "2"}
+    proc = subprocess.run([sys.executable, "-c", FSDP_SCRIPT, str(HERE)], capture_output=True, text=True,
+                          timeout=900, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["specs"] == {"qweight": "{devices=[2,1]0,1}", "scales": "{devices=[2,1]0,1}", "code": ""}, out
+    assert out["loss"] == pytest.approx(out["reference"], abs=1e-5)

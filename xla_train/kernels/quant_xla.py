@@ -78,6 +78,7 @@ class QuantLinear(torch.nn.Module):
     bias, if any, a frozen parameter in the training precision. Its forward dequantizes inside the
     graph (`_QuantMatmul`); gradients reach the input, never the weight."""
 
+    ROW_BUFFERS = ("qweight", "scales")  # a row each per output: FSDP splits them with the rows (XlaFsdp)
     qweight: torch.Tensor  # int8 [out, in] or uint8 [out, in / 2]
     scales: torch.Tensor  # float32 [out] or [out, in / block]; int8 where nested
     scale_scales: torch.Tensor  # nested: float32 [ceil(scales / NESTED_BLOCK)]
