@@ -134,7 +134,8 @@ class _QuantMatmul(torch.autograd.Function):
         ctx.layer, ctx.x_dtype = layer, x.dtype
         if layer.kind == "int8" and x.device.type == "xla":
             return _xla_int8(x, layer)
-        return F.linear(x, layer.dequantize(x.dtype), layer.bias)
+        bias = None if layer.bias is None else layer.bias.to(x.dtype)  # held in bf16 under --precision bf16
+        return F.linear(x, layer.dequantize(x.dtype), bias)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
