@@ -52,7 +52,7 @@ def test_the_plan_counts_what_bitsandbytes_keeps(tiny_llama, quant):
     """transformers loads the tiny Llama through BitsAndBytesConfig on the CPU (bitsandbytes' CPU
     backend), peft adds its LoRA layers: every quantized projection's bytes (weight and scales) are
     projection_bytes, and the plan counts the same base whether it reads the full-precision model
-    or the quantized one (Linear8bitLt, Linear4bit, under peft's layers)."""
+    or the quantized one (Linear8bitLt, Linear4bit, under peft's layers; the XLA path's QuantLinear)."""
     from bitsandbytes.nn import Linear4bit, Linear8bitLt
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
@@ -74,6 +74,14 @@ def test_the_plan_counts_what_bitsandbytes_keeps(tiny_llama, quant):
     assert after.quantized == before.quantized == sum(_bnb_bytes(m) for m in layers)
     assert (after.quantized_params, after.tile, after.params) == (before.quantized_params, before.tile, before.params)
     assert before.tile == 512 * 128 and before.quantized_params == 2 * 128 * (128 + 32 + 32 + 128 + 3 * 512)
+    # the XLA path's QuantLinear (kernels.quant_xla, the same layouts): the plan counts the same base
+    from xla_train.kernels.quant_xla import quantize_base
+
+    xla = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    assert quantize_base(xla, quant) == len(layers)
+    xla = shape_of(add_adapters(xla, section, "CAUSAL_LM"), quant).weights
+    assert (xla.quantized, xla.quantized_params, xla.tile, xla.params, xla.total) == \
+        (before.quantized, before.quantized_params, before.tile, before.params, before.total)
 
 
 def test_the_base_falls_to_a_half_and_a_quarter_of_bf16():

@@ -220,6 +220,10 @@ def load_model(cfg: TrainOptions, backend: Roles, task: Task, tokenizer: Any,
     bnb.check_roles(cfg.quantization(), backend, cfg.strategy)  # a bitsandbytes base where it cannot run
     model = pretrained(backend.strategy, cfg, task, tokenizer, whole=cfg.lora or weights is not None)
     if cfg.lora:
+        if (quant := cfg.quantization()) and backend.accelerator.name == "xla":  # the base quantized on the host
+            from .kernels.quant_xla import quantize_base
+
+            print(f"{quant.flag}: {quantize_base(model, quant)} linear projections of the base held in {quant.kind}")
         model = add_adapters(model, cfg.section("model"), task.model.peft_task_type)
     if weights is not None:
         assert resume is not None  # weights come from it

@@ -155,14 +155,16 @@ def _quantized_projections(model, head) -> tuple[dict[int, tuple[int, int]], set
     that `projection_bytes` counts for them (the weight and, once quantized, any frozen scales the
     module holds as parameters; not the bias). Read from the module, not the weight's shape, so that it
     counts the same before quantization and after: bitsandbytes' Linear8bitLt and Linear4bit keep
-    nn.Linear's sizes over their packed weight (Params4bit is [out x in / 2, 1]), and peft's LoRA
-    layer gives its base layer's `weight` and sizes."""
+    nn.Linear's sizes over their packed weight (Params4bit is [out x in / 2, 1]), the XLA path's
+    QuantLinear its sizes over a `qweight` buffer (kernels.quant_xla), and peft's LoRA layer gives its
+    base layer's `weight` and sizes."""
     import torch
 
     head_weight = getattr(head, "weight", None)
     found, held = {}, set()
     for m in model.modules():
         weight, out_features, in_features = (getattr(m, n, None) for n in ("weight", "out_features", "in_features"))
+        weight = getattr(m, "qweight", None) if weight is None else weight  # the XLA path's QuantLinear: buffers
         if (isinstance(weight, torch.Tensor) and isinstance(out_features, int) and isinstance(in_features, int)
                 and not weight.requires_grad and weight is not head_weight):
             found[id(weight)] = (out_features, in_features)

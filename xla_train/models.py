@@ -173,7 +173,7 @@ def default_lora_targets(model):
         return list(peft_default)
     found = {name for parent in model.modules() if "Attention" in type(parent).__name__
              for name, child in parent.named_children()
-             if name in ATTENTION_PROJECTIONS and isinstance(child, torch.nn.Linear)}
+             if name in ATTENTION_PROJECTIONS and (isinstance(child, torch.nn.Linear) or hasattr(child, "qweight"))}
     if not found:
         raise UserError(f"--lora: no default targets for model type {model_type!r} (neither peft's default for it "
                         f"nor an attention projection {'/'.join(ATTENTION_PROJECTIONS)} is in the model); name "
@@ -191,6 +191,10 @@ def add_adapters(model, adapters, peft_task_type):
     targets = targets or default_lora_targets(model)
     config = LoraConfig(task_type=peft_task_type, r=adapters.lora_r, lora_alpha=adapters.lora_alpha,
                         lora_dropout=adapters.lora_dropout, target_modules=targets)
+    if any(type(m).__name__ == "QuantLinear" for m in model.modules()):  # a base quantized on XLA
+        from .kernels.quant_xla import register_lora
+
+        register_lora(config, model)
     try:
         with _peft_quiet():
             return get_peft_model(model, config)

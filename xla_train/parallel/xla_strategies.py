@@ -309,11 +309,24 @@ class XlaFsdp(XlaSpmd):
         # device holds one block unsharded at a time, never the whole model.
         shard = functools.partial(_shard_output, strategy=self)  # outputs split by rows over the data axes
         wrapped = SpmdFullyShardedDataParallel(model, mesh=self.mesh(), shard_output=shard, auto_wrap_policy=policy)
+        self._split_rows(wrapped)
         for m in wrapped.modules():
             if isinstance(m, SpmdFullyShardedDataParallel):
                 m.register_state_dict_post_hook(_drop_wrapper_keys)
                 m.register_load_state_dict_pre_hook(_add_wrapper_keys)
         return wrapped
+
+    def _split_rows(self, model: torch.nn.Module) -> None:
+        """A quantized base's buffers (kernels.quant_xla.QuantLinear.ROW_BUFFERS: the int8 or packed
+        4-bit weight and its scales, no parameters, so FSDPv2 leaves them whole on every device)
+        split with their rows over the axes FSDP splits parameters over. The wrappers moved them to
+        the devices whole, one block at a time."""
+        import torch_xla.distributed.spmd as xs
+
+        buffers = [getattr(m, name) for m in model.modules() for name in getattr(m, "ROW_BUFFERS", ())]
+        axes = self.layout().param_axes() if buffers else None
+        for buffer in buffers:
+            xs.mark_sharding(buffer, self.mesh(), (axes,) + (None,) * (buffer.dim() - 1))
 
     def unwrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
         return getattr(model, "module", model)  # the model itself; its blocks stay wrapped, keys read as plain
