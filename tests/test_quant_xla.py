@@ -226,23 +226,35 @@ def test_quantized_steps_on_xla_are_as_clean_as_plain_lora(on_xla):
         assert steps[kind]["transfers"] <= plain["transfers"], steps
 
 
-def test_xla_run_over_a_4bit_base_trains_saves_and_merges_onto_the_full_precision_base(mrpc_slice, tiny_model,
-                                                                                        tmp_path):
-    """The job's wiring (--backend xla --lora --load-in-4bit --use-bnb-nested-quant --merge-lora) on
-    the tiny BERT: its 12 projections quantized, no fallback, no more host syncs than plain LoRA's
-    run of these rows (1 in 8 steps, measured), and the merged model a plain fp32 one."""
+def test_xla_run_over_a_4bit_base_trains_saves_and_predicts_on_a_base_quantized_again(mrpc_slice, tiny_model,
+                                                                                       tmp_path):
+    """The job's wiring (--backend xla --lora --load-in-4bit --use-bnb-nested-quant) on the tiny BERT:
+    its 12 projections quantized, no fallback, no more host syncs than plain LoRA's run of these rows
+    (1 in 8 steps, measured); the adapter folder records the quantization as transformers records a
+    bitsandbytes base's, and `xla-train predict` on the CPU quantizes the base again from it
+    (bitsandbytes' NF4: the same blocks of 64, the same code book) and scores the dev rows as the
+    run did."""
     from conftest import run_cli
-    from safetensors import safe_open
+    from test_lora import _dev_accuracy
 
-    proc, m = run_cli(["--backend", "xla", "--lora", "--load-in-4bit", "--use-bnb-nested-quant", "--merge-lora",
+    from xla_train.models import holds_quantized_base, load_trained
+    from xla_train.tasks.sequence import _classifier
+
+    out = tmp_path / "out"
+    proc, m = run_cli(["--backend", "xla", "--lora", "--load-in-4bit", "--use-bnb-nested-quant", "--lr", 1e-2,
                        "--model", tiny_model, "--data-dir", mrpc_slice, "--max-steps", 8, "--buckets", "64,128",
-                       "--output-dir", tmp_path / "out"], tmp_path)
+                       "--output-dir", out], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "--load-in-4bit: 12 linear projections of the base held in nf4" in proc.stdout
     assert m["xla"]["aten_fallbacks"] == 0 and m["xla"]["host_syncs_per_step"] <= 1 / 8, m["xla"]
-    with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as f:
-        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.float32}
-        assert not [k for k in f.keys() if "qweight" in k or "lora" in k or "scales" in k]
+    record = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert (record["load_in_4bit"], record["bnb_4bit_quant_type"], record["bnb_4bit_use_double_quant"]) == \
+        (True, "nf4", True)
+    assert holds_quantized_base(load_trained(_classifier(), out, "cpu"))  # bitsandbytes' layers
+    on_xla = load_trained(_classifier(), out, "xla")  # predict --backend xla: QuantLinear under peft's layer
+    assert sum(type(m).__name__ == "QuantLoraLinear" for m in on_xla.modules()) == 4  # BERT's query, value x 2
+    accuracy, rows = _dev_accuracy(out, mrpc_slice, tmp_path)
+    assert rows == 48 and accuracy == pytest.approx(m["eval"]["accuracy"], abs=2 / 48)
 
 
 # --strategy fsdp (FSDPv2) on 2 XLA:CPU devices: the quantized buffers split with their rows, the

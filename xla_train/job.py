@@ -23,6 +23,7 @@ from .kernels.attention import row_length, row_lengths_line
 from .models import (
     add_adapters,
     hold_frozen_in_bf16,
+    load_base,
     load_pretrained,
     load_tokenizer,
     position_limit,
@@ -220,10 +221,6 @@ def load_model(cfg: TrainOptions, backend: Roles, task: Task, tokenizer: Any,
     bnb.check_roles(cfg.quantization(), backend, cfg.strategy)  # a bitsandbytes base where it cannot run
     model = pretrained(backend.strategy, cfg, task, tokenizer, whole=cfg.lora or weights is not None)
     if cfg.lora:
-        if (quant := cfg.quantization()) and backend.accelerator.name == "xla":  # the base quantized on the host
-            from .kernels.quant_xla import quantize_base
-
-            print(f"{quant.flag}: {quantize_base(model, quant)} linear projections of the base held in {quant.kind}")
         model = add_adapters(model, cfg.section("model"), task.model.peft_task_type)
     if weights is not None:
         assert resume is not None  # weights come from it
@@ -239,14 +236,10 @@ def pretrained(strategy: Strategy, cfg: TrainOptions, task: Task, tokenizer: Any
     it is built without the checkpoint's weights, which `wrap_model` reads into their shards on the
     devices, never whole on this host (parallel.sharded_load); loaded `whole` where asked (LoRA's base,
     a resumed run's whole weights) or where the folder does not allow it."""
-    quant = cfg.quantization()
-    quantized = bnb.loading(quant, strategy.accelerator.name, cfg.precision)  # cuda, cpu: bitsandbytes
-    load = functools.partial(task.model.load, cfg.model, cfg.seed, tokenizer.pad_token_id, **quantized)
+    load = functools.partial(task.model.load, cfg.model, cfg.seed, tokenizer.pad_token_id)
     model = sharded_load.skeleton(load, cfg.model) if strategy.loads_shards and not whole else None
-    model = model if model is not None else load()
-    if quant and quantized:
-        bnb.check_quantized(model, quant, cfg.model)
-    return model
+    return model if model is not None else load_base(load, cfg.quantization(), strategy.accelerator.name,
+                                                     cfg.precision, cfg.model)
 
 
 def _say(line: str | None) -> None:

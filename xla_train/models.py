@@ -6,6 +6,7 @@ bundled model's name from here)."""
 import contextlib
 import functools
 import io
+import json
 import os
 import warnings
 from pathlib import Path
@@ -191,15 +192,20 @@ def add_adapters(model, adapters, peft_task_type):
     targets = targets or default_lora_targets(model)
     config = LoraConfig(task_type=peft_task_type, r=adapters.lora_r, lora_alpha=adapters.lora_alpha,
                         lora_dropout=adapters.lora_dropout, target_modules=targets)
-    if any(type(m).__name__ == "QuantLinear" for m in model.modules()):  # a base quantized on XLA
-        from .kernels.quant_xla import register_lora
-
-        register_lora(config, model)
+    _over_quantized(config, model)
     try:
         with _peft_quiet():
             return get_peft_model(model, config)
     except ValueError as e:  # no default targets for the architecture, or targets it does not have
         raise UserError(f"--lora: {first_line(e)} (name them with --lora-targets)")
+
+
+def _over_quantized(config, model):
+    """peft's LoraConfig `config` told how to adapt a base quantized on XLA (its QuantLinear)."""
+    if any(type(m).__name__ == "QuantLinear" for m in model.modules()):
+        from .kernels.quant_xla import register_lora
+
+        register_lora(config, model)
 
 
 def hold_frozen_in_bf16(model):
@@ -211,6 +217,41 @@ def hold_frozen_in_bf16(model):
     for p in model.parameters():  # bitsandbytes' quantized weights (int8, uint8 blocks) are left as they are
         if not p.requires_grad and p.is_floating_point():
             p.data = p.data.to(torch.bfloat16)
+
+
+def load_base(load, quant, accelerator, precision, name):
+    """The pretrained model `load(**kwargs)` gives, its linear projections kept as `quant` asks (None:
+    as loaded), one rule for training and prediction: on CUDA and the CPU bitsandbytes quantizes each
+    weight as it loads (kernels.bnb); on XLA the base is loaded, then its projections replaced by
+    the package's QuantLinear on the host (kernels.quant_xla). `name`: the model, for the lines."""
+    if quant is None:
+        return load()
+    quantized = bnb.loading(quant, accelerator, precision)
+    model = load(**quantized)
+    if quantized:
+        bnb.check_quantized(model, quant, name)
+        return model
+    from .kernels.quant_xla import quantize_base
+
+    print(f"{quant.flag}: {quantize_base(model, quant)} linear projections of the base held in {quant.kind}")
+    return model
+
+
+def holds_quantized_base(model):
+    """Whether `model`'s base is held in 8 or 4 bits: loaded through bitsandbytes (transformers'
+    `hf_quantizer`) or holding the XLA path's QuantLinear (its `qweight` buffer)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return getattr(base, "hf_quantizer", None) is not None or any(hasattr(m, "qweight") for m in base.modules())
+
+
+def record_quantization(folder, quant):
+    """An adapter folder's config.json records the base's quantization as transformers records a
+    bitsandbytes base's (`quantization_config`), whichever backend quantized it: `xla-train predict`
+    reads it (kernels.bnb.recorded) and quantizes the base again, on any backend."""
+    path = Path(folder) / "config.json"
+    config = json.loads(path.read_text())
+    if "quantization_config" not in config:
+        path.write_text(json.dumps({**config, "quantization_config": bnb.record(quant)}, indent=2) + "\n")
 
 
 def save_merged(engine, model, load_base, tokenizer, folder):
@@ -238,9 +279,10 @@ the main host: the base is loaded there), in files of the final model's size."""
     engine.on_main(write, f"cannot save the merged model to {folder}")
 
 
-def load_trained(model_class, folder):
-    """A fine-tuned model for prediction: a whole model, or an adapter folder written by `--lora`
-    (its base model from adapter_config.json, its head's config from config.json)."""
+def load_trained(model_class, folder, accelerator="cpu"):
+    """A fine-tuned model for prediction on `accelerator` (its name: xla, cuda, cpu): a whole model,
+    or an adapter folder written by `--lora` (its base model from adapter_config.json, its head's
+    config from config.json, its base's quantization from the record there: `load_base`)."""
     from transformers import AutoConfig
 
     from .core.hf import quiet_transformers
@@ -249,14 +291,15 @@ def load_trained(model_class, folder):
         return no_cache(load_pretrained(model_class, folder))
     from peft import PeftConfig, PeftModel
 
-    base = PeftConfig.from_pretrained(folder).base_model_name_or_path
+    adapter = PeftConfig.from_pretrained(folder)
+    base = adapter.base_model_name_or_path
     config = load_pretrained(AutoConfig, folder)
-    quantized = bnb.recorded(config)  # a --load-in-8bit/4bit run's adapter: its base quantized as in training
-    model = no_cache(load_pretrained(model_class, base, config=config, **quantized))
-    if quantized:
-        bnb.settle(model)
+    quant = bnb.recorded(config)  # a --load-in-8bit/4bit run's adapter: its base quantized again, as in training
+    model = no_cache(load_base(functools.partial(load_pretrained, model_class, base, config=config), quant,
+                               accelerator, "fp32", base))
     try:
         with quiet_transformers(), _peft_quiet():
-            return PeftModel.from_pretrained(model, folder)
+            _over_quantized(adapter, model)
+            return PeftModel.from_pretrained(model, folder, config=adapter)
     except (OSError, ValueError, RuntimeError) as e:
         raise UserError(f"cannot load the adapter in {folder}: {first_line(e)}")

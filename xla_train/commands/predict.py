@@ -59,6 +59,6 @@ def run(cfg):
     rows = prediction.read(cfg.input, tokenizer, settings)  # the input checked before the model loads
     if rows.truncated:
         print(f"truncated to --max-length {settings.max_length} tokens: {rows.truncated} {prediction.unit}")
-    model = prediction.load(cfg.model)
+    model = prediction.load(cfg.model, backend.accelerator.name)
     rows = prediction.fit(rows, model, backend.accelerator, settings)
     backend.launch(predict_worker, (cfg, prediction, model, rows))

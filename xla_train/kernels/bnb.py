@@ -145,18 +145,24 @@ def check_quantized(model: Any, quant: Quant, name: str) -> None:
     settle(model)
 
 
-def recorded(config: Any) -> dict[str, Any]:
+def record(quant: Quant) -> dict[str, Any]:
+    """`quant` as transformers records a bitsandbytes base in config.json (BitsAndBytesConfig.to_dict's
+    keys that say the layout)."""
+    return {"quant_method": "bitsandbytes", "load_in_8bit": quant.bits == 8, "load_in_4bit": quant.bits == 4,
+            "bnb_4bit_quant_type": quant.kind if quant.bits == 4 else "nf4",
+            "bnb_4bit_use_double_quant": quant.nested}
+
+
+def recorded(config: Any) -> Quant | None:
     """An adapter folder's quantized base (`config`, its config.json: transformers records the
-    quantization_config of a model it loaded quantized) as `from_pretrained`'s arguments that quantize
-    the full-precision base again as it loads; {} for none. The record is taken off `config`, which
-    would otherwise make transformers read the base as a checkpoint saved quantized."""
+    quantization_config of a model it loaded quantized, `record` that of an XLA run's), or None.
+    The record is taken off `config`, which would otherwise make transformers read the base as a
+    checkpoint saved quantized."""
     saved = getattr(config, "quantization_config", None)
     if not saved:
-        return {}
-    require()
-    from transformers import BitsAndBytesConfig
-
+        return None
     del config.quantization_config
-    keep_kind_when_pickled()  # predict's workers too
     saved = saved if isinstance(saved, dict) else saved.to_dict()
-    return {"quantization_config": BitsAndBytesConfig.from_dict(dict(saved))}
+    if saved.get("load_in_8bit"):
+        return Quant(8, "int8")
+    return Quant(4, saved.get("bnb_4bit_quant_type", "nf4"), bool(saved.get("bnb_4bit_use_double_quant")))

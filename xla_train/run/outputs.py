@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from ..io.files import atomic_write
-from ..models import add_adapters, save_merged
+from ..models import add_adapters, record_quantization, save_merged
 from ..tasks import scores
 from .folder import write_finished
 
@@ -58,6 +58,8 @@ def save_outputs(engine, job, t, results):
         save_merged(engine, t.model, load_base, job.tokenizer, folder)
     else:
         engine.save_pretrained(t.model, job.tokenizer, folder)
+        if quant := cfg.quantization():  # predict quantizes the base again from the record (models.load_base)
+            engine.on_main(lambda: record_quantization(folder, quant), f"cannot write {folder / 'config.json'}")
     predictions = result = None
     if job.test is not None:  # the final (or best) model's predictions, as xla-train predict writes them
         start = time.perf_counter()

@@ -81,8 +81,8 @@ class Prediction(Protocol):
     def check(self, settings: PredictSettings) -> None:
         """Stops with one line if `settings` ask what this kind's model cannot do."""
 
-    def load(self, folder: str) -> Any:
-        """The model a folder holds, as it predicts."""
+    def load(self, folder: str, accelerator: str = "cpu") -> Any:
+        """The model a folder holds, as it predicts on `accelerator` (its name)."""
 
     def read(self, path: str, tokenizer: Any, settings: PredictSettings) -> Any:
         """The rows of `path`, read, checked and tokenised (`.data` with a `length` column,
@@ -267,8 +267,9 @@ class ModelPart:
         `loading`: more of `from_pretrained`'s arguments (a bitsandbytes `quantization_config`)."""
         raise NotImplementedError
 
-    def load_trained(self, folder: str) -> Any:
-        """A model this kind fine-tuned, from its output folder (whole, or an adapter's)."""
+    def load_trained(self, folder: str, accelerator: str = "cpu") -> Any:
+        """A model this kind fine-tuned, from its output folder (whole, or an adapter's), for
+        `accelerator` (its name: a quantized base is quantized again by its backend's rule)."""
         raise NotImplementedError
 
 

@@ -366,11 +366,11 @@ class DecoderModel(ModelPart):
         model = load_pretrained(_causal_lm(), name, dtype=torch.float32, **loading)
         return models_own_off(no_cache(model))
 
-    def load_trained(self, folder: str) -> Any:
+    def load_trained(self, folder: str, accelerator: str = "cpu") -> Any:
         from ..kernels.router_loss import models_own_off
         from ..models import load_trained
 
-        return models_own_off(load_trained(_causal_lm(), folder))
+        return models_own_off(load_trained(_causal_lm(), folder, accelerator))
 
 
 @register

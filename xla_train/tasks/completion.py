@@ -131,9 +131,9 @@ class Completions:
             raise UserError(f"{given[0]} applies to classifiers; a causal LM's rows are told by their columns "
                             "(prompt or messages)")
 
-    def load(self, folder: str) -> Any:
+    def load(self, folder: str, accelerator: str = "cpu") -> Any:
         """The model to generate with: a whole model, or an adapter (--lora) merged into its base."""
-        return generation_model(self.task.model.load_trained(folder))
+        return generation_model(self.task.model.load_trained(folder, accelerator))
 
     pads_like_training = False  # prompts are left-padded to buckets of their own (two graphs each)
 
@@ -208,7 +208,9 @@ def generation_model(model):
     """The model as generation runs it: an adapter merged into its base (one weight per layer),
     except into a base held in 8 or 4 bits (--load-in-8bit/4bit), which keeps its live adapter:
     merging would round the adapter into the quantized blocks (peft's bnb merge warns of it)."""
-    if hasattr(model, "merge_and_unload") and getattr(model.get_base_model(), "hf_quantizer", None) is None:
+    from ..models import holds_quantized_base
+
+    if hasattr(model, "merge_and_unload") and not holds_quantized_base(model):
         model = model.merge_and_unload()
     return model.eval()
 

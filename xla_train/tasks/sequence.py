@@ -77,10 +77,10 @@ class SequenceModel(ModelPart):
                   f"({', '.join(new)}), initialised with --seed {seed}")
         return model
 
-    def load_trained(self, folder: str) -> Any:
+    def load_trained(self, folder: str, accelerator: str = "cpu") -> Any:
         from ..models import load_trained
 
-        return load_trained(_classifier(), folder)
+        return load_trained(_classifier(), folder, accelerator)
 
 
 @dataclass(frozen=True)

@@ -187,9 +187,9 @@ class Scores:
             raise UserError(f"{flag} applies to a causal LM's folder (predict generates text there); --model "
                             f"{settings.model} is a {self.task.kind or 'classification'} model")
 
-    def load(self, folder: str) -> Any:
+    def load(self, folder: str, accelerator: str = "cpu") -> Any:
         """The model to predict with: a whole model, or an adapter (--lora) on its base."""
-        return self.task.model.load_trained(folder)
+        return self.task.model.load_trained(folder, accelerator)
 
     pads_like_training = True  # a training run's --test-file rows take its batches' padding
 
