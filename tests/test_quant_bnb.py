@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import run_cli
 
-from xla_train.commands.cli import main
+from xla_train.commands.cli import as_flags, main
 from xla_train.core.errors import UserError
 from xla_train.kernels import bnb
 from xla_train.kernels.quant import Quant
@@ -186,24 +186,25 @@ def test_merge_lora_merges_onto_the_full_precision_base(bnb_runs, tiny_model):
 
 # --- refusals, in this process ---------------------------------------------------------------------
 def test_backends_and_strategies_that_cannot_hold_a_bitsandbytes_base():
-    assert bnb.refusal(NF4, "tpu", "ddp") == ("--load-in-4bit runs on the xla, cuda and cpu backends; "
+    """The lines as the command line shows them (cli.as_flags: the library names `load_in_4bit`)."""
+    assert as_flags(bnb.refusal(NF4, "tpu", False)) == ("--load-in-4bit runs on the xla, cuda and cpu backends; "
                                                  "TorchTPU (--backend tpu) has no bitsandbytes")
-    assert bnb.refusal(INT8, "cpu", "fsdp") == ("--load-in-8bit on the cpu backend runs under --strategy ddp: "
+    assert as_flags(bnb.refusal(INT8, "cpu", True)) == ("--load-in-8bit on the cpu backend runs under --strategy ddp: "
                                                    "FSDP2 (--strategy fsdp) shards plain tensors and would drop "
                                                    "bitsandbytes' scales")
-    assert bnb.refusal(NF4, "cuda", "ddp") is None and bnb.refusal(INT8, "cpu", "ddp") is None
-    assert bnb.refusal(INT8, "xla", "fsdp") is None  # the xla backend's quantized linear is its own
+    assert bnb.refusal(NF4, "cuda", False) is None and bnb.refusal(INT8, "cpu", False) is None
+    assert bnb.refusal(INT8, "xla", True) is None  # the xla backend's quantized linear is its own
     from xla_train.core.select import select_roles
 
-    with pytest.raises(UserError, match="runs under --strategy ddp"):
-        bnb.check_roles(NF4, select_roles("cpu", 2, "fsdp"), "fsdp")
-    bnb.check_roles(None, select_roles("cpu", 2, "fsdp"), "fsdp")  # no quantization: nothing to refuse
+    with pytest.raises(UserError, match="runs under `strategy` ddp"):
+        bnb.check_roles(NF4, select_roles("cpu", 2, "fsdp"))
+    bnb.check_roles(None, select_roles("cpu", 2, "fsdp"))  # no quantization: nothing to refuse
 
 
 def test_missing_bitsandbytes_names_the_extra():
     with pytest.raises(UserError) as e:
         bnb.require("no_such_bitsandbytes_module")
-    assert str(e.value) == ("--load-in-8bit and --load-in-4bit on the cuda and cpu backends need "
+    assert as_flags(str(e.value)) == ("--load-in-8bit and --load-in-4bit on the cuda and cpu backends need "
                             "no_such_bitsandbytes_module, which is not installed: pip install 'xla-train[quant]'")
 
 
@@ -213,5 +214,5 @@ def test_a_model_with_nothing_quantized_is_one_line(tiny_llama):
     plain = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)  # no bitsandbytes layer
     with pytest.raises(UserError) as e:
         bnb.check_quantized(plain, INT8, "m")
-    assert str(e.value) == ("--load-in-8bit: model m has no linear projection to quantize outside its head "
+    assert as_flags(str(e.value)) == ("--load-in-8bit: model m has no linear projection to quantize outside its head "
                             "(classifier, score, lm_head); train it without --load-in-8bit")

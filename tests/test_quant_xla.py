@@ -150,7 +150,7 @@ def test_bf16_base_leaves_the_quantized_buffers():
 def test_nothing_to_quantize_and_fp4_are_one_line():
     from xla_train.kernels.quant_xla import quantize_base
 
-    with pytest.raises(UserError, match=r"--load-in-8bit: gpt2 has no linear projections"):
+    with pytest.raises(UserError, match=r"^`load_in_8bit`: gpt2 has no linear projections"):
         quantize_base(_gpt2(), QUANTS["int8"])  # GPT-2's projections are Conv1D
     with pytest.raises(UserError, match="fp4 runs on the cuda and cpu backends"):
         quantize_base(_base("llama"), Quant(4, "fp4"))

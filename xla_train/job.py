@@ -218,7 +218,7 @@ def load_model(cfg: TrainOptions, backend: Roles, task: Task, tokenizer: Any,
     """The model stage's second part: the pretrained model as the task loads it, its adapters
     (--lora), a resumed run's weights, a LoRA base held in bf16."""
     weights = resume.model_weights() if resume else None  # a corrupt file fails before any loading
-    bnb.check_roles(cfg.quantization(), backend, cfg.strategy)  # a bitsandbytes base where it cannot run
+    bnb.check_roles(cfg.quantization(), backend)  # a bitsandbytes base where it cannot run
     model = pretrained(backend.strategy, cfg, task, tokenizer, whole=cfg.lora or weights is not None)
     if cfg.lora:
         model = add_adapters(model, cfg.section("model"), task.model.peft_task_type)

@@ -233,7 +233,8 @@ def load_base(load, quant, accelerator, precision, name):
         return model
     from .kernels.quant_xla import quantize_base
 
-    print(f"{quant.flag}: {quantize_base(model, quant)} linear projections of the base held in {quant.kind}")
+    held = quantize_base(model, quant)
+    print(f"--load-in-{quant.bits}bit: {held} linear projections of the base held in {quant.kind}")
     return model
 
 

@@ -36,30 +36,31 @@ HEADS = ["classifier", "score", "lm_head"]
 def require(module: str = "bitsandbytes") -> None:
     """Stops in one line, naming the extra, where `module` (bitsandbytes) is not installed."""
     if importlib.util.find_spec(module) is None:
-        raise UserError(f"--load-in-8bit and --load-in-4bit on the cuda and cpu backends need {module}, which is "
+        raise UserError(f"`load_in_8bit` and `load_in_4bit` on the cuda and cpu backends need {module}, which is "
                         f"not installed: {EXTRA}")
 
 
-def refusal(quant: Quant, backend: str, strategy: str) -> str | None:
-    """Why the torch-native `backend` under `strategy` cannot hold a bitsandbytes base, or None
-    (None too for the xla backend, whose quantized linear is its own)."""
+def refusal(quant: Quant, backend: str, sharded: bool) -> str | None:
+    """Why the torch-native `backend`, its strategy splitting the parameters or not (`sharded`),
+    cannot hold a bitsandbytes base, or None (None too for the xla backend, whose quantized linear
+    is its own)."""
     if backend == "tpu":  # TorchTPU: bitsandbytes has no tpu backend (bitsandbytes/backends: cpu, cuda, xpu, ...)
-        return f"{quant.flag} runs on the xla, cuda and cpu backends; TorchTPU (--backend tpu) has no bitsandbytes"
+        return f"{quant.flag} runs on the xla, cuda and cpu backends; TorchTPU (`backend` tpu) has no bitsandbytes"
     if backend not in BACKENDS:
         return None
-    if strategy == "fsdp":
+    if sharded:
         # FSDP2's fully_shard replaces every parameter by a plain nn.Parameter around a DTensor shard
         # (torch/distributed/fsdp/_fully_shard/_fsdp_param.py, FSDPParam._init_sharded_param and
         # init_unsharded_param), which drops Params4bit's quant_state and Int8Params' SCB scales
         # (--tensor-parallel, --expert-parallel and --context-parallel run under fsdp only)
-        return (f"{quant.flag} on the {backend} backend runs under --strategy ddp: FSDP2 (--strategy fsdp) shards "
+        return (f"{quant.flag} on the {backend} backend runs under `strategy` ddp: FSDP2 (`strategy` fsdp) shards "
                 "plain tensors and would drop bitsandbytes' scales")
     return None
 
 
-def check_roles(quant: Quant | None, roles: Any, strategy: str) -> None:
+def check_roles(quant: Quant | None, roles: Any) -> None:
     """`refusal` of the run's roles (core.roles.Roles) as a UserError, before the model loads."""
-    line = quant and refusal(quant, roles.name, strategy)
+    line = quant and refusal(quant, roles.name, roles.strategy.sharded)
     if line:
         raise UserError(line)
 

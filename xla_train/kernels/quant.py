@@ -33,7 +33,8 @@ class Quant:
 
     @property
     def flag(self) -> str:
-        return f"--load-in-{self.bits}bit"
+        """The option as the library's messages name it (`load_in_8bit`): --load-in-8bit on the command line."""
+        return f"`load_in_{self.bits}bit`"
 
 
 # What a quantized projection keeps, one rule for the memory plan (memory.shape_of) and the benchmarks.

@@ -170,7 +170,7 @@ class QuantLoraLinear(LoraLinear):
 
     def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
         raise UserError("a LoRA adapter over a quantized base is not merged onto the rounded weights: merge it "
-                        "onto the full-precision base (--merge-lora loads it again)")
+                        "onto the full-precision base (`merge_lora` loads it again)")
 
     def unmerge(self) -> None:
         pass  # never merged
@@ -194,7 +194,7 @@ def quantize_base(model: torch.nn.Module, quant: Quant, block: int = BLOCK) -> i
     precision). Returns how many; a model with none is one line. 4-bit takes blocks of `block`
     inputs (a row whose width `block` does not divide is one block)."""
     if quant.kind == "fp4":
-        raise UserError("--bnb-4bit-quant-type fp4 runs on the cuda and cpu backends (bitsandbytes); the xla "
+        raise UserError("`bnb_4bit_quant_type` fp4 runs on the cuda and cpu backends (bitsandbytes); the xla "
                         "backend's 4-bit base is nf4")
     kind = "int8" if quant.bits == 8 else quant.kind
     found = [(parent, name, child) for b in blocks_of(model) for parent in b.modules()
