@@ -3,7 +3,7 @@ brought, experts and context, on XLA's SPMD.
 
 In pytest's process: the value's layout, its refusals and the strategies' use of it. In one
 process of 4 XLA:CPU devices (a module fixture, as test_tensor_parallel.py's): a tiny Llama and
-Qwen3 on packed 512-token rows and a tiny Qwen3-MoE and gpt-oss, each trained under fsdp alone and
+Qwen3 on packed 256-token rows and a tiny Qwen3-MoE and gpt-oss, each trained under fsdp alone and
 under `context`, `expert` and `tensor` beside it; every way must give fsdp alone's losses and
 weights within 1e-5 (fp32), compile no more graphs and run no aten op on the CPU."""
 
@@ -107,7 +107,7 @@ from xla_train import Mesh
 from xla_train.core.engine import Engine
 from xla_train.tasks.causal_lm import DecoderModel, NextToken
 
-STEPS, LR, ROWS, LENGTH = 2, 2e-5, 4, 512
+STEPS, LR, ROWS, LENGTH = 2, 2e-5, 4, 256
 MESHES = {"fsdp": Mesh(), "cp2": Mesh(context=2), "cp2tp2": Mesh(context=2, tensor=2), "ep2": Mesh(expert=2),
           "ep2tp2": Mesh(expert=2, tensor=2)}
 engines = {}
@@ -225,8 +225,8 @@ def test_every_axis_trains_as_fsdp_alone(ways, family, way):
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_context_splits_each_rows_tokens(ways, family):
-    """Under fsdp 2 x context 2 a batch's rows go over fsdp and each row's 512 tokens over context:
-    each device holds 2 rows x 256 tokens; fsdp alone splits the rows only."""
+    """Under fsdp 2 x context 2 a batch's rows go over fsdp and each row's 256 tokens over context:
+    each device holds 2 rows x 128 tokens; fsdp alone splits the rows only."""
     assert ways[family]["cp2"]["input_spec"].startswith("{devices=[2,2]"), ways[family]["cp2"]
     assert ways[family]["fsdp"]["input_spec"].startswith("{devices=[4,1]"), ways[family]["fsdp"]
 
@@ -364,11 +364,11 @@ def run(meshes):
 
 # --- context on 4 gloo workers (FSDP2) -----------------------------------------------------------
 # Both meshes in one subprocess, each a launch of 4 workers: fsdp 4, then fsdp 2 x context 2, whose
-# context peers each hold 256 of every row's 512 tokens (kernels.context). Every row has the same
+# context peers each hold 128 of every row's 256 tokens (kernels.context). Every row has the same
 # trained tokens: data parallelism averages each worker's mean, which equals the token-weighted
 # mean over the batch only then.
 GLOO = GLOO_WORKER + r"""
-STEPS, LR, ROWS, LENGTH = 2, 2e-5, 4, 512
+STEPS, LR, ROWS, LENGTH = 2, 2e-5, 4, 256
 
 
 def rows(vocab, seed):
@@ -416,12 +416,12 @@ def gloo_context(tmp_path_factory):
 @pytest.mark.torch_native  # make test-torch runs it on the newest torch too (_flatten, DTensor)
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_context_on_gloo_trains_as_fsdp_alone(gloo_context, family):
-    """Two AdamW steps on packed 512-token rows: fsdp 2 x context 2 (each worker 256 tokens of each
+    """Two AdamW steps on packed 256-token rows: fsdp 2 x context 2 (each worker 128 tokens of each
     row, attention over the whole row's gathered keys and values, the loss summed over the context
     group, FSDP2 over fsdp x context) gives fsdp 4's losses and weights within 1e-5 (fp32), and
     its gradients' norm (which AdamW's update does not show) within 1e-5 of it."""
     fsdp, split = gloo_context[family]["fsdp"], gloo_context[family]["cp2"]
-    assert (fsdp["length"], split["length"]) == (512, 256)
+    assert (fsdp["length"], split["length"]) == (256, 128)
     assert split["losses"] == pytest.approx(fsdp["losses"], abs=1e-5), (split["losses"], fsdp["losses"])
     assert fsdp["losses"][0] != fsdp["losses"][1]
     assert split["norms"] == pytest.approx(fsdp["norms"], rel=1e-5), (split["norms"], fsdp["norms"])
