@@ -21,6 +21,8 @@ import json
 import os
 from pathlib import Path
 
+from plan_pods import write_plan
+
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 2**30
 RECIPE = "long-context-sft.yaml"
@@ -99,13 +101,7 @@ def main():
                      + (f"`{r['command']}` |" if r["command"] else
                         "smallest peak: " + ", ".join(f"context {t['context']}: {t['peak_gib']:.1f}"
                                                       for t in r["tried"]) + " GiB |"))
-    table = "\n".join(lines)
-    print(table)
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "plan.json").write_text(json.dumps(rows, indent=1))
-    (out / "plan.md").write_text(table + "\n")
-    print(f"wrote {out / 'plan.json'} and {out / 'plan.md'}")
+    write_plan(args.out_dir, rows, lines)
 
 
 if __name__ == "__main__":

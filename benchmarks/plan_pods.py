@@ -70,9 +70,15 @@ def main():
                      f"| {r['batch_size']} x {r['max_length']} | {r['weights_grads_adam_gib']:.0f} GiB "
                      f"| {r['peak_gib_per_chip']:.1f} of {r['chip_gib']:.0f} GiB | {'yes' if r['fits'] else 'no'} "
                      f"| {r['host_load_today_gib']:.0f} / {r['host_share_gib']:.1f} GiB |")
+    write_plan(args.out_dir, rows, lines)
+
+
+def write_plan(out_dir, rows, lines):
+    """The plan's table (`lines`) printed, and written with its `rows` to OUT_DIR/plan.md and plan.json
+    (the plan scripts' one output)."""
     table = "\n".join(lines)
     print(table)
-    out = Path(args.out_dir)
+    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "plan.json").write_text(json.dumps(rows, indent=1))
     (out / "plan.md").write_text(table + "\n")

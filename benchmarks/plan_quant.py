@@ -23,6 +23,8 @@ import os
 import shlex
 from pathlib import Path
 
+from plan_pods import write_plan
+
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 2**30
 L8, L70 = "meta-llama/Llama-3.1-8B-Instruct", "meta-llama/Llama-3.1-70B-Instruct"
@@ -118,13 +120,7 @@ def main():
                      f"| {r['peak_gib']:.2f} GiB | {'yes' if r['fits'] else 'no'} ({r['headroom_gib']:.2f} GiB) "
                      f"| {r['bf16_peak_gib']:.2f} GiB: {'fits' if r['bf16_fits'] else 'does not fit'} "
                      f"| `{r['command']}` |")
-    table = "\n".join(lines)
-    print(table)
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "plan.json").write_text(json.dumps(rows, indent=1))
-    (out / "plan.md").write_text(table + "\n")
-    print(f"wrote {out / 'plan.json'} and {out / 'plan.md'}")
+    write_plan(args.out_dir, rows, lines)
 
 
 if __name__ == "__main__":
