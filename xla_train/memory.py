@@ -487,6 +487,7 @@ def plan_on_paper(cfg, config, devices: int, device_bytes: int | None, device_ki
     from transformers import AutoModelForCausalLM
 
     from .core import xla  # noqa: F401  (declares the TPU's kernels, which the kind's path chooses from)
+    from .core.select import registered_roles
     from .kernels.experts import XLA_GROUPED
     from .models import add_adapters, hold_frozen_in_bf16
 
@@ -496,6 +497,8 @@ def plan_on_paper(cfg, config, devices: int, device_bytes: int | None, device_ki
             model = add_adapters(model, cfg.section("model"), "CAUSAL_LM")
     if cfg.lora and cfg.precision == "bf16":
         hold_frozen_in_bf16(model)
+    if device_kind == "cuda":  # CUDA's kernels are declared by its roles (gpu_fallback: flex), as in a run
+        registered_roles("cuda")
     step = _objective_of(cfg).memory_inputs(model, device_kind, cfg.max_length)
     step = replace(step, length=step.length or cfg.max_length, rows=cfg.batch_size, precision=cfg.precision,
                    checkpointed=cfg.gradient_checkpointing, adapters=cfg.lora,
