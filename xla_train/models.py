@@ -202,10 +202,9 @@ def add_adapters(model, adapters, peft_task_type):
 
 def _over_quantized(config, model):
     """peft's LoraConfig `config` told how to adapt a base quantized on XLA (its QuantLinear)."""
-    if any(type(m).__name__ == "QuantLinear" for m in model.modules()):
-        from .kernels.quant_xla import register_lora
+    from .kernels.quant_xla import register_lora  # which asks whether the model holds one
 
-        register_lora(config, model)
+    register_lora(config, model)
 
 
 def hold_frozen_in_bf16(model):
