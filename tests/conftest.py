@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import forked_run
 import pytest
 
 from xla_train.tasks import BUNDLED_MRPC
@@ -221,15 +222,24 @@ def needs_fresh_process(command, args, env=None):
     return None
 
 
+FRESH_DEFAULTS = {"PJRT_DEVICE": "CPU", "TOKENIZERS_PARALLELISM": "false"}  # what every fresh run is given
+# The session's environment for forked runs (forked_run.py), set once pytest_configure has set it up;
+# left empty (every fresh run a new interpreter) with XLA_TRAIN_TEST_FORK=0.
+FORKED = []
+
+
 def cli(command, args, env=None, timeout=900, fresh=None):
     """`xla-train COMMAND ARGS` as a completed process (returncode, stdout, stderr): a fresh
-    process where `needs_fresh_process` says so or `fresh` is True, else `in_process`."""
+    process where `needs_fresh_process` says so or `fresh` is True (forked from the session's
+    forkserver where forked_run.forkable allows, else a new interpreter), else `in_process`."""
     args = [str(a) for a in args]
     if fresh is None:
         fresh = needs_fresh_process(command, args, env) is not None
     if not fresh:
         return in_process([command, *args], env)
-    full_env = {**os.environ, "PJRT_DEVICE": "CPU", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    full_env = {**os.environ, **FRESH_DEFAULTS, **(env or {})}
+    if FORKED and forked_run.forkable(full_env, FORKED[0]):
+        return forked_run.run(["-m", "xla_train", command, *args], full_env, ROOT, timeout, FORKED[0])
     return subprocess.run([sys.executable, "-m", "xla_train", command, *args], cwd=ROOT, env=full_env,
                           capture_output=True, text=True, timeout=timeout)
 
@@ -416,8 +426,11 @@ def pytest_collection_modifyitems(config, items):
 
 
 def start_cli(args, env=None):
-    """Starts `python -m xla_train train ARGS` in a fresh process (not waited for)."""
-    env = {**os.environ, "PJRT_DEVICE": "CPU", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    """Starts `python -m xla_train train ARGS` in a fresh process (not waited for): forked from the
+    session's forkserver where forked_run.forkable allows, else a new interpreter."""
+    env = {**os.environ, **FRESH_DEFAULTS, **(env or {})}
+    if FORKED and forked_run.forkable(env, FORKED[0]):
+        return forked_run.Forked(["-m", "xla_train", "train", *map(str, args)], env, ROOT, FORKED[0])
     return subprocess.Popen([sys.executable, "-m", "xla_train", "train", *map(str, args)], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -487,6 +500,8 @@ def pytest_configure(config):
 
         _DATA_CACHE.append(tempfile.mkdtemp(prefix="xla-train-test-datasets-"))
         os.environ["HF_DATASETS_CACHE"] = _DATA_CACHE[0]
+    if os.environ.get("XLA_TRAIN_TEST_FORK", "1") != "0":
+        FORKED.append({**os.environ, **FRESH_DEFAULTS})
     config.addinivalue_line("markers", f"{IN_PROCESS_XLA}: runs torch_xla in pytest's own process (its runtime is "
                             "started after collection: conftest.start_xla_in_process)")
 
