@@ -1,0 +1,141 @@
+"""SFT on tool-calling traces (issue 64, item 2): causal-lm rows in TRL's SFT form (`messages` with
+an assistant `tool_calls` turn and a `tool` turn, and a `tools` column) rendered with the tools by a
+tiny Qwen3 tokenizer carrying Qwen3's real chat template (TRL 1.16's copy); the loss on the
+assistant's turns only (the call and the final answer); plain multi-turn chats with the same
+template as before; the bad inputs as one line each; and a tiny model taught by the package's own
+SFT on traces that calls the tool for new questions (conftest's `tool_caller`, which the GRPO
+tests start from)."""
+
+import json
+import re
+import sys
+
+import pytest
+import tiny_decoders as td
+import tool_task
+
+from xla_train.core.errors import UserError
+from xla_train.tasks.causal_lm import IGNORE, chat, documents, prompt_ids
+
+trl_templates = pytest.importorskip("trl.chat_template_utils")  # the real templates (dev extra; xla-train[trl])
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    """The tiny Qwen3 tokenizer with Qwen3's own chat template (tools, thinking), as published."""
+    tok = td.family_tokenizer("qwen3")
+    tok.chat_template = trl_templates.qwen3_chat_template
+    return tok
+
+
+def runs_of(tok, ids, trained):
+    """The trained stretches of a document, as text."""
+    runs, run = [], []
+    for i, t in zip(ids, trained):
+        if t:
+            run.append(i)
+        elif run:
+            runs, run = runs + [run], []
+    return [tok.decode(r) for r in runs + ([run] if run else [])]
+
+
+def test_a_trace_trains_the_call_and_the_answer_and_not_the_tool_result(qwen3):
+    """Qwen3's template renders a tool-calling turn without its empty thought once the tool's
+    result follows, so the prefix rule cannot find it; TRL's training template (its markers) does.
+    Trained: exactly the two assistant turns, each with its end of turn; not the question, not
+    the system prompt listing the tool, not the tool's result."""
+    row = tool_task.tool_rows(1, 0)[0]
+    messages, tools = row["messages"], json.loads(row["tools"])
+    a, b = messages[1]["tool_calls"][0]["function"]["arguments"].values()
+    own = qwen3.apply_chat_template(messages[:2], tools=tools, tokenize=False)
+    assert not qwen3.apply_chat_template(messages, tools=tools, tokenize=False).startswith(own)  # the rule fails
+
+    ids, trained = chat(messages, qwen3, "row 1", tools)
+    empty = "<think>\n\n</think>\n\n"
+    assert runs_of(qwen3, ids, trained) == [
+        f'{empty}<tool_call>\n{{"name": "multiply", "arguments": {{"a": {a}, "b": {b}}}}}\n</tool_call><|im_end|>\n',
+        f"{empty}The product is {a * b}.<|im_end|>\n"]
+    text = qwen3.decode(ids)
+    assert '"name": "multiply", "description"' in text  # the tool's schema, in the system prompt (untrained)
+    assert f"<tool_response>\n{a * b}\n</tool_response>" in text  # the tool's result (untrained)
+
+    # the question's prompt for generation (predict, --eval-samples, GRPO) is how training saw it begin
+    prompt = prompt_ids({"messages": messages[:1], "tools": row["tools"]}, "messages", qwen3, "row 1")
+    assert ids[:len(prompt)] == prompt and qwen3.decode(prompt).endswith("<|im_start|>assistant\n")
+
+    # as causal-lm documents (labels shifted), from a split of such rows: the tools column is a JSON string
+    import datasets
+
+    ((doc_ids, labels),), _, _ = documents(datasets.Dataset.from_list([row]), "messages", qwen3, 1024, "t.jsonl")
+    assert doc_ids == ids and labels == [n if t else IGNORE for n, t in zip(ids[1:], trained[1:])] + [IGNORE]
+
+
+def test_plain_multi_turn_chats_with_qwen3s_template_keep_the_prefix_rule(qwen3, monkeypatch):
+    """Two exchanges without tools: both answers trained, each with its end of turn, found without
+    TRL (the earlier turn by the prefix rule, the last one, with its empty thought, by its text)."""
+    monkeypatch.setitem(sys.modules, "trl.chat_template_utils", None)  # no TRL: the prefix rule alone
+    rows = td.reverse_rows(2, 1, "messages")
+    ids, trained = chat(rows[0]["messages"] + rows[1]["messages"], qwen3, "row 1")
+    first, last = runs_of(qwen3, ids, trained)
+    assert first.split() == [*rows[0]["messages"][1]["content"].split()[:-1],
+                             rows[0]["messages"][1]["content"].split()[-1] + "<|im_end|>"]
+    assert last.endswith(rows[1]["messages"][1]["content"] + "<|im_end|>\n")
+
+
+def test_a_template_with_its_own_markers_needs_no_trl(monkeypatch):
+    """A tokenizer whose own template carries {% generation %} markers (here TRL's Qwen3 training
+    template, saved as the model's) is read by them, with TRL not installed."""
+    monkeypatch.setitem(sys.modules, "trl.chat_template_utils", None)
+    tok = td.family_tokenizer("qwen3")
+    tok.chat_template = trl_templates.qwen3_training_chat_template
+    row = tool_task.tool_rows(1, 3)[0]
+    ids, trained = chat(row["messages"], tok, "row 1", json.loads(row["tools"]))
+    assert len(runs_of(tok, ids, trained)) == 2
+
+
+def test_bad_traces_are_one_line(qwen3, monkeypatch):
+    row = tool_task.tool_rows(1, 0)[0]
+    tools = json.loads(row["tools"])
+    # the tiny tokenizers' trimmed Qwen3 template renders neither the tools nor the calls
+    with pytest.raises(UserError, match=r"row 1: the chat template does not render tools \('multiply'"):
+        chat(row["messages"], td.family_tokenizer("qwen3"), "row 1", tools)
+    import datasets
+
+    for bad, message in ((dict(row, tools="[{"), "'tools' is not JSON"),
+                         (dict(row, tools='{"name": "multiply"}'), "'tools' must be a list of the tools' JSON")):
+        with pytest.raises(UserError, match=message):
+            documents(datasets.Dataset.from_list([bad]), "messages", qwen3, 1024, "t.jsonl")
+    from xla_train.tasks.causal_lm import form_of
+
+    with pytest.raises(UserError, match="a 'tools' column goes with 'messages' rows"):
+        form_of(datasets.Dataset.from_list([{"text": "x", "tools": "[]"}]), "t.jsonl")
+    # Qwen3's own template, no markers, no TRL: the line names the extra
+    monkeypatch.setitem(sys.modules, "trl.chat_template_utils", None)
+    from xla_train.tasks import documents as module
+
+    monkeypatch.setattr(module, "_TRAINING_TEMPLATES", {})
+    with pytest.raises(UserError, match=r"assistant turn 2 cannot be found .*pip install 'xla-train\[trl\]'"):
+        chat(row["messages"], qwen3, "row 1", tools)
+
+
+def test_sft_on_traces_trains_a_model_that_calls_the_tool(tool_caller):
+    """The package's own SFT on traces (conftest's tool_caller): the loss falls, and greedy
+    decoding of new questions (the GRPO prompts' form) writes a call that parses as TRL's Qwen3
+    response schema has it: `multiply` with two integer arguments, then the end of the turn."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    losses = [loss for _, loss, _ in tool_caller["metrics"]["train_loss"]]
+    assert losses[-1] < losses[0] / 3, losses
+    tok = AutoTokenizer.from_pretrained(tool_caller["model"])
+    model = AutoModelForCausalLM.from_pretrained(tool_caller["model"]).eval()
+    for row in tool_task.tool_rows(4, 7, "prompts"):
+        prompt = tok.apply_chat_template(row["prompt"], tools=[tool_task.schema()], add_generation_prompt=True,
+                                         return_dict=True, return_tensors="pt")
+        with torch.no_grad():
+            out = model.generate(**prompt, max_new_tokens=48, do_sample=False)
+        text = tok.decode(out[0, prompt["input_ids"].shape[1]:])
+        call = re.fullmatch(r"<think>\n\n</think>\n\n<tool_call>\n(.*)\n</tool_call><\|im_end\|>", text, re.S)
+        assert call, text
+        parsed = json.loads(call.group(1))
+        assert parsed["name"] == "multiply" and all(isinstance(parsed["arguments"][k], int) for k in "ab"), parsed
