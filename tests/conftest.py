@@ -209,7 +209,8 @@ def save_tool_model(path):
 def tool_sft_args(folder, steps=TOOL_SFT_STEPS):
     """The SFT run that teaches `save_tool_model` (written to `folder`/base) tests/tool_task.py's
     `multiply`: the package's own SFT on `steps` batches of 8 of the task's traces (written to
-    `folder`), the CPU backend, lr 1e-2, into `folder`/run. Returns the run's arguments."""
+    `folder`), the CPU backend, lr 1e-2, into `folder`/run, the last evaluation completing two
+    validation traces after their tool's result (--eval-samples). Returns the run's arguments."""
     import tiny_decoders as td
     import tool_task
 
@@ -218,7 +219,8 @@ def tool_sft_args(folder, steps=TOOL_SFT_STEPS):
     validation = td.write_jsonl(folder / "validation.jsonl", tool_task.tool_rows(8, 2))
     return ["--backend", "cpu", "--problem", "causal-lm", "--model", base, "--train-file", train,
             "--validation-file", validation, "--max-length", 256, "--batch-size", 8, "--lr", 1e-2,
-            "--warmup-ratio", 0.05, "--max-steps", steps, "--log-every", 10, "--output-dir", folder / "run"]
+            "--warmup-ratio", 0.05, "--max-steps", steps, "--log-every", 10, "--eval-samples", 2,
+            "--output-dir", folder / "run"]
 
 
 @pytest.fixture(scope="session")

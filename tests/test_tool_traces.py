@@ -119,14 +119,20 @@ def test_bad_traces_are_one_line(qwen3, monkeypatch):
 
 
 def test_sft_on_traces_trains_a_model_that_calls_the_tool(tool_caller):
-    """The package's own SFT on traces (conftest's tool_caller): the loss falls, and greedy
-    decoding of new questions (the GRPO prompts' form) writes a call that parses as TRL's Qwen3
-    response schema has it: `multiply` with two integer arguments, then the end of the turn."""
+    """The package's own SFT on traces (conftest's tool_caller): the loss falls, the evaluation's
+    samples answer after the tool's result, and greedy decoding of new questions (the GRPO
+    prompts' form) writes a call that parses as TRL's Qwen3 response schema has it: `multiply`
+    with two integer arguments, then the end of the turn."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     losses = [loss for _, loss, _ in tool_caller["metrics"]["train_loss"]]
     assert losses[-1] < losses[0] / 3, losses
+    # --eval-samples: each validation trace up to its tool's result (with its tools), completed
+    last = tool_caller["model"] / "samples" / f"step-{tool_caller['metrics']['train_loss'][-1][0]}.jsonl"
+    samples = [json.loads(line) for line in last.read_text().splitlines()]
+    assert [s["reference"] for s in samples] == [r["messages"][-1]["content"] for r in tool_task.tool_rows(2, 2)]
+    assert all(s["tools"] and "The product is" in s["completion"] for s in samples), samples
     tok = AutoTokenizer.from_pretrained(tool_caller["model"])
     model = AutoModelForCausalLM.from_pretrained(tool_caller["model"]).eval()
     for row in tool_task.tool_rows(4, 7, "prompts"):
