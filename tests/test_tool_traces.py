@@ -70,6 +70,18 @@ def test_a_trace_trains_the_call_and_the_answer_and_not_the_tool_result(qwen3):
     assert doc_ids == ids and labels == [n if t else IGNORE for n, t in zip(ids[1:], trained[1:])] + [IGNORE]
 
 
+def test_predict_renders_a_rows_tools(qwen3, tmp_path):
+    """`xla-train predict`'s input (and a run's --test-file): a `messages` row's `tools` column is
+    rendered into its prompt, as training rendered it."""
+    from xla_train.tasks.completion import read_prompts
+
+    row = tool_task.tool_rows(1, 5)[0]
+    question = {"messages": row["messages"][:1], "tools": row["tools"]}
+    prompts = read_prompts(td.write_jsonl(tmp_path / "questions.jsonl", [question]), qwen3, 2048)
+    ids = prompts.data["input_ids"][0]
+    assert ids == prompt_ids(question, "messages", qwen3, "row 1") and '"name": "multiply"' in qwen3.decode(ids)
+
+
 def test_plain_multi_turn_chats_with_qwen3s_template_keep_the_prefix_rule(qwen3, monkeypatch):
     """Two exchanges without tools: both answers trained, each with its end of turn, found without
     TRL (the earlier turn by the prefix rule, the last one, with its empty thought, by its text)."""
