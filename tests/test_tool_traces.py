@@ -94,6 +94,21 @@ def test_plain_multi_turn_chats_with_qwen3s_template_keep_the_prefix_rule(qwen3,
     assert last.endswith(rows[1]["messages"][1]["content"] + "<|im_end|>\n")
 
 
+@pytest.mark.parametrize("template", ["qwen2_5", "llama3_1", "gptoss"])
+def test_templates_that_keep_earlier_turns_need_no_markers(template, monkeypatch):
+    """Qwen2.5's, Llama 3.1's and gpt-oss's templates (TRL's copies) render a trace's earlier turns
+    as the start of later ones: the prefix rule finds the call and the answer, without TRL, and
+    trains each with its end of turn (gpt-oss's <|call|>, then <|return|>)."""
+    tok = td.family_tokenizer("qwen3")
+    tok.chat_template = getattr(trl_templates, f"{template}_chat_template")
+    monkeypatch.setitem(sys.modules, "trl.chat_template_utils", None)
+    row = tool_task.tool_rows(1, 0)[0]
+    ids, trained = chat(row["messages"], tok, "row 1", json.loads(row["tools"]))
+    call, answer = runs_of(tok, ids, trained)
+    assert '"a": 60, "b": 64}' in call and answer.startswith(("The product is 3840.", "<|channel|>final"))
+    assert call.endswith(("<|im_end|>\n", "<|eot_id|>", "<|call|>")), call
+
+
 def test_a_template_with_its_own_markers_needs_no_trl(monkeypatch):
     """A tokenizer whose own template carries {% generation %} markers (here TRL's Qwen3 training
     template, saved as the model's) is read by them, with TRL not installed."""
@@ -111,6 +126,10 @@ def test_bad_traces_are_one_line(qwen3, monkeypatch):
     # the tiny tokenizers' trimmed Qwen3 template renders neither the tools nor the calls
     with pytest.raises(UserError, match=r"row 1: the chat template does not render tools \('multiply'"):
         chat(row["messages"], td.family_tokenizer("qwen3"), "row 1", tools)
+    gemma3 = td.family_tokenizer("qwen3")
+    gemma3.chat_template = trl_templates.gemma3_chat_template  # it knows no tool role
+    with pytest.raises(UserError, match="row 1: the chat template refuses these turns: Conversation roles must alt"):
+        chat(row["messages"], gemma3, "row 1", tools)
     import datasets
 
     for bad, message in ((dict(row, tools="[{"), "'tools' is not JSON"),
