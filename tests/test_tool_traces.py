@@ -17,11 +17,16 @@ import tool_task
 from xla_train.core.errors import UserError
 from xla_train.tasks.causal_lm import IGNORE, chat, documents, prompt_ids
 
-trl_templates = pytest.importorskip("trl.chat_template_utils")  # the real templates (dev extra; xla-train[trl])
+
+@pytest.fixture(scope="module")
+def trl_templates():
+    """TRL's module of chat templates: the published ones, as TRL 1.16 copies them (the dev
+    extra; xla-train[trl]). Imported when a test needs it, not at collection."""
+    return pytest.importorskip("trl.chat_template_utils")
 
 
 @pytest.fixture(scope="module")
-def qwen3():
+def qwen3(trl_templates):
     """The tiny Qwen3 tokenizer with Qwen3's own chat template (tools, thinking), as published."""
     tok = td.family_tokenizer("qwen3")
     tok.chat_template = trl_templates.qwen3_chat_template
@@ -95,7 +100,7 @@ def test_plain_multi_turn_chats_with_qwen3s_template_keep_the_prefix_rule(qwen3,
 
 
 @pytest.mark.parametrize("template", ["qwen2_5", "llama3_1", "gptoss"])
-def test_templates_that_keep_earlier_turns_need_no_markers(template, monkeypatch):
+def test_templates_that_keep_earlier_turns_need_no_markers(template, trl_templates, monkeypatch):
     """Qwen2.5's, Llama 3.1's and gpt-oss's templates (TRL's copies) render a trace's earlier turns
     as the start of later ones: the prefix rule finds the call and the answer, without TRL, and
     trains each with its end of turn (gpt-oss's <|call|>, then <|return|>)."""
@@ -109,7 +114,7 @@ def test_templates_that_keep_earlier_turns_need_no_markers(template, monkeypatch
     assert call.endswith(("<|im_end|>\n", "<|eot_id|>", "<|call|>")), call
 
 
-def test_a_template_with_its_own_markers_needs_no_trl(monkeypatch):
+def test_a_template_with_its_own_markers_needs_no_trl(trl_templates, monkeypatch):
     """A tokenizer whose own template carries {% generation %} markers (here TRL's Qwen3 training
     template, saved as the model's) is read by them, with TRL not installed."""
     monkeypatch.setitem(sys.modules, "trl.chat_template_utils", None)
@@ -120,7 +125,7 @@ def test_a_template_with_its_own_markers_needs_no_trl(monkeypatch):
     assert len(runs_of(tok, ids, trained)) == 2
 
 
-def test_bad_traces_are_one_line(qwen3, monkeypatch):
+def test_bad_traces_are_one_line(qwen3, trl_templates, monkeypatch):
     row = tool_task.tool_rows(1, 0)[0]
     tools = json.loads(row["tools"])
     # the tiny tokenizers' trimmed Qwen3 template renders neither the tools nor the calls
