@@ -71,8 +71,11 @@ def test_a_trace_trains_the_call_and_the_answer_and_not_the_tool_result(qwen3):
     # as causal-lm documents (labels shifted), from a split of such rows: the tools column is a JSON string
     import datasets
 
-    ((doc_ids, labels),), _, _ = documents(datasets.Dataset.from_list([row]), "messages", qwen3, 1024, "t.jsonl")
+    plain = {"messages": td.reverse_rows(1, 0, "messages")[0]["messages"], "tools": ""}  # a row without tools
+    ((doc_ids, labels), (plain_ids, _)), _, _ = documents(datasets.Dataset.from_list([row, plain]), "messages",
+                                                          qwen3, 1024, "t.jsonl")
     assert doc_ids == ids and labels == [n if t else IGNORE for n, t in zip(ids[1:], trained[1:])] + [IGNORE]
+    assert plain_ids == chat(plain["messages"], qwen3, "row 2")[0]
 
 
 def test_predict_renders_a_rows_tools(qwen3, tmp_path):

@@ -90,14 +90,15 @@ def prompt_ids(row, form, tokenizer, where):
 
 
 def tools_of(row, where):
-    """A row's tools (its `tools` column: JSON schemas, as a JSON string or a list), or None."""
+    """A row's tools (its `tools` column: JSON schemas, as a JSON string or a list), or None (an
+    empty cell: a row without tools beside rows with them)."""
     tools = row.get(TOOLS)
     if isinstance(tools, str):
         try:
-            tools = json.loads(tools)
+            tools = json.loads(tools) if tools.strip() else None
         except json.JSONDecodeError as e:
             raise UserError(f"{where}: '{TOOLS}' is not JSON ({e.msg} at character {e.pos})") from None
-    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+    if tools and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
         raise UserError(f"{where}: '{TOOLS}' must be a list of the tools' JSON schemas (or that list as a JSON "
                         f"string); found {str(tools)[:80]!r}")
     return tools or None
