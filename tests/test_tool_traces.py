@@ -157,12 +157,14 @@ def test_bad_traces_are_one_line(qwen3, trl_templates, monkeypatch):
         chat(row["messages"], qwen3, "row 1", tools)
 
 
-def test_sft_on_traces_trains_a_model_that_calls_the_tool(tool_caller):
+def test_sft_on_traces_trains_a_model_that_calls_the_tool(tool_caller, tmp_path):
     """The package's own SFT on traces (conftest's tool_caller): the loss falls, the evaluation's
-    samples answer after the tool's result, and greedy decoding of new questions (the GRPO
-    prompts' form) writes a call that parses as TRL's Qwen3 response schema has it: `multiply`
-    with two integer arguments, then the end of the turn."""
+    samples answer after the tool's result, and the package's greedy generation (`xla-train
+    predict`, as GRPO's rollouts generate) of new questions with the tool's schema writes what
+    transformers' `generate` writes: a call that TRL's `parse_response` parses with Qwen3's
+    response template, `multiply` with two integer arguments, then the end of the turn."""
     import torch
+    from conftest import cli
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     losses = [loss for _, loss, _ in tool_caller["metrics"]["train_loss"]]
@@ -172,15 +174,28 @@ def test_sft_on_traces_trains_a_model_that_calls_the_tool(tool_caller):
     samples = [json.loads(line) for line in last.read_text().splitlines()]
     assert [s["reference"] for s in samples] == [r["messages"][-1]["content"] for r in tool_task.tool_rows(2, 2)]
     assert all(s["tools"] and "The product is" in s["completion"] for s in samples), samples
-    tok = AutoTokenizer.from_pretrained(tool_caller["model"])
+
+    questions = [{"messages": row["prompt"], "tools": json.dumps([tool_task.schema()])}
+                 for row in tool_task.tool_rows(4, 7, "prompts")]
+    out = tmp_path / "calls.jsonl"
+    proc = cli("predict", ["--model", tool_caller["model"], "--input", td.write_jsonl(tmp_path / "q.jsonl", questions),
+                           "--output", out, "--backend", "cpu", "--max-new-tokens", 48, "--max-length", 256])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ours = [json.loads(line)["completion"] for line in out.read_text().splitlines()]
+    from trl.chat_template_utils import add_response_schema, parse_response
+
+    tok = add_response_schema(AutoTokenizer.from_pretrained(tool_caller["model"]))  # Qwen3's response template
     model = AutoModelForCausalLM.from_pretrained(tool_caller["model"]).eval()
-    for row in tool_task.tool_rows(4, 7, "prompts"):
-        prompt = tok.apply_chat_template(row["prompt"], tools=[tool_task.schema()], add_generation_prompt=True,
-                                         return_dict=True, return_tensors="pt")
+    for question, completion in zip(questions, ours):
+        prompt = tok.apply_chat_template(question["messages"], tools=json.loads(question["tools"]),
+                                         add_generation_prompt=True, return_dict=True, return_tensors="pt")
         with torch.no_grad():
-            out = model.generate(**prompt, max_new_tokens=48, do_sample=False)
-        text = tok.decode(out[0, prompt["input_ids"].shape[1]:])
-        call = re.fullmatch(r"<think>\n\n</think>\n\n<tool_call>\n(.*)\n</tool_call><\|im_end\|>", text, re.S)
-        assert call, text
-        parsed = json.loads(call.group(1))
-        assert parsed["name"] == "multiply" and all(isinstance(parsed["arguments"][k], int) for k in "ab"), parsed
+            generated = model.generate(**prompt, max_new_tokens=48, do_sample=False)
+        ids = generated[0, prompt["input_ids"].shape[1]:].tolist()
+        text = tok.decode(ids)
+        assert re.fullmatch(r"<think>\n\n</think>\n\n<tool_call>\n.*\n</tool_call><\|im_end\|>", text, re.S), text
+        (call,) = parse_response(tok, ids, prefix=prompt["input_ids"][0].tolist(), tools=[tool_task.schema()])[
+            "tool_calls"]
+        assert call["function"]["name"] == "multiply" and all(
+            isinstance(call["function"]["arguments"][k], int) for k in "ab"), call
+        assert completion == text.removesuffix("<|im_end|>"), (completion, text)  # special tokens left out
