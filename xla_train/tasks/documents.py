@@ -196,8 +196,9 @@ _TRAINING_TEMPLATES: dict[str, str] = {}  # a chat template: TRL's training temp
 
 def _training_template(tokenizer, where, turn):
     template = tokenizer.chat_template
-    if template in _TRAINING_TEMPLATES:
-        return _TRAINING_TEMPLATES[template]
+    key = str(template)  # a template shipped as named variants is a dict
+    if key in _TRAINING_TEMPLATES:
+        return _TRAINING_TEMPLATES[key]
     refused = (f"{where}: the chat template does not render earlier turns as the start of later ones, and assistant "
                f"turn {turn + 1} cannot be found in the rendering after them")
     try:
@@ -209,7 +210,7 @@ def _training_template(tokenizer, where, turn):
     except ValueError:
         raise UserError(f"{refused}, and TRL has no training chat template for it: mark the assistant turns in the "
                         "template with {% generation %} ... {% endgeneration %}") from None
-    _TRAINING_TEMPLATES[template] = training
+    _TRAINING_TEMPLATES[key] = training
     return training
 
 
