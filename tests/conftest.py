@@ -173,6 +173,72 @@ def learned_run(reverse_task, tmp_path_factory):
     return m, out / "run"
 
 
+# Qwen3's tokens for tool calls and their results: added to its vocabulary, not special (Qwen3-0.6B's
+# tokenizer_config.json: <tool_call> 151657, </tool_call> 151658, <tool_response> 151665, </tool_response> 151666)
+QWEN3_TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+TOOL_SFT_STEPS = 60  # the fewest of a few tried after which greedy decoding calls the tool (test_tool_traces)
+
+
+def save_tool_model(path):
+    """A tiny random Qwen3 (64 wide, 2 layers) whose tokenizer is of Qwen3's kind, its merges learnt
+    from the synthetic task and the tool task's traces (a trace is ~245 tokens, not ~840), with
+    Qwen3's tool tokens and its real chat template (TRL 1.16's copy of Qwen3-0.6B's); returns the
+    path."""
+    import tiny_decoders as td
+    import tool_task
+    import torch
+    from tokenizers import AddedToken
+    from transformers import AutoModelForCausalLM, GenerationConfig
+    from trl.chat_template_utils import qwen3_chat_template, qwen3_training_chat_template
+
+    base = td.family_tokenizer("qwen3")
+    base.chat_template = qwen3_training_chat_template
+    traces = [base.apply_chat_template(r["messages"], tools=json.loads(r["tools"]), tokenize=False)
+              for r in tool_task.tool_rows(64, 100)]
+    tok = td.family_tokenizer("qwen3", traces)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in QWEN3_TOOL_TOKENS])
+    tok.chat_template = qwen3_chat_template
+    torch.manual_seed(0)
+    ids = tok.get_vocab()
+    model = AutoModelForCausalLM.from_config(td.config("qwen3", len(tok), token_ids=ids))
+    model.generation_config = GenerationConfig(**td._token_ids(td.ZOO["qwen3"]["generation"], ids))
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return Path(path)
+
+
+def tool_sft_args(folder, steps=TOOL_SFT_STEPS):
+    """The SFT run that teaches `save_tool_model` (written to `folder`/base) tests/tool_task.py's
+    `multiply`: the package's own SFT on `steps` batches of 8 of the task's traces (written to
+    `folder`), the CPU backend, lr 1e-2, into `folder`/run, the last evaluation completing two
+    validation traces after their tool's result (--eval-samples). Returns the run's arguments."""
+    import tiny_decoders as td
+    import tool_task
+
+    base = save_tool_model(folder / "base")
+    train = td.write_jsonl(folder / "train.jsonl", tool_task.tool_rows(8 * steps, 1))
+    validation = td.write_jsonl(folder / "validation.jsonl", tool_task.tool_rows(8, 2))
+    return ["--backend", "cpu", "--problem", "causal-lm", "--model", base, "--train-file", train,
+            "--validation-file", validation, "--max-length", 256, "--batch-size", 8, "--lr", 1e-2,
+            "--warmup-ratio", 0.05, "--max-steps", steps, "--log-every", 10, "--eval-samples", 2,
+            "--output-dir", folder / "run"]
+
+
+@pytest.fixture(scope="session")
+def tool_caller(tmp_path_factory):
+    """A tiny Qwen3 that calls the tool (`tool_sft_args`: TOOL_SFT_STEPS steps of SFT on traces):
+    the model GRPO with the tool starts from. Its calls parse; their arguments are mostly not the
+    question's numbers yet (copying them takes some 300 steps). Returns {"model": the trained
+    folder, "base": the random model's, "metrics", "seconds": the run's}."""
+    pytest.importorskip("trl.chat_template_utils")  # Qwen3's real template (the dev extra)
+    folder = tmp_path_factory.mktemp("tool_caller")
+    args = tool_sft_args(folder)
+    start = time.monotonic()
+    proc, m = run_cli(args, folder)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {"model": folder / "run", "base": folder / "base", "metrics": m, "seconds": time.monotonic() - start}
+
+
 def run_cli(args, tmp_path, env=None, timeout=900, fresh=None):
     """Runs `xla-train train ARGS --metrics-out ...`: in a fresh process where the run needs one
     (`needs_fresh_process`, or `fresh=True`), else in this one through the command's entry

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import tiny_decoders as td
+import tool_task
 import torch
 
 from xla_train.commands.cli import main
@@ -176,6 +177,9 @@ BAD = {
     "messages that are not a list of turns": (
         lambda tmp, m: ["--train-file", rows_file(tmp, [{"messages": "hello"}] * 3)],
         "rows.jsonl: row 1: 'messages' must be a list of turns"),
+    "tool-calling traces for a template without tools": (
+        lambda tmp, m: ["--train-file", rows_file(tmp, tool_task.tool_rows(3, 0))],
+        "rows.jsonl: row 1: the chat template does not render tools ('multiply' is not in its rendering)"),
     "an empty completion": (
         lambda tmp, m: ["--train-file", rows_file(tmp, td.reverse_rows(2, 0) + [{"prompt": "p", "completion": " "}])],
         "rows.jsonl: row 3: empty completion"),

@@ -582,14 +582,14 @@ def _corpus(family=None):
     return lines + TEMPLATE_WORDS.get(family, [])
 
 
-def family_tokenizer(family):
+def family_tokenizer(family, corpus=()):
     """A tiny tokenizer of `family`'s kind (byte-level BPE, or BPE over SentencePiece pieces for
     Gemma's, Mistral's and Mixtral's), its merges learnt from the synthetic task (each of its
-    words one token), with the family's special tokens at their ends of the vocabulary (Gemma's,
-    Mistral's, Mixtral's and Granite's <|end_of_text|> first, the others last, then Qwen3's tokens
-    that are added but not special), whether it adds a beginning token, which tokens begin, end,
-    pad and stand for unknown text, its length limit and its chat template, shaped like the
-    published one."""
+    words one token) and the texts of `corpus`, with the family's special tokens at their ends of
+    the vocabulary (Gemma's, Mistral's, Mixtral's and Granite's <|end_of_text|> first, the others
+    last, then Qwen3's tokens that are added but not special), whether it adds a beginning token,
+    which tokens begin, end, pad and stand for unknown text, its length limit and its chat
+    template, shaped like the published one."""
     from tokenizers import AddedToken, Tokenizer, models, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -598,7 +598,7 @@ def family_tokenizer(family):
     alphabet = _pipeline(family, raw)
     trainer = trainers.BpeTrainer(vocab_size=1000, special_tokens=spec["first"], initial_alphabet=alphabet,
                                   show_progress=False)
-    raw.train_from_iterator(_corpus(family), trainer)
+    raw.train_from_iterator([*_corpus(family), *corpus], trainer)
     raw.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in (*spec["first"], *spec["last"])])
     raw.add_tokens([AddedToken(t, special=False, normalized=False) for t in spec.get("plain", [])])
     if spec["adds_bos"]:

@@ -3,7 +3,9 @@
 Rows come in one of three forms, told by their columns (TRL's SFTTrainer takes the same):
 
     messages             chat turns [{role, content}, ...] rendered with the tokenizer's chat
-                         template; the loss covers the assistant turns
+                         template; the loss covers the assistant turns. With a `tools` column
+                         (tool-calling traces, TRL's SFT form), rendered with the tools; the
+                         assistant's tool calls are trained, the tools' results are not
     prompt, completion   the loss covers the completion and its end-of-sequence token
     text                 the loss covers every token
 
@@ -33,6 +35,7 @@ from .documents import (
     FORMS,
     IGNORE,
     SOURCE_ROW,
+    TOOLS,
     _turns,
     chat,
     documents,
@@ -423,7 +426,8 @@ class CausalLM(Task):
     # --- --eval-samples ---------------------------------------------------------------------
     def sample_rows(self, splits, n):
         """The first `n` rows of the validation split: a prompt/completion row's prompt, or a
-        conversation's turns before its last assistant turn (which is the reference)."""
+        conversation's turns before its last assistant turn (which is the reference), with its
+        tools where it has them."""
         if self.form == "text":
             raise UserError("--eval-samples needs prompt/completion or messages rows: text rows have no prompt to "
                             "generate from")
@@ -440,8 +444,9 @@ class CausalLM(Task):
             last = max((j for j, m in enumerate(turns) if m["role"] == "assistant"), default=0)
             if not last:  # none, or only a first turn: nothing to prompt with
                 raise UserError(f"{where}: --eval-samples needs turns before the last assistant turn")
-            samples.append(({"messages": turns[:last]}, "messages", turns[last]["content"],
-                            {"messages": turns[:last + 1]}))
+            tools = {TOOLS: row[TOOLS]} if row.get(TOOLS) else {}
+            samples.append(({"messages": turns[:last], **tools}, "messages", turns[last]["content"],
+                            {"messages": turns[:last + 1], **tools}))
         return samples
 
     def samples(self, rows, tokenizer, model, batch_size):

@@ -4,8 +4,9 @@
 
 Rows have a `prompt` column (text, tokenised with the tokenizer's special tokens as training
 tokenised prompts) or a `messages` column (chat turns, rendered by the chat template with the
-generation prompt; in a .csv, the turns as JSON). The output holds the input's columns plus
-`completion`, the generated text up to the first end-of-sequence token, row for row.
+generation prompt, and with the row's `tools` column's schemas where it has one; in a .csv, the
+turns as JSON). The output holds the input's columns plus `completion`, the generated text up to
+the first end-of-sequence token, row for row.
 
 How the tokens are generated (static shapes on XLA): kernels/generate.py.
 """
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from ..core.errors import UserError
 from ..core.shapes import forward_padding, lengths, padding_for
 from .base import row_name
-from .documents import encode, prompt_ids
+from .documents import TOOLS, encode, prompt_ids
 from .files import read_table
 from .table import write_rows
 
@@ -59,7 +60,7 @@ def read_prompts(path, tokenizer, max_length):
         where = f"{path}: {row_name(path, i)}"
         if column == "messages" and isinstance(row["messages"], str):  # a CSV cell: the turns as JSON
             row["messages"] = _json(row["messages"], where)
-        ids.append(prompt_ids({form: row[column]}, form, tokenizer, where))
+        ids.append(prompt_ids({form: row[column], TOOLS: row.get(TOOLS)}, form, tokenizer, where))
     data, truncated = prompt_data(ids, max_length)
     return Prompts(columns, data, tokenizer, truncated)
 
