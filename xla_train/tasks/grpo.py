@@ -1,4 +1,5 @@
-"""Reinforcement learning from rewards: `--problem grpo` (GRPO, Dr. GRPO, DAPO, BNPO), the policy
+"""Reinforcement learning from rewards: `--problem grpo` (TRL 1.16's loss types: GRPO, Dr. GRPO, DAPO,
+BNPO, CISPO, SAPO, LUSPO, VESPO; GSPO's sequence-level ratio), the policy
 generating its own completions inside the training step, on the same devices (no second copy of
 the weights, no weight transfer; a reference, where asked for, is the model with its adapters
 disabled, or a frozen copy).
@@ -12,15 +13,18 @@ One step, read top to bottom in `Rollouts.rollout` and `GroupObjective.loss`:
     prompts     a batch of --batch-size / --num-generations prompts, left-padded to a length bucket
     rollout     each prompt repeated --num-generations times; completions of --max-completion-length
                 tokens sampled with static shapes (kernels/generate.py: a fixed-size cache, a prefill and
-                a decode graph per bucket, stops by masks); the tokens cross to the host once
+                a decode graph per bucket, stops by masks), in the update's precision, each token's
+                log-probability kept as drawn; the tokens cross to the host once
     scoring     the reward functions on the decoded completions; their weighted sum per completion
     advantages  each reward less its group's mean, divided by the group's standard deviation
                 (TRL's scale_rewards "group"; "batch": the batch's; "none": not divided)
     fixed       without gradients: the reference's log-probabilities (beta > 0), and the policy's
                 as sampled where the rollout is trained on --num-iterations times
     update      the policy's log-probabilities of the completion tokens (one forward with gradients,
-                the head in chunks), TRL's clipped surrogate and, with beta > 0, its KL estimate to the
-                reference; the loss normalised as --loss-type says
+                the head in chunks), the --loss-type's per-token term (TRL's clipped surrogate, or
+                cispo's, sapo's, vespo's) with the ratio per token or per sequence, the top-entropy
+                mask, with beta > 0 the KL estimate to the reference; normalised as --loss-type says;
+                the sampler's log-probabilities compared with these (sampling/* metrics)
 
 With --num-iterations K, each rollout is trained on K optimizer steps in a row: the whole rule
 reads in `Iterations`.
