@@ -465,12 +465,14 @@ def test_each_steps_batches_come_as_often_as_it_trains_on_them():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("devices,extra", [
-    (1, ["--lora", "--lora-r", 4, "--lora-dropout", 0, "--beta", 0.04]),  # no dropout: the sampler's network
+    # no dropout: the sampler's network; the top-entropy mask's quantile in static shapes
+    (1, ["--lora", "--lora-r", 4, "--lora-dropout", 0, "--beta", 0.04, "--top-entropy-quantile", 0.5]),
     (4, ["--strategy", "fsdp", "--precision", "bf16", "--beta", 0.04]),
 ], ids=["one-device-lora-beta", "fsdp4-bf16-beta"])
 def test_xla_compiles_a_bounded_number_of_graphs(devices, extra, base, sft_model, tmp_path):
     """2 epochs of 32 prompts on XLA:CPU, 4 prompts x 4 completions a step: one device with LoRA
-    and the KL to the reference (the adapters disabled); four devices under FSDPv2 in bf16 with the
+    and the KL to the reference (the adapters disabled), the loss on the high-entropy half of the
+    tokens; four devices under FSDPv2 in bf16 with the
     KL to a frozen copy (read into its shards as the policy is). A prefill and a decode graph per
     shape (training's and evaluation's), the step's graph: none after the first epoch, no aten
     fallback, one host transfer a step (the rollout's tokens) besides the log points'."""

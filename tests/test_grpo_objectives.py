@@ -13,6 +13,7 @@ update's full forward pass, in fp32 on the CPU.
 
 import json
 import math
+import random
 from types import SimpleNamespace
 
 import pytest
@@ -172,7 +173,7 @@ def test_odd_pairings_warn_and_unknown_choices_are_one_line(capsys):
 # The sampler is the trainer
 
 
-def rollout_of(model, tokenizer, prompts, settings, seed=0):
+def rollout_of(model, tokenizer, prompts, settings, precision="fp32", seed=0):
     """A training rollout of `prompts` (text, with an `answer` column) through Rollouts.rollout,
     and the update's inputs and rollout."""
     import datasets
@@ -183,7 +184,7 @@ def rollout_of(model, tokenizer, prompts, settings, seed=0):
 
     objective = GroupObjective(settings=settings, rewards=rewards_of(REWARD, None))
     extra = [json.dumps({**row, "_where": f"row {i}"}) for i, row in enumerate(prompts)]
-    source = objective.batch_source(Engine("cpu"), tokenizer, {"train": datasets.Dataset.from_dict({EXTRA: extra})},
+    source = objective.batch_source(Engine("cpu", precision), tokenizer, {"train": datasets.Dataset.from_dict({EXTRA: extra})},
                                     model, 1)
     ids = [tokenizer(p["prompt"])["input_ids"] for p in prompts]
     width = max(map(len, ids))
@@ -196,11 +197,14 @@ def rollout_of(model, tokenizer, prompts, settings, seed=0):
     return objective, inputs, inputs.pop("labels")
 
 
-def test_the_samplers_log_probabilities_are_the_trainers(tmp_path):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_samplers_log_probabilities_are_the_trainers(precision, tmp_path):
     """fp32 on the CPU: each completion token's log-probability as the decode graph drew it
     (the static loop's cached one-token steps) equals the update's full forward pass's to 1e-5,
     and the loss logs the comparison under TRL's names. (test_grpo.py's sliding-window run asserts
-    it of a Gemma 3 whose rollouts run past its window's ring, and its XLA:CPU run on one device.)"""
+    it of a Gemma 3 whose rollouts run past its window's ring, and its XLA:CPU run on one device.)
+    bf16 autocast: the two passes round differently, within the bounds measured (mean 0.0043, max
+    0.017; 0.010 and 0.050 with the rollout in fp32, as it once ran: docs/grpo.md)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from xla_train.tasks.grpo import GRPOOptions
@@ -208,20 +212,26 @@ def test_the_samplers_log_probabilities_are_the_trainers(tmp_path):
     folder = td.save("llama", tmp_path / "llama", letters=True)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).train()
+    rng = random.Random(0)
     prompts = [{"prompt": "reverse " + " ".join(letters) + " =", "answer": " ".join(reversed(letters))}
-               for letters in (["a", "b", "c"], ["d", "e", "f", "g", "h"])]
-    settings = GRPOOptions(num_generations=4, max_completion_length=12, temperature=0.7)
-    objective, inputs, rollout = rollout_of(model, tokenizer, prompts, settings)
+               for letters in (rng.sample(td.LETTERS, rng.randint(3, 5)) for _ in range(8))]
+    settings = GRPOOptions(num_generations=4, max_completion_length=16, temperature=0.7)
+    objective, inputs, rollout = rollout_of(model, tokenizer, prompts, settings, precision)
     mask = rollout.labels != -100
-    assert mask.sum(1).min() > 0 and (mask.sum(1) < 12).any()  # some ended: their padding is left out
+    assert mask.sum(1).min() > 0 and (mask.sum(1) < 16).any()  # some ended: their padding is left out
     assert rollout.sampled[~mask].abs().max() == 0 and (rollout.sampled[mask] < 0).all()
-    output = objective.forward(model, inputs)
-    trained = objective.token_logps(output.head, rollout.labels, settings.temperature)
-    difference = (trained.detach() - rollout.sampled)[mask].abs().max()
-    assert difference <= 1e-5, float(difference)
-    objective.loss(output, rollout)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):  # as the trainer's step
+        output = objective.forward(model, inputs)
+        trained = objective.token_logps(output.head, rollout.labels, settings.temperature)
+        objective.loss(output, rollout)
+    difference = (trained.detach() - rollout.sampled)[mask].abs()
     logged = {k: float(v.detach()) for k, v in output.metrics.items() if k.startswith("sampling/")}
-    assert logged["sampling/sampling_logp_difference/max"] == pytest.approx(float(difference), abs=1e-7)
-    assert logged["sampling/sampling_logp_difference/mean"] <= logged["sampling/sampling_logp_difference/max"]
-    for key in ("min", "mean", "max"):
-        assert math.isclose(logged[f"sampling/importance_sampling_ratio/{key}"], 1.0, abs_tol=1e-4), logged
+    print(precision, logged)
+    assert logged["sampling/sampling_logp_difference/max"] == pytest.approx(float(difference.max()), abs=1e-7)
+    assert logged["sampling/sampling_logp_difference/mean"] == pytest.approx(float(difference.mean()), abs=1e-7)
+    if precision == "fp32":
+        assert difference.max() <= 1e-5, float(difference.max())
+        for key in ("min", "mean", "max"):
+            assert math.isclose(logged[f"sampling/importance_sampling_ratio/{key}"], 1.0, abs_tol=1e-4), logged
+    else:
+        assert 0 < difference.mean() <= 0.007 and difference.max() <= 0.03, logged

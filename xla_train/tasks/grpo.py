@@ -70,6 +70,7 @@ from .rewards import Reward, TrainerState, completions_of, rewards_of, score, to
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
 LEVELS = ("token", "sequence")  # --importance-sampling-level
+STEP_TOKENS = ("dapo", "cispo", "vespo")  # the loss types normalised by the step's completion tokens (TRL's)
 SCALE_REWARDS = ("group", "batch", "none")
 EXTRA = "columns"  # a row's prompt and other columns (JSON), for the reward functions
 # the step's metrics under TRL's names, computed on the host with the rewards (one transfer with the advantages)
@@ -251,7 +252,7 @@ class Rollout:
 
     labels: Any  # [rows, length]: each completion token's id where the loss covers it (shifted), else IGNORE
     advantages: Any  # [rows]
-    normalizer: Any  # 0-d: what dapo divides the token sum by (the step's completion tokens per replica)
+    normalizer: Any  # 0-d: what STEP_TOKENS divide the token sum by (the step's completion tokens per replica)
     metrics: Any  # [len(ROLLOUT_KEYS) + 2 x functions]: the rollout's metrics, host-computed, on the device
     rewards: Any  # [rows]: each completion's reward
     per_function: Any  # [rows, functions]: each function's reward (NaN: none)
@@ -458,7 +459,7 @@ class Rollouts:
         labels = torch.full_like(real, IGNORE, dtype=torch.long)
         labels[:, length - 1:-1] = torch.where(trained, tokens, torch.full_like(tokens, IGNORE))
         normalizer = trained.sum().float()
-        if training and own.loss_type == "dapo" and self.engine.strategy.peers > 1:
+        if training and own.loss_type in STEP_TOKENS and self.engine.strategy.peers > 1:
             normalizer = self.engine.strategy.gather(normalizer[None]).mean()  # the step's tokens per replica
         sizes = [t.numel() for t in scored]
         parts = torch.cat([t.reshape(-1) for t in scored]).to(device).split(sizes)  # one copy to the device
@@ -482,7 +483,8 @@ def high_entropy_mask(entropy: Any, mask: Any, quantile: float) -> Any:
     values = torch.where(real, entropy.float(), math.inf).flatten().sort().values
     position = quantile * (real.sum() - 1).float()
     low, high = (torch.clamp(f(position).long(), 0, values.numel() - 1) for f in (torch.floor, torch.ceil))
-    threshold = values[low] + (values[high] - values[low]) * (position - low.float())
+    below, above = values.gather(0, torch.stack([low, high]))  # (values[low] would read `low` on the host)
+    threshold = below + (above - below) * (position - low.float())
     return (entropy * mask >= threshold) & real
 
 
@@ -647,7 +649,7 @@ class GroupObjective(Objective):
             loss = masked.sum() / (masked.shape[0] * own.max_completion_length)
         elif own.loss_type == "luspo":
             loss = masked.sum(-1).mean()
-        else:  # dapo, cispo, vespo
+        else:  # STEP_TOKENS
             loss = masked.sum() / rollout.normalizer.clamp(min=1)
         metrics.update(self.clip_metrics(ratio, advantages, mask))
         return loss, metrics
