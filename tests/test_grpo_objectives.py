@@ -184,8 +184,8 @@ def rollout_of(model, tokenizer, prompts, settings, precision="fp32", seed=0):
 
     objective = GroupObjective(settings=settings, rewards=rewards_of(REWARD, None))
     extra = [json.dumps({**row, "_where": f"row {i}"}) for i, row in enumerate(prompts)]
-    source = objective.batch_source(Engine("cpu", precision), tokenizer, {"train": datasets.Dataset.from_dict({EXTRA: extra})},
-                                    model, 1)
+    data = {"train": datasets.Dataset.from_dict({EXTRA: extra})}
+    source = objective.batch_source(Engine("cpu", precision), tokenizer, data, model, 1)
     ids = [tokenizer(p["prompt"])["input_ids"] for p in prompts]
     width = max(map(len, ids))
     pad = source.tokenizer.pad_token_id
