@@ -288,7 +288,8 @@ def test_mistakes_are_one_line(base, bad_rewards, tmp_path, capsys):
         (["--num-generations", 1, "--batch-size", 4], "--num-generations must be at least 2"),
         (["--num-iterations", 2, "--save-every", 3], "--save-every 3 must be a multiple of --num-iterations 2"),
         (["--num-iterations", 0], "--num-iterations must be at least 1, not 0"),
-        (["--loss-type", "ppo"], "--loss-type must be one of grpo, dr_grpo, dapo, bnpo, not 'ppo'"),
+        (["--loss-type", "ppo"], "--loss-type must be one of grpo, dr_grpo, dapo, bnpo, cispo, sapo, luspo, vespo, "
+                                 "not 'ppo'"),
         (["--temperature", "0"], "--temperature must be above 0"),
         (["--packing"], "--packing: --problem grpo puts a prompt and a completion in each row"),
     ]
@@ -464,12 +465,14 @@ def test_each_steps_batches_come_as_often_as_it_trains_on_them():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("devices,extra", [
-    (1, ["--lora", "--lora-r", 4, "--beta", 0.04]),
+    # no dropout: the sampler's network; the top-entropy mask's quantile in static shapes
+    (1, ["--lora", "--lora-r", 4, "--lora-dropout", 0, "--beta", 0.04, "--top-entropy-quantile", 0.5]),
     (4, ["--strategy", "fsdp", "--precision", "bf16", "--beta", 0.04]),
 ], ids=["one-device-lora-beta", "fsdp4-bf16-beta"])
 def test_xla_compiles_a_bounded_number_of_graphs(devices, extra, base, sft_model, tmp_path):
     """2 epochs of 32 prompts on XLA:CPU, 4 prompts x 4 completions a step: one device with LoRA
-    and the KL to the reference (the adapters disabled); four devices under FSDPv2 in bf16 with the
+    and the KL to the reference (the adapters disabled), the loss on the high-entropy half of the
+    tokens; four devices under FSDPv2 in bf16 with the
     KL to a frozen copy (read into its shards as the policy is). A prefill and a decode graph per
     shape (training's and evaluation's), the step's graph: none after the first epoch, no aten
     fallback, one host transfer a step (the rollout's tokens) besides the log points'."""
@@ -486,6 +489,13 @@ def test_xla_compiles_a_bounded_number_of_graphs(devices, extra, base, sft_model
     assert all(math.isfinite(loss) for _, loss, _ in m["train_loss"]) and math.isfinite(m["eval"]["reward"])
     if "--beta" in extra:
         assert all(math.isfinite(metrics["kl"]) for _, metrics in m["train_metrics"])
+    # the sampler is the trainer: the decode graph's log-probabilities are the update's, to 1e-5 in
+    # fp32 (each logged value the mean of its steps' maxima), within bf16's rounding in bf16 (dropout,
+    # LoRA's default 0.05, would make the update's pass another network: left out above)
+    bound = 0.1 if "bf16" in extra else 1e-5
+    differences = [metrics["sampling/sampling_logp_difference/max"] for _, metrics in m["train_metrics"]]
+    print("sampling/sampling_logp_difference/max", differences)
+    assert all(0 <= d <= bound for d in differences), differences
     if devices > 1:  # the policy's and the reference's weights, each read into its shards
         assert proc.stdout.count("this host read") == 2, proc.stdout[-2000:]
 
@@ -601,20 +611,28 @@ def test_a_reward_model_folder_is_a_reward(base, tmp_path):
         rewards_of(str(base["model"]), None)
 
 
-def test_rollouts_run_past_a_sliding_window(base, tmp_path):
+def test_rollouts_run_past_a_sliding_window(base, tmp_path, capsys):
     """A step of a tiny Gemma 3 whose sliding window (8 tokens) is shorter than its rollouts
     (prompts of 6 to 8 tokens plus up to 12 new ones), its evaluation's greedy completions and its
     --eval-samples: the static loop caches its sliding layers in the window's slots (it once
-    stopped at the first rollout: transformers' StaticCache kept 8 slots for a mask of the whole row)."""
+    stopped at the first rollout: transformers' StaticCache kept 8 slots for a mask of the whole row).
+    The step's loss is VESPO's at the sequence level: TRL's warning once, its metrics logged, and the
+    sampler's log-probabilities the update's (fp32)."""
     folder = td.save("gemma3", tmp_path / "gemma3", letters=True)
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "sliding_window": 8}))
     validation = td.write_jsonl(tmp_path / "validation.jsonl", prompts(4, 2))
     metrics = tmp_path / "metrics.json"
     args = grpo_args(folder, base, "--max-steps", 1, "--max-completion-length", 12, "--validation-file", validation,
-                     "--eval-samples", 2, "--output-dir", tmp_path / "run", "--metrics-out", metrics)
+                     "--eval-samples", 2, "--output-dir", tmp_path / "run", "--metrics-out", metrics,
+                     "--loss-type", "vespo", "--importance-sampling-level", "sequence")
     assert main(["train", *map(str, args)]) == 0
+    err = capsys.readouterr().err
+    assert err.count("xla-train: warning: --loss-type vespo computes the sequence's importance weight") == 1, err
     m = json.loads(metrics.read_text())
+    logged = m["train_metrics"][-1][1]
+    assert logged["vespo/phi_seq_mean"] > 0 and "clip_ratio/region_mean" not in logged, logged
+    assert logged["sampling/sampling_logp_difference/max"] <= 1e-5, logged
     assert m["train_metrics"][-1][1]["completions/max_length"] > 8, m["train_metrics"]
     assert m["eval"]["n"] == 4 and m["eval"]["completions/mean_length"] > 8, m["eval"]
     samples = (tmp_path / "run" / "samples" / "step-1.jsonl").read_text().splitlines()

@@ -110,9 +110,11 @@ def cache_slots(config, length: int) -> list[int]:
     return [windows[t] or length for t in types]
 
 
-def static_generate(model, input_ids, attention_mask, sampling, cut_graph):
+def static_generate(model, input_ids, attention_mask, sampling, cut_graph, logps=False):
     """Generates from a batch of left-padded prompts with static shapes; `cut_graph()` ends the
-    pending graph (see the module docstring)."""
+    pending graph (see the module docstring). `logps`: also each token's log-probability as the
+    decode graph gave it, fp32 (rows, max_new_tokens), under the logits divided by the temperature
+    (the distribution GRPO's loss takes; 0 after a row ended): returns (tokens, logps)."""
     rows, length = input_ids.shape
     steps = sampling.max_new_tokens
     device = input_ids.device
@@ -163,10 +165,16 @@ def static_generate(model, input_ids, attention_mask, sampling, cut_graph):
     pad = torch.full((rows,), sampling.pad_id, dtype=torch.long, device=device)
     slots = {w: torch.arange(size, device=device) for w, size in sizes.items()}
 
+    drawn = torch.zeros(rows, steps, device=device) if logps else None  # each token's log-probability
+
     def take(logits, tokens, done, filled, step):
         """The next token of every row (padding once a row has ended) into column `step` of
-        `tokens`, and its slot marked filled for the next step."""
+        `tokens` (its log-probability into `drawn`'s), and its slot marked filled for the next step."""
+        nonlocal drawn
         token = torch.where(done, pad, pick(logits[:, -1], sampling))
+        if drawn is not None:
+            logp = (logits[:, -1].float() / sampling.temperature).log_softmax(-1).gather(-1, token[:, None])
+            drawn = torch.where((columns == step) & ~done[:, None], logp, drawn)
         filled = {w: f | (slots[w] == (length + step) % sizes[w]) for w, f in filled.items()}
         return (token, torch.where(columns == step, token[:, None], tokens), done | (token[:, None] == eos).any(-1),
                 filled, step + 1)
@@ -182,7 +190,7 @@ def static_generate(model, input_ids, attention_mask, sampling, cut_graph):
         position = position + 1
         token, tokens, done, filled, step = take(logits, tokens, done, filled, step)
     cut_graph()
-    return tokens
+    return (tokens, drawn) if logps else tokens
 
 
 def eager_generate(model, input_ids, attention_mask, sampling):

@@ -1,4 +1,5 @@
-"""Reinforcement learning from rewards: `--problem grpo` (GRPO, Dr. GRPO, DAPO, BNPO), the policy
+"""Reinforcement learning from rewards: `--problem grpo` (TRL 1.16's loss types: GRPO, Dr. GRPO, DAPO,
+BNPO, CISPO, SAPO, LUSPO, VESPO; GSPO's sequence-level ratio), the policy
 generating its own completions inside the training step, on the same devices (no second copy of
 the weights, no weight transfer; a reference, where asked for, is the model with its adapters
 disabled, or a frozen copy).
@@ -12,15 +13,18 @@ One step, read top to bottom in `Rollouts.rollout` and `GroupObjective.loss`:
     prompts     a batch of --batch-size / --num-generations prompts, left-padded to a length bucket
     rollout     each prompt repeated --num-generations times; completions of --max-completion-length
                 tokens sampled with static shapes (kernels/generate.py: a fixed-size cache, a prefill and
-                a decode graph per bucket, stops by masks); the tokens cross to the host once
+                a decode graph per bucket, stops by masks), in the update's precision, each token's
+                log-probability kept as drawn; the tokens cross to the host once
     scoring     the reward functions on the decoded completions; their weighted sum per completion
     advantages  each reward less its group's mean, divided by the group's standard deviation
                 (TRL's scale_rewards "group"; "batch": the batch's; "none": not divided)
     fixed       without gradients: the reference's log-probabilities (beta > 0), and the policy's
                 as sampled where the rollout is trained on --num-iterations times
     update      the policy's log-probabilities of the completion tokens (one forward with gradients,
-                the head in chunks), TRL's clipped surrogate and, with beta > 0, its KL estimate to the
-                reference; the loss normalised as --loss-type says
+                the head in chunks), the --loss-type's per-token term (TRL's clipped surrogate, or
+                cispo's, sapo's, vespo's) with the ratio per token or per sequence, the top-entropy
+                mask, with beta > 0 the KL estimate to the reference; normalised as --loss-type says;
+                the sampler's log-probabilities compared with these (sampling/* metrics)
 
 With --num-iterations K, each rollout is trained on K optimizer steps in a row: the whole rule
 reads in `Iterations`.
@@ -36,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
@@ -63,7 +68,9 @@ from .dpo import peft_model_of
 from .kinds import register
 from .rewards import Reward, TrainerState, completions_of, rewards_of, score, total
 
-LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")
+LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
+LEVELS = ("token", "sequence")  # --importance-sampling-level
+STEP_TOKENS = ("dapo", "cispo", "vespo")  # the loss types normalised by the step's completion tokens (TRL's)
 SCALE_REWARDS = ("group", "batch", "none")
 EXTRA = "columns"  # a row's prompt and other columns (JSON), for the reward functions
 # the step's metrics under TRL's names, computed on the host with the rewards (one transfer with the advantages)
@@ -88,10 +95,31 @@ class GRPOOptions:
                          "default): with --lora the model with its adapters disabled, else a frozen copy")
     epsilon: float = option(0.2, "grpo: the clipping range of the importance ratio, below 1 and (without "
                             "--epsilon-high) above")
-    epsilon_high: float = option(None, "grpo: the upper clipping range (DAPO's clip-higher; default: --epsilon)")
+    epsilon_high: float = option(None, "grpo: the upper clipping range (DAPO's clip-higher; default: --epsilon); "
+                                 "with --loss-type cispo the cap of the importance ratio itself (ScaleRL: 5.0)")
     loss_type: str = option("dapo", "grpo: grpo (each completion's token mean, averaged), dr_grpo (token sum over "
                             "completions x --max-completion-length), dapo (token mean over the step's completions "
-                            "on every replica) or bnpo (token mean over the micro-batch)", LOSS_TYPES)
+                            "on every replica), bnpo (token mean over the micro-batch), cispo (MiniMax-M1: the ratio "
+                            "capped at --epsilon-high, detached, times the advantage and the log-probability; dapo's "
+                            "normalisation), sapo (a soft gate instead of the clip, --sapo-temperature-*; grpo's), "
+                            "luspo (each completion's token sum, averaged; with --importance-sampling-level "
+                            "sequence) or vespo (a gamma weight of the sequence's ratio, --vespo-*; dapo's)",
+                            LOSS_TYPES)
+    importance_sampling_level: str = option("token", "grpo: the importance ratio per token, or per sequence (GSPO: "
+                                            "the exponential of the completion's mean log-ratio)", LEVELS)
+    sapo_temperature_neg: float = option(1.05, "grpo: --loss-type sapo's gate temperature where the advantage is "
+                                         "not positive")
+    sapo_temperature_pos: float = option(1.0, "grpo: --loss-type sapo's gate temperature where the advantage is "
+                                         "positive")
+    vespo_k_pos: float = option(2.0, "grpo: --loss-type vespo's power k for advantages >= 0 (down-weights ratios "
+                                "below 1)")
+    vespo_lambda_pos: float = option(3.0, "grpo: --loss-type vespo's decay lambda for advantages >= 0 (down-weights "
+                                     "ratios above 1)")
+    vespo_k_neg: float = option(3.0, "grpo: --loss-type vespo's power k for negative advantages")
+    vespo_lambda_neg: float = option(2.0, "grpo: --loss-type vespo's decay lambda for negative advantages")
+    top_entropy_quantile: float = option(1.0, "grpo: keep in the policy loss only the completion tokens whose "
+                                         "entropy is in this top share of the micro-batch's (Beyond the 80/20 "
+                                         "rule: 0.2; 1: every token, 0: the highest only)")
     scale_rewards: str = option("group", "grpo: divide the advantages by the group's reward standard deviation "
                                 "(group), the batch's (batch) or not at all (none)", SCALE_REWARDS)
     num_iterations: int = option(1, "grpo: updates on each rollout (TRL's num_iterations): above 1, a step's "
@@ -114,11 +142,31 @@ class GRPOOptions:
         check_number("--beta", self.beta, lambda x: x >= 0, "a number >= 0")
         check_number("--epsilon", self.epsilon, lambda x: 0 < x < 1, "in (0, 1)")
         check_number("--epsilon-high", self.epsilon_high, lambda x: x > 0, "a positive number")
+        for name in ("sapo_temperature_neg", "sapo_temperature_pos"):  # the gate divides by them
+            check_number(f"--{name.replace('_', '-')}", getattr(self, name), lambda x: x > 0, "a positive number")
+        for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
+            check_number(f"--{name.replace('_', '-')}", getattr(self, name), lambda x: x >= 0, "a number >= 0")
+        check_number("--top-entropy-quantile", self.top_entropy_quantile, lambda x: 0 <= x <= 1, "in [0, 1]")
         rewards_of(self.reward, self.reward_weights)  # each function found now, before any data is read
 
     @property
     def upper(self) -> float:
         return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    def odd_pairings(self) -> list[str]:
+        """TRL 1.16's warnings for pairings it runs but advises against (GRPOTrainer.__init__), one
+        line each."""
+        level, loss = self.importance_sampling_level, self.loss_type
+        lines = []
+        if loss == "luspo" and level != "sequence":
+            lines.append("--loss-type luspo: the LUSPO paper takes --importance-sampling-level sequence")
+        if loss == "vespo" and level != "token":
+            lines.append("--loss-type vespo computes the sequence's importance weight itself: keep "
+                         "--importance-sampling-level token (the default)")
+        if level == "sequence" and loss in ("bnpo", "dr_grpo", "dapo", "cispo"):
+            lines.append(f"--importance-sampling-level sequence with --loss-type {loss} sums per-token terms, which "
+                         "weights each completion by its length; GSPO's objective is --loss-type grpo")
+        return lines
 
 
 # ---------------------------------------------------------------------------------------------
@@ -204,12 +252,13 @@ class Rollout:
 
     labels: Any  # [rows, length]: each completion token's id where the loss covers it (shifted), else IGNORE
     advantages: Any  # [rows]
-    normalizer: Any  # 0-d: what dapo divides the token sum by (the step's completion tokens per replica)
+    normalizer: Any  # 0-d: what STEP_TOKENS divide the token sum by (the step's completion tokens per replica)
     metrics: Any  # [len(ROLLOUT_KEYS) + 2 x functions]: the rollout's metrics, host-computed, on the device
     rewards: Any  # [rows]: each completion's reward
     per_function: Any  # [rows, functions]: each function's reward (NaN: none)
     old: Any = None  # [rows, length]: the labels' log-probabilities when sampled (--num-iterations > 1; None: now's)
     reference: Any = None  # [rows, length]: the reference model's (beta > 0)
+    sampled: Any = None  # [rows, length]: the labels' log-probabilities as the decode graph drew them (training)
 
 
 class Iterations:
@@ -318,9 +367,12 @@ class Rollouts:
         plain = self.engine.unwrap_model(model)
         was_training = model.training
         model.eval()
-        with torch.no_grad():
-            tokens = static_generate(plain, ids, mask, self.sampling if training else self.greedy,
-                                     self.engine.cut_graph)
+        # in the update's precision (bf16 autocast where asked, as predictions generate): the sampler is the
+        # trainer; training keeps each token's log-probability as the decode graph drew it
+        with torch.no_grad(), self.engine.autocast():
+            generated = static_generate(plain, ids, mask, self.sampling if training else self.greedy,
+                                        self.engine.cut_graph, logps=training)
+        tokens, drawn = generated if training else (generated, None)
         model.train(was_training)
         # the one transfer of the rollout: the row numbers and the completions' tokens, for the rewards
         rows_and_tokens = torch.cat([batch["row"].repeat_interleave(group, 0)[:, None], tokens], 1)
@@ -329,7 +381,9 @@ class Rollouts:
         per_function, rewards, metrics = self.score(host[:, 0].tolist(), host[:, 1:], split, group)
         advantages = self.objective.advantages(rewards, group)
         out = self.batch(ids, mask, tokens, (advantages, metrics, rewards, per_function), training)
-        if training:
+        if drawn is not None:  # training: the sampler's log-probabilities at the labels' positions (`batch`)
+            edge = torch.zeros(len(ids), 1, device=ids.device)
+            out["labels"].sampled = torch.cat([edge.expand(-1, ids.shape[1] - 1), drawn, edge], 1)
             self.log_probabilities(model, out)
         return out
 
@@ -405,7 +459,7 @@ class Rollouts:
         labels = torch.full_like(real, IGNORE, dtype=torch.long)
         labels[:, length - 1:-1] = torch.where(trained, tokens, torch.full_like(tokens, IGNORE))
         normalizer = trained.sum().float()
-        if training and own.loss_type == "dapo" and self.engine.strategy.peers > 1:
+        if training and own.loss_type in STEP_TOKENS and self.engine.strategy.peers > 1:
             normalizer = self.engine.strategy.gather(normalizer[None]).mean()  # the step's tokens per replica
         sizes = [t.numel() for t in scored]
         parts = torch.cat([t.reshape(-1) for t in scored]).to(device).split(sizes)  # one copy to the device
@@ -415,6 +469,42 @@ class Rollouts:
             return {"labels": rollout}
         return {"input_ids": torch.cat([ids, tokens], 1), "position_ids": (real.long().cumsum(1) - 1).clamp(min=0),
                 "segments": real.long(), "labels": rollout}
+
+
+def high_entropy_mask(entropy: Any, mask: Any, quantile: float) -> Any:
+    """The completion tokens whose entropy is at least the `quantile` of the tokens' entropies
+    (torch.quantile's linear interpolation), as TRL 1.16's GRPOTrainer.get_high_entropy_mask; in
+    static shapes (no boolean indexing: the masked entropies sorted after the real ones, the
+    quantile read at device indices). Over the micro-batch the loss sees: the global batch under
+    SPMD, one replica's elsewhere (TRL gathers every process's)."""
+    import torch
+
+    real = mask.bool()
+    values = torch.where(real, entropy.float(), math.inf).flatten().sort().values
+    position = quantile * (real.sum() - 1).float()
+    low, high = (torch.clamp(f(position).long(), 0, values.numel() - 1) for f in (torch.floor, torch.ceil))
+    below, above = values.gather(0, torch.stack([low, high]))  # (values[low] would read `low` on the host)
+    threshold = below + (above - below) * (position - low.float())
+    return (entropy * mask >= threshold) & real
+
+
+def sampling_metrics(sampled: Any, trained: Any, mask: Any) -> dict[str, Any]:
+    """The sampler's log-probabilities of the completion tokens (the decode graph's, as it drew
+    them) against the trainer's (the full forward's, at the same weights), under TRL 1.16's names
+    (_generate_and_score_completions, where it compares vLLM's to its own): the absolute
+    difference's mean and max over the completion tokens, and the importance ratio
+    exp(sum of trainer - sampler) per completion, TRL's default (sequence) granularity before its
+    masking (nothing is corrected here: the sampler is the trainer)."""
+    import torch
+
+    share = mask.sum().clamp(min=1)
+    difference = (trained - sampled).abs() * mask
+    ratio = torch.exp(((trained - sampled) * mask).sum(-1))
+    return {"sampling/sampling_logp_difference/mean": difference.sum() / share,
+            "sampling/sampling_logp_difference/max": difference.max(),
+            "sampling/importance_sampling_ratio/min": ratio.min(),
+            "sampling/importance_sampling_ratio/mean": ratio.mean(),
+            "sampling/importance_sampling_ratio/max": ratio.max()}
 
 
 def _nanstd(x):
@@ -511,53 +601,122 @@ class GroupObjective(Objective):
         std = grouped.std(1).repeat_interleave(group) if self.settings.scale_rewards == "group" else rewards.std()
         return centred / (std + 1e-4)
 
-    def policy_loss(self, logps: Any, rollout: Rollout, reference: Any = None,
-                    old: Any = None) -> tuple[Any, dict[str, Any]]:
-        """TRL 1.16's `_compute_loss` for the token-level losses (trainer/grpo_trainer.py): the
-        clipped surrogate, plus beta times the k3 KL estimate weighted by the importance ratio,
-        normalised per --loss-type; and its metrics. `old`: the log-probabilities the completions
-        were sampled with, where they differ from the policy's now (None: the same, detached)."""
+    def policy_loss(self, logps: Any, rollout: Rollout, reference: Any = None, old: Any = None,
+                    entropy: Any = None) -> tuple[Any, dict[str, Any]]:
+        """TRL 1.16's `_compute_loss` (trainer/grpo_trainer.py), each --loss-type: the importance
+        ratio per token or per sequence, the loss type's per-token term (the clipped surrogate,
+        cispo's capped ratio, sapo's soft gate, vespo's gamma weight), the top-entropy mask, plus
+        beta times the k3 KL estimate weighted by the ratio, normalised per --loss-type; and its
+        metrics under TRL's names. `old`: the log-probabilities the completions were sampled with,
+        where they differ from the policy's now (None: the same, detached); `entropy`: each
+        position's, [rows, length] (needed with --top-entropy-quantile below 1)."""
         import torch
 
         own = self.settings
         mask = (rollout.labels != IGNORE).float()
         old = logps.detach() if old is None else old  # one update per rollout: the ratio is 1, its gradient not
-        ratio = torch.exp(logps - old)
+        log_ratio = logps - old
+        if own.importance_sampling_level == "sequence":  # GSPO: one ratio per completion, [rows, 1]
+            log_ratio = ((log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1))
+        ratio = torch.exp(log_ratio)
         advantages = rollout.advantages[:, None]
-        clipped = torch.clamp(ratio, 1 - own.epsilon, 1 + own.upper)
-        per_token = -torch.min(ratio * advantages, clipped * advantages)
         metrics = {}
+        if own.loss_type == "cispo":
+            per_token = -torch.clamp(ratio, max=own.upper).detach() * advantages * logps
+        elif own.loss_type == "sapo":
+            temperatures = torch.where(advantages > 0, own.sapo_temperature_pos, own.sapo_temperature_neg)
+            per_token = -torch.sigmoid(temperatures * (ratio - 1)) * 4 / temperatures * advantages
+        elif own.loss_type == "vespo":
+            phi = self.gamma_weights(advantages, logps - old, mask)
+            per_token = -phi * advantages * logps
+            metrics["vespo/phi_seq_mean"] = phi.mean()
+        else:  # grpo, bnpo, dr_grpo, dapo, luspo: the clipped surrogate
+            clipped = torch.clamp(ratio, 1 - own.epsilon, 1 + own.upper)
+            per_token = -torch.min(ratio * advantages, clipped * advantages)
+        if own.top_entropy_quantile < 1:
+            per_token = per_token * high_entropy_mask(entropy, mask, 1 - own.top_entropy_quantile)
         if own.beta:  # the k3 estimate, times the ratio (TRL's use_bias_correction_kl, its default)
             delta = reference - logps
             kl = (torch.exp(delta) - delta - 1) * ratio
             per_token = per_token + own.beta * kl
             metrics["kl"] = (kl * mask).sum() / mask.sum().clamp(min=1)
         masked = per_token * mask
-        if own.loss_type == "grpo":
+        if own.loss_type in ("grpo", "sapo"):
             loss = (masked.sum(-1) / mask.sum(-1).clamp(min=1)).mean()
         elif own.loss_type == "bnpo":
             loss = masked.sum() / mask.sum().clamp(min=1)
         elif own.loss_type == "dr_grpo":
             loss = masked.sum() / (masked.shape[0] * own.max_completion_length)
-        else:  # dapo
+        elif own.loss_type == "luspo":
+            loss = masked.sum(-1).mean()
+        else:  # STEP_TOKENS
             loss = masked.sum() / rollout.normalizer.clamp(min=1)
+        metrics.update(self.clip_metrics(ratio, advantages, mask))
+        return loss, metrics
+
+    def clip_metrics(self, ratio: Any, advantages: Any, mask: Any) -> dict[str, Any]:
+        """The clipped share under TRL's names: per token, or per completion where the ratio is
+        per sequence ([rows, 1]: TRL's global_masked_mean, masked_seq_mean); cispo's capped share."""
+        import torch
+
+        own = self.settings
+
+        def mean(x):  # over the completion tokens, or over the rows where x is one per row
+            if x.shape[1] == 1:
+                return x.float().mean()
+            return (x * mask).sum() / mask.sum().clamp(min=1)
+
+        if own.loss_type == "cispo":
+            return {"cispo_clip_ratio": mean(((ratio > own.upper) & (advantages > 0)).float())}
+        if own.loss_type in ("sapo", "vespo"):
+            return {}
         low = ((ratio < 1 - own.epsilon) & (advantages < 0)).float()
         high = ((ratio > 1 + own.upper) & (advantages > 0)).float()
-        share = mask.sum().clamp(min=1)
-        metrics.update({"clip_ratio/low_mean": (low * mask).sum() / share,
-                        "clip_ratio/high_mean": (high * mask).sum() / share,
-                        "clip_ratio/region_mean": (((low + high) > 0).float() * mask).sum() / share})
-        return loss, metrics
+        # each completion's share; per token, rows without tokens are skipped (TRL's NaN, which its nanmin skips)
+        rows = mask.sum(-1) > 0 if ratio.shape[1] > 1 else torch.ones_like(mask[:, 0], dtype=torch.bool)
+
+        def per_row(x):
+            return x[:, 0] if x.shape[1] == 1 else (x * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+
+        inf = torch.full_like(rows, math.inf, dtype=torch.float32)
+        low_min = torch.where(rows, per_row(low), inf).min()
+        high_max = torch.where(rows, per_row(high), -inf).max()
+        anything = rows.any()  # a running sum must not take an infinity: 0 where no row has a token
+        return {"clip_ratio/low_mean": mean(low), "clip_ratio/high_mean": mean(high),
+                "clip_ratio/region_mean": mean(((low + high) > 0).float()),
+                "clip_ratio/low_min": torch.where(anything, low_min, 0.0),
+                "clip_ratio/high_max": torch.where(anything, high_max, 0.0)}
+
+    def gamma_weights(self, advantages: Any, log_ratio: Any, mask: Any) -> Any:
+        """VESPO's weight of each completion, [rows, 1], without gradients: phi(w) = e^lambda w^k
+        e^(-lambda w) of the sequence's ratio w = exp(sum of the token log-ratios), k and lambda by
+        the advantage's sign; TRL 1.16's GRPOTrainer.get_gamma_weights, in log space with its
+        clamps, without its vLLM correction (the sampler is the trainer here)."""
+        import torch
+
+        own = self.settings
+        with torch.no_grad():
+            lower = math.log(1e-8)
+            log_w = torch.clamp((torch.clamp(log_ratio, -20.0, 20.0) * mask).sum(-1, keepdim=True), lower, 20.0)
+            positive = advantages >= 0
+            k = torch.where(positive, own.vespo_k_pos, own.vespo_k_neg)
+            lam = torch.where(positive, own.vespo_lambda_pos, own.vespo_lambda_neg).clamp(min=1e-4)
+            return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
     def loss(self, output: PolicyOutput, labels: Rollout) -> Any:
         """The step's loss on a rollout (`labels`), plus the routers' weighted load-balancing loss
-        where the forward computed it (TRL's GRPOTrainer adds it so); its metrics kept on `output`."""
+        where the forward computed it (TRL's GRPOTrainer adds it so); its metrics kept on `output`:
+        the loss's, `entropy`, and the sampler's log-probabilities against the update's
+        (`sampling_metrics`)."""
         temperature = self.settings.temperature
         logps = self.token_logps(output.head, labels.labels, temperature)
-        loss, output.metrics = self.policy_loss(logps, labels, labels.reference, labels.old)
-        mask = (labels.labels != IGNORE).float()
         entropy = self.token_entropy(output.head, temperature)
+        loss, output.metrics = self.policy_loss(logps, labels, labels.reference, labels.old, entropy)
+        mask = (labels.labels != IGNORE).float()
         output.metrics["entropy"] = (entropy * mask).sum() / mask.sum().clamp(min=1)
+        if labels.sampled is not None:
+            output.metrics.update(sampling_metrics(labels.sampled, logps.detach() if labels.old is None
+                                                   else labels.old, mask))
         output.metrics.update(router_metrics(output.head))
         return with_router_loss(loss, output.head)
 
@@ -647,6 +806,8 @@ class GRPO(Task):
         check_own_rows(source, "grpo", "prompts", "GRPO's rows have a 'prompt' column")
         own = source.options.kind_options() if source.options else GRPOOptions()
         splits, files, form = own_splits(source.train_file, source.validation_file, source.seed, form_of, "prompts")
+        for line in own.odd_pairings():  # TRL's warnings, once, in the launching process
+            print(f"xla-train: warning: {line}", file=sys.stderr)
         return (cls("custom", None, main="reward", max_length=source.max_length, form=form, files=files,
                     attention=source.attention, settings=own, rewards=rewards_of(own.reward, own.reward_weights),
                     router_aux_loss_coef=router_coef_of(source)),
