@@ -303,11 +303,17 @@ def cli(command, args, env=None, timeout=900, fresh=None):
         fresh = needs_fresh_process(command, args, env) is not None
     if not fresh:
         return in_process([command, *args], env)
-    full_env = {**os.environ, **FRESH_DEFAULTS, **(env or {})}
-    if FORKED and forked_run.forkable(full_env, FORKED[0]):
-        return forked_run.run(["-m", "xla_train", command, *args], full_env, ROOT, timeout, FORKED[0])
-    return subprocess.run([sys.executable, "-m", "xla_train", command, *args], cwd=ROOT, env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
+    return run_python(["-m", "xla_train", command, *args], {**os.environ, **FRESH_DEFAULTS, **(env or {})}, timeout)
+
+
+def run_python(argv, env=None, timeout=900, cwd=ROOT):
+    """`python ARGV` (`-m MODULE ...` or `-c CODE ...`) in a fresh process with environment `env`
+    (None: this one's), as `subprocess.run(..., capture_output=True, text=True)` completes it:
+    forked from the session's forkserver where forked_run.forkable allows, else a new interpreter."""
+    argv, env = [str(a) for a in argv], dict(os.environ if env is None else env)
+    if FORKED and forked_run.forkable(env, FORKED[0]):
+        return forked_run.run(argv, env, cwd, timeout, FORKED[0])
+    return subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def in_process(argv, env=None):
@@ -409,7 +415,8 @@ def assert_same_weights(a, b, atol=1e-6, file="model.safetensors"):
 # this process. A test is slow when it, one of its fixtures, or a helper of its module starts a
 # process (a CLI run, gloo workers, an XLA:CPU run with fresh counters, the storage emulator).
 
-STARTS_PROCESSES = ("run_cli(", 'cli("', "start_cli(", "subprocess.", "Popen(", "ProcessPoolExecutor", "gcs_emulator",
+STARTS_PROCESSES = ("run_cli(", 'cli("', "start_cli(", "run_python(",
+                    "subprocess.", "Popen(", "ProcessPoolExecutor", "gcs_emulator",
                     "NotebookClient(", "launch(")
 
 
@@ -435,7 +442,8 @@ def _slow_names(module):
         slow |= more
 
 
-RUNS = ("run_cli(", 'cli("', "start_cli(", "subprocess.run(")  # a fixture that trains (or predicts) once for many tests
+RUNS = ("run_cli(", 'cli("', "start_cli(", "run_python(",
+        "subprocess.run(")  # a fixture that trains (or predicts) once for many tests
 
 
 def _shared_runs(item):

@@ -10,6 +10,7 @@ import pytest
 import tiny_decoders as td
 import torch
 import torch.nn.functional as F
+from conftest import run_python
 
 import gpu_fallback.device  # noqa: F401  (declares flex on CUDA and the CPU)
 import xla_train.core.xla  # noqa: F401  (declares pallas on a TPU through torch_xla)
@@ -335,11 +336,9 @@ def test_under_spmd_the_kernel_gets_the_batch_split_by_rows(tmp_path):
     a jax function of the kernel's signature in the kernel's place (the Mosaic kernel runs on a TPU
     only; interpreted, call_jax refuses its host callbacks)."""
     import os
-    import subprocess
-    import sys
 
     env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}
-    proc = subprocess.run([sys.executable, "-c", SPMD_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    proc = run_python(["-c", SPMD_SCRIPT], env, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-4:] == [
         "forward True", "backward True True", "no sinks True True", "('data', None, None, None) (4,) ('data',)"]

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, TINY, assert_same_weights, run_cli, write_slice
+from conftest import ROOT, TINY, assert_same_weights, run_cli, run_python, write_slice
 
 from xla_train.core.errors import UserError
 
@@ -396,8 +396,7 @@ print(roles.strategy.peers, tuple(rows.shape), torch_xla._XLAC._get_xla_sharding
 print(rows.amax(0).cpu().tolist())
 """
     env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4", "XLA_FLAGS": f"--xla_dump_to={tmp_path}"}
-    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, env=env,
-                          timeout=300)
+    proc = run_python(["-c", script], env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.splitlines() == ["1 (4, 2) {replicated}", "[3, 0]"]
     compiled = [p.read_text() for p in tmp_path.glob("*cpu_after_optimizations.txt")]

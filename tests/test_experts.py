@@ -22,6 +22,7 @@ import copy
 import pytest
 import tiny_decoders as td
 import torch
+from conftest import run_python
 
 from xla_train.kernels.experts import XLA_EXPERTS, has_experts, static_experts
 
@@ -365,13 +366,10 @@ def test_grouped_experts_under_spmd_split_the_tokens_by_device():
     the CPU, for each MoE family (a torch grouped matmul in the kernel's place)."""
     import json
     import os
-    import subprocess
-    import sys
 
-    from conftest import ROOT
 
     env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run([sys.executable, "-c", SPMD], cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    proc = run_python(["-c", SPMD], env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     for family in td.EXPERTS:

@@ -9,7 +9,7 @@ import os
 
 import pytest
 import torch
-from conftest import EVALUATION_SETUP, TINY, assert_same_weights, run_cli, stop_and_resume
+from conftest import EVALUATION_SETUP, TINY, assert_same_weights, run_cli, run_python, stop_and_resume
 from test_lora import _dev_accuracy
 
 FSDP = ["--backend", "xla", "--strategy", "fsdp", "--gradient-checkpointing", "--batch-size", 2, *TINY,
@@ -124,13 +124,10 @@ def test_shards_that_miss_part_of_a_hosts_tensor_are_refused(tmp_path):
     """Shards written by other hosts or devices may not cover what this host holds: a local shard
     that no saved chunk overlaps gets no read from torch.distributed.checkpoint, silently. Here the
     saved shards hold rows 0-1 of an 8-row tensor split over 4 devices: the load stops."""
-    import subprocess
-    import sys
 
-    from conftest import ROOT
 
-    proc = subprocess.run([sys.executable, "-c", COVERAGE, str(tmp_path / "shards")], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"})
+    proc = run_python(["-c", COVERAGE, tmp_path / "shards"],
+                      {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == (f"{tmp_path / 'shards'} does not hold all of this host's shards (w, 1 tensor(s) "
                                    "in all): resume on the hosts and devices that wrote it")
@@ -213,14 +210,10 @@ def test_pod_hosts_holding_none_of_a_tensor_resume_it(per_host, tmp_path):
     that host's metadata (its empty shards share one offset, and its dedup drops them all); a
     host of 1 holding none of it writes a chunk of 0 elements. Both failed to resume: a KeyError
     taken for a corrupt checkpoint, and the refusal of test_shards_that_miss_part_of_a_hosts_tensor."""
-    import subprocess
-    import sys
 
-    from conftest import ROOT
 
-    proc = subprocess.run([sys.executable, "-c", POD_HOSTS, str(tmp_path), str(per_host)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "8"})
+    proc = run_python(["-c", POD_HOSTS, tmp_path, per_host],
+                      {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "8"}, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     # 6 trained tensors and their 12 moments
     assert proc.stdout.split() == [str(per_host == 1), "18", "True"]
@@ -265,14 +258,10 @@ def test_pod_copies_to_the_host_compile_no_program_each(mrpc_slice, tiny_model):
     weights). torch_xla's counter ReplicateShardedData counts every copy still: a replicated
     tensor is read from its first device, with no program. The weights equal the shards'."""
     import json
-    import subprocess
-    import sys
 
-    from conftest import ROOT
 
-    proc = subprocess.run([sys.executable, "-c", POD_COPIES, str(tiny_model), str(mrpc_slice)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"})
+    proc = run_python(["-c", POD_COPIES, tiny_model, mrpc_slice],
+                      {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["batches"] == 6 and out["equal"]

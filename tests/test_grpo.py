@@ -565,6 +565,13 @@ def test_the_memory_plan_holds_the_rollouts_cache(base):
         model(input_ids=ids, past_key_values=cache, use_cache=True)
         allocated = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
         assert memory.cache == allocated
+        # under bf16 the rollouts run in the update's autocast (Rollouts.rollout): bf16 values, fp32
+        # keys (RoPE's fp32 cos and sin)
+        cache = StaticCache(config=model.config, max_cache_len=24)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(input_ids=ids, past_key_values=cache, use_cache=True)
+        allocated = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+        assert plan(Mesh(), replace(path, rows=32, precision="bf16"), shape_of(model)).cache == allocated
     assert memory.total >= memory.weights + memory.cache
     # beta > 0 without adapters: a frozen copy of the weights beside the trained ones; with them, none
     assert not path.reference_copy

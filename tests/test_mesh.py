@@ -14,7 +14,7 @@ import sys
 
 import pytest
 import tiny_decoders as td
-from conftest import ROOT
+from conftest import ROOT, run_python
 
 from xla_train.core.errors import UserError
 from xla_train.parallel.mesh import Mesh, rows_entry, tokens_entry
@@ -205,8 +205,7 @@ def ways(tmp_path_factory):
         vocab = min(AutoConfig.from_pretrained(path).vocab_size, 120)
         args.append(f"{path}|{vocab}|{ways_}")
         names[family] = str(path)
-    proc = subprocess.run([sys.executable, "-c", SAME, *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=1200, env={**os.environ, **FOUR})
+    proc = run_python(["-c", SAME, *args], {**os.environ, **FOUR}, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     return {**{family: out[path] for family, path in names.items()}, "layouts": out["layouts"]}

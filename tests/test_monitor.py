@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, run_cli, write_slice
+from conftest import ROOT, run_cli, run_python, write_slice
 
 from xla_train.observe.report import TAGS, read_scalars
 
@@ -17,8 +17,8 @@ def run_patched(patch, args):
     """`xla-train train ARGS` in a fresh process on XLA:CPU, after running `patch` (Python) in it."""
     script = (f"{patch}\nimport sys\nfrom xla_train.commands import cli\n"
               f"sys.exit(cli.main({['train', *map(str, args)]!r}))\n")
-    return subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PJRT_DEVICE": "CPU", "TOKENIZERS_PARALLELISM": "false"})
+    return run_python(["-c", script], {**os.environ, "PJRT_DEVICE": "CPU", "TOKENIZERS_PARALLELISM": "false"},
+                      timeout=600)
 
 
 def warnings_in(stderr):

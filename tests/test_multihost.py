@@ -9,11 +9,9 @@ process with 4 devices, so each emulated host's rows are uploaded and computed o
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
-from conftest import ROOT
+from conftest import run_python
 
 HOSTS = """
 import json, sys
@@ -81,9 +79,8 @@ print(json.dumps(out))
 def pod_hosts(request, mrpc_slice, tiny_model):
     """The script above under `--strategy` spmd and fsdp: one host of 4 devices, then hosts 0
     and 1 of 2 hosts of 2 devices."""
-    proc = subprocess.run([sys.executable, "-c", HOSTS, request.param, str(tiny_model), str(mrpc_slice)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"})
+    proc = run_python(["-c", HOSTS, request.param, tiny_model, mrpc_slice],
+                      {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     return out["0/1"], [out["0/2"], out["1/2"]]

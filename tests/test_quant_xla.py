@@ -6,12 +6,11 @@ fallbacks and host transfers against plain LoRA's); the adapter saved as peft sa
 import copy
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_python
 
 from xla_train.core.errors import UserError
 from xla_train.kernels.quant import Quant, projection_bytes
@@ -205,8 +204,7 @@ print(json.dumps(out))
 
 @pytest.fixture(scope="module")
 def on_xla():
-    proc = subprocess.run([sys.executable, "-c", XLA_SCRIPT, str(HERE)], capture_output=True, text=True,
-                          timeout=900, env={**os.environ, "PJRT_DEVICE": "CPU"})
+    proc = run_python(["-c", XLA_SCRIPT, HERE], {**os.environ, "PJRT_DEVICE": "CPU"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -276,8 +274,7 @@ print(json.dumps({"specs": specs, "loss": loss.item(), "reference": reference(**
 
 def test_fsdp_splits_the_quantized_buffers_with_their_rows():
     env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "2"}
-    proc = subprocess.run([sys.executable, "-c", FSDP_SCRIPT, str(HERE)], capture_output=True, text=True,
-                          timeout=900, env=env)
+    proc = run_python(["-c", FSDP_SCRIPT, HERE], env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["specs"] == {"qweight": "{devices=[2,1]0,1}", "scales": "{devices=[2,1]0,1}", "code": ""}, out

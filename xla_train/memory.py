@@ -449,7 +449,10 @@ def plan(mesh: Mesh, pass_: PassInputs, shape: Shape, device_bytes: int | None =
                          if precision == "bf16" else 0),
         reference=rows * _share(length, context) * width * compute,
         reference_weights=-(-w.total // shards) if step.reference_copy else 0,
-        cache=(2 * kv_heads_per_device(shape.kv_heads, tensor) * shape.head_dim * rows * w.element
+        # the rollouts run under the update's autocast: the values in its dtype, the keys in the
+        # weights' (RoPE multiplies them by the fp32 residual stream's cos and sin; an over-count
+        # for learned positions)
+        cache=(kv_heads_per_device(shape.kv_heads, tensor) * shape.head_dim * rows * (w.element + compute)
                * shape.cache_slots(step.cache_tokens) if step.cache_tokens else 0),
         gathered=gathered_bytes(*kept, step.attention, step.dense_mask, w.element, tensor, context),
         step=step, mesh=mesh, device_bytes=device_bytes, params=w.params, trainable_params=w.trainable_params,
