@@ -5,6 +5,7 @@ reference whose base is the dequantized weights in plain nn.Linear (fp32); two s
 tiny BERT (8-bit: the adapter, read back by predict and refused a resume under 4 bits; 4-bit NF4
 with nested quantization and --merge-lora: merged onto the fp32 base); the refusals, in this process."""
 
+import json
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -216,3 +217,99 @@ def test_a_model_with_nothing_quantized_is_one_line(tiny_llama):
         bnb.check_quantized(plain, INT8, "m")
     assert as_flags(str(e.value)) == ("--load-in-8bit: model m has no linear projection to quantize outside its head "
                             "(classifier, score, lm_head); train it without --load-in-8bit")
+
+
+# --- DPO's reference and GRPO's rollouts on the quantized base (issue 63, item 2) ----------------
+@pytest.mark.parametrize("quant", [INT8, NF4], ids=["int8", "nf4-nested"])
+def test_dpos_reference_is_the_quantized_base_without_the_adapter(quant, tmp_path):
+    """DPO's reference pass (peft's disable_adapter on the policy) gives the log-probabilities of
+    the quantized base alone, loaded again the same way without peft (within 1e-5), never the fp32
+    base's; the policy (adapters on, not zero) differs from it. In training mode, as the step runs it."""
+    import tiny_decoders as td
+    from test_dpo import _batch, _load, _logps, pairs
+    from transformers import AutoModelForCausalLM
+
+    model = td.save("llama", tmp_path / "llama", letters=True)
+    task, tokenizer, data, _ = _load(td.write_jsonl(tmp_path / "p.jsonl", pairs(8, 5)), model)
+    batch = _batch(data["train"], task.rows.collator(tokenizer))
+    policy = _adapted(model, bnb.loading(quant, "cpu", "fp32")).train()
+    for module in policy.modules():
+        if hasattr(module, "lora_dropout"):
+            assert not isinstance(module.lora_dropout["default"], torch.nn.Dropout)  # _adapted: dropout 0
+    with torch.no_grad():
+        out, policy_logps = _logps(task.objective, policy, batch)
+        reference = torch.stack(task.objective.reference_logps(out, batch["labels"]), 1)
+        bare = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, **bnb.loading(quant, "cpu", "fp32"))
+        _, expected = _logps(task.objective, bare.train(), batch)
+        _, full = _logps(task.objective, AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32), batch)
+    torch.testing.assert_close(reference, expected, atol=1e-5, rtol=0)
+    assert (reference - full).abs().max() > 1e-4  # the rounded base, not the checkpoint's fp32 one
+    assert (policy_logps - expected).abs().max() > 1e-2
+
+
+@pytest.fixture(scope="module")
+def preference_runs(tmp_path_factory):
+    """DPO and GRPO (beta > 0: a reference) with --lora --load-in-4bit on the CPU, in this process,
+    logging every step, the adapters without dropout (GRPO's sampler runs in eval mode: with
+    dropout its log-probabilities could not match the update's). A tiny Llama over the task's words."""
+    import tiny_decoders as td
+    from test_dpo import pairs
+    from test_grpo import REWARD, prompts
+
+    out = tmp_path_factory.mktemp("preference")
+    model = td.save("llama", out / "llama", chat=True, letters=True)
+    common = ["--backend", "cpu", "--model", model, "--lora", "--load-in-4bit", "--lora-dropout", 0, "--log-every", 1,
+              "--no-data-cache"]
+    args = {"dpo": ["--problem", "dpo", "--train-file", td.write_jsonl(out / "pairs.jsonl", pairs(64, 1)),
+                    "--validation-file", td.write_jsonl(out / "pairs-dev.jsonl", pairs(8, 2)), "--max-length", 32,
+                    "--buckets", 32, "--batch-size", 16, "--lr", 3e-3, "--max-steps", 3],
+            "grpo": ["--problem", "grpo", "--train-file", td.write_jsonl(out / "prompts.jsonl", prompts(64, 1)),
+                     "--validation-file", td.write_jsonl(out / "prompts-dev.jsonl", prompts(4, 2)), "--reward",
+                     REWARD, "--num-generations", 8, "--batch-size", 16, "--max-completion-length", 8,
+                     "--max-length", 16, "--beta", 0.04, "--lr", 1e-2, "--max-steps", 3]}
+    runs = {}
+    for name, extra in args.items():
+        proc, m = run_cli([*common, *extra, "--output-dir", out / name], out)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[name] = (m, out / name, proc.stdout)
+    return runs
+
+
+@pytest.mark.slow
+@pytest.mark.torch_native
+@pytest.mark.parametrize("problem", ["dpo", "grpo"])
+def test_dpo_and_grpo_train_the_adapter_of_a_4bit_base_and_merge_nothing(problem, preference_runs):
+    """Only the adapters train (the base's 4-bit weights have no gradient and no optimizer state:
+    the trained count is the saved adapter's, and training changed it from peft's zero B); the
+    folder is the adapter over a base recorded as 4-bit, nothing merged."""
+    from safetensors.torch import load_file
+
+    m, folder, _ = preference_runs[problem]
+    adapter = load_file(folder / "adapter_model.safetensors")
+    assert m["trainable_params"] == sum(t.numel() for t in adapter.values()) < m["total_params"] / 10
+    assert all(t.abs().sum() > 0 for k, t in adapter.items() if "lora_B" in k)  # trained from zero
+    assert not (folder / "model.safetensors").exists()  # an adapter, not a merged model
+    assert json.loads((folder / "config.json").read_text())["quantization_config"]["load_in_4bit"]
+
+
+@pytest.mark.slow
+@pytest.mark.torch_native
+def test_dpos_reference_and_grpos_kl_are_the_quantized_base(preference_runs):
+    """At the first step the adapters are zero, so the policy is its base: DPO's rewards (policy
+    against reference) and GRPO's KL are exactly 0 only if the reference is the same quantized base
+    with the adapter switched off; once the adapters train they move away."""
+    dpo, grpo = ([metrics for _, metrics in preference_runs[p][0]["train_metrics"]] for p in ("dpo", "grpo"))
+    assert dpo[0]["rewards/chosen"] == 0 and dpo[0]["rewards/rejected"] == 0, dpo[0]
+    assert any(d["rewards/chosen"] != 0 for d in dpo[1:]), dpo
+    assert grpo[0]["kl"] == 0 and grpo[-1]["kl"] > 0, grpo
+
+
+@pytest.mark.slow
+@pytest.mark.torch_native
+def test_grpos_rollouts_come_from_the_quantized_model_with_its_live_adapter(preference_runs):
+    """The sampler's log-probability of each drawn token is the update's own (the quantized base
+    with the adapter as it trains, bitsandbytes' inference path against its training path) at every
+    step, after the adapter moved too: a merged or stale copy would differ by far more."""
+    grpo = [metrics for _, metrics in preference_runs["grpo"][0]["train_metrics"]]
+    assert len(grpo) == 3
+    assert all(g["sampling/sampling_logp_difference/max"] < 1e-4 for g in grpo), grpo

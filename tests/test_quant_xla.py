@@ -1,7 +1,9 @@
 """LoRA over a base kept in 8 or 4 bits on XLA and the plain CPU (xla_train.kernels.quant_xla): every
 adapter's gradient against a reference whose base is the dequantized weights in plain nn.Linear, on
 the CPU here and on XLA:CPU in one subprocess (which also counts a few training steps' graphs,
-fallbacks and host transfers against plain LoRA's); the adapter saved as peft saves it."""
+fallbacks and host transfers against plain LoRA's); the adapter saved as peft saves it; the
+quantized buffers' split under --strategy fsdp with and without --tensor-parallel (4 devices, one
+subprocess); a DPO run whose reference is the quantized base without the adapter."""
 
 import copy
 import json
@@ -255,27 +257,77 @@ def test_xla_run_over_a_4bit_base_trains_saves_and_predicts_on_a_base_quantized_
     assert rows == 48 and accuracy == pytest.approx(m["eval"]["accuracy"], abs=2 / 48)
 
 
-# --strategy fsdp (FSDPv2) on 2 XLA:CPU devices: the quantized buffers split with their rows, the
-# loss the CPU reference's
+# --strategy fsdp (FSDPv2) on 4 XLA:CPU devices, alone (fsdp=4) and with --tensor-parallel 2 (fsdp=2 x
+# tensor=2): the quantized buffers split with their rows over every device, three AdamW steps giving
+# the CPU reference's losses. Each XLA run before the CPU's (a backward on the CPU first leaves torch's
+# autograd engine without a queue for the XLA device: an internal assert).
 FSDP_SCRIPT = """
 import json, sys, torch, torch_xla
 sys.path.insert(0, sys.argv[1])
+from xla_train import Mesh
 from xla_train.core.engine import Engine
 from test_quant_xla import QUANTS, batch, pair
-model, reference, _ = pair("llama", QUANTS["nf4-nested"])
-engine = Engine("xla", strategy="fsdp")
-wrapped = engine.prepare(model)
-specs = {name.split(".")[-1]: torch_xla._XLAC._get_xla_sharding_spec(b) for name, b in wrapped.named_buffers()
-         if name.endswith((".qweight", ".scales", ".code"))}
-loss = wrapped(**{k: v.to(torch_xla.device()) for k, v in batch("llama").items()}).loss
-print(json.dumps({"specs": specs, "loss": loss.item(), "reference": reference(**batch("llama")).loss.item()}))
+
+def train(model, engine=None):
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    device, specs = "cpu", {}
+    if engine:
+        model, optimizer = engine.prepare(model, optimizer)
+        device = engine.device
+        specs = {name.split(".")[-1]: torch_xla._XLAC._get_xla_sharding_spec(b) for name, b in model.named_buffers()
+                 if name.endswith((".qweight", ".scales", ".code"))}
+    inputs, losses = {k: v.to(device) for k, v in batch("llama").items()}, []
+    for _ in range(3):
+        loss = model(**inputs).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if engine:
+            torch_xla.sync()
+        losses.append(loss.item())
+    return {"losses": losses, "specs": specs}
+
+out = {f"tensor{n}": train(pair("llama", QUANTS["nf4-nested"])[0].train(), Engine("xla", strategy="fsdp",
+                                                                                  mesh=Mesh(tensor=n)))
+       for n in (1, 2)}
+out["cpu"] = train(pair("llama", QUANTS["nf4-nested"])[1].train())
+print(json.dumps(out))
 """
 
 
-def test_fsdp_splits_the_quantized_buffers_with_their_rows():
-    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "2"}
+def test_fsdp_and_tensor_parallel_split_the_quantized_buffers_with_their_rows():
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}
     proc = run_python(["-c", FSDP_SCRIPT, HERE], env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["specs"] == {"qweight": "{devices=[2,1]0,1}", "scales": "{devices=[2,1]0,1}", "code": ""}, out
-    assert out["loss"] == pytest.approx(out["reference"], abs=1e-5)
+    every_device = {"qweight": "{devices=[4,1]0,1,2,3}", "scales": "{devices=[4,1]0,1,2,3}", "code": ""}
+    assert out["tensor1"]["specs"] == every_device, out  # fsdp=4
+    assert out["tensor2"]["specs"] == every_device, out  # fsdp=2 x tensor=2: over tensor too
+    for mesh in ("tensor1", "tensor2"):
+        torch.testing.assert_close(out[mesh]["losses"], out["cpu"]["losses"], atol=1e-5, rtol=0, msg=mesh)
+    assert out["cpu"]["losses"][-1] < out["cpu"]["losses"][0]  # the adapters trained
+
+
+def test_dpo_over_a_4bit_base_on_xla_takes_the_base_without_the_adapter_as_its_reference(tmp_path):
+    """--problem dpo --lora --load-in-4bit on XLA:CPU (QuantLinear under peft's layers): at the first
+    step the adapters are zero, so the rewards (policy against reference) are 0 only if the reference
+    pass is the same quantized base with the adapter switched off; then they move; no aten fallback,
+    only the adapters train, the folder is the adapter (nothing merged)."""
+    import tiny_decoders as td
+    from conftest import run_cli
+    from test_dpo import pairs
+
+    model = td.save("llama", tmp_path / "llama", chat=True, letters=True)
+    proc, m = run_cli(["--backend", "xla", "--problem", "dpo", "--model", model, "--lora", "--load-in-4bit",
+                       "--lora-dropout", 0, "--train-file", td.write_jsonl(tmp_path / "p.jsonl", pairs(48, 1)),
+                       "--validation-file", td.write_jsonl(tmp_path / "d.jsonl", pairs(8, 2)), "--max-length", 32,
+                       "--buckets", 32, "--batch-size", 16, "--lr", 3e-3, "--max-steps", 3, "--log-every", 1,
+                       "--no-data-cache", "--output-dir", tmp_path / "out"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "--load-in-4bit: 14 linear projections of the base held in nf4" in proc.stdout
+    steps = [metrics for _, metrics in m["train_metrics"]]
+    assert abs(steps[0]["rewards/chosen"]) < 1e-6 and abs(steps[0]["rewards/rejected"]) < 1e-6, steps[0]
+    assert any(abs(s["rewards/chosen"]) > 1e-4 for s in steps[1:]), steps
+    assert m["xla"]["aten_fallbacks"] == 0 and m["trainable_params"] < m["total_params"] / 10, m["xla"]
+    assert (tmp_path / "out" / "adapter_model.safetensors").is_file()
+    assert not (tmp_path / "out" / "model.safetensors").exists()

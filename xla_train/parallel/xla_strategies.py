@@ -319,12 +319,17 @@ class XlaFsdp(XlaSpmd):
     def _split_rows(self, model: torch.nn.Module) -> None:
         """A quantized base's buffers (kernels.quant_xla.QuantLinear.ROW_BUFFERS: the int8 or packed
         4-bit weight and its scales, no parameters, so FSDPv2 leaves them whole on every device)
-        split with their rows over the axes FSDP splits parameters over. The wrappers moved them to
-        the devices whole, one block at a time."""
+        split with their rows over the axes FSDP splits parameters over, and over `tensor` too
+        under --tensor-parallel (the memory plan divides the base by every device; a QuantLinear is
+        no nn.Linear, so the tensor plan leaves it alone and the compiler gathers its rows for the
+        matmul, as FSDP's). The wrappers moved them to the devices whole, one block at a time."""
         import torch_xla.distributed.spmd as xs
 
         buffers = [getattr(m, name) for m in model.modules() for name in getattr(m, "ROW_BUFFERS", ())]
-        axes = self.layout().param_axes() if buffers else None
+        layout = self.layout()
+        axes = layout.param_axes() if buffers else None
+        if buffers and layout.tensor > 1:
+            axes = (*(() if axes is None else (axes,) if isinstance(axes, str) else axes), tensor_plan.TENSOR)
         for buffer in buffers:
             xs.mark_sharding(buffer, self.mesh(), (axes,) + (None,) * (buffer.dim() - 1))
 
