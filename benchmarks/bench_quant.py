@@ -181,7 +181,7 @@ def main():
     args = parse()
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    task = make_task(out)
+    task = None if args.report else make_task(out)
     runs = {(b, v): [] for b in args.backends for v in args.variants}
     for seed in args.seeds:  # seed by seed: an interrupted bench has every variant of its first seeds
         for (backend, variant), done in runs.items():
