@@ -130,6 +130,26 @@ def test_quantized_layer_layouts_and_bytes():
     assert sizes["nf4-nested"] == pytest.approx(0.2582, abs=0.0001)  # the scales in int8 (QLoRA's 0.26x)
 
 
+def test_bf16_rounds_the_dequantized_weight_once():
+    """Under bf16 the weight a quantized layer computes with, forward and backward, is its float32
+    dequantized weight rounded to bf16 once: no scale or code value rounded to bf16 before their product."""
+    from xla_train.kernels.quant_xla import QuantLinear
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(128, 32, bias=False)
+    x = torch.randn(4, 128)
+    for kind, quant in QUANTS.items():
+        layer = QuantLinear(linear, quant.kind, nested=quant.nested)
+        w = layer.dequantize().to(torch.bfloat16)
+        assert torch.equal(layer.dequantize(torch.bfloat16), w), kind
+        inputs = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = layer(inputs)
+        y.backward(torch.ones_like(y))
+        assert torch.equal(y, torch.nn.functional.linear(x.bfloat16(), w)), kind
+        assert torch.equal(inputs.grad, (torch.ones_like(y) @ w).float()), kind
+
+
 def test_saved_adapter_is_plain_lora_and_merge_is_refused(tmp_path):
     model, reference, _ = pair("llama", QUANTS["nf4"])
     assert _adapter_keys(model, tmp_path / "quant") == _adapter_keys(reference, tmp_path / "plain")
@@ -185,6 +205,14 @@ for family, kind in XLA_PAIRS:
     got, want = ({k: g.cpu() for k, g in grads.items()} for grads in (got, want))
     out["grads"][f"{family}-{kind}"] = max((got[k] - want[k]).abs().max().item() for k in got)
     out["zero"][f"{family}-{kind}"] = sum(int(g.abs().sum().item() == 0) for g in got.values())
+# one-hot inputs read an int8 layer's dequantized weight back through torch_xla's quantized matmul
+# under bf16 autocast: rounded to bf16 once, the scale applied in float32
+from xla_train.kernels.quant_xla import QuantLinear
+layer = QuantLinear(torch.nn.Linear(64, 32, bias=False), "int8")
+want = layer.dequantize().T.to(torch.bfloat16)
+with torch.autocast("xla", dtype=torch.bfloat16):
+    read = layer.to(dev)(torch.eye(64, device=dev)).cpu()
+out["read_back"] = int((read != want).sum())
 for kind in ("plain", "int8", "nf4"):
     model = pair("llama", QUANTS[kind])[0] if kind != "plain" else _with_lora(_base("llama"), "llama")
     model = model.to(dev).train()
@@ -215,6 +243,7 @@ def test_every_adapter_gets_the_reference_gradient_on_xla(on_xla):
     assert len(on_xla["grads"]) == len(XLA_PAIRS)
     assert all(v <= 1e-5 for v in on_xla["grads"].values()), on_xla["grads"]
     assert not any(on_xla["zero"].values()), on_xla["zero"]  # no adapter without a gradient
+    assert on_xla["read_back"] == 0, on_xla["read_back"]  # the int8 matmul's weight rounded to bf16 once
 
 
 def test_quantized_steps_on_xla_are_as_clean_as_plain_lora(on_xla):

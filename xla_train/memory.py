@@ -15,7 +15,7 @@ from typing import Any
 from .core.errors import UserError
 from .core.peaks import experts_of
 from .kernels.lm_loss import CHUNK_TOKENS
-from .kernels.quant import Quant, projection_bytes
+from .kernels.quant import Quant, projection_bytes, quantized_weight
 from .parallel.mesh import Mesh
 from .parallel.tensor_parallel import kv_heads_per_device
 from .tasks.base import PassInputs
@@ -156,7 +156,7 @@ def _quantized_projections(model, head) -> tuple[dict[int, tuple[int, int]], set
     module holds as parameters; not the bias). Read from the module, not the weight's shape, so that it
     counts the same before quantization and after: bitsandbytes' Linear8bitLt and Linear4bit keep
     nn.Linear's sizes over their packed weight (Params4bit is [out x in / 2, 1]), the XLA path's
-    QuantLinear its sizes over a `qweight` buffer (kernels.quant_xla), and peft's LoRA layer gives its
+    QuantLinear its sizes over its packed weight (kernels.quant.quantized_weight), and peft's LoRA layer gives its
     base layer's `weight` and sizes."""
     import torch
 
@@ -164,7 +164,7 @@ def _quantized_projections(model, head) -> tuple[dict[int, tuple[int, int]], set
     found, held = {}, set()
     for m in model.modules():
         weight, out_features, in_features = (getattr(m, n, None) for n in ("weight", "out_features", "in_features"))
-        weight = getattr(m, "qweight", None) if weight is None else weight  # the XLA path's QuantLinear: buffers
+        weight = quantized_weight(m) if weight is None else weight  # the XLA path's QuantLinear: buffers
         if (isinstance(weight, torch.Tensor) and isinstance(out_features, int) and isinstance(in_features, int)
                 and not weight.requires_grad and weight is not head_weight):
             found[id(weight)] = (out_features, in_features)

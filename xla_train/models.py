@@ -13,6 +13,7 @@ from pathlib import Path
 
 from .core.errors import UserError, first_line
 from .kernels import bnb  # (imports no torch) quiets bitsandbytes' warnings before peft imports it
+from .kernels.quant import quantized_weight
 
 BUNDLED_MODEL = "the bundled MiniLM-L6-H384"
 
@@ -174,7 +175,8 @@ def default_lora_targets(model):
         return list(peft_default)
     found = {name for parent in model.modules() if "Attention" in type(parent).__name__
              for name, child in parent.named_children()
-             if name in ATTENTION_PROJECTIONS and (isinstance(child, torch.nn.Linear) or hasattr(child, "qweight"))}
+             if name in ATTENTION_PROJECTIONS
+             and (isinstance(child, torch.nn.Linear) or quantized_weight(child) is not None)}
     if not found:
         raise UserError(f"--lora: no default targets for model type {model_type!r} (neither peft's default for it "
                         f"nor an attention projection {'/'.join(ATTENTION_PROJECTIONS)} is in the model); name "
@@ -239,9 +241,10 @@ def load_base(load, quant, accelerator, precision, name):
 
 def holds_quantized_base(model):
     """Whether `model`'s base is held in 8 or 4 bits: loaded through bitsandbytes (transformers'
-    `hf_quantizer`) or holding the XLA path's QuantLinear (its `qweight` buffer)."""
+    `hf_quantizer`) or holding the XLA path's QuantLinear (kernels.quant.quantized_weight)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return getattr(base, "hf_quantizer", None) is not None or any(hasattr(m, "qweight") for m in base.modules())
+    return getattr(base, "hf_quantizer", None) is not None or any(quantized_weight(m) is not None
+                                                                 for m in base.modules())
 
 
 def record_quantization(folder, quant):

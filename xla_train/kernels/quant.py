@@ -4,6 +4,7 @@ Imports no torch at module level (the options read `Quant`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 FOUR_BIT_TYPES = ("nf4", "fp4")  # bitsandbytes' 4-bit types (TRL's --bnb_4bit_quant_type)
 BLOCK = 64  # 4-bit: inputs per scale (bitsandbytes' default blocksize for NF4)
@@ -48,6 +49,13 @@ class Quant:
 #   (quantize_blockwise), with one fp32 absmax a block of 256 of those: 0.5 + 1/64 + 4/(64 x 256)
 #   bytes a weight, 0.127 bits of scales a weight. The per-tensor constants (the 16- and 256-entry
 #   code books, the offset) are left out: about 1 KiB a projection.
+
+
+def quantized_weight(module: Any) -> Any:
+    """The packed weight of the XLA path's QuantLinear (kernels.quant_xla: its `qweight` buffer), or
+    None for any other module: the one rule that tells a projection held quantized on XLA, for the
+    memory plan (which imports neither peft nor torch_xla) and the models' checks alike."""
+    return getattr(module, "qweight", None)
 
 
 def projection_bytes(quant: Quant, out_features: int, in_features: int) -> int:

@@ -108,13 +108,15 @@ class QuantLinear(torch.nn.Module):
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight [out, in] in `dtype`, computed from the buffers on their device (shifts, masks
-        and a 16-entry lookup: no host transfer)."""
+        and a 16-entry lookup: no host transfer). Computed in float32 and rounded to `dtype` once:
+        the scales and code values rounded to bf16 before their product would round each weight
+        twice (measured: 0.3e-3 more relative error in a bf16 backward's input gradient)."""
         if self.kind == "int8":
-            return (self.qweight.to(dtype) * self.scales.to(dtype)[:, None])
+            return (self.qweight.float() * self.scales[:, None]).to(dtype)
         packed = self.qweight
         codes = torch.stack((packed & 15, packed >> 4), dim=-1).view(self.out_features, self.in_features)
-        values = self.code.to(dtype)[codes.long()].view(self.out_features, -1, self.block)
-        return (values * self.row_scales().to(dtype)[..., None]).view(self.out_features, self.in_features)
+        values = self.code[codes.long()].view(self.out_features, -1, self.block)
+        return (values * self.row_scales()[..., None]).view(self.out_features, self.in_features).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _QuantMatmul.apply(x, self)
@@ -146,13 +148,15 @@ class _QuantMatmul(torch.autograd.Function):
 def _xla_int8(x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
     """torch_xla's weight-only int8 matmul, per channel (torch_xla 2.9
     experimental/xla_quantized_matmul.py, quantized_matmul_xla: F.linear(x, w_int8) * scale, the
-    int8 weight converted inside the graph). It computes in x's dtype, so under autocast x and the
-    scale go in autocast's dtype first (as F.linear's autocast would; its output would otherwise
-    come back float32 from the float32 scale)."""
+    int8 weight converted inside the graph). The matmul computes in x's dtype, so under autocast x
+    goes in autocast's dtype first (as F.linear's autocast would); the product with the float32
+    scale comes back float32 and is rounded to that dtype."""
     import torch_xla.experimental.xla_quantized_matmul  # noqa: F401  (defines torch.ops.xla.quantized_matmul)
 
     dtype = torch.get_autocast_dtype("xla") if torch.is_autocast_enabled("xla") else x.dtype
-    out = torch.ops.xla.quantized_matmul(x.to(dtype), layer.qweight, layer.scales.to(dtype))
+    # the float32 scale multiplies the matmul's output (F.linear's, in `dtype`) before its rounding
+    # to `dtype`: a scale rounded to bf16 would shift every output of its row alike, by up to 0.4%
+    out = torch.ops.xla.quantized_matmul(x.to(dtype), layer.qweight, layer.scales).to(dtype)
     return out if layer.bias is None else out + layer.bias.to(dtype)
 
 
