@@ -67,6 +67,8 @@ setup(
         "trackers": ["mlflow==3.17.2", "wandb"],
         "profile": ["tensorboard-plugin-profile"],  # TensorBoard's Profile tab for --profile-steps
         "quant": QUANT,  # a LoRA base in 8 or 4 bits on CUDA and the CPU (bitsandbytes)
+        # --tools with a tokenizer that has no response template: TRL's add_response_schema sets one
+        "agents": ["trl>=1.16,<2"],
         "test": TEST,  # the tests without torch_xla (make test-torch)
         # every test (make test), and TRL for benchmarks/bench_sft.py (TRL's SFTTrainer side by side)
         # and jax (torch_xla's pallas extra), whose Pallas TPU kernels run in interpret mode on the

@@ -63,9 +63,9 @@ def _suffix(tok, name="multiply", content="156"):
 def test_parsing_is_trls(tok):
     """A call is parsed into TRL's message, its arguments typed by the tool's schema; a plain turn
     is its text; a malformed call stays text (TRL's parse_response), as does a call without a name."""
-    from xla_train.tasks.tools import parse, specs_of
-
     import tool_task
+
+    from xla_train.tasks.tools import parse, specs_of
 
     schemas = [tool_task.schema()]
     prefix = tok.apply_chat_template(QUESTION, tools=schemas, add_generation_prompt=True, tokenize=True,
@@ -211,3 +211,97 @@ def test_the_tools_results_carry_no_gradient(tok):
     tool = ~played.made & kept
     assert (rollout.labels[:, ids.shape[1] - 1:-1][tool] == IGNORE).all()
     assert (grad[tool] == 0).all() and (grad[played.made] > 0).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# Runs
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    """The scripted model (its first turn a call of multiply or a malformed call, even odds, each
+    ending its turn) and tool_task's prompts: 16 to train on, 8 held out."""
+    import tiny_decoders as td
+    import tool_task
+
+    folder = tmp_path_factory.mktemp("tool_task")
+    script = {"Ċ": {tm.CALL: 30.0, tm.MALFORMED: 30.0}, tm.CALL: {END: 30.0}, tm.MALFORMED: {END: 30.0}}
+    return {"model": tm.save(folder / "model", script), "folder": folder,
+            "train": td.write_jsonl(folder / "train.jsonl", tool_task.tool_rows(16, 1, "prompts")),
+            "validation": td.write_jsonl(folder / "validation.jsonl", tool_task.tool_rows(8, 2, "prompts"))}
+
+
+def tool_args(task, *extra):
+    return ["--backend", "cpu", "--problem", "grpo", "--model", task["model"], "--train-file", task["train"],
+            "--validation-file", task["validation"], "--reward", "xla_train.rewards:number_match", "--tools", MULTIPLY,
+            "--max-tool-calling-iterations", 1, "--num-generations", 4, "--batch-size", 8,
+            "--max-completion-length", 64, "--max-length", 48, "--no-data-cache", "--max-steps", 2, "--log-every", 1,
+            *extra]
+
+
+def _check_run(m):
+    """Both steps called the tool from about half their completions (the script's odds), none
+    failed; the completions' lengths count the model's tokens only (a call and its end: 2, then
+    the second turn's 2), not the tool's result."""
+    assert m["steps"] == 2 and all(math.isfinite(loss) for _, loss, _ in m["train_loss"]), m["train_loss"]
+    for _, metrics in m["train_metrics"]:
+        assert 0 < metrics["tools/call_frequency"] < 1 and metrics["tools/failure_frequency"] == 0, metrics
+        assert metrics["completions/max_length"] <= 4, metrics
+    assert m["eval"]["n"] == 8 and math.isfinite(m["eval"]["reward"])
+
+
+def test_a_grpo_run_calls_the_tool(task, tmp_path):
+    """A short GRPO run on the CPU with --tools tests/tool_task.py:multiply: the model's calls are
+    run, their results appended, the metrics logged under TRL's names."""
+    proc, m = run_cli(tool_args(task), tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _check_run(m)
+
+
+@pytest.mark.slow
+def test_xla_compiles_a_bounded_number_of_graphs_across_tool_turns(task, tmp_path):
+    """The run on XLA:CPU over 2 epochs of 8 prompts: the prompt's pass, the one-token step and the
+    appended chunk's pass (training's and evaluation's shapes), the step's graphs: none after the
+    first epoch, whatever the turns; no aten fallback; a host transfer per turn."""
+    import tiny_decoders as td
+    import tool_task
+
+    train = td.write_jsonl(tmp_path / "train.jsonl", tool_task.tool_rows(8, 3, "prompts"))
+    args = tool_args({**task, "train": train}, "--epochs", 2, "--max-steps", 8)
+    args[args.index("cpu")] = "xla"
+    proc, m = run_cli(args, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    xla = m["xla"]
+    assert xla["compiles"] <= 16 and xla["compiles_after_first_epoch"] == 0 and xla["aten_fallbacks"] == 0, xla
+    # a transfer for the first turn and one for the second (--max-tool-calling-iterations 1), and the log point's
+    assert xla["host_syncs_per_step"] <= 3, xla
+    assert m["steps"] == 8 and all(0 < s["tools/call_frequency"] < 1 for _, s in m["train_metrics"])
+
+
+def test_mistakes_with_tools_are_one_line(task, tools_file, tmp_path, capsys):
+    """A tool that cannot be described, a chat template that cannot render tools, --tools on
+    another kind, --max-tool-calling-iterations without tools, --tools on text prompts: one line each."""
+    import tiny_decoders as td
+
+    plain = tmp_path / "plain"
+    tm.save(plain, {})
+    tok = td.family_tokenizer("qwen2")  # Qwen3's template as the tests shape it: no tools
+    tok.save_pretrained(plain)
+    capsys.readouterr()
+    text = td.write_jsonl(tmp_path / "text.jsonl", [{"prompt": "What is 2 times 3?", "answer": "6"}] * 4)
+    cases = [
+        (["--tools", f"{tools_file}:nodoc"], f"--tools {tools_file}:nodoc: the chat template cannot be told about it"),
+        (["--tools", "nowhere.py:f"], "--tools nowhere.py:f: no such file nowhere.py"),
+        (["--model", plain], "--tools: the chat template does not render tool calls, their results and the tools"),
+        (["--train-file", text, "--validation-file", text], "--tools needs chat prompts"),
+    ]
+    for extra, message in cases:
+        assert main(["train", *map(str, tool_args(task, *extra))]) == 2, extra
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, (extra, err)
+    assert main(["train", "--backend", "cpu", "--tools", MULTIPLY]) == 2
+    assert "--tools applies to --problem grpo" in capsys.readouterr().err
+    args = tool_args(task)
+    del args[args.index("--tools"):args.index("--tools") + 2]
+    assert main(["train", *map(str, args)]) == 2
+    assert "--max-tool-calling-iterations applies to rollouts with --tools" in capsys.readouterr().err

@@ -10,12 +10,14 @@ tool calls are single tokens of its tokenizer (Qwen2's byte-level kind, `family_
 
 The chat template (`TOOL_TEMPLATE`) is ChatML with tools as Qwen2.5's renders them (a system turn
 listing the tools, calls as <tool_call> JSON, results as a user turn's <tool_response>), without its
-long default system text; `RESPONSE_TEMPLATE` parses calls as Qwen's response template does."""
+long default system text and with the tools' names only (a short prompt); `RESPONSE_TEMPLATE`
+parses calls as Qwen's response template does."""
 
 import tiny_decoders as td
 
 TOOL_TEMPLATE = (
-    "{% if tools %}<|im_start|>system\n<tools>\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}</tools><|im_end|>\n"
+    "{% if tools %}<|im_start|>system\n<tools>{% for t in tools %} {{ t['function']['name'] }}{% endfor %}</tools>"
+    "<|im_end|>\n"
     "{% endif %}{% for m in messages %}{% if m['role'] == 'assistant' %}<|im_start|>assistant\n{{ m['content'] }}"
     "{% for c in m.get('tool_calls') or [] %}<tool_call>\n{\"name\": \"{{ c['function']['name'] }}\", \"arguments\": "
     "{{ c['function']['arguments'] | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n"
