@@ -65,6 +65,7 @@ def test_parsing_is_trls(tok):
     is its text; a malformed call stays text (TRL's parse_response), as does a call without a name."""
     import tool_task
 
+    from xla_train.options import from_sections
     from xla_train.tasks.tools import parse, specs_of
 
     schemas = [tool_task.schema()]
@@ -82,6 +83,34 @@ def test_parsing_is_trls(tok):
     nameless = '<tool_call>\n{"arguments": {"a": 1}}\n</tool_call>'
     assert parsed(nameless + END) == {"role": "assistant", "content": nameless}
     assert specs_of(f" {MULTIPLY},x.py:f ") == (MULTIPLY, "x.py:f")
+    recipe = {"data": {"problem": "grpo"}, "grpo": {"tools": [MULTIPLY, "x.py:f"]}}  # a YAML list
+    assert specs_of(from_sections(recipe).kind_options().tools) == (MULTIPLY, "x.py:f")
+
+
+def test_a_known_familys_response_template_comes_from_trl():
+    """A tokenizer without a response template whose chat template TRL knows (Qwen 2.5's, as TRL
+    ships it) gets TRL's (add_response_schema) and parses calls; an unknown one is one line."""
+    import importlib.util
+    from pathlib import Path
+
+    from xla_train.core.errors import UserError
+    from xla_train.tasks.tools import Toolbox, parse
+
+    tok = tm.tokenizer()
+    tok.response_template = None
+    trl = Path(importlib.util.find_spec("trl").submodule_search_locations[0])
+    tok.chat_template = (trl / "chat_templates" / "qwen2_5.jinja").read_text()
+    toolbox = Toolbox((MULTIPLY,))
+    toolbox.check(tok)
+    assert tok.response_template is not None
+    prefix = tok.apply_chat_template(QUESTION, tools=toolbox.schemas, add_generation_prompt=True, tokenize=True,
+                                     return_dict=False)
+    call = parse(tok, tok(tm.CALL + END, add_special_tokens=False)["input_ids"], prefix, toolbox.schemas)
+    assert call["tool_calls"][0]["function"] == {"name": "multiply", "arguments": {"a": 12, "b": 13}}
+    tok = tm.tokenizer()
+    tok.response_template = None
+    with pytest.raises(UserError, match="add_response_schema does not know its chat template"):
+        Toolbox((MULTIPLY,)).check(tok)
 
 
 def test_a_tool_turn_is_appended_and_out_of_the_loss(tok):
