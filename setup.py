@@ -67,10 +67,10 @@ setup(
         "trackers": ["mlflow==3.17.2", "wandb"],
         "profile": ["tensorboard-plugin-profile"],  # TensorBoard's Profile tab for --profile-steps
         "quant": QUANT,  # a LoRA base in 8 or 4 bits on CUDA and the CPU (bitsandbytes)
-        # TRL's training chat templates (trl.chat_template_utils.get_training_chat_template), which find
-        # the assistant turns of tool-calling traces where the family's own template rewrites earlier
-        # turns (Qwen3's): causal-lm rows with a tools column
-        "trl": ["trl>=1.16,<2"],
+        # TRL, for tool use: its training chat templates find the assistant turns of tool-calling traces
+        # where the family's own template rewrites earlier turns (Qwen3's; get_training_chat_template),
+        # and add_response_schema gives --tools a response template where the tokenizer has none
+        "agents": ["trl>=1.16,<2"],
         "test": TEST,  # the tests without torch_xla (make test-torch)
         # every test (make test), and TRL for benchmarks/bench_sft.py (TRL's SFTTrainer side by side)
         # and jax (torch_xla's pallas extra), whose Pallas TPU kernels run in interpret mode on the

@@ -21,7 +21,7 @@ from xla_train.tasks.causal_lm import IGNORE, chat, documents, prompt_ids
 @pytest.fixture(scope="module")
 def trl_templates():
     """TRL's module of chat templates: the published ones, as TRL 1.16 copies them (the dev
-    extra; xla-train[trl]). Imported when a test needs it, not at collection."""
+    extra; xla-train[agents]). Imported when a test needs it, not at collection."""
     return pytest.importorskip("trl.chat_template_utils")
 
 

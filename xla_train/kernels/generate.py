@@ -244,3 +244,178 @@ def _logits_to_keep(model):
     """Only the last position's logits, where the model can leave out the others."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(base.forward).parameters else {}
+
+
+# ---------------------------------------------------------------------------------------------
+# Several turns in one cache: a rollout whose rows take tool results between their turns
+
+
+class RowSlots(Slots):
+    """`Slots` written at each row's own slots after the prompt's pass: rows of a multi-turn
+    rollout advance by different counts (one row's tool result is longer, another row has
+    ended). `plan[size]` (set by `Turns` before each call) holds each row's slots for the call's
+    tokens and which of them to write; the others keep what they hold (a row that waits writes
+    nothing). A call's slots are consecutive for each row and at most `size` of them (Turns' chunk),
+    so no two of a row's writes meet in one call."""
+
+    def __init__(self, size: int, plan: dict) -> None:
+        super().__init__(size)
+        self.plan = plan
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.prefilled:  # the prompt's pass: every row's prompt ends at the same slot
+            return super().update(key_states, value_states, *args, **kwargs)
+        at, write = self.plan[self.max_cache_len]  # [rows, new] slots, [rows, new] bool
+        index = at[:, None, :, None].expand_as(key_states)
+        keep = write[:, None, :, None]
+        self.keys.scatter_(2, index, torch.where(keep, key_states, self.keys.gather(2, index)))
+        self.values.scatter_(2, index, torch.where(keep, value_states, self.values.gather(2, index)))
+        return self.keys, self.values
+
+
+class Turns:
+    """Generation that stops and resumes: a batch of left-padded prompts, then each row's
+    completion of up to `sampling.max_new_tokens` tokens after its prompt, made in turns. Between
+    turns the host appends tokens to chosen rows (a tool's result, rendered as the chat template's
+    tool turn) and generation resumes in the same preallocated cache (`RowSlots`: the prompt's
+    bucket plus the budget for full-attention layers, the window for sliding ones, as
+    `static_generate`'s), so a row keeps one shape whatever its turns.
+
+    Every row has its own cursor (`cur`: the completion tokens it holds; the last of them is still
+    to be fed), so rows that end, wait or resume at different places share the graphs: the prompt's
+    pass (one per bucket), one decode step (one token for every row; a row that ended or waits
+    writes nothing) and one pass over `chunk` appended tokens (appended tokens are left-padded to
+    a multiple of `chunk` per turn, so every row's ends with the last chunk and its next token is
+    picked there). A slot's mask is read from the position of the token it holds (`held`), so the
+    window rule of sliding layers holds across turns.
+
+    `state()` is what the host reads between turns (one transfer); `resume` takes it back with the
+    appended tokens (one copy to the device)."""
+
+    def __init__(self, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, sampling: Sampling,
+                 cut_graph: Any, chunk: int = 16) -> None:
+        rows, length = input_ids.shape
+        budget = sampling.max_new_tokens
+        device = input_ids.device
+        self.model, self.sampling, self.cut_graph, self.length, self.budget = model, sampling, cut_graph, length, budget
+        config = model.config.get_text_config(decoder=True)
+        other = set(getattr(config, "layer_types", None) or []) - {"full_attention", "sliding_attention"}
+        if other:
+            raise UserError(f"generation with static shapes serves full and sliding-window attention layers; the "
+                            f"model has {', '.join(sorted(other))} layers")
+        self.windows = layer_windows(config, length + budget)
+        # A sliding layer's ring holds its window and a chunk less one: a chunk's first query still
+        # sees the window before it once the chunk's last token is written (the mask, by `held`,
+        # keeps the window rule).
+        self.chunk = chunk
+        self.sizes = {w: length + budget if w is None else min(w + chunk - 1, length + budget)
+                      for w in self.windows.values()}
+        self.plan: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        types = getattr(config, "layer_types", None) or [None] * config.num_hidden_layers
+        self.cache = Cache(layers=[RowSlots(self.sizes[self.windows[t]], self.plan) for t in types])
+        self.eager = eager_attention(config)
+        self.extra = {**_logits_to_keep(model), "cache": self.cache, "use_cache": True}
+        self.eos = torch.tensor(sampling.eos_ids, device=device)
+        self.columns = torch.arange(budget, device=device)
+        self.offsets = torch.arange(self.chunk, device=device)
+        # the prompt's pass, as static_generate's: its tokens one segment, its padding another
+        segments = attention_mask.long()
+        positions = (segments.cumsum(1) - 1).clamp(min=0)
+        masks = {w: document_mask(segments, window=w) for w in self.sizes}
+        logits = model(input_ids=input_ids, attention_mask=self._by_type(masks), position_ids=positions,
+                       **self.extra).logits
+        self.start = segments.sum(1)  # the position of each row's first completion token
+        # the position of the token each slot holds (-1: none): the prompt's last tokens at slot t % size
+        self.held = {}
+        for w, size in self.sizes.items():
+            kept = min(length, size)
+            at = torch.arange(length - kept, length, device=device) % size
+            real = torch.where(attention_mask[:, length - kept:].bool(), positions[:, length - kept:], -1)
+            self.held[w] = torch.full((rows, size), -1, dtype=torch.long, device=device).index_copy(1, at, real)
+        self.tokens = torch.full((rows, budget), sampling.pad_id, dtype=torch.long, device=device)
+        self.made = torch.zeros(rows, budget, dtype=torch.bool, device=device)  # the model's tokens (not appended)
+        self.cur = torch.zeros(rows, dtype=torch.long, device=device)
+        self.done = torch.zeros(rows, dtype=torch.bool, device=device)
+        self._take(logits, ~self.done)
+        self.cut_graph()
+
+    def _by_type(self, masks: dict) -> Any:
+        """The model's `attention_mask` from one boolean mask per window (static_generate's `by_type`)."""
+        masks = {w: mask_for(m, self.eager) for w, m in masks.items()}
+        if len(masks) == 1:
+            return next(iter(masks.values()))
+        return {t: masks[w] for t, w in self.windows.items()}
+
+    def _take(self, logits: torch.Tensor, ready: torch.Tensor) -> None:
+        """The next token of every `ready` row (not ended, with room) from its last logits, at its cursor."""
+        token = pick(logits[:, -1], self.sampling)
+        put = (self.columns == self.cur[:, None]) & ready[:, None]
+        self.tokens = torch.where(put, token[:, None], self.tokens)
+        self.made = self.made | put
+        self.cur = self.cur + ready.long()
+        self.done = self.done | (ready & ((token[:, None] == self.eos).any(-1) | (self.cur >= self.budget)))
+
+    def _attend(self, index: torch.Tensor, write: torch.Tensor, query: torch.Tensor) -> Any:
+        """Records the slots of the completion tokens at `index` ([rows, n]) that `write` says are
+        fed now, and the mask of queries at positions `query` ([rows, n]) over every slot."""
+        masks = {}
+        for w, size in self.sizes.items():
+            at = (self.length + index) % size
+            self.held[w] = self.held[w].scatter(1, at, torch.where(write, self.start[:, None] + index,
+                                                                   self.held[w].gather(1, at)))
+            self.plan[size] = (at, write)
+            held = self.held[w][:, None, None, :]
+            seen = (held >= 0) & (held <= query[:, None, :, None])
+            if w is not None:
+                seen = seen & (query[:, None, :, None] - held < w)
+            masks[w] = seen
+        return self._by_type(masks)
+
+    def decode(self, steps: int) -> None:
+        """`steps` tokens more for every row still generating: each step feeds a row's last token."""
+        for _ in range(steps):
+            ready = ~self.done
+            index = (self.cur - 1).clamp(min=0)[:, None]
+            query = self.start[:, None] + index
+            mask = self._attend(index, ready[:, None], query)
+            token = self.tokens.gather(1, index)
+            logits = self.model(input_ids=token, attention_mask=mask, position_ids=query, **self.extra).logits
+            self._take(logits, ready)
+            self.cut_graph()  # every step is then the same graph
+
+    def state(self) -> list[torch.Tensor]:
+        """What the host reads between turns: tokens [rows, budget], which of them the model made,
+        each row's cursor and whether it has ended (booleans as 0/1)."""
+        return [self.tokens, self.made.long(), self.cur, self.done.long()]
+
+    def resume(self, tokens: Any, made: Any, cur: Any, done: Any, feeds: list[list[int]]) -> None:
+        """Generation goes on after the host's turn: `tokens`, `made`, `cur`, `done` as the host
+        left them (host tensors: the appended tokens written, their rows' cursors past them, every
+        row that does not resume done) and each row's tokens to feed now (its last fed-to-be token,
+        then the appended ones; none for a row that does not resume), in chunks; then each resumed
+        row's next token."""
+        device = self.tokens.device
+        longest = max(len(f) for f in feeds)
+        span = -(-longest // self.chunk) * self.chunk
+        fed = torch.tensor([[self.sampling.pad_id] * (span - len(f)) + f for f in feeds], dtype=torch.long)
+        lengths = torch.tensor([len(f) for f in feeds], dtype=torch.long)
+        # split on the host: a slice of a device tensor at a moving offset would be a new graph per chunk
+        parts = [torch.as_tensor(x).long() for x in (tokens, made, cur, done)] + [lengths, *fed.split(self.chunk, 1)]
+        tokens, made, cur, done, lengths, *chunks = (x.to(device) for x in parts)
+        self.tokens, self.made, self.cur, self.done = tokens, made.bool(), cur, done.bool()
+        base = cur - span  # the completion index of each row's first fed slot (left padding before its feed)
+        first = cur - lengths  # its first fed token's
+        step = torch.zeros((), dtype=torch.long, device=device)
+        for piece in chunks:
+            index = base[:, None] + step + self.offsets
+            write = index >= first[:, None]
+            # padding queries stand where the row's cached tokens end (no row of a mask is empty)
+            query = self.start[:, None] + torch.where(write, index, first[:, None] - 1)
+            mask = self._attend(index, write, query)
+            logits = self.model(input_ids=piece, attention_mask=mask, position_ids=query,
+                                **self.extra).logits
+            ends = index[:, -1] + 1 == cur  # the row's feed ends in this chunk: its next token is picked here
+            self._take(logits, ends & ~self.done)
+            step = step + self.chunk
+            self.cut_graph()

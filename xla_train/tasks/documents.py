@@ -20,7 +20,7 @@ from .base import row_name
 
 FORMS = {"messages": ("messages",), "prompt/completion": ("prompt", "completion"), "text": ("text",)}
 TOOLS = "tools"  # messages' optional column: the tools' JSON schemas (TRL's SFTTrainer reads it so)
-TRL_EXTRA = "pip install 'xla-train[trl]'"  # setup.py's extra that brings TRL's training chat templates
+TRL_EXTRA = "pip install 'xla-train[agents]'"  # setup.py's extra that brings TRL's training chat templates
 IGNORE = -100  # labels the loss skips (torch's cross_entropy ignore_index, transformers' convention)
 SOURCE_ROW = "_source_row"  # a held-out split's rows: their position in the file, for messages
 

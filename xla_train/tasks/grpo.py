@@ -63,10 +63,11 @@ from .causal_lm import (
 )
 from .completion import Completions, Samples, end_ids, left_padded, samples_of
 from .declare import option
-from .documents import IGNORE, SOURCE_ROW, prompt_ids
+from .documents import IGNORE, SOURCE_ROW, _turns, prompt_ids
 from .dpo import peft_model_of
 from .kinds import register
 from .rewards import Reward, TrainerState, completions_of, rewards_of, score, total
+from .tools import TOOL_METRICS, Toolbox, ToolLoop, specs_of
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
 LEVELS = ("token", "sequence")  # --importance-sampling-level
@@ -127,6 +128,12 @@ class GRPOOptions:
                                  "log-probabilities they were sampled with")
     mask_truncated_completions: bool = option(False, "grpo: leave completions that reach --max-completion-length "
                                               "without ending out of the loss")
+    tools: str = option(None, "grpo: a tool the model may call during its rollouts, module:function or "
+                        "path/file.py:function, with type hints and a Google-style docstring (TRL's tools; "
+                        "tasks/tools.py); repeat the flag for several; --max-completion-length then counts every "
+                        "token after the prompt, tool results included, as TRL's", repeat=True)
+    max_tool_calling_iterations: int = option(None, "grpo: tool turns a completion may take (TRL's; default: until "
+                                              "it calls none, within --max-completion-length)")
 
     def check(self) -> None:
         if self.num_generations < 2:
@@ -148,6 +155,19 @@ class GRPOOptions:
             check_number(f"--{name.replace('_', '-')}", getattr(self, name), lambda x: x >= 0, "a number >= 0")
         check_number("--top-entropy-quantile", self.top_entropy_quantile, lambda x: 0 <= x <= 1, "in [0, 1]")
         rewards_of(self.reward, self.reward_weights)  # each function found now, before any data is read
+        check_number("--max-tool-calling-iterations", self.max_tool_calling_iterations, lambda x: x >= 0,
+                     "an integer >= 0")
+        if self.max_tool_calling_iterations is not None and not self.tools:
+            raise UserError("--max-tool-calling-iterations applies to rollouts with --tools")
+        toolbox = self.toolbox
+        if toolbox is not None:
+            assert toolbox.schemas  # each tool found and described now (one line where one cannot be)
+
+    @property
+    def toolbox(self) -> Toolbox | None:
+        """The --tools functions (None: none)."""
+        specs = specs_of(self.tools)
+        return Toolbox(specs) if specs else None
 
     @property
     def upper(self) -> float:
@@ -208,6 +228,7 @@ class PromptRows(Rows):
     form: str | None = None
     files: dict[str, str] | None = None
     completions: int = 8  # --num-generations: the completions a prompt makes in a batch
+    tools: tuple[str, ...] = ()  # --tools: the chat template renders the prompts with them
     unit = "prompts (each keeps its last tokens)"
 
     def batch_rows(self, batch_size: int) -> int:
@@ -220,6 +241,14 @@ class PromptRows(Rows):
         if self.form == "conversational" and not tokenizer.chat_template:
             raise UserError(f"{(self.files or {}).get('train', 'train')}: the prompts are chat turns, which need a "
                             "chat template, and the model's tokenizer has none; give the prompts as text")
+        schemas = None
+        if self.tools:
+            if self.form != "conversational":
+                raise UserError(f"{(self.files or {}).get('train', 'train')}: --tools needs chat prompts (TRL parses "
+                                "tool calls from conversational completions only); the prompts are text")
+            toolbox = Toolbox(self.tools)
+            toolbox.check(tokenizer)
+            schemas = toolbox.schemas
         data, truncated = {}, {}
         for split, ds in splits.items():
             path = (self.files or {}).get(split, split)
@@ -230,7 +259,12 @@ class PromptRows(Rows):
                 if self.form == "strings" and not isinstance(row["prompt"], str):
                     raise UserError(f"{where}: 'prompt' must be text, as the first row's is; found "
                                     f"{str(row['prompt'])[:60]!r}")
-                ids.append(prompt_ids({form: row["prompt"]}, form, tokenizer, where))
+                if schemas:  # TRL renders the prompts with the tools (GRPOTrainer._tokenize_prompts)
+                    text = tokenizer.apply_chat_template(_turns(row["prompt"], where),
+                                                         tools=schemas, tokenize=False, add_generation_prompt=True)
+                    ids.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+                else:
+                    ids.append(prompt_ids({form: row["prompt"]}, form, tokenizer, where))
                 extra.append(json.dumps({**row, "_where": where}, default=str))
             truncated[split] = sum(len(x) > max_length for x in ids)
             ids = [x[-max_length:] for x in ids]
@@ -331,6 +365,11 @@ class Rollouts:
         # each split's rows' columns, read at first use
         self.columns: dict[str, list[dict] | None] = dict.fromkeys(data)
         self.iterations = Iterations(own.num_iterations)  # --num-iterations: K updates on each rollout
+        toolbox = own.toolbox  # --tools: rollouts in turns, the tools run between them (tasks/tools.py)
+        self.loop = None
+        if toolbox is not None:
+            toolbox.check(self.tokenizer)
+            self.loop = ToolLoop(self.tokenizer, toolbox, own.max_tool_calling_iterations)
         # beta > 0: the reference, the model with its adapters disabled (--lora), else a frozen copy
         # of the model as training began (`initial`: its loading again, prepared for the device)
         self.reference, self.unadapted = None, contextlib.nullcontext
@@ -365,6 +404,9 @@ class Rollouts:
         group = self.objective.settings.num_generations if training else 1
         ids, mask = (batch[k].repeat_interleave(group, 0) for k in ("input_ids", "attention_mask"))
         plain = self.engine.unwrap_model(model)
+        self.state.global_step, self.state.epoch = step, epoch
+        if self.loop is not None:
+            return self.played(model, batch, ids, mask, split, group)
         was_training = model.training
         model.eval()
         # in the update's precision (bf16 autocast where asked, as predictions generate): the sampler is the
@@ -377,13 +419,42 @@ class Rollouts:
         # the one transfer of the rollout: the row numbers and the completions' tokens, for the rewards
         rows_and_tokens = torch.cat([batch["row"].repeat_interleave(group, 0)[:, None], tokens], 1)
         host = self.engine.to_host([rows_and_tokens])[0]  # split over devices (SPMD): shard by shard
-        self.state.global_step, self.state.epoch = step, epoch
         per_function, rewards, metrics = self.score(host[:, 0].tolist(), host[:, 1:], split, group)
         advantages = self.objective.advantages(rewards, group)
         out = self.batch(ids, mask, tokens, (advantages, metrics, rewards, per_function), training)
         if drawn is not None:  # training: the sampler's log-probabilities at the labels' positions (`batch`)
             edge = torch.zeros(len(ids), 1, device=ids.device)
             out["labels"].sampled = torch.cat([edge.expand(-1, ids.shape[1] - 1), drawn, edge], 1)
+            self.log_probabilities(model, out)
+        return out
+
+    def played(self, model: Any, batch: dict[str, Any], ids: Any, mask: Any, split: str, group: int) -> dict[str, Any]:
+        """`rollout` with --tools: the completions made in turns, the tools run between them
+        (tasks/tools.py ToolLoop, kernels/generate.py Turns: one transfer to the host per turn),
+        then scored and batched as `rollout`'s, the tools' results in the rows but out of the loss."""
+        import torch
+
+        from ..kernels.generate import Turns
+
+        assert self.loop is not None
+        training = split == "train"
+        was_training = model.training
+        model.eval()
+        with torch.no_grad():
+            turns = Turns(self.engine.unwrap_model(model), ids, mask, self.sampling if training else self.greedy,
+                          self.engine.cut_graph)
+            played = self.loop(turns, ids, mask, self.engine.to_host, batch["row"].repeat_interleave(group, 0))
+        model.train(was_training)
+        per_function, rewards, metrics = self.score(played.extra.tolist(), None, split, group, played)
+        advantages = self.objective.advantages(rewards, group)
+        lengths = torch.tensor(played.lengths)
+        kept = torch.arange(played.tokens.shape[1])[None] < lengths[:, None]
+        last = played.tokens.gather(1, (lengths - 1).clamp(min=0)[:, None])
+        ended = (last == torch.tensor(self.eos)).any(1, keepdim=True) & (lengths[:, None] > 0)
+        parts = [played.tokens, played.made, kept, ended]
+        tokens, made, kept, ended = (x.to(ids.device) for x in parts)
+        out = self.batch(ids, mask, tokens, (advantages, metrics, rewards, per_function), training, (made, kept, ended))
+        if training:
             self.log_probabilities(model, out)
         return out
 
@@ -407,53 +478,71 @@ class Rollouts:
                 with self.unadapted():
                     rollout.reference = logps(self.reference)
 
-    def score(self, rows: list[int], tokens: Any, split: str, group: int) -> tuple[Any, Any, Any]:
+    def score(self, rows: list[int], tokens: Any, split: str, group: int,
+              played: Any = None) -> tuple[Any, Any, Any]:
         """Every completion's rewards, per function ([completions, functions], NaN for None) and
         their weighted sum (NaN-skipping, as TRL's nansum), and the rollout's metrics (ROLLOUT_KEYS,
-        then each function's mean and std)."""
+        then each function's mean and std, then with --tools TOOL_METRICS). `played`: a rollout
+        with tools (tasks/tools.Played): its completions are lists of turns, its lengths count
+        the model's tokens only (TRL's, through tool_mask)."""
         import torch
 
         table = self.columns[split]
         if table is None:
             table = self.columns[split] = [json.loads(x) for x in self.data[split][EXTRA]]
         texts, ids, ended = [], [], []
-        for row in tokens.tolist():
-            end = next((i for i, t in enumerate(row) if t in self.eos), None)
-            texts.append(self.tokenizer.decode(row[:end], skip_special_tokens=True))
-            ids.append(row if end is None else row[:end + 1])  # the end-of-sequence token counted
-            ended.append(end is not None)
+        if played is None:
+            for row in tokens.tolist():
+                end = next((i for i, t in enumerate(row) if t in self.eos), None)
+                texts.append(self.tokenizer.decode(row[:end], skip_special_tokens=True))
+                ids.append(row if end is None else row[:end + 1])  # the end-of-sequence token counted
+                ended.append(end is not None)
+            counts = torch.tensor([len(x) for x in ids], dtype=torch.float32)
+        else:
+            ids = [row[:n] for row, n in zip(played.tokens.tolist(), played.lengths)]
+            ended = [bool(x) and x[-1] in self.eos for x in ids]
+            counts = played.made.sum(1).float()
         found = [table[r] for r in rows]
         prompts = [f["prompt"] for f in found]
         keys = [k for k in found[0] if k not in ("prompt", "completion", "completion_ids", "_where")]
         columns = {k: [f.get(k) for f in found] for k in keys}
-        per_function, _ = score(self.objective.rewards, prompts, completions_of(prompts, texts), ids, columns,
+        completions = completions_of(prompts, texts) if played is None else played.completions
+        per_function, _ = score(self.objective.rewards, prompts, completions, ids, columns,
                                 self.state, [f["_where"] for f in found])
         values = torch.tensor(per_function, dtype=torch.float32)  # [completions, functions]
         rewards = total(self.objective.rewards, values)
         grouped = rewards.view(-1, group)
         std = grouped.std(1) if group > 1 else torch.zeros(len(grouped))
-        counts = torch.tensor([len(x) for x in ids], dtype=torch.float32)
         metrics = [rewards.mean(), std.mean(), torch.isclose(std, torch.zeros_like(std)).float().mean(),
                    counts.mean(), counts.min(), counts.max(), 1 - torch.tensor(ended, dtype=torch.float32).mean()]
         for column in values.T:
             metrics += [column.nanmean(), _nanstd(column)]
+        if played is not None:
+            metrics += [torch.tensor(v) for v in played.calls.frequencies(len(ids))]
         return values, rewards, torch.stack(metrics)
 
-    def batch(self, ids: Any, mask: Any, tokens: Any, scored: tuple, training: bool) -> dict[str, Any]:
+    def batch(self, ids: Any, mask: Any, tokens: Any, scored: tuple, training: bool,
+              turns: tuple | None = None) -> dict[str, Any]:
         """The update's inputs: prompt and completion in one row, positions from the prompt's first
         token, segment 1 for real tokens (padding 0); labels the completion's tokens up to its first
-        end-of-sequence token (shifted: a token's label is the next token)."""
+        end-of-sequence token (shifted: a token's label is the next token). `turns` (--tools): which
+        tokens the model made, which the row holds and whether it ended, as the tool loop left
+        them: the tools' results are in the row and out of the labels (TRL's tool_mask)."""
         import torch
 
         device = ids.device
         own = self.objective.settings
-        eos = torch.tensor(self.eos, device=device)
-        is_eos = (tokens[..., None] == eos).any(-1)
-        after = (is_eos.long().cumsum(1) - is_eos.long()) > 0  # past the first end-of-sequence token
-        kept = ~after
-        trained = kept
+        if turns is None:
+            eos = torch.tensor(self.eos, device=device)
+            is_eos = (tokens[..., None] == eos).any(-1)
+            after = (is_eos.long().cumsum(1) - is_eos.long()) > 0  # past the first end-of-sequence token
+            made = kept = ~after
+            ended = is_eos.any(1, keepdim=True)
+        else:
+            made, kept, ended = (x.bool() for x in turns)
+        trained = made & kept
         if own.mask_truncated_completions and training:
-            trained = kept & is_eos.any(1, keepdim=True)
+            trained = trained & ended
         real = torch.cat([mask.bool(), kept], 1)
         length = ids.shape[1]
         labels = torch.full_like(real, IGNORE, dtype=torch.long)
@@ -721,7 +810,8 @@ class GroupObjective(Objective):
         return with_router_loss(loss, output.head)
 
     def step_metrics(self, output: Any, labels: Any) -> dict[str, Any] | None:
-        names = [*ROLLOUT_KEYS, *(f"rewards/{r.name}/{s}" for r in self.rewards for s in ("mean", "std"))]
+        names = [*ROLLOUT_KEYS, *(f"rewards/{r.name}/{s}" for r in self.rewards for s in ("mean", "std")),
+                 *(TOOL_METRICS if self.settings.tools else ())]
         return {**dict(zip(names, labels.metrics.unbind())), **output.metrics}
 
     # --- evaluation: the validation prompts' greedy completions, scored -----------------------
@@ -816,7 +906,7 @@ class GRPO(Task):
     # --- the parts --------------------------------------------------------------------------
     @cached_property
     def rows(self):
-        return PromptRows(self.form, self.files, self.settings.num_generations)
+        return PromptRows(self.form, self.files, self.settings.num_generations, specs_of(self.settings.tools))
 
     @cached_property
     def objective(self):

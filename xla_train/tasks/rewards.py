@@ -90,23 +90,24 @@ def rewards_of(specs: str | None, weights: str | None) -> tuple[Reward, ...]:
 _FOUND: dict[str, Callable[..., Any]] = {}
 
 
-def find(spec: str) -> Callable[..., Any]:
-    """The function `spec` names: `module:function` (importable) or `path/file.py:function`, or a
-    reward model's folder."""
+def find(spec: str, flag: str = "--reward") -> Callable[..., Any]:
+    """The function `spec` names: `module:function` (importable) or `path/file.py:function`, or
+    (`--reward`) a reward model's folder; `flag` names the option in messages (--tools finds its
+    functions here too)."""
     if spec in _FOUND:
         return _FOUND[spec]
-    if (Path(spec).expanduser() / "config.json").is_file():
+    if flag == "--reward" and (Path(spec).expanduser() / "config.json").is_file():
         _FOUND[spec] = RewardModel.checked(spec)
         return _FOUND[spec]
     where, _, name = spec.rpartition(":")
     if not where or not name:
-        raise UserError(f"--reward {spec}: name a function as module:function or path/file.py:function, or a "
-                        "reward model's folder (a sequence classifier)")
+        raise UserError(f"{flag} {spec}: name a function as module:function or path/file.py:function"
+                        + (", or a reward model's folder (a sequence classifier)" if flag == "--reward" else ""))
     try:
         if where.endswith(".py"):
             path = Path(where).expanduser()
             if not path.is_file():
-                raise UserError(f"--reward {spec}: no such file {where}")
+                raise UserError(f"{flag} {spec}: no such file {where}")
             module_name = f"xla_train_reward_{abs(hash(str(path.resolve())))}"
             loader = importlib.util.spec_from_file_location(module_name, path)
             assert loader is not None and loader.loader is not None
@@ -118,10 +119,10 @@ def find(spec: str) -> Callable[..., Any]:
     except UserError:
         raise
     except Exception as e:  # the user's module: any error of its import
-        raise UserError(f"--reward {spec}: {where} cannot be imported ({type(e).__name__}: {first_line(e)})") from None
+        raise UserError(f"{flag} {spec}: {where} cannot be imported ({type(e).__name__}: {first_line(e)})") from None
     function = getattr(module, name, None)
     if not callable(function):
-        raise UserError(f"--reward {spec}: {where} has no function {name!r}")
+        raise UserError(f"{flag} {spec}: {where} has no function {name!r}")
     _FOUND[spec] = function
     return function
 

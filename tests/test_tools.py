@@ -1,0 +1,356 @@
+"""`--tools`: GRPO's rollouts with tool calls (tasks/tools.py) in one preallocated cache
+(kernels/generate.py Turns), on tests/tool_task.py's task.
+
+The model is tool_machine's: a real tiny Qwen2 whose weights make it follow a script (a call of
+`multiply(12, 13)`, a call of a tool that raises, a malformed call), so the loop's mechanics are
+tested on the calls a model makes, not on calls handed to it."""
+
+import math
+import sys
+
+import pytest
+import tool_machine as tm
+import torch
+from conftest import ROOT, assert_same_weights, run_cli, stop_and_resume
+
+from xla_train.commands.cli import main
+
+MULTIPLY = f"{ROOT / 'tests' / 'tool_task.py'}:multiply"
+END = "<|im_end|>"
+QUESTION = [{"role": "user", "content": "What is 12 times 13?"}]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tm.tokenizer()
+
+
+@pytest.fixture(scope="module")
+def tools_file(tmp_path_factory):
+    """A file of tools: one that raises, one that cannot be described (no docstring)."""
+    path = tmp_path_factory.mktemp("tools") / "more_tools.py"
+    path.write_text('def divide(a: int, b: int) -> float:\n    """Divides.\n\n    Args:\n        a: The dividend.\n'
+                    '        b: The divisor.\n    """\n    return a / b\n\n\ndef nodoc(a: int) -> int:\n    return a\n')
+    return path
+
+
+def _loop(tok, script, budget, specs=(MULTIPLY,), iterations=None, prompts=(QUESTION, QUESTION[:1] * 2)):
+    """The tool loop on left-padded chat prompts, greedy, on the CPU: what the host reads at its end."""
+    from xla_train.kernels.generate import Sampling, Turns
+    from xla_train.tasks.tools import Toolbox, ToolLoop
+
+    toolbox = Toolbox(tuple(specs))
+    toolbox.check(tok)
+    ids = [tok.apply_chat_template(p, tools=toolbox.schemas, add_generation_prompt=True, tokenize=True,
+                                   return_dict=False) for p in prompts]
+    longest = max(map(len, ids))
+    padded = torch.tensor([[tok.pad_token_id] * (longest - len(x)) + x for x in ids])
+    mask = torch.tensor([[0] * (longest - len(x)) + [1] * len(x) for x in ids])
+    model = tm.model(tok, script)
+    with torch.no_grad():
+        turns = Turns(model, padded, mask, Sampling(budget, (tok.eos_token_id,), tok.pad_token_id), lambda: None,
+                      chunk=8)
+        return ToolLoop(tok, toolbox, iterations)(turns, padded, mask, lambda ts: [t.clone() for t in ts],
+                                                  torch.arange(len(ids)))
+
+
+def _suffix(tok, name="multiply", content="156"):
+    from xla_train.tasks.tools import suffix_ids
+
+    return suffix_ids(tok, [{"role": "tool", "name": name, "content": content}])
+
+
+def test_parsing_is_trls(tok):
+    """A call is parsed into TRL's message, its arguments typed by the tool's schema; a plain turn
+    is its text; a malformed call stays text (TRL's parse_response), as does a call without a name."""
+    import tool_task
+
+    from xla_train.options import from_sections
+    from xla_train.tasks.tools import parse, specs_of
+
+    schemas = [tool_task.schema()]
+    prefix = tok.apply_chat_template(QUESTION, tools=schemas, add_generation_prompt=True, tokenize=True,
+                                     return_dict=False)
+
+    def parsed(text):
+        return parse(tok, tok(text, add_special_tokens=False)["input_ids"], prefix, schemas)
+
+    call = {"type": "function", "function": {"name": "multiply", "arguments": {"a": 12, "b": 13}}}
+    assert parsed(tm.CALL + END) == {"role": "assistant", "content": "", "tool_calls": [call]}
+    assert parsed(tm.CALL.replace("12", '"12"') + END)["tool_calls"] == [call]  # typed by the schema
+    assert parsed("The product is 156." + END) == {"role": "assistant", "content": "The product is 156."}
+    assert parsed(tm.MALFORMED + END) == {"role": "assistant", "content": tm.MALFORMED}
+    nameless = '<tool_call>\n{"arguments": {"a": 1}}\n</tool_call>'
+    assert parsed(nameless + END) == {"role": "assistant", "content": nameless}
+    assert specs_of(f" {MULTIPLY},x.py:f ") == (MULTIPLY, "x.py:f")
+    recipe = {"data": {"problem": "grpo"}, "grpo": {"tools": [MULTIPLY, "x.py:f"]}}  # a YAML list
+    assert specs_of(from_sections(recipe).kind_options().tools) == (MULTIPLY, "x.py:f")
+
+
+def test_a_known_familys_response_template_comes_from_trl():
+    """A tokenizer without a response template whose chat template TRL knows (Qwen 2.5's, as TRL
+    ships it) gets TRL's (add_response_schema) and parses calls; an unknown one is one line."""
+    import importlib.util
+    from pathlib import Path
+
+    from xla_train.core.errors import UserError
+    from xla_train.tasks.tools import Toolbox, parse
+
+    tok = tm.tokenizer()
+    tok.response_template = None
+    trl = Path(importlib.util.find_spec("trl").submodule_search_locations[0])
+    tok.chat_template = (trl / "chat_templates" / "qwen2_5.jinja").read_text()
+    toolbox = Toolbox((MULTIPLY,))
+    toolbox.check(tok)
+    assert tok.response_template is not None
+    prefix = tok.apply_chat_template(QUESTION, tools=toolbox.schemas, add_generation_prompt=True, tokenize=True,
+                                     return_dict=False)
+    call = parse(tok, tok(tm.CALL + END, add_special_tokens=False)["input_ids"], prefix, toolbox.schemas)
+    assert call["tool_calls"][0]["function"] == {"name": "multiply", "arguments": {"a": 12, "b": 13}}
+    tok = tm.tokenizer()
+    tok.response_template = None
+    with pytest.raises(UserError, match="add_response_schema does not know its chat template"):
+        Toolbox((MULTIPLY,)).check(tok)
+
+
+def test_a_tool_turn_is_appended_and_out_of_the_loss(tok):
+    """The model calls multiply; the result is rendered as the template's tool turn after the call's
+    end of turn, generation resumes after it in the same cache, and a second call is parsed but not
+    run (--max-tool-calling-iterations 1). The result's tokens are the row's, not the model's; the
+    completion is TRL's list of turns; one call per completion, none failed."""
+    suffix = _suffix(tok)
+    script = {"Ċ": {tm.CALL: 30.0}, tm.CALL: {END: 30.0}}
+    played = _loop(tok, script, 60, iterations=1)
+    call_ids = tok.convert_tokens_to_ids([tm.CALL, END])
+    call = {"type": "function", "function": {"name": "multiply", "arguments": {"a": 12, "b": 13}}}
+    turn = {"role": "assistant", "content": "", "tool_calls": [call]}
+    for r in range(2):
+        n = played.lengths[r]
+        assert n == 4 + len(suffix)
+        assert played.tokens[r, :n].tolist() == call_ids + suffix + call_ids
+        assert played.made[r].tolist() == [True] * 2 + [False] * len(suffix) + [True] * 2 + [False] * (60 - n)
+        assert played.completions[r] == [turn, {"role": "tool", "name": "multiply", "content": "156"}, turn]
+    assert (played.calls.made, played.calls.failed) == (2, 0)
+    assert played.calls.frequencies(2) == [1.0, 0.0]
+    assert played.extra.tolist() == [0, 1]
+
+
+def test_raising_tools_unknown_tools_and_malformed_calls_are_failures_or_text(tok, tools_file):
+    """A tool that raises: its error is the result and a failure, and the loop goes on; a call of no
+    known tool fails too; a malformed call is the turn's text and nothing runs."""
+    script = {"Ċ": {tm.FAILING: 30.0}, tm.FAILING: {END: 30.0}}
+    room = 2 * len(_suffix(tok, "divide", "{'error': 'division by zero'}")) + 6  # two calls and results, a call
+    played = _loop(tok, script, room, specs=(MULTIPLY, f"{tools_file}:divide"), iterations=2)
+    results = [t for t in played.completions[0] if t["role"] == "tool"]
+    assert len(results) == 2 and results[0]["content"] == "{'error': 'division by zero'}", results
+    assert (played.calls.made, played.calls.failed) == (4, 4)
+    assert played.calls.frequencies(2) == [2.0, 1.0]
+    played = _loop(tok, script, room, iterations=1)  # divide is not among the tools
+    assert played.completions[0][1]["content"] == "{'error': 'Tool divide not found.'}"
+    assert (played.calls.made, played.calls.failed) == (2, 2)
+    played = _loop(tok, {"Ċ": {tm.MALFORMED: 30.0}, tm.MALFORMED: {END: 30.0}}, 20)
+    assert played.completions == [[{"role": "assistant", "content": tm.MALFORMED}]] * 2
+    assert played.lengths == [2, 2] and played.calls.made == 0 and played.made[:, :2].all()
+
+
+def test_the_budget_counts_the_tools_results(tok):
+    """--max-completion-length counts every token after the prompt, as TRL 1.16's: a result that
+    would not fit is dropped and the row ends with its call (TRL's rollback; the call still
+    counts); one that fits exactly ends the row with no room for another turn."""
+    suffix = _suffix(tok)
+    script = {"Ċ": {tm.CALL: 30.0}, tm.CALL: {END: 30.0}}
+    played = _loop(tok, script, 2 + len(suffix) - 1)
+    assert played.lengths == [2, 2] and [len(c) for c in played.completions] == [1, 1]
+    assert played.calls.made == 2
+    played = _loop(tok, script, 2 + len(suffix))
+    assert played.lengths == [2 + len(suffix)] * 2 and [len(c) for c in played.completions] == [2, 2]
+    assert not played.made[:, 2:].any()
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_resumed_generation_is_generation_from_the_whole_row(family):
+    """Turns: generation that stops, takes appended tokens (in chunks of 4 here) and resumes in the
+    same cache writes the tokens transformers' `generate` writes from the whole row (prompt, the
+    completion so far, the appended tokens), row by row, past a sliding window of 8 (Gemma 3's
+    sliding layers: a ring of the window and a chunk); without appending, static_generate's tokens."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_generate import _left_padded_prompts, _loop_model
+
+    from xla_train.kernels.generate import Sampling, Turns, eager_generate, static_generate
+
+    model = _loop_model(family)
+    ids, mask = _left_padded_prompts()
+    sampling = Sampling(30, (2,), 0)
+    with torch.no_grad():
+        turns = Turns(model, ids, mask, sampling, lambda: None, chunk=4)
+        turns.decode(29)
+        assert torch.equal(turns.tokens, static_generate(model, ids, mask, sampling, lambda: None))
+        turns = Turns(model, ids, mask, sampling, lambda: None, chunk=4)
+        turns.decode(5)
+        tokens, made, cur, done = (t.clone() for t in turns.state())
+        appended, feeds, rows = {0: [7, 8, 9, 10, 11, 12], 2: [13, 14]}, [], {}
+        for r in range(3):
+            if r not in appended or done[r]:
+                feeds.append([])
+                done[r] = 1
+                continue
+            c, extra = int(cur[r]), appended[r]
+            rows[r] = tokens[r, :c].tolist() + extra
+            feeds.append([int(tokens[r, c - 1]), *extra])
+            tokens[r, c:c + len(extra)], made[r, c:c + len(extra)], cur[r] = torch.tensor(extra), 0, c + len(extra)
+        assert len(rows) == 2
+        turns.resume(tokens, made, cur, done, feeds)
+        turns.decode(20)
+        for r, row in rows.items():
+            prompt = ids[r, mask[r].bool()].tolist()
+            n = int(turns.cur[r]) - len(row)
+            whole = torch.tensor([prompt + row])
+            expected = eager_generate(model, whole, torch.ones_like(whole), Sampling(n, (2,), 0))[0, :n]
+            assert turns.tokens[r, len(row):len(row) + n].tolist() == expected.tolist()
+            kinds = [True] * (len(row) - len(appended[r])) + [False] * len(appended[r]) + [True] * n
+            assert turns.made[r].tolist() == kinds + [False] * (30 - len(kinds))
+        assert turns.tokens[1].tolist() == tokens[1].tolist()  # a row that does not resume is left as it was
+
+
+def test_the_tools_results_carry_no_gradient(tok):
+    """The update's rows hold the tools' results (the model reads them) but their tokens are out of
+    the loss: the gradient at the positions that predict them is exactly zero, and not elsewhere."""
+    from xla_train.core.engine import Engine
+    from xla_train.tasks.documents import IGNORE
+    from xla_train.tasks.grpo import GroupObjective, GRPOOptions, Rollouts
+
+    script = {"Ċ": {tm.CALL: 30.0}, tm.CALL: {END: 30.0}}
+    played = _loop(tok, script, 60, iterations=1)
+    settings = GRPOOptions(max_completion_length=60, tools=MULTIPLY, num_generations=2)
+    objective = GroupObjective(settings=settings)
+    model = tm.model(tok, script)
+    source = Rollouts(objective, Engine("cpu"), tok, {"train": None}, model)
+    ids = torch.tensor([tok.apply_chat_template(QUESTION, tools=source.loop.toolbox.schemas, add_generation_prompt=True,
+                                                tokenize=True, return_dict=False)] * 2)
+    lengths = torch.tensor(played.lengths)
+    kept = torch.arange(60)[None] < lengths[:, None]
+    scored = (torch.tensor([1.0, -1.0]), torch.zeros(0), torch.zeros(2), torch.zeros(2, 0))
+    batch = source.batch(ids, torch.ones_like(ids), played.tokens, scored, True,
+                         (played.made, kept, torch.ones(2, 1, dtype=torch.bool)))
+    rollout = batch.pop("labels")
+    output = objective.forward(model, batch)
+    output.head.hidden.retain_grad()
+    objective.loss(output, rollout).backward()
+    grad = output.head.hidden.grad.abs().sum(-1)[:, ids.shape[1] - 1:-1]  # the positions predicting the completion
+    tool = ~played.made & kept
+    assert (rollout.labels[:, ids.shape[1] - 1:-1][tool] == IGNORE).all()
+    assert (grad[tool] == 0).all() and (grad[played.made] > 0).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# Runs
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    """The scripted model (its first turn a call of multiply or a malformed call, even odds, each
+    ending its turn) and tool_task's prompts: 16 to train on, 8 held out."""
+    import tiny_decoders as td
+    import tool_task
+
+    folder = tmp_path_factory.mktemp("tool_task")
+    script = {"Ċ": {tm.CALL: 30.0, tm.MALFORMED: 30.0}, tm.CALL: {END: 30.0}, tm.MALFORMED: {END: 30.0}}
+    return {"model": tm.save(folder / "model", script), "folder": folder,
+            "train": td.write_jsonl(folder / "train.jsonl", tool_task.tool_rows(16, 1, "prompts")),
+            "validation": td.write_jsonl(folder / "validation.jsonl", tool_task.tool_rows(8, 2, "prompts"))}
+
+
+def tool_args(task, *extra):
+    return ["--backend", "cpu", "--problem", "grpo", "--model", task["model"], "--train-file", task["train"],
+            "--validation-file", task["validation"], "--reward", "xla_train.rewards:number_match", "--tools", MULTIPLY,
+            "--max-tool-calling-iterations", 1, "--num-generations", 4, "--batch-size", 8,
+            "--max-completion-length", 64, "--max-length", 48, "--no-data-cache", "--max-steps", 2, "--log-every", 1,
+            *extra]
+
+
+def _check_run(m):
+    """Both steps called the tool from about half their completions (the script's odds), none
+    failed; the completions' lengths count the model's tokens only (a call and its end: 2, then
+    the second turn's 2), not the tool's result."""
+    assert m["steps"] == 2 and all(math.isfinite(loss) for _, loss, _ in m["train_loss"]), m["train_loss"]
+    for _, metrics in m["train_metrics"]:
+        assert 0 < metrics["tools/call_frequency"] < 1 and metrics["tools/failure_frequency"] == 0, metrics
+        assert metrics["completions/max_length"] <= 4, metrics
+    assert m["eval"]["n"] == 8 and math.isfinite(m["eval"]["reward"])
+
+
+def test_a_grpo_run_calls_the_tool(task, tmp_path):
+    """A short GRPO run on the CPU with --tools tests/tool_task.py:multiply: the model's calls are
+    run, their results appended, the metrics logged under TRL's names."""
+    proc, m = run_cli(tool_args(task), tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _check_run(m)
+
+
+@pytest.mark.slow
+def test_xla_compiles_a_bounded_number_of_graphs_across_tool_turns(task, tmp_path):
+    """The run on XLA:CPU over 2 epochs of 8 prompts: the prompt's pass, the one-token step and the
+    appended chunk's pass (training's and evaluation's shapes), the step's graphs: none after the
+    first epoch, whatever the turns; no aten fallback; a host transfer per turn."""
+    import tiny_decoders as td
+    import tool_task
+
+    train = td.write_jsonl(tmp_path / "train.jsonl", tool_task.tool_rows(8, 3, "prompts"))
+    args = tool_args({**task, "train": train}, "--epochs", 2, "--max-steps", 8)
+    args[args.index("cpu")] = "xla"
+    proc, m = run_cli(args, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    xla = m["xla"]
+    assert xla["compiles"] <= 16 and xla["compiles_after_first_epoch"] == 0 and xla["aten_fallbacks"] == 0, xla
+    # a transfer for the first turn and one for the second (--max-tool-calling-iterations 1), and the log point's
+    assert xla["host_syncs_per_step"] <= 3, xla
+    assert m["steps"] == 8 and all(0 < s["tools/call_frequency"] < 1 for _, s in m["train_metrics"])
+
+
+def test_mistakes_with_tools_are_one_line(task, tools_file, tmp_path, capsys):
+    """A tool that cannot be described, a chat template that cannot render tools, --tools on
+    another kind, --max-tool-calling-iterations without tools, --tools on text prompts: one line each."""
+    import tiny_decoders as td
+
+    plain = tmp_path / "plain"
+    tm.save(plain, {})
+    tok = td.family_tokenizer("qwen2")  # Qwen3's template as the tests shape it: no tools
+    tok.save_pretrained(plain)
+    capsys.readouterr()
+    text = td.write_jsonl(tmp_path / "text.jsonl", [{"prompt": "What is 2 times 3?", "answer": "6"}] * 4)
+    cases = [
+        (["--tools", f"{tools_file}:nodoc"], f"--tools {tools_file}:nodoc: the chat template cannot be told about it"),
+        (["--tools", "nowhere.py:f"], "--tools nowhere.py:f: no such file nowhere.py"),
+        (["--model", plain], "--tools: the chat template does not render tool calls, their results and the tools"),
+        (["--train-file", text, "--validation-file", text], "--tools needs chat prompts"),
+    ]
+    for extra, message in cases:
+        assert main(["train", *map(str, tool_args(task, *extra))]) == 2, extra
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, (extra, err)
+    assert main(["train", "--backend", "cpu", "--tools", MULTIPLY]) == 2
+    assert "--tools applies to --problem grpo" in capsys.readouterr().err
+    args = tool_args(task)
+    del args[args.index("--tools"):args.index("--tools") + 2]
+    assert main(["train", *map(str, args)]) == 2
+    assert "--max-tool-calling-iterations applies to rollouts with --tools" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_stopped_and_resumed_in_a_multi_turn_run_is_exact(task, tmp_path):
+    """SIGTERM after a checkpoint, then --resume, with tool turns in every rollout and a reward for
+    calling the tool (so the weights move): the resumed run ends with the weights, metrics and
+    evaluation of an uninterrupted one (the sampling generator's state comes back with the
+    checkpoint; the tool loop keeps nothing between steps)."""
+    rewards = tmp_path / "tool_rewards.py"
+    rewards.write_text("import time\n\ndef used_tool(completions, **kw):\n    time.sleep(0.3)\n"
+                       "    return [float(any(t['role'] == 'tool' for t in c)) for c in completions]\n")
+    args = tool_args(task, "--max-steps", 7, "--save-every", 4, "--lr", 1e-2)
+    args[args.index("xla_train.rewards:number_match")] = f"{rewards}:used_tool"
+    proc, whole = run_cli([*args, "--output-dir", tmp_path / "whole"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _, stopped_at, resumed = stop_and_resume(args, tmp_path / "run", tmp_path)
+    assert 4 <= stopped_at < 7 and resumed["steps"] == 7
+    assert_same_weights(tmp_path / "run", tmp_path / "whole", atol=0)
+    assert resumed["eval"] == whole["eval"] and resumed["train_metrics"][-1] == whole["train_metrics"][-1]
+    assert whole["train_metrics"][-1][1]["tools/call_frequency"] > 0

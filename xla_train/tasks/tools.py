@@ -1,0 +1,270 @@
+"""Tools in GRPO's rollouts (`--tools`): TRL 1.16's GRPOTrainer tool loop (trainer/grpo_trainer.py,
+`_tool_call_loop`), with the rollout's static shapes.
+
+    --tools tests/tool_task.py:multiply       a function in a file (repeat the flag for several)
+    --tools mypackage.tools:search            a function in an importable module
+    --max-tool-calling-iterations 2           tool turns a completion may take (TRL's default: no limit)
+
+A tool is a function with type hints and a Google-style docstring (transformers' `get_json_schema`
+describes it to the chat template, which renders the prompts with `tools=`); an async one is awaited.
+A rollout (`ToolLoop`):
+
+    generate    every row's turn, in the rollout's preallocated cache (kernels/generate.py `Turns`)
+    parse       on the host (the turn's one transfer): each row's new turn through transformers'
+                `parse_response` and the tokenizer's response template (TRL's `add_response_schema`
+                sets one for known families); a malformed call stays text (TRL's parse_response)
+    run         each call on the host; a tool that raises, or a call to no known tool, gives
+                {"error": ...} as its result and counts as a failure, as TRL's
+    append      the results rendered as the chat template's tool turn (TRL's `_get_tool_suffix_ids`),
+                written after the row's turn; generation resumes for those rows only
+
+until no row calls a tool or each has taken --max-tool-calling-iterations tool turns. A row keeps
+--max-completion-length tokens after its prompt, tool results included, as TRL 1.16 counts them: a
+result that would not fit is dropped and the row ends with its turn (TRL's rollback), and the next
+turn stops at the budget. The tool results' tokens are out of the loss (TRL's tool_mask); the
+reward functions get each completion as its list of turns (the assistant's, with its `tool_calls`,
+and the tools'), TRL's form.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+from ..core.errors import UserError, first_line
+from .rewards import find
+
+TOOL_METRICS = ("tools/call_frequency", "tools/failure_frequency")
+
+
+def specs_of(tools: str | None) -> tuple[str, ...]:
+    """--tools' functions (comma-separated, or repeated flags)."""
+    return tuple(s.strip() for s in (tools or "").split(",") if s.strip())
+
+
+def describe(spec: str) -> dict:
+    """A tool's JSON schema as the chat template gets it (transformers' `get_json_schema`), or one
+    line saying why it cannot be described."""
+    from transformers.utils import get_json_schema
+
+    function = find(spec, "--tools")
+    try:
+        return get_json_schema(function)
+    except Exception as e:  # transformers' TypeHintParsingException / DocstringParsingException, or the user's
+        raise UserError(f"--tools {spec}: the chat template cannot be told about it ({first_line(e)}); a tool "
+                        "needs type hints and a Google-style docstring with an Args: section") from None
+
+
+@dataclass(frozen=True)
+class Toolbox:
+    """The --tools functions, by name, with their schemas."""
+
+    specs: tuple[str, ...]
+
+    @cached_property
+    def schemas(self) -> list[dict]:
+        return [describe(s) for s in self.specs]
+
+    @cached_property
+    def functions(self) -> dict[str, Any]:
+        return {schema["function"]["name"]: find(spec, "--tools") for spec, schema in zip(self.specs, self.schemas)}
+
+    def check(self, tokenizer: Any) -> None:
+        """The chat template renders a whole exchange with a call and a result (TRL's
+        `supports_tool_calling`, trl/chat_template_utils.py) and the tools in the prompt, and the
+        tokenizer can parse calls (a response template: its own, or TRL's for a known family)."""
+        sentinels = ("tool_name_a8f3", "arg_key_b9d4", "arg_val_d6e7", "content_c4f9")
+        call = {"type": "function", "function": {"name": sentinels[0], "arguments": {sentinels[1]: sentinels[2]}}}
+        exchange = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                    {"role": "tool", "name": sentinels[0], "content": sentinels[3]}]
+        try:
+            text = tokenizer.apply_chat_template(exchange, tokenize=False)
+            prompt = tokenizer.apply_chat_template(exchange[:1], tools=self.schemas, tokenize=False,
+                                                   add_generation_prompt=True)
+        except Exception as e:  # jinja's TemplateError and what a template raises itself
+            raise UserError(f"--tools: the chat template cannot render tool calls ({first_line(e)})") from None
+        lost = [s for s in sentinels if s not in text] + [n for n in self.functions if n not in prompt]
+        if lost:
+            raise UserError(f"--tools: the chat template does not render tool calls, their results and the tools "
+                            f"(it leaves out {', '.join(lost)}); give a model whose template does")
+        with_response_template(tokenizer)
+
+
+def with_response_template(tokenizer: Any) -> None:
+    """Sets the tokenizer's response template (what `parse_response` reads) where it has none,
+    from TRL's `add_response_schema` for the families it knows (trl/chat_template_utils.py);
+    TRL is needed only then."""
+    if getattr(tokenizer, "response_template", None) is not None:
+        return
+    try:
+        from trl.chat_template_utils import add_response_schema
+    except ImportError:
+        raise UserError("--tools: the tokenizer has no response_template to parse tool calls with; install TRL "
+                        "(pip install 'xla-train[agents]'), whose add_response_schema knows the common families, "
+                        "or set response_template in the tokenizer's tokenizer_config.json") from None
+    try:
+        add_response_schema(tokenizer)
+    except ValueError:
+        raise UserError("--tools: the tokenizer has no response_template to parse tool calls with, and TRL's "
+                        "add_response_schema does not know its chat template; set response_template in its "
+                        "tokenizer_config.json (transformers' chat response parsing docs)") from None
+
+
+def parse(tokenizer: Any, ids: list[int], prefix: list[int], schemas: list[dict]) -> dict:
+    """A generated turn as a message, TRL 1.16's `parse_response` (trl/chat_template_utils.py):
+    transformers' `parse_response` with the prompt before it and the tools' schemas; anything it
+    cannot parse (a malformed call) is the turn's text."""
+    try:
+        parsed = tokenizer.parse_response(ids, prefix=prefix, tools=schemas)
+        if parsed is None:
+            raise ValueError("nothing parsed")
+        content = parsed.get("content")
+        if isinstance(content, str) and tokenizer.eos_token:
+            parsed["content"] = content.removesuffix(tokenizer.eos_token)  # TRL's hotfix (transformers#42249)
+        parsed["content"] = parsed.get("content") or ""
+        _check_calls(parsed.get("tool_calls"))
+    except (ValueError, TypeError):
+        parsed = {"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)}
+    return parsed
+
+
+def _check_calls(calls: Any) -> None:
+    """TRL's `_validate_tool_calls`: every call names a function; missing arguments are none."""
+    if calls is None:
+        return
+    if not isinstance(calls, list):
+        raise ValueError("tool_calls must be a list")
+    for call in calls:
+        function = call.get("function", call) if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ValueError("a tool call without a name")
+        if function.get("arguments") is None:
+            function["arguments"] = {}
+
+
+@dataclass
+class Calls:
+    """The tool calls of a rollout: how many were made, how many failed."""
+
+    made: int = 0
+    failed: int = 0
+
+    def run(self, calls: list[dict], functions: dict[str, Any]) -> list[dict]:
+        """Each call's result as a tool turn; a raising tool's error is its result (a failure)."""
+        out = []
+        for call in calls:
+            self.made += 1
+            function = call.get("function", call)
+            name = function.get("name", "unknown")
+            try:
+                if call.get("type", "function") != "function":
+                    raise ValueError(f"Unsupported tool call type: {call.get('type')}")
+                if name not in functions:
+                    raise ValueError(f"Tool {name} not found.")
+                arguments = function.get("arguments") or {}
+                if isinstance(arguments, str):
+                    arguments = json.loads(arguments)
+                result = functions[name](**arguments)
+                if inspect.isawaitable(result):
+                    result = asyncio.run(_awaited(result))
+            except Exception as e:  # the user's tool: any error is its result, as TRL's
+                self.failed += 1
+                result = {"error": str(e)}
+            out.append({"role": "tool", "name": name, "content": str(result)})
+        return out
+
+    def frequencies(self, completions: int) -> list[float]:
+        """TRL's tools/call_frequency (calls per completion) and tools/failure_frequency (failed calls per call)."""
+        return [self.made / max(completions, 1), self.failed / self.made if self.made else 0.0]
+
+
+async def _awaited(value: Any) -> Any:
+    return await value
+
+
+def suffix_ids(tokenizer: Any, results: list[dict]) -> list[int]:
+    """The tokens that follow a turn's end to hold its tool results and open the next assistant
+    turn, TRL 1.16's `_get_tool_suffix_ids`: a one-call exchange rendered with and without them,
+    the first cut after its last end-of-sequence token."""
+    call = [{"type": "function", "function": {"name": results[0]["name"], "arguments": {}}}]
+    exchange = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "", "tool_calls": call}]
+    before = tokenizer.apply_chat_template(exchange, tokenize=True, return_dict=False)
+    after = tokenizer.apply_chat_template(exchange + results, tokenize=True, return_dict=False,
+                                          add_generation_prompt=True)
+    ends = [i for i, t in enumerate(before) if t == tokenizer.eos_token_id]
+    before = before[:ends[-1] + 1] if ends else before
+    if after[:len(before)] != before:
+        raise UserError("--tools: the chat template renders an exchange otherwise once tool results follow it; a "
+                        "tool loop needs one that keeps earlier turns as they were (TRL's "
+                        "get_training_chat_template has such templates for common families)")
+    return after[len(before):]
+
+
+@dataclass
+class Played:
+    """A multi-turn rollout as the host reads it at its end."""
+
+    tokens: Any  # [rows, budget] host tensor: every token after the prompt (the model's and the tools')
+    made: Any  # [rows, budget] bool: the model's tokens (in the loss), not the tools' results
+    lengths: list[int]  # each row's tokens after its prompt
+    completions: list[list[dict]]  # each row's turns, TRL's form for reward functions
+    calls: Calls = field(default_factory=Calls)
+    extra: Any = None  # what the first transfer brought besides (the rows' numbers)
+
+
+@dataclass
+class ToolLoop:
+    """The host's side of a rollout with tools (the module docstring): `Turns` generates, this
+    parses, runs and appends, one transfer each way per turn."""
+
+    tokenizer: Any
+    toolbox: Toolbox
+    max_iterations: int | None  # --max-tool-calling-iterations (None: until no row calls a tool)
+
+    def __call__(self, turns: Any, ids: Any, mask: Any, fetch: Any, extra: Any = None) -> Played:
+        """`turns` (kernels.generate.Turns) after the pass over its left-padded prompts `ids`
+        (`mask`: their real tokens); `fetch(tensors)`: the host's copies (the engine's to_host),
+        `extra` fetched with the first turn (Played.extra)."""
+        budget = turns.budget
+        turns.decode(budget - 1)
+        tokens, made, cur, done, ids, mask, *rest = fetch([*turns.state(), ids, mask, *([] if extra is None else
+                                                                                       [extra])])
+        prompts = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
+        rows = len(prompts)
+        completions: list[list[dict]] = [[] for _ in range(rows)]
+        begins = [0] * rows  # where each row's current turn begins
+        calls, active, taken = Calls(), list(range(rows)), 0
+        while active:
+            feeds: list[list[int]] = [[] for _ in range(rows)]
+            for r in active:
+                end = int(cur[r])
+                turn_ids = tokens[r, begins[r]:end].tolist()
+                if not turn_ids:  # a result took the last of the budget: no turn after it (TRL's)
+                    continue
+                turn = parse(self.tokenizer, turn_ids, prompts[r] + tokens[r, :begins[r]].tolist(),
+                             self.toolbox.schemas)
+                completions[r].append(turn)
+                if not turn.get("tool_calls") or (self.max_iterations is not None and taken >= self.max_iterations):
+                    continue
+                results = calls.run(turn["tool_calls"], self.toolbox.functions)
+                suffix = suffix_ids(self.tokenizer, results)
+                if end + len(suffix) > budget:  # TRL's rollback: the row ends with its turn
+                    continue
+                completions[r] += results
+                tokens[r, end:end + len(suffix)] = tokens.new_tensor(suffix)
+                made[r, end:end + len(suffix)] = 0
+                feeds[r] = [int(tokens[r, end - 1])] + suffix
+                cur[r] = begins[r] = end + len(suffix)
+            active = [r for r in range(rows) if feeds[r]]
+            if not active:
+                break
+            done = done.new_tensor([int(not feeds[r] or int(cur[r]) >= budget) for r in range(rows)])
+            turns.resume(tokens, made, cur, done, feeds)
+            turns.decode(max(budget - int(cur[r]) - 1 for r in active))
+            tokens, made, cur, done = fetch(turns.state())
+            taken += 1
+        return Played(tokens, made.bool(), [int(c) for c in cur], completions, calls, rest[0] if rest else None)
