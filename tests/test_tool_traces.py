@@ -153,7 +153,7 @@ def test_bad_traces_are_one_line(qwen3, trl_templates, monkeypatch):
     from xla_train.tasks import documents as module
 
     monkeypatch.setattr(module, "_TRAINING_TEMPLATES", {})
-    with pytest.raises(UserError, match=r"assistant turn 2 cannot be found .*pip install 'xla-train\[trl\]'"):
+    with pytest.raises(UserError, match=r"assistant turn 2 cannot be found .*pip install 'xla-train\[agents\]'"):
         chat(row["messages"], qwen3, "row 1", tools)
 
 
