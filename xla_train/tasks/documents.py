@@ -150,7 +150,7 @@ def chat(messages, tokenizer, where, tools=None):
         return _render(tokenizer, messages[:upto], tools, where, add_generation_prompt=prompt)
 
     text, spans = render(len(messages)), []
-    _check_tools_rendered(text, messages, tools, where)
+    check_tools_rendered(text, messages, tools, where)
     for i in turns:
         start, end = render(i, prompt=True), render(i + 1)
         if text.startswith(start) and text.startswith(end) and len(end) > len(start):
@@ -214,12 +214,16 @@ def _training_template(tokenizer, where, turn):
     return training
 
 
-def _check_tools_rendered(text, messages, tools, where):
-    """The tools' names, the tool calls' names and the tools' results are in the rendering: a
-    template without tools (one that prints only each turn's content) renders none of them."""
+def check_tools_rendered(text: str, messages: list, tools: list | None, where: str) -> None:
+    """The tools' names, the tool calls' names and arguments and the tools' results are in the
+    rendering: a template without tools (one that prints only each turn's content) renders none of
+    them. The traces' rule, and --tools' at the start (tasks/tools.py)."""
     wanted = [t.get("function", t).get("name") for t in tools or ()]
     for m in messages:
-        wanted += [(c.get("function") or c).get("name") for c in m.get("tool_calls") or () if isinstance(c, dict)]
+        for call in (c.get("function") or c for c in m.get("tool_calls") or () if isinstance(c, dict)):
+            arguments = call.get("arguments")  # a dict's keys and values (a JSON string is rendered as it is)
+            wanted += [call.get("name"), *(map(str, [*arguments, *arguments.values()]) if isinstance(arguments, dict)
+                                           else ())]
         wanted += [m["content"].strip()] if m["role"] == "tool" else []
     missing = next((w for w in wanted if isinstance(w, str) and w and w not in text), None)
     if missing is not None:

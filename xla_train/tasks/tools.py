@@ -36,6 +36,7 @@ from functools import cached_property
 from typing import Any
 
 from ..core.errors import UserError, first_line
+from .documents import check_tools_rendered
 from .rewards import find
 
 TOOL_METRICS = ("tools/call_frequency", "tools/failure_frequency")
@@ -82,15 +83,10 @@ class Toolbox:
         exchange = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [call]},
                     {"role": "tool", "name": sentinels[0], "content": sentinels[3]}]
         try:
-            text = tokenizer.apply_chat_template(exchange, tokenize=False)
-            prompt = tokenizer.apply_chat_template(exchange[:1], tools=self.schemas, tokenize=False,
-                                                   add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(exchange, tools=self.schemas, tokenize=False)
         except Exception as e:  # jinja's TemplateError and what a template raises itself
             raise UserError(f"--tools: the chat template cannot render tool calls ({first_line(e)})") from None
-        lost = [s for s in sentinels if s not in text] + [n for n in self.functions if n not in prompt]
-        if lost:
-            raise UserError(f"--tools: the chat template does not render tool calls, their results and the tools "
-                            f"(it leaves out {', '.join(lost)}); give a model whose template does")
+        check_tools_rendered(text, exchange, self.schemas, "--tools")  # the traces' rule
         with_response_template(tokenizer)
 
 
