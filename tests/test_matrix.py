@@ -487,13 +487,7 @@ def test_every_assistant_turn_of_a_conversation_is_trained(family, zoo):
     rows = td.reverse_rows(2, 1, "messages")
     messages = rows[0]["messages"] + rows[1]["messages"]
     ids, trained = chat(messages, z.tok, "row 1")
-    runs, run = [], []
-    for i, t in zip(ids, trained):
-        if t:
-            run.append(i)
-        elif run:
-            runs, run = runs + [run], []
-    runs += [run] if run else []
+    runs = td.trained_runs(ids, trained)
     assert len(runs) == 2, [z.tok.decode(r) for r in runs]
     # gpt-oss ends an earlier turn with <|end|>, its last with <|return|>: any special token
     ends = {i for i, t in z.tok.added_tokens_decoder.items() if t.special}

@@ -35,13 +35,7 @@ def qwen3(trl_templates):
 
 def runs_of(tok, ids, trained):
     """The trained stretches of a document, as text."""
-    runs, run = [], []
-    for i, t in zip(ids, trained):
-        if t:
-            run.append(i)
-        elif run:
-            runs, run = runs + [run], []
-    return [tok.decode(r) for r in runs + ([run] if run else [])]
+    return [tok.decode(r) for r in td.trained_runs(ids, trained)]
 
 
 def test_a_trace_trains_the_call_and_the_answer_and_not_the_tool_result(qwen3):

@@ -650,6 +650,17 @@ def reverse_rows(n, seed, form="prompt/completion"):
     return rows
 
 
+def trained_runs(ids, trained):
+    """The stretches of a document's token ids whose labels are trained, in order."""
+    runs, run = [], []
+    for i, t in zip(ids, trained):
+        if t:
+            run.append(i)
+        elif run:
+            runs, run = runs + [run], []
+    return runs + ([run] if run else [])
+
+
 def write_jsonl(path, rows):
     Path(path).write_text("".join(json.dumps(r) + "\n" for r in rows))
     return Path(path)
