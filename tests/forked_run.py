@@ -28,7 +28,7 @@ import subprocess
 # those the imports themselves set, the same in whichever process imports them (torch_xla: the first
 # four, inductor: its cache folder); pytest's own PYTEST_CURRENT_TEST
 FORK_SAFE = {"PJRT_DEVICE", "CPU_NUM_DEVICES", "XLA_FLAGS", "XLA_USE_SPMD", "TOKENIZERS_PARALLELISM",
-             "MLFLOW_TRACKING_URI", "STORAGE_EMULATOR_HOST",
+             "MLFLOW_TRACKING_URI", "STORAGE_EMULATOR_HOST", "XLA_TRAIN_TEST_CPU_LOG",
              "TF_CPP_MIN_LOG_LEVEL", "GRPC_VERBOSITY", "PJRT_DYNAMIC_PLUGINS", "TORCHINDUCTOR_CACHE_DIR",
              "PYTEST_CURRENT_TEST"}
 # What every run imports before its first step (about 7 s of CPU together)
@@ -36,6 +36,9 @@ PRELOAD = ["torch", "torch_xla", "torch_xla.core.xla_model", "torch_xla.runtime"
            "transformers", "transformers.modeling_utils", "transformers.models.bert.modeling_bert",
            "transformers.models.llama.modeling_llama", "datasets", "evaluate", "peft", "safetensors.torch"]
 
+# A file a forked run appends its CPU seconds to, with its test's id: the pytest process's own clock
+# does not see them (the forkserver waits for its forks, not pytest)
+CPU_LOG = "XLA_TRAIN_TEST_CPU_LOG"
 _context = []
 
 
@@ -111,6 +114,13 @@ def _run(argv, env, cwd, out, err):
         code = 1
     threading._shutdown()  # what the interpreter does at exit: non-daemon threads, then atexit
     atexit._run_exitfuncs()
+    if os.environ.get(CPU_LOG):  # this run's CPU (its waited-for children's too), by test
+        import json
+
+        times = os.times()
+        with open(os.environ[CPU_LOG], "a") as log:
+            log.write(json.dumps({"test": os.environ.get("PYTEST_CURRENT_TEST"), "argv": argv[:2] if argv[0] == "-m"
+                                  else argv[:1], "cpu": sum(times[:4]), "code": code}) + "\n")
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
