@@ -96,6 +96,7 @@ def test_a_known_familys_response_template_comes_from_trl():
     from xla_train.core.errors import UserError
     from xla_train.tasks.tools import Toolbox, parse
 
+    pytest.importorskip("trl", reason="the agents extra (make test's environment has it; .venv-torch does not)")
     tok = tm.tokenizer()
     tok.response_template = None
     trl = Path(importlib.util.find_spec("trl").submodule_search_locations[0])
