@@ -110,6 +110,25 @@ def cache_slots(config, length: int) -> list[int]:
     return [windows[t] or length for t in types]
 
 
+def check_layer_types(config: Any) -> None:
+    """Generation with static shapes serves full and sliding-window attention layers: others refused."""
+    other = set(getattr(config, "layer_types", None) or []) - {"full_attention", "sliding_attention"}
+    if other:
+        raise UserError(f"generation with static shapes serves full and sliding-window attention layers; the model "
+                        f"has {', '.join(sorted(other))} layers")
+
+
+def masks_by_type(masks: dict, windows: dict, eager: bool) -> Any:
+    """The model's `attention_mask` from one boolean mask per window: one 4-D mask where every layer
+    takes the same, else a dict by layer type (transformers 5.24 takes either as given:
+    masking_utils._preprocess_mask_arguments, and Gemma 2/3's and gpt-oss's `causal_mask_mapping`).
+    Eager attention adds it to its scores: a bias, as document_mask(eager=True) makes one."""
+    masks = {w: mask_for(m, eager) for w, m in masks.items()}
+    if len(masks) == 1:
+        return next(iter(masks.values()))
+    return {t: masks[w] for t, w in windows.items()}
+
+
 def static_generate(model, input_ids, attention_mask, sampling, cut_graph, logps=False):
     """Generates from a batch of left-padded prompts with static shapes; `cut_graph()` ends the
     pending graph (see the module docstring). `logps`: also each token's log-probability as the
@@ -122,24 +141,14 @@ def static_generate(model, input_ids, attention_mask, sampling, cut_graph, logps
     # Each layer's cache (`Slots`): its window's slots where the window is shorter than the row,
     # else the row's; one mask per size (layer_windows: {layer type, or None where the config
     # names none: its window, None for the whole row}).
-    other = set(getattr(config, "layer_types", None) or []) - {"full_attention", "sliding_attention"}
-    if other:
-        raise UserError(f"generation with static shapes serves full and sliding-window attention layers; the model "
-                        f"has {', '.join(sorted(other))} layers")
+    check_layer_types(config)
     windows = layer_windows(config, length + steps)
     sizes = {w: length + steps if w is None else w for w in windows.values()}  # a window's slots
     cache = Cache(layers=[Slots(n) for n in cache_slots(config, length + steps)])
     eager = eager_attention(config)
 
     def by_type(masks):
-        """The model's `attention_mask`: one 4-D mask where every layer takes the same, else a dict by
-        layer type (transformers 5.24 takes either as given: masking_utils._preprocess_mask_arguments,
-        and Gemma 2/3's and gpt-oss's `causal_mask_mapping`). Eager attention adds it to its scores:
-        a bias, as document_mask(eager=True) makes one."""
-        masks = {w: mask_for(m, eager) for w, m in masks.items()}
-        if len(masks) == 1:
-            return next(iter(masks.values()))
-        return {t: masks[w] for t, w in windows.items()}
+        return masks_by_type(masks, windows, eager)
 
     # The prompt's pass attends within the prompt: its tokens one segment and its padding another
     # (padding attends to earlier padding, so no row of a mask is empty: an empty one gives NaN,
@@ -300,10 +309,7 @@ class Turns:
         device = input_ids.device
         self.model, self.sampling, self.cut_graph, self.length, self.budget = model, sampling, cut_graph, length, budget
         config = model.config.get_text_config(decoder=True)
-        other = set(getattr(config, "layer_types", None) or []) - {"full_attention", "sliding_attention"}
-        if other:
-            raise UserError(f"generation with static shapes serves full and sliding-window attention layers; the "
-                            f"model has {', '.join(sorted(other))} layers")
+        check_layer_types(config)
         self.windows = layer_windows(config, length + budget)
         # A sliding layer's ring holds its window and a chunk less one: a chunk's first query still
         # sees the window before it once the chunk's last token is written (the mask, by `held`,
@@ -341,11 +347,7 @@ class Turns:
         self.cut_graph()
 
     def _by_type(self, masks: dict) -> Any:
-        """The model's `attention_mask` from one boolean mask per window (static_generate's `by_type`)."""
-        masks = {w: mask_for(m, self.eager) for w, m in masks.items()}
-        if len(masks) == 1:
-            return next(iter(masks.values()))
-        return {t: masks[w] for t, w in self.windows.items()}
+        return masks_by_type(masks, self.windows, self.eager)
 
     def _take(self, logits: torch.Tensor, ready: torch.Tensor) -> None:
         """The next token of every `ready` row (not ended, with room) from its last logits, at its cursor."""
