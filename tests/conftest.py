@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import forked_run
@@ -311,9 +312,26 @@ def run_python(argv, env=None, timeout=900, cwd=ROOT):
     (None: this one's), as `subprocess.run(..., capture_output=True, text=True)` completes it:
     forked from the session's forkserver where forked_run.forkable allows, else a new interpreter."""
     argv, env = [str(a) for a in argv], dict(os.environ if env is None else env)
-    if FORKED and forked_run.forkable(env, FORKED[0]):
+    if _forkable(env):
         return forked_run.run(argv, env, cwd, timeout, FORKED[0])
     return subprocess.run([sys.executable, *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _forkable(env):
+    """Whether a run with environment `env` may be forked (forked_run.forkable). Warns where this
+    process's own environment has moved from the session's in a variable outside
+    forked_run.FORK_SAFE (a library set it): every later run would silently start a new interpreter."""
+    if not FORKED:
+        return False
+    moved = sorted(k for k in forked_run.changed({**os.environ, **FRESH_DEFAULTS}, FORKED[0]) - forked_run.FORK_SAFE)
+    if moved and tuple(moved) not in _MOVED:
+        _MOVED.add(tuple(moved))
+        warnings.warn(f"pytest's environment changed in {', '.join(moved)} (not in forked_run.FORK_SAFE): fresh runs "
+                      "start new interpreters from here on", stacklevel=3)
+    return forked_run.forkable(env, FORKED[0])
+
+
+_MOVED = set()
 
 
 def in_process(argv, env=None):
@@ -503,7 +521,7 @@ def start_cli(args, env=None):
     """Starts `python -m xla_train train ARGS` in a fresh process (not waited for): forked from the
     session's forkserver where forked_run.forkable allows, else a new interpreter."""
     env = {**os.environ, **FRESH_DEFAULTS, **(env or {})}
-    if FORKED and forked_run.forkable(env, FORKED[0]):
+    if _forkable(env):
         return forked_run.Forked(["-m", "xla_train", "train", *map(str, args)], env, ROOT, FORKED[0])
     return subprocess.Popen([sys.executable, "-m", "xla_train", "train", *map(str, args)], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

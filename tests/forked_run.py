@@ -26,11 +26,16 @@ import subprocess
 
 # Variables read when used (at a run's start or later), never at the preloaded libraries' import;
 # those the imports themselves set, the same in whichever process imports them (torch_xla: the first
-# four, inductor: its cache folder); pytest's own PYTEST_CURRENT_TEST
+# four, inductor: its cache folder); pytest's own PYTEST_CURRENT_TEST. The last three are set in
+# pytest's own process by what its in-process tests use, and never read at an import this server
+# preloads: torch_xla's jax import (torch_xla/_internal/jax_workarounds.py: SKIP_MEGASCALE_PJRT_CLIENT),
+# jax/_src/cloud_tpu_init.py (TPU_SKIP_MDS_QUERY) and scikit-learn's import (KMP_DUPLICATE_LIB_OK, for Intel's
+# OpenMP, which torch's CPU build does not load). Outside this set, one changed variable sends every
+# later run of the process to a new interpreter: these three did so for half of `make test`.
 FORK_SAFE = {"PJRT_DEVICE", "CPU_NUM_DEVICES", "XLA_FLAGS", "XLA_USE_SPMD", "TOKENIZERS_PARALLELISM",
              "MLFLOW_TRACKING_URI", "STORAGE_EMULATOR_HOST", "XLA_TRAIN_TEST_CPU_LOG",
              "TF_CPP_MIN_LOG_LEVEL", "GRPC_VERBOSITY", "PJRT_DYNAMIC_PLUGINS", "TORCHINDUCTOR_CACHE_DIR",
-             "PYTEST_CURRENT_TEST"}
+             "PYTEST_CURRENT_TEST", "SKIP_MEGASCALE_PJRT_CLIENT", "TPU_SKIP_MDS_QUERY", "KMP_DUPLICATE_LIB_OK"}
 # What every run imports before its first step (about 7 s of CPU together)
 PRELOAD = ["torch", "torch_xla", "torch_xla.core.xla_model", "torch_xla.runtime", "torch_xla.distributed.spmd",
            "transformers", "transformers.modeling_utils", "transformers.models.bert.modeling_bert",
@@ -42,10 +47,14 @@ CPU_LOG = "XLA_TRAIN_TEST_CPU_LOG"
 _context = []
 
 
+def changed(env, session_env):
+    """The variables whose values differ between `env` and `session_env`."""
+    return {k for k in env.keys() | session_env.keys() if env.get(k) != session_env.get(k)}
+
+
 def forkable(env, session_env):
     """Whether a run with environment `env` may be forked from a server started in `session_env`."""
-    changed = {k for k in env.keys() | session_env.keys() if env.get(k) != session_env.get(k)}
-    return changed <= FORK_SAFE
+    return changed(env, session_env) <= FORK_SAFE
 
 
 def start(session_env):
