@@ -302,7 +302,8 @@ def test_every_run_reports_its_memory(tiny_bucketed_run):
 
 # The shipped TPU recipes (recipes/*-tpu.yaml) planned on the chip each is meant for: one v5e
 # host, 8 chips of 16 GiB (the smallest Cloud TPU host). Their models' published configs:
-# Qwen2.5-0.5B-Instruct's in tests/tiny_decoders.py, Qwen2.5-7B-Instruct's here (config.json).
+# Qwen2.5-0.5B-Instruct's and Qwen3-0.6B's in tests/tiny_decoders.py (the tool recipes' SFT output
+# keeps Qwen3-0.6B's), Qwen2.5-7B-Instruct's here (config.json).
 QWEN_7B = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584,
            "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
            "vocab_size": 152064, "tie_word_embeddings": False, "max_position_embeddings": 32768,
@@ -321,13 +322,15 @@ def recipe_plan(name, chips=V5E_CHIPS, chip_bytes=V5E_CHIP):
 
     cfg = TrainOptions(**read_recipe(str(Path(__file__).resolve().parents[1] / "recipes" / name)))
     published = {"Qwen/Qwen2.5-0.5B-Instruct": ZOO["qwen2"]["config"], "Qwen/Qwen2.5-7B-Instruct": QWEN_7B,
+                 "Qwen/Qwen3-0.6B": ZOO["qwen3"]["config"], "gs://BUCKET/qwen3-tool-sft": ZOO["qwen3"]["config"],
                  **json.loads((ROOT / "benchmarks" / "published_configs.json").read_text())}
     config = {k: v for k, v in published[cfg.model].items() if not k.endswith("token_id")}
     return cfg, plan_on_paper(cfg, AutoConfig.for_model(**config), chips, chip_bytes)
 
 
 @pytest.mark.parametrize("name", ["qwen2.5-0.5b-lora-tpu.yaml", "qwen2.5-7b-fsdp-tpu.yaml",
-                                  "qwen2.5-0.5b-grpo-tpu.yaml"])
+                                  "qwen2.5-0.5b-grpo-tpu.yaml", "qwen3-0.6b-tool-sft-tpu.yaml",
+                                  "qwen3-0.6b-tool-grpo-tpu.yaml"])
 def test_the_tpu_recipes_fit_a_v5e_chip(name):
     cfg, memory = recipe_plan(name)
     assert memory.weights_total > (4e9 if "7b" in name else 4e8)  # the real model's size, not a tiny one

@@ -154,6 +154,22 @@ def test_raising_tools_unknown_tools_and_malformed_calls_are_failures_or_text(to
     assert played.lengths == [2, 2] and played.calls.made == 0 and played.made[:, :2].all()
 
 
+def test_the_shipped_calculator_is_described_evaluates_and_refuses_code():
+    """xla_train.tools:calculator, the GSM8K recipes' tool: described from its docstring as the SFT
+    recipe's traces describe it, GSM8K's annotations evaluated (its thousands' commas too), and
+    anything but numbers and + - * / refused by raising (a failed call in the loop)."""
+    from xla_train.tasks.tools import describe
+    from xla_train.tools import calculator
+
+    schema = describe("xla_train.tools:calculator")["function"]
+    assert schema["name"] == "calculator" and schema["parameters"]["required"] == ["expression"]
+    assert [calculator(e) for e in ("48/2", "2*(3+4.5)", "1,000-1", "-5+2", "7/3")] == [
+        "24", "15", "999", "-3", "2.333333333"]
+    for code in ("__import__('os')", "2**10", "x+1", "[1]"):
+        with pytest.raises(ValueError, match="only numbers"):
+            calculator(code)
+
+
 def test_the_budget_counts_the_tools_results(tok):
     """--max-completion-length counts every token after the prompt, as TRL 1.16's: a result that
     would not fit is dropped and the row ends with its call (TRL's rollback; the call still
