@@ -36,9 +36,14 @@ def write_slice(folder, train_rows, dev_rows):
 
 
 @pytest.fixture(autouse=True)
-def _restore_environment(monkeypatch):
-    """The CPU backend sets USE_TORCH_XLA=0 for its process; keep that out of other tests."""
-    monkeypatch.delenv("USE_TORCH_XLA", raising=False)  # restored after the test
+def _restore_environment():
+    """The CPU backend sets USE_TORCH_XLA=0 for its process; keep that out of other tests, and out
+    of the environment later fresh runs are forked in (transformers reads it at import). Not
+    monkeypatch.delenv: where the variable is unset it records nothing to undo, and a test that
+    calls the CLI's main itself left it set for the rest of the session."""
+    os.environ.pop("USE_TORCH_XLA", None)
+    yield
+    os.environ.pop("USE_TORCH_XLA", None)
 
 
 @pytest.fixture(scope="session")
