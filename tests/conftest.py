@@ -544,6 +544,19 @@ def wait_for(condition, proc, timeout=300, every=0.005):
     raise AssertionError("timed out")
 
 
+def resume_midway(args, whole, out, tmp_path, env=None, step=4):
+    """The uninterrupted run in `whole` continued from its own checkpoint `step` into a new folder
+    `out` (`--resume-from`): the resumed run's metrics. What a feature's resume test needs (its
+    state saved and read back mid-run) without a third run; the preemption protocol itself (a
+    signal, the checkpoint it writes, `--resume`) is stop_and_resume's, in test_checkpoint and
+    test_fsdp."""
+    checkpoint = Path(whole) / "checkpoints" / f"step-{step:08d}"
+    proc, resumed = run_cli([*args, "--output-dir", out, "--resume-from", checkpoint], tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert resumed["first_step"] == step, resumed.get("first_step")
+    return resumed
+
+
 def stop_and_resume(args, out, tmp_path, sig=signal.SIGTERM, env=None, stopped=None):
     """The preemption protocol: starts `args` into `out`, sends `sig` once checkpoint 4 is
     complete, checks the exit code (128 + signal), calls `stopped(last stderr line, step)` (the

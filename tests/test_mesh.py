@@ -259,12 +259,12 @@ def _cli(task, model):
 
 
 def test_a_run_under_experts_and_context_resumes_exactly(reverse_task, tmp_path):
-    """Stopped by SIGTERM once its step-4 checkpoint (each device's shards of the experts split by
-    expert, of every parameter over expert x context) is written, then resumed with --resume under
-    the same mesh: the losses after the stop, the evaluation and the final weights are the
-    uninterrupted run's, bit for bit, with no graph more; the rows are split over the expert axis
-    only (world size 2) and the saved model loads in plain transformers."""
-    from conftest import assert_same_weights, run_cli, stop_and_resume
+    """Resumed from its step-4 checkpoint (each device's shards of the experts split by expert, of
+    every parameter over expert x context) under the same mesh: the losses after it, the
+    evaluation and the final weights are the uninterrupted run's, bit for bit, with no graph more;
+    the rows are split over the expert axis only (world size 2) and the saved model loads in plain
+    transformers."""
+    from conftest import assert_same_weights, resume_midway, run_cli
     from transformers import AutoModelForCausalLM
 
     model = td.save("qwen3moe", tmp_path / "moe", chat=True, letters=True)
@@ -272,10 +272,9 @@ def test_a_run_under_experts_and_context_resumes_exactly(reverse_task, tmp_path)
     assert whole_proc.returncode == 0, whole_proc.stderr[-3000:]
     assert whole["world_size"] == 2 and whole["train_samples"] == STEPS * 4
     assert whole["xla"]["aten_fallbacks"] == 0
-    _, stopped_at, resumed = stop_and_resume(_cli(reverse_task, model), tmp_path / "run", tmp_path, env=FOUR)
-    assert 4 <= stopped_at < STEPS and resumed["first_step"] == stopped_at
-    after = [h for h in resumed["train_loss"] if h[0] > stopped_at]
-    assert after and after == [h for h in whole["train_loss"] if h[0] > stopped_at]
+    resumed = resume_midway(_cli(reverse_task, model), tmp_path / "whole", tmp_path / "run", tmp_path, env=FOUR)
+    after = [h for h in resumed["train_loss"] if h[0] > 4]
+    assert after and after == [h for h in whole["train_loss"] if h[0] > 4]
     assert resumed["eval"] == whole["eval"]
     assert_same_weights(tmp_path / "run", tmp_path / "whole", atol=0)
     assert resumed["xla"]["compiles"] <= whole["xla"]["compiles"], (resumed["xla"], whole["xla"])

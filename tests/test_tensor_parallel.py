@@ -17,7 +17,7 @@ import sys
 import pytest
 import tiny_decoders as td
 import torch
-from conftest import ROOT, assert_same_weights, run_cli, stop_and_resume
+from conftest import ROOT, assert_same_weights, resume_midway, run_cli
 
 from xla_train.core.errors import UserError
 from xla_train.parallel import tensor_parallel as tp
@@ -219,24 +219,23 @@ def test_a_bf16_run_of_the_cli_under_fsdp_by_tensor(tp2_run, reverse_task, tmp_p
     assert type(model).__name__ == "LlamaForCausalLM"
 
 
-def test_a_run_under_fsdp_by_tensor_resumes_exactly_after_sigterm(tp2_run, reverse_task, tmp_path):
-    """The same run stopped by SIGTERM once its step-4 checkpoint (the host's 2-D shards of the
-    weights and AdamW's moments) is written, then resumed with --resume under the same mesh: the
-    losses after the stop, the evaluation, the final weights and the last checkpoint's moments are
-    the uninterrupted run's, bit for bit, and the resumed run compiles no graph more (the moments
-    loaded laid out as their parameters). The checkpoints hold every tensor: those split over one
-    axis only (the norms, the kept-whole key/value projections, over `fsdp`) have two replicas
-    of each slice on the host, which torch_xla's dedup_tensors left out of the checkpoint
-    altogether, and the resume stopped on their missing key (parallel.xla_strategies._save_planner)."""
+def test_a_run_under_fsdp_by_tensor_resumes_exactly_from_its_checkpoint(tp2_run, reverse_task, tmp_path):
+    """The same run resumed from its step-4 checkpoint (the host's 2-D shards of the weights and
+    AdamW's moments) under the same mesh: the losses after it, the evaluation, the final weights
+    and the last checkpoint's moments are the uninterrupted run's, bit for bit, and the resumed
+    run compiles no graph more (the moments loaded laid out as their parameters). The checkpoints
+    hold every tensor: those split over one axis only (the norms, the kept-whole key/value
+    projections, over `fsdp`) have two replicas of each slice on the host, which torch_xla's
+    dedup_tensors left out of the checkpoint altogether, and the resume stopped on their missing
+    key (parallel.xla_strategies._save_planner)."""
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     _, whole, whole_dir = tp2_run
-    _, stopped_at, resumed = stop_and_resume(_cli(reverse_task, 2, 2), tmp_path / "run", tmp_path, env=FOUR)
-    assert 4 <= stopped_at < STEPS and resumed["first_step"] == stopped_at
+    resumed = resume_midway(_cli(reverse_task, 2, 2), whole_dir, tmp_path / "run", tmp_path, env=FOUR)
     assert [h[0] for h in resumed["train_loss"]] == [h[0] for h in whole["train_loss"]]
-    after = [h for h in resumed["train_loss"] if h[0] > stopped_at]
-    assert after and after == [h for h in whole["train_loss"] if h[0] > stopped_at]
+    after = [h for h in resumed["train_loss"] if h[0] > 4]
+    assert after and after == [h for h in whole["train_loss"] if h[0] > 4]
     torch.testing.assert_close(resumed["train_loss"], whole["train_loss"], atol=0, rtol=0)
     assert_same_weights(tmp_path / "run", whole_dir, atol=0)
     assert resumed["eval"] == whole["eval"]

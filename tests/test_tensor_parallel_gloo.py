@@ -15,7 +15,7 @@ import sys
 import pytest
 import tiny_decoders as td
 import torch
-from conftest import ROOT, assert_same_weights, run_cli, stop_and_resume
+from conftest import ROOT, assert_same_weights, resume_midway, run_cli
 
 from xla_train.core.errors import UserError
 from xla_train.parallel.mesh import Mesh
@@ -272,14 +272,13 @@ def test_a_bf16_run_of_the_cli_on_gloo_under_fsdp_by_tensor(split_run, reverse_t
     assert type(model).__name__ == "Qwen2ForCausalLM"
 
 
-def test_a_gloo_run_under_fsdp_by_tensor_resumes_exactly_after_sigterm(split_run, reverse_task, qwen2_task,
+def test_a_gloo_run_under_fsdp_by_tensor_resumes_exactly_from_its_checkpoint(split_run, reverse_task, qwen2_task,
                                                                         tmp_path):
-    """Stopped by SIGTERM once its step-4 checkpoint (each worker's 2-D shards of the weights and
-    AdamW's moments) is written, then resumed under the same mesh: the losses, the evaluation and
-    the final weights are the uninterrupted run's, bit for bit."""
+    """Resumed from its step-4 checkpoint (each worker's 2-D shards of the weights and AdamW's
+    moments) under the same mesh: the losses, the evaluation and the final weights are the
+    uninterrupted run's, bit for bit."""
     whole, whole_dir = split_run
-    _, stopped_at, resumed = stop_and_resume(_cli(reverse_task, qwen2_task, *SPLIT), tmp_path / "run", tmp_path)
-    assert 4 <= stopped_at < GLOO_STEPS and resumed["first_step"] == stopped_at
+    resumed = resume_midway(_cli(reverse_task, qwen2_task, *SPLIT), whole_dir, tmp_path / "run", tmp_path)
     torch.testing.assert_close(resumed["train_loss"], whole["train_loss"], atol=0, rtol=0)
     assert resumed["eval"] == whole["eval"]
     assert_same_weights(tmp_path / "run", whole_dir, atol=0)

@@ -11,7 +11,7 @@ import sys
 import pytest
 import tool_machine as tm
 import torch
-from conftest import ROOT, assert_same_weights, run_cli, stop_and_resume
+from conftest import ROOT, assert_same_weights, resume_midway, run_cli
 
 from xla_train.commands.cli import main
 
@@ -354,20 +354,20 @@ def test_mistakes_with_tools_are_one_line(task, tools_file, tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_stopped_and_resumed_in_a_multi_turn_run_is_exact(task, tmp_path):
-    """SIGTERM after a checkpoint, then --resume, with tool turns in every rollout and a reward for
+def test_resumed_midway_a_multi_turn_run_is_exact(task, tmp_path):
+    """Resumed from its step-4 checkpoint, with tool turns in every rollout and a reward for
     calling the tool (so the weights move): the resumed run ends with the weights, metrics and
     evaluation of an uninterrupted one (the sampling generator's state comes back with the
     checkpoint; the tool loop keeps nothing between steps)."""
     rewards = tmp_path / "tool_rewards.py"
-    rewards.write_text("import time\n\ndef used_tool(completions, **kw):\n    time.sleep(0.3)\n"
+    rewards.write_text("def used_tool(completions, **kw):\n"
                        "    return [float(any(t['role'] == 'tool' for t in c)) for c in completions]\n")
     args = tool_args(task, "--max-steps", 7, "--save-every", 4, "--lr", 1e-2)
     args[args.index("xla_train.rewards:number_match")] = f"{rewards}:used_tool"
     proc, whole = run_cli([*args, "--output-dir", tmp_path / "whole"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    _, stopped_at, resumed = stop_and_resume(args, tmp_path / "run", tmp_path)
-    assert 4 <= stopped_at < 7 and resumed["steps"] == 7
+    resumed = resume_midway(args, tmp_path / "whole", tmp_path / "run", tmp_path)
+    assert resumed["steps"] == 7
     assert_same_weights(tmp_path / "run", tmp_path / "whole", atol=0)
     assert resumed["eval"] == whole["eval"] and resumed["train_metrics"][-1] == whole["train_metrics"][-1]
     assert whole["train_metrics"][-1][1]["tools/call_frequency"] > 0
