@@ -23,6 +23,7 @@ benchmarks/out/quant_load).
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -79,8 +80,7 @@ tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}.values()
 held = sum(t.numel() * t.element_size() for t in tensors)
 assert sum(isinstance(m, QuantLinear) for m in model.modules()) == 7 * model.config.num_hidden_layers
 print(json.dumps({"seconds": seconds, "peak_growth": status("VmHWM") - base,
-                  "anon_peak_growth": max(peak_anon[0], status("RssAnon")) - base_anon, "held_bytes": held,
-                  "params": sum(p.numel() for p in model.parameters())}))
+                  "anon_peak_growth": max(peak_anon[0], status("RssAnon")) - base_anon, "held_bytes": held}))
 """
 
 
@@ -123,8 +123,13 @@ def main():
                 sys.exit(proc.stderr[-3000:])
             runs[f"{way}-{bits}"].append({**json.loads(proc.stdout.strip().splitlines()[-1]),
                                           "process_seconds": time.perf_counter() - started})
+    from safetensors import safe_open
+
     files = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
-    params = runs["whole-8"][0]["params"]
+    params = 0
+    for f in folder.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as tensors:
+            params += sum(math.prod(tensors.get_slice(k).get_shape()) for k in tensors.keys())
     largest = 4 * 1024 * 4096  # one MLP projection in fp32, the largest tensor quantized
     print(f"{params / 1e6:.0f}M parameters ({args.layers} blocks), {files / MIB:.0f} MiB of bf16 safetensors, "
           f"{4 * params / MIB:.0f} MiB in fp32; the largest projection {largest / MIB:.0f} MiB in fp32")
