@@ -109,3 +109,24 @@ def test_nothing_to_quantize_and_fp4_are_one_line(tmp_path):
         load_base(load, Quant(4, "nf4"), "xla", "fp32", "gpt2")  # GPT-2's projections are Conv1D
     with pytest.raises(UserError, match="fp4 runs on the cuda and cpu backends"):
         load_base(load, Quant(4, "fp4"), "xla", "fp32", "gpt2")
+
+
+def test_each_projection_is_quantized_while_the_others_are_unread(checkpoints, monkeypatch):
+    """What keeps the memory down (benchmarks/bench_quant_load.py measures it): when a projection's
+    weight is quantized, every projection not quantized yet is still unread (on the meta device),
+    and each one is quantized there, none left to the end."""
+    from xla_train.kernels import quant_load
+    from xla_train.kernels.quant_xla import projections
+    from xla_train.models import load_base
+    from xla_train.tasks.causal_lm import DecoderModel
+
+    unread, convert = [], quant_load._QuantizeOnLoad.convert
+
+    def watched(self, input_dict, model=None, **kwargs):
+        unread.append(sum(not linear.weight.is_meta for *_, linear in projections(model)))
+        return convert(self, input_dict, model=model, **kwargs)
+
+    monkeypatch.setattr(quant_load._QuantizeOnLoad, "convert", watched)
+    model = load_base(lambda **loading: DecoderModel().load(str(checkpoints["llama"]), 7, **loading),
+                      Quant(8, "int8"), "xla", "fp32", "tiny")
+    assert unread == [0] * 14 and not projections(model)  # 7 projections x 2 blocks, all read as quantized
