@@ -222,19 +222,21 @@ def hold_frozen_in_bf16(model):
 
 def load_base(load, quant, accelerator, precision, name):
     """The pretrained model `load(**kwargs)` gives, its linear projections kept as `quant` asks (None:
-    as loaded), one rule for training and prediction: on CUDA and the CPU bitsandbytes quantizes each
-    weight as it loads (kernels.bnb); on XLA the base is loaded, then its projections replaced by
-    the package's QuantLinear on the host (kernels.quant_xla). `name`: the model, for the lines."""
+    as loaded), one rule for training and prediction: `from_pretrained` is given a
+    `quantization_config` and each weight is quantized as it loads, never the whole base in full
+    precision: on CUDA and the CPU by bitsandbytes (kernels.bnb), on XLA into the package's
+    QuantLinear (kernels.quant_load). `name`: the model, for the lines."""
     if quant is None:
         return load()
     quantized = bnb.loading(quant, accelerator, precision)
-    model = load(**quantized)
     if quantized:
+        model = load(**quantized)
         bnb.check_quantized(model, quant, name)
         return model
-    from .kernels.quant_xla import quantize_base
+    from .kernels.quant_load import loading
 
-    held = quantize_base(model, quant)
+    model = load(**loading(quant))
+    held = sum(quantized_weight(m) is not None for m in model.modules())
     print(f"--load-in-{quant.bits}bit: {held} linear projections of the base held in {quant.kind}")
     return model
 

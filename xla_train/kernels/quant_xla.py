@@ -1,5 +1,6 @@
 """A LoRA base kept in 8 or 4 bits on XLA (TPU, XLA:CPU) and on the plain CPU: the frozen linear
-projections quantized once on the host (`quantize_base`), each a `QuantLinear` whose forward
+projections quantized on the host as the base loads (kernels.quant_load) or once it is loaded
+(`quantize_base`; the same `projections`, the same result), each a `QuantLinear` whose forward
 dequantizes inside the graph through the package's own autograd function, with peft's LoRA layer
 beside it (`QuantLoraLinear`, through peft's custom-module dispatch).
 
@@ -191,25 +192,50 @@ def register_lora(config: Any, model: torch.nn.Module) -> None:
         config._register_custom_module({QuantLinear: QuantLoraLinear})
 
 
-def quantize_base(model: torch.nn.Module, quant: Quant, block: int = BLOCK) -> int:
-    """`model`'s linear projections inside its transformer blocks (transformers' `_no_split_modules`:
-    attention and MLP) replaced in place by QuantLinear; never the embeddings, the head, a router
-    (KEEP) or a mixture's stacked experts (3-D parameters, no Linear: they stay in the training
-    precision). Returns how many; a model with none is one line. 4-bit takes blocks of `block`
-    inputs (a row whose width `block` does not divide is one block)."""
+def layout(quant: Quant) -> str:
+    """The QuantLinear layout (`quantize`'s kind) that holds a base under `quant` on XLA; fp4 is one line."""
     if quant.kind == "fp4":
         raise UserError("`bnb_4bit_quant_type` fp4 runs on the cuda and cpu backends (bitsandbytes); the xla "
                         "backend's 4-bit base is nf4")
-    kind = "int8" if quant.bits == 8 else quant.kind
-    found = [(parent, name, child) for b in blocks_of(model) for parent in b.modules()
-             for name, child in parent.named_children()
-             if type(child) is torch.nn.Linear and name not in KEEP and child.in_features % 2 == 0]
-    for parent, name, child in found:
-        size = block if child.in_features % block == 0 else child.in_features
-        setattr(parent, name, QuantLinear(child, kind, size, quant.nested))
+    return "int8" if quant.bits == 8 else quant.kind
+
+
+def projections(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str, torch.nn.Linear]]:
+    """The linear projections a quantized base holds as QuantLinear, one rule for a model loaded whole
+    (`quantize_base`) and one quantized while it loads (kernels.quant_load, on the meta device):
+    (qualified name, parent, attribute, linear) of each nn.Linear inside `model`'s transformer blocks
+    (transformers' `_no_split_modules`: attention and MLP); never the embeddings, the head, a router
+    (KEEP), a mixture's stacked experts (3-D parameters, no Linear: they stay in the training
+    precision) or an odd width (two 4-bit codes a byte)."""
+    inside = {id(m) for b in blocks_of(model) for m in b.modules()}
+    return [(f"{path}.{name}" if path else name, parent, name, child)
+            for path, parent in model.named_modules() if id(parent) in inside
+            for name, child in parent.named_children()
+            if type(child) is torch.nn.Linear and name not in KEEP and child.in_features % 2 == 0]
+
+
+def quantized(linear: torch.nn.Linear, quant: Quant, block: int = BLOCK) -> QuantLinear:
+    """`linear` as a QuantLinear under `quant`, in its mode (from_pretrained leaves a model in eval
+    mode): 4-bit in blocks of `block` inputs (a row whose width `block` does not divide is one block)."""
+    size = block if linear.in_features % block == 0 else linear.in_features
+    return QuantLinear(linear, layout(quant), size, quant.nested).train(linear.training)
+
+
+def nothing_to_quantize(model: torch.nn.Module, quant: Quant) -> UserError:
+    model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+    return UserError(f"{quant.flag}: {model_type} has no linear projections in its transformer blocks to quantize")
+
+
+def quantize_base(model: torch.nn.Module, quant: Quant, block: int = BLOCK) -> int:
+    """`model`'s `projections` replaced in place by QuantLinear (`quantized`). Returns how many; a
+    model with none is one line. (A run loads the base quantized tensor by tensor instead:
+    kernels.quant_load; this is the same result from a model already whole.)"""
+    layout(quant)
+    found = projections(model)
+    for _, parent, name, child in found:
+        setattr(parent, name, quantized(child, quant, block))
     if not found:
-        model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
-        raise UserError(f"{quant.flag}: {model_type} has no linear projections in its transformer blocks to quantize")
+        raise nothing_to_quantize(model, quant)
     return len(found)
 
 

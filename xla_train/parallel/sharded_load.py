@@ -151,7 +151,7 @@ class Checkpoint:
                 for module, attr in holders:
                     module._parameters[attr] = made
                 del shards, tensor
-                _trim()
+                trim()
         finally:
             self.close()
 
@@ -183,12 +183,13 @@ def _libc() -> Any:
         return None
 
 
-def _trim() -> None:
+def trim() -> None:
     """The host memory freed by the last tensor's upload handed back to the system (glibc's
-    malloc_trim). Without it, glibc kept the freed read buffers and torch_xla's upload copies in
-    its arenas: measured here on XLA:CPU (4 devices, a 321 MiB Llama), the process's resident
-    memory after the load was the model plus 180 MiB, its peak up to the model plus 180 MiB;
-    with it, the model plus 10 MiB, its peak the model plus 40 MiB (tests/test_sharded_load.py)."""
+    malloc_trim; kernels.quant_load calls it too, after each tensor it quantizes). Without it,
+    glibc kept the freed read buffers and torch_xla's upload copies in its arenas: measured here on
+    XLA:CPU (4 devices, a 321 MiB Llama), the process's resident memory after the load was the
+    model plus 180 MiB, its peak up to the model plus 180 MiB; with it, the model plus 10 MiB, its
+    peak the model plus 40 MiB (tests/test_sharded_load.py)."""
     libc = _libc()
     if libc is not None:
         libc.malloc_trim(0)
