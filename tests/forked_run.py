@@ -26,16 +26,21 @@ import subprocess
 
 # Variables read when used (at a run's start or later), never at the preloaded libraries' import;
 # those the imports themselves set, the same in whichever process imports them (torch_xla: the first
-# four, inductor: its cache folder); pytest's own PYTEST_CURRENT_TEST. The last three are set in
-# pytest's own process by what its in-process tests use, and never read at an import this server
-# preloads: torch_xla's jax import (torch_xla/_internal/jax_workarounds.py: SKIP_MEGASCALE_PJRT_CLIENT),
-# jax/_src/cloud_tpu_init.py (TPU_SKIP_MDS_QUERY) and scikit-learn's import (KMP_DUPLICATE_LIB_OK, for Intel's
-# OpenMP, which torch's CPU build does not load). Outside this set, one changed variable sends every
-# later run of the process to a new interpreter: these three did so for half of `make test`.
+# four, inductor: its cache folder); pytest's own PYTEST_CURRENT_TEST. The rest are set in pytest's
+# own process by what its in-process tests run, and read only when used, never at an import this
+# server preloads (a fresh interpreter would be handed the same values): torch_xla's jax import
+# (torch_xla/_internal/jax_workarounds.py: SKIP_MEGASCALE_PJRT_CLIENT), jax/_src/cloud_tpu_init.py
+# (TPU_SKIP_MDS_QUERY; ENABLE_RUNTIME_UPTIME_TELEMETRY, libtpu's), scikit-learn's import
+# (KMP_DUPLICATE_LIB_OK, for Intel's OpenMP, which torch's CPU build does not load), XLA's runtime
+# started in process (torch_xla/_internal/pjrt.py initialize_singleprocess: PJRT_LOCAL_PROCESS_COUNT,
+# read by torch_xla.runtime when a run asks) and inductor's compiled modules
+# (torch/_inductor/codecache.py: _TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR). Outside this set, one
+# changed variable sends every later run of the process to a new interpreter (conftest warns).
 FORK_SAFE = {"PJRT_DEVICE", "CPU_NUM_DEVICES", "XLA_FLAGS", "XLA_USE_SPMD", "TOKENIZERS_PARALLELISM",
              "MLFLOW_TRACKING_URI", "STORAGE_EMULATOR_HOST", "XLA_TRAIN_TEST_CPU_LOG",
              "TF_CPP_MIN_LOG_LEVEL", "GRPC_VERBOSITY", "PJRT_DYNAMIC_PLUGINS", "TORCHINDUCTOR_CACHE_DIR",
-             "PYTEST_CURRENT_TEST", "SKIP_MEGASCALE_PJRT_CLIENT", "TPU_SKIP_MDS_QUERY", "KMP_DUPLICATE_LIB_OK"}
+             "PYTEST_CURRENT_TEST", "SKIP_MEGASCALE_PJRT_CLIENT", "TPU_SKIP_MDS_QUERY", "KMP_DUPLICATE_LIB_OK",
+             "ENABLE_RUNTIME_UPTIME_TELEMETRY", "PJRT_LOCAL_PROCESS_COUNT", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"}
 # What every run imports before its first step (about 7 s of CPU together)
 PRELOAD = ["torch", "torch_xla", "torch_xla.core.xla_model", "torch_xla.runtime", "torch_xla.distributed.spmd",
            "transformers", "transformers.modeling_utils", "transformers.models.bert.modeling_bert",
