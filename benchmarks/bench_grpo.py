@@ -187,7 +187,7 @@ def ours(case, data, args, seed, out):
 
 
 def trl(case, data, args, seed, out):
-    name = f"trl-{case['name']}-{seed}"
+    name = f"{case['name']}-{seed}"  # trl-...
     spec = {**data, **vars(args), "seed": seed, "out": str(out / name), "result": str(out / f"{name}.json"),
             "tools": case["tools"], "log_every": int(log_every(args))}
     start = time.perf_counter()
@@ -377,11 +377,18 @@ def main():
     p.add_argument("--seeds", default="42")
     p.add_argument("--eval-prompts", type=int, help="reversal 256, tools 64")
     p.add_argument("--trl-timeout", type=int, default=3600)
+    p.add_argument("--threads", type=int, help="OMP_NUM_THREADS for every run, both trainers (default: torch's "
+                   "own, the cores); 1 steadies the figures on a machine others share")
     p.add_argument("--out", help="default benchmarks/out/grpo.json (reversal), grpo-tools.json (tools)")
     args = p.parse_args()
     for k, v in DEFAULTS[args.task].items():
         if getattr(args, k) is None:
             setattr(args, k, v)
+    if args.threads:
+        ENV["OMP_NUM_THREADS"] = str(args.threads)
+        import torch
+
+        torch.set_num_threads(args.threads)  # the evaluations in this process
     out = Path(args.out or OUT / ("grpo.json" if args.task == "reversal" else "grpo-tools.json"))
     cases = [case_of(c, args.task) for c in args.cases.split(",")]
     work = OUT / "grpo"
