@@ -34,7 +34,8 @@ def tools_file(tmp_path_factory):
     return path
 
 
-def _loop(tok, script, budget, specs=(MULTIPLY,), iterations=None, prompts=(QUESTION, QUESTION[:1] * 2)):
+def _loop(tok, script, budget, specs=(MULTIPLY,), iterations=None, prompts=(QUESTION, QUESTION[:1] * 2),
+          stop_when_done=False):
     """The tool loop on left-padded chat prompts, greedy, on the CPU: what the host reads at its end."""
     from xla_train.kernels.generate import Sampling, Turns
     from xla_train.tasks.tools import Toolbox, ToolLoop
@@ -49,7 +50,7 @@ def _loop(tok, script, budget, specs=(MULTIPLY,), iterations=None, prompts=(QUES
     model = tm.model(tok, script)
     with torch.no_grad():
         turns = Turns(model, padded, mask, Sampling(budget, (tok.eos_token_id,), tok.pad_token_id), lambda: None,
-                      chunk=8)
+                      chunk=8, stop_when_done=stop_when_done)
         return ToolLoop(tok, toolbox, iterations)(turns, padded, mask, lambda ts: [t.clone() for t in ts],
                                                   torch.arange(len(ids)))
 
@@ -118,10 +119,14 @@ def test_a_tool_turn_is_appended_and_out_of_the_loss(tok):
     """The model calls multiply; the result is rendered as the template's tool turn after the call's
     end of turn, generation resumes after it in the same cache, and a second call is parsed but not
     run (--max-tool-calling-iterations 1). The result's tokens are the row's, not the model's; the
-    completion is TRL's list of turns; one call per completion, none failed."""
+    completion is TRL's list of turns; one call per completion, none failed. Stopping each turn
+    once every row has ended (eager devices) leaves the same rollout."""
     suffix = _suffix(tok)
     script = {"Ċ": {tm.CALL: 30.0}, tm.CALL: {END: 30.0}}
     played = _loop(tok, script, 60, iterations=1)
+    stopped = _loop(tok, script, 60, iterations=1, stop_when_done=True)
+    assert torch.equal(stopped.tokens, played.tokens) and torch.equal(stopped.made, played.made)
+    assert (stopped.lengths, stopped.completions) == (played.lengths, played.completions)
     call_ids = tok.convert_tokens_to_ids([tm.CALL, END])
     call = {"type": "function", "function": {"name": "multiply", "arguments": {"a": 12, "b": 13}}}
     turn = {"role": "assistant", "content": "", "tool_calls": [call]}

@@ -129,11 +129,14 @@ def masks_by_type(masks: dict, windows: dict, eager: bool) -> Any:
     return {t: masks[w] for t, w in windows.items()}
 
 
-def static_generate(model, input_ids, attention_mask, sampling, cut_graph, logps=False):
+def static_generate(model, input_ids, attention_mask, sampling, cut_graph, logps=False, stop_when_done=False):
     """Generates from a batch of left-padded prompts with static shapes; `cut_graph()` ends the
     pending graph (see the module docstring). `logps`: also each token's log-probability as the
     decode graph gave it, fp32 (rows, max_new_tokens), under the logits divided by the temperature
-    (the distribution GRPO's loss takes; 0 after a row ended): returns (tokens, logps)."""
+    (the distribution GRPO's loss takes; 0 after a row ended): returns (tokens, logps).
+    `stop_when_done`: the loop stops once every row has ended, as transformers' `generate` does
+    (a host read of `done` per token: for devices that run eagerly, where the steps left would
+    only write padding; XLA keeps the fixed count, which needs no read)."""
     rows, length = input_ids.shape
     steps = sampling.max_new_tokens
     device = input_ids.device
@@ -193,6 +196,8 @@ def static_generate(model, input_ids, attention_mask, sampling, cut_graph, logps
     token, tokens, done, filled, step = take(logits, tokens, done, filled, step)
     position = positions[:, -1:] + 1
     for _ in range(steps - 1):
+        if stop_when_done and bool(done.all()):
+            break  # what is left is padding (tokens) and 0 (drawn), as written already
         cut_graph()  # the previous token's graph ends here: every decode step is then the same graph
         mask = by_type({w: f[:, None, None, :] for w, f in filled.items()})
         logits = model(input_ids=token[:, None], attention_mask=mask, position_ids=position, **extra).logits
@@ -303,11 +308,12 @@ class Turns:
     appended tokens (one copy to the device)."""
 
     def __init__(self, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, sampling: Sampling,
-                 cut_graph: Any, chunk: int = 16) -> None:
+                 cut_graph: Any, chunk: int = 16, stop_when_done: bool = False) -> None:
         rows, length = input_ids.shape
         budget = sampling.max_new_tokens
         device = input_ids.device
         self.model, self.sampling, self.cut_graph, self.length, self.budget = model, sampling, cut_graph, length, budget
+        self.stop_when_done = stop_when_done  # static_generate's: decode stops once every row has ended
         config = model.config.get_text_config(decoder=True)
         check_layer_types(config)
         self.windows = layer_windows(config, length + budget)
@@ -375,8 +381,11 @@ class Turns:
         return self._by_type(masks)
 
     def decode(self, steps: int) -> None:
-        """`steps` tokens more for every row still generating: each step feeds a row's last token."""
+        """`steps` tokens more for every row still generating: each step feeds a row's last token
+        (with `stop_when_done`, fewer once every row has ended or waits)."""
         for _ in range(steps):
+            if self.stop_when_done and bool(self.done.all()):
+                break
             ready = ~self.done
             index = (self.cur - 1).clamp(min=0)[:, None]
             query = self.start[:, None] + index

@@ -361,6 +361,10 @@ class Rollouts:
         self.sampling = Sampling(own.max_completion_length, self.eos, self.tokenizer.pad_token_id, own.temperature,
                                  own.top_p, own.top_k)
         self.greedy = dataclasses.replace(self.sampling, temperature=0.0)
+        # Eager devices (the CPU, CUDA) stop a rollout once every row has ended and cut the update's
+        # rows after the longest completion (what is cut is padding, out of the loss); XLA keeps
+        # one shape, so one graph
+        self.eager = not engine.accelerator.static_shapes
         self.state = TrainerState(max_steps=total_steps)
         # each split's rows' columns, read at first use
         self.columns: dict[str, list[dict] | None] = dict.fromkeys(data)
@@ -413,7 +417,7 @@ class Rollouts:
         # trainer; training keeps each token's log-probability as the decode graph drew it
         with torch.no_grad(), self.engine.autocast():
             generated = static_generate(plain, ids, mask, self.sampling if training else self.greedy,
-                                        self.engine.cut_graph, logps=training)
+                                        self.engine.cut_graph, logps=training, stop_when_done=self.eager)
         tokens, drawn = generated if training else (generated, None)
         model.train(was_training)
         # the one transfer of the rollout: the row numbers and the completions' tokens, for the rewards
@@ -421,6 +425,11 @@ class Rollouts:
         host = self.engine.to_host([rows_and_tokens])[0]  # split over devices (SPMD): shard by shard
         per_function, rewards, metrics = self.score(host[:, 0].tolist(), host[:, 1:], split, group)
         advantages = self.objective.advantages(rewards, group)
+        if self.eager:  # the update's rows end with the longest completion, as TRL pads them
+            is_eos = torch.isin(host[:, 1:], torch.tensor(self.eos))
+            lengths = torch.where(is_eos.any(1), is_eos.long().argmax(1) + 1, is_eos.shape[1])
+            width = int(lengths.max())
+            tokens, drawn = tokens[:, :width], None if drawn is None else drawn[:, :width]
         out = self.batch(ids, mask, tokens, (advantages, metrics, rewards, per_function), training)
         if drawn is not None:  # training: the sampler's log-probabilities at the labels' positions (`batch`)
             edge = torch.zeros(len(ids), 1, device=ids.device)
@@ -442,7 +451,7 @@ class Rollouts:
         model.eval()
         with torch.no_grad():
             turns = Turns(self.engine.unwrap_model(model), ids, mask, self.sampling if training else self.greedy,
-                          self.engine.cut_graph)
+                          self.engine.cut_graph, stop_when_done=self.eager)
             played = self.loop(turns, ids, mask, self.engine.to_host, batch["row"].repeat_interleave(group, 0))
         model.train(was_training)
         per_function, rewards, metrics = self.score(played.extra.tolist(), None, split, group, played)
@@ -452,6 +461,9 @@ class Rollouts:
         last = played.tokens.gather(1, (lengths - 1).clamp(min=0)[:, None])
         ended = (last == torch.tensor(self.eos)).any(1, keepdim=True) & (lengths[:, None] > 0)
         parts = [played.tokens, played.made, kept, ended]
+        if self.eager:  # the update's rows end with the longest completion, as TRL pads them
+            width = max(max(played.lengths), 1)
+            parts = [x[:, :width] for x in parts[:3]] + [ended]
         tokens, made, kept, ended = (x.to(ids.device) for x in parts)
         out = self.batch(ids, mask, tokens, (advantages, metrics, rewards, per_function), training, (made, kept, ended))
         if training:
