@@ -363,8 +363,13 @@ class Rollouts:
         self.greedy = dataclasses.replace(self.sampling, temperature=0.0)
         # Eager devices (the CPU, CUDA) stop a rollout once every row has ended and cut the update's
         # rows after the longest completion (what is cut is padding, out of the loss); XLA keeps
-        # one shape, so one graph
-        self.eager = not engine.accelerator.static_shapes
+        # one shape, so one graph. Only where each process's forward passes are its own: under
+        # FSDP2, --tensor-parallel, --context-parallel or --expert-parallel every forward calls
+        # collectives, so the processes decode the same number of steps (else gloo's collectives
+        # mismatch) and keep rows of one width
+        strategy = engine.strategy
+        alone = strategy.peers == 1 or not (strategy.sharded or strategy.axes.split)
+        self.eager = not engine.accelerator.static_shapes and alone
         self.state = TrainerState(max_steps=total_steps)
         # each split's rows' columns, read at first use
         self.columns: dict[str, list[dict] | None] = dict.fromkeys(data)
