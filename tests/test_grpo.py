@@ -573,6 +573,17 @@ def test_the_memory_plan_holds_the_rollouts_cache(base):
         allocated = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
         assert plan(Mesh(), replace(path, rows=32, precision="bf16"), shape_of(model)).cache == allocated
     assert memory.total >= memory.weights + memory.cache
+    # with tools (or an environment), kernels.generate.Turns' cache: a sliding layer's ring holds a chunk less
+    # one beyond its window (Gemma 3's: 8 + 15 of the row's 24 slots)
+    from xla_train.kernels.generate import Sampling, Turns
+
+    gemma = AutoModelForCausalLM.from_config(windowed, dtype=torch.float32)
+    path = GroupObjective(settings=GRPOOptions(max_completion_length=8, tools="t.py:f")).memory_inputs(gemma, "cpu", 16)
+    with torch.no_grad():
+        turns = Turns(gemma, torch.ones(32, 16, dtype=torch.long), torch.ones(32, 16, dtype=torch.long),
+                      Sampling(8, (2,), 0), lambda: None)
+    allocated = sum(t.numel() * t.element_size() for layer in turns.cache.layers for t in (layer.keys, layer.values))
+    assert path.cache_ring == 15 and plan(Mesh(), replace(path, rows=32), shape_of(gemma)).cache == allocated
     # beta > 0 without adapters: a frozen copy of the weights beside the trained ones; with them, none
     assert not path.reference_copy
     path = GroupObjective(settings=GRPOOptions(max_completion_length=8, beta=0.04)).memory_inputs(model, "cpu", 16)

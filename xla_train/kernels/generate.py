@@ -288,6 +288,9 @@ class RowSlots(Slots):
         return self.keys, self.values
 
 
+TURN_CHUNK = 16  # Turns' appended tokens are fed in chunks of this many (a sliding layer's ring: a chunk less one more)
+
+
 class Turns:
     """Generation that stops and resumes: a batch of left-padded prompts, then each row's
     completion of up to `sampling.max_new_tokens` tokens after its prompt, made in turns. Between
@@ -308,7 +311,7 @@ class Turns:
     appended tokens (one copy to the device)."""
 
     def __init__(self, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, sampling: Sampling,
-                 cut_graph: Any, chunk: int = 16, stop_when_done: bool = False) -> None:
+                 cut_graph: Any, chunk: int = TURN_CHUNK, stop_when_done: bool = False) -> None:
         rows, length = input_ids.shape
         budget = sampling.max_new_tokens
         device = input_ids.device
