@@ -30,7 +30,11 @@ def tools_file(tmp_path_factory):
     """A file of tools: one that raises, one that cannot be described (no docstring)."""
     path = tmp_path_factory.mktemp("tools") / "more_tools.py"
     path.write_text('def divide(a: int, b: int) -> float:\n    """Divides.\n\n    Args:\n        a: The dividend.\n'
-                    '        b: The divisor.\n    """\n    return a / b\n\n\ndef nodoc(a: int) -> int:\n    return a\n')
+                    '        b: The divisor.\n    """\n    return a / b\n\n\ndef nodoc(a: int) -> int:\n    return a\n'
+                    '\n\n'
+                    'class NoReset:\n    def look(self) -> str:\n        """Looks."""\n        return ""\n\n\n'
+                    'class NoTools:\n    def reset(self, **row):\n        return None\n\n\n'
+                    'class Broken(NoReset):\n    def reset(self, **row):\n        raise KeyError("seed")\n')
     return path
 
 
@@ -163,10 +167,10 @@ def test_the_shipped_calculator_is_described_evaluates_and_refuses_code():
     """xla_train.tools:calculator, the GSM8K recipes' tool: described from its docstring as the SFT
     recipe's traces describe it, GSM8K's annotations evaluated (its thousands' commas too), and
     anything but numbers and + - * / refused by raising (a failed call in the loop)."""
-    from xla_train.tasks.tools import describe
+    from xla_train.tasks.tools import Toolbox
     from xla_train.tools import calculator
 
-    schema = describe("xla_train.tools:calculator")["function"]
+    schema = Toolbox(("xla_train.tools:calculator",)).schemas[0]["function"]
     assert schema["name"] == "calculator" and schema["parameters"]["required"] == ["expression"]
     assert [calculator(e) for e in ("48/2", "2*(3+4.5)", "1,000-1", "-5+2", "7/3")] == [
         "24", "15", "999", "-3", "2.333333333"]
@@ -309,29 +313,62 @@ def test_a_grpo_run_calls_the_tool(task, tmp_path):
     _check_run(m)
 
 
+def test_an_environment_is_made_per_completion_and_reset_per_rollout(task, tmp_path):
+    """--environment tests/tool_task.py:Ledger, without --tools or --reward (TRL's
+    environment_factory): its `multiply` is the tool, its get_reward (its calls since its reset)
+    the reward. That reward equals the calls per completion at every step only if each completion
+    has an instance of its own, reset before each rollout; the reward functions get the instances
+    and the prompts with reset's text appended."""
+    import tool_task
+
+    rewards = tmp_path / "env_rewards.py"
+    rewards.write_text("def told(prompts, environments, **kw):\n"
+                       f"    return [float(p[-1]['content'].endswith({tool_task.Ledger.NOTE!r})"
+                       " and e.answer is not None) for p, e in zip(prompts, environments)]\n")
+    args = tool_args(task, "--environment", f"{ROOT / 'tests' / 'tool_task.py'}:Ledger", "--reward", f"{rewards}:told")
+    del args[args.index("--tools"):args.index("--tools") + 2]
+    del args[args.index("xla_train.rewards:number_match") - 1:args.index("xla_train.rewards:number_match") + 1]
+    proc, m = run_cli(args, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for _, metrics in m["train_metrics"]:
+        assert 0 < metrics["tools/call_frequency"] < 1 and metrics["rewards/told/mean"] == 1, metrics
+        assert metrics["rewards/Ledger/mean"] == pytest.approx(metrics["tools/call_frequency"]), metrics
+    assert m["eval"]["rewards/told/mean"] == 1 and 0 <= m["eval"]["rewards/Ledger/mean"] <= 1, m["eval"]
+
+
 @pytest.mark.slow
 def test_xla_compiles_a_bounded_number_of_graphs_across_tool_turns(task, tmp_path):
-    """The run on XLA:CPU over 2 epochs of 8 prompts: the prompt's pass, the one-token step and the
-    appended chunk's pass (training's and evaluation's shapes), the step's graphs: none after the
-    first epoch, whatever the turns; no aten fallback; a host transfer per turn."""
+    """The run on XLA:CPU over 2 epochs of 8 prompts, its tool an environment's (tool_task.Ledger,
+    whose reset appends to the prompts: rendered again at --max-length): the prompt's pass, the
+    one-token step and the appended chunk's pass (training's and evaluation's shapes), the step's
+    graphs: none after the first epoch, whatever the turns; no aten fallback; a host transfer per
+    turn and the row numbers' for the resets."""
     import tiny_decoders as td
     import tool_task
 
     train = td.write_jsonl(tmp_path / "train.jsonl", tool_task.tool_rows(8, 3, "prompts"))
     args = tool_args({**task, "train": train}, "--epochs", 2, "--max-steps", 8)
+    args[args.index("--tools") + 1] = f"{ROOT / 'tests' / 'tool_task.py'}:Ledger"
+    args[args.index("--tools")] = "--environment"
     args[args.index("cpu")] = "xla"
     proc, m = run_cli(args, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     xla = m["xla"]
     assert xla["compiles"] <= 16 and xla["compiles_after_first_epoch"] == 0 and xla["aten_fallbacks"] == 0, xla
-    # a transfer for the first turn and one for the second (--max-tool-calling-iterations 1), and the log point's
-    assert xla["host_syncs_per_step"] <= 3, xla
-    assert m["steps"] == 8 and all(0 < s["tools/call_frequency"] < 1 for _, s in m["train_metrics"])
+    # the rows for the resets, a transfer for the first turn and one for the second (--max-tool-calling-iterations
+    # 1), and the log point's
+    assert xla["host_syncs_per_step"] <= 4, xla
+    assert m["steps"] == 8
+    for _, metrics in m["train_metrics"]:
+        assert 0 < metrics["tools/call_frequency"] < 1, metrics
+        assert metrics["rewards/Ledger/mean"] == pytest.approx(metrics["tools/call_frequency"]), metrics
 
 
 def test_mistakes_with_tools_are_one_line(task, tools_file, tmp_path, capsys):
     """A tool that cannot be described, a chat template that cannot render tools, --tools on
-    another kind, --max-tool-calling-iterations without tools, --tools on text prompts: one line each."""
+    another kind, --max-tool-calling-iterations without tools, --tools on text prompts; an
+    environment without a reset, without tools, whose reset raises (at the first rollout), or
+    beside --eval-samples: one line each."""
     import tiny_decoders as td
 
     plain = tmp_path / "plain"
@@ -345,17 +382,23 @@ def test_mistakes_with_tools_are_one_line(task, tools_file, tmp_path, capsys):
         (["--tools", "nowhere.py:f"], "--tools nowhere.py:f: no such file nowhere.py"),
         (["--model", plain], "--tools: the chat template does not render tools ("),
         (["--train-file", text, "--validation-file", text], "--tools needs chat prompts"),
+        (["--environment", f"{tools_file}:NoReset"], f"--environment {tools_file}:NoReset: NoReset has no reset"),
+        (["--environment", f"{tools_file}:NoTools"], f"--environment {tools_file}:NoTools: NoTools has no public"),
+        (["--environment", f"{tools_file}:Broken"], f"--environment {tools_file}:Broken: reset raised KeyError: "
+                                                    f"'seed' ({task['train']}: row "),
+        (["--environment", f"{tools_file}:Broken", "--eval-samples", 2], "--eval-samples completes the prompts"),
     ]
     for extra, message in cases:
         assert main(["train", *map(str, tool_args(task, *extra))]) == 2, extra
         err = capsys.readouterr().err
-        assert err.count("\n") == 1 and message in err, (extra, err)
+        lines = [line for line in err.split("\n")[:-1] if not line.startswith("\r")]  # the progress bar's: \r
+        assert len(lines) == 1 and message in lines[0], (extra, err)
     assert main(["train", "--backend", "cpu", "--tools", MULTIPLY]) == 2
     assert "--tools applies to --problem grpo" in capsys.readouterr().err
     args = tool_args(task)
     del args[args.index("--tools"):args.index("--tools") + 2]
     assert main(["train", *map(str, args)]) == 2
-    assert "--max-tool-calling-iterations applies to rollouts with --tools" in capsys.readouterr().err
+    assert "--max-tool-calling-iterations applies to rollouts with --tools or --environment" in capsys.readouterr().err
 
 
 @pytest.mark.slow

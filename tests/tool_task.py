@@ -6,7 +6,8 @@ schemas, stored as a JSON string as TRL's SFTTrainer accepts it), and GRPO promp
 in a column (`xla_train.rewards:number_match` scores the final turn). A tiny model cannot multiply
 two-digit numbers by itself, so the final answer's reward rises only through the tool.
 
-`--tools tests/tool_task.py:multiply` names the tool."""
+`--tools tests/tool_task.py:multiply` names the tool; `--environment tests/tool_task.py:Ledger` gives
+it as an environment's method (TRL's environment_factory)."""
 
 import json
 import random
@@ -20,6 +21,35 @@ def multiply(a: int, b: int) -> int:
         b: The second factor.
     """
     return a * b
+
+
+class Ledger:
+    """The task as an environment (TRL's environment_factory contract): `multiply` is its tool,
+    bound to it; it counts its calls since its last reset, which are its reward; its reset tells
+    the model to use the tool (text appended to the prompt)."""
+
+    NOTE = " Use the tool."
+
+    def __init__(self):
+        self.calls = 0
+        self.answer = None
+
+    def reset(self, answer: str, **row) -> str:
+        self.calls, self.answer = 0, answer
+        return self.NOTE
+
+    def multiply(self, a: int, b: int) -> int:
+        """Multiplies two integers.
+
+        Args:
+            a: The first factor.
+            b: The second factor.
+        """
+        self.calls += 1
+        return a * b
+
+    def get_reward(self) -> float:
+        return float(self.calls)
 
 
 def schema():

@@ -67,7 +67,7 @@ from .documents import IGNORE, SOURCE_ROW, _turns, prompt_ids
 from .dpo import peft_model_of
 from .kinds import register
 from .rewards import Reward, TrainerState, completions_of, rewards_of, score, total
-from .tools import TOOL_METRICS, Toolbox, ToolLoop, specs_of
+from .tools import ENVIRONMENT_REWARD, TOOL_METRICS, Environments, Toolbox, ToolLoop, observed, specs_of
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
 LEVELS = ("token", "sequence")  # --importance-sampling-level
@@ -132,6 +132,10 @@ class GRPOOptions:
                         "path/file.py:function, with type hints and a Google-style docstring (TRL's tools; "
                         "tasks/tools.py); repeat the flag for several; --max-completion-length then counts every "
                         "token after the prompt, tool results included, as TRL's", repeat=True)
+    environment: str = option(None, "grpo: TRL's environment_factory, module:Class or path/file.py:Class: one "
+                              "instance per completion, reset with its row's columns before each rollout, its public "
+                              "methods tools beside --tools', its get_reward() (if any) one more reward "
+                              "(tasks/tools.py)")
     max_tool_calling_iterations: int = option(None, "grpo: tool turns a completion may take (TRL's; default: until "
                                               "it calls none, within --max-completion-length)")
 
@@ -154,20 +158,28 @@ class GRPOOptions:
         for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
             check_number(f"--{name.replace('_', '-')}", getattr(self, name), lambda x: x >= 0, "a number >= 0")
         check_number("--top-entropy-quantile", self.top_entropy_quantile, lambda x: 0 <= x <= 1, "in [0, 1]")
-        rewards_of(self.reward, self.reward_weights)  # each function found now, before any data is read
         check_number("--max-tool-calling-iterations", self.max_tool_calling_iterations, lambda x: x >= 0,
                      "an integer >= 0")
-        if self.max_tool_calling_iterations is not None and not self.tools:
-            raise UserError("--max-tool-calling-iterations applies to rollouts with --tools")
         toolbox = self.toolbox
+        if self.max_tool_calling_iterations is not None and toolbox is None:
+            raise UserError("--max-tool-calling-iterations applies to rollouts with --tools or --environment")
         if toolbox is not None:
             assert toolbox.schemas  # each tool found and described now (one line where one cannot be)
+        self.rewards(toolbox)  # each function found now, before any data is read
 
     @property
     def toolbox(self) -> Toolbox | None:
-        """The --tools functions (None: none)."""
+        """The --tools functions and --environment's methods (None: neither)."""
         specs = specs_of(self.tools)
-        return Toolbox(specs) if specs else None
+        return Toolbox(specs, self.environment) if specs or self.environment else None
+
+    def rewards(self, toolbox: Toolbox | None = None) -> tuple[Reward, ...]:
+        """The --reward functions, then the environment's get_reward (TRL's: weight 1, named after
+        its class), with which --reward may be left out (`toolbox`: this options', made already)."""
+        toolbox = toolbox or self.toolbox
+        owned = toolbox.rewarded if toolbox is not None else None
+        rewards = rewards_of(self.reward, self.reward_weights, required=owned is None)
+        return rewards + ((Reward(owned, ENVIRONMENT_REWARD),) if owned else ())
 
     @property
     def upper(self) -> float:
@@ -229,6 +241,7 @@ class PromptRows(Rows):
     files: dict[str, str] | None = None
     completions: int = 8  # --num-generations: the completions a prompt makes in a batch
     tools: tuple[str, ...] = ()  # --tools: the chat template renders the prompts with them
+    environment: str | None = None  # --environment: its methods too
     unit = "prompts (each keeps its last tokens)"
 
     def batch_rows(self, batch_size: int) -> int:
@@ -242,11 +255,12 @@ class PromptRows(Rows):
             raise UserError(f"{(self.files or {}).get('train', 'train')}: the prompts are chat turns, which need a "
                             "chat template, and the model's tokenizer has none; give the prompts as text")
         schemas = None
-        if self.tools:
+        if self.tools or self.environment:
             if self.form != "conversational":
-                raise UserError(f"{(self.files or {}).get('train', 'train')}: --tools needs chat prompts (TRL parses "
+                flag = "--tools" if self.tools else "--environment"
+                raise UserError(f"{(self.files or {}).get('train', 'train')}: {flag} needs chat prompts (TRL parses "
                                 "tool calls from conversational completions only); the prompts are text")
-            toolbox = Toolbox(self.tools)
+            toolbox = Toolbox(self.tools, self.environment)
             toolbox.check(tokenizer)
             schemas = toolbox.schemas
         data, truncated = {}, {}
@@ -259,10 +273,8 @@ class PromptRows(Rows):
                 if self.form == "strings" and not isinstance(row["prompt"], str):
                     raise UserError(f"{where}: 'prompt' must be text, as the first row's is; found "
                                     f"{str(row['prompt'])[:60]!r}")
-                if schemas:  # TRL renders the prompts with the tools (GRPOTrainer._tokenize_prompts)
-                    text = tokenizer.apply_chat_template(_turns(row["prompt"], where),
-                                                         tools=schemas, tokenize=False, add_generation_prompt=True)
-                    ids.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+                if schemas is not None:  # TRL renders the prompts with the tools (GRPOTrainer._tokenize_prompts)
+                    ids.append(with_tools(tokenizer, _turns(row["prompt"], where), schemas))
                 else:
                     ids.append(prompt_ids({form: row["prompt"]}, form, tokenizer, where))
                 extra.append(json.dumps({**row, "_where": where}, default=str))
@@ -274,6 +286,12 @@ class PromptRows(Rows):
 
     def collator(self, tokenizer: Any) -> PromptCollator:
         return PromptCollator(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
+
+
+def with_tools(tokenizer: Any, messages: list[dict], schemas: list[dict]) -> list[int]:
+    """A chat prompt's tokens, rendered with the tools' schemas and the assistant's turn opened."""
+    text = tokenizer.apply_chat_template(messages, tools=schemas, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -375,10 +393,12 @@ class Rollouts:
         self.columns: dict[str, list[dict] | None] = dict.fromkeys(data)
         self.iterations = Iterations(own.num_iterations)  # --num-iterations: K updates on each rollout
         toolbox = own.toolbox  # --tools: rollouts in turns, the tools run between them (tasks/tools.py)
-        self.loop = None
+        self.loop, self.environments = None, None
         if toolbox is not None:
             toolbox.check(self.tokenizer)
             self.loop = ToolLoop(self.tokenizer, toolbox, own.max_tool_calling_iterations)
+            if toolbox.environment is not None:  # --environment: its pool, this worker's
+                self.environments = Environments(toolbox)
         # beta > 0: the reference, the model with its adapters disabled (--lora), else a frozen copy
         # of the model as training began (`initial`: its loading again, prepared for the device)
         self.reference, self.unadapted = None, contextlib.nullcontext
@@ -452,14 +472,20 @@ class Rollouts:
 
         assert self.loop is not None
         training = split == "train"
+        rows = batch["row"].repeat_interleave(group, 0)
+        environments = observations = None
+        if self.environments is not None:  # reset before the rollout, each with its row (one more transfer)
+            environments, observations, ids, mask = self.reset(self.engine.to_host([rows])[0].tolist(), ids, mask,
+                                                               split)
         was_training = model.training
         model.eval()
         with torch.no_grad():
             turns = Turns(self.engine.unwrap_model(model), ids, mask, self.sampling if training else self.greedy,
                           self.engine.cut_graph, stop_when_done=self.eager)
-            played = self.loop(turns, ids, mask, self.engine.to_host, batch["row"].repeat_interleave(group, 0))
+            played = self.loop(turns, ids, mask, self.engine.to_host, rows, environments)
         model.train(was_training)
-        per_function, rewards, metrics = self.score(played.extra.tolist(), None, split, group, played)
+        per_function, rewards, metrics = self.score(played.extra.tolist(), None, split, group, played,
+                                                    environments, observations)
         advantages = self.objective.advantages(rewards, group)
         lengths = torch.tensor(played.lengths)
         kept = torch.arange(played.tokens.shape[1])[None] < lengths[:, None]
@@ -474,6 +500,34 @@ class Rollouts:
         if training:
             self.log_probabilities(model, out)
         return out
+
+    def reset(self, rows: list[int], ids: Any, mask: Any, split: str) -> tuple[list, list, Any, Any]:
+        """--environment: each completion's instance, reset with its row's columns, and what each
+        reset returned; where one returned text, the prompts rendered again with it appended to
+        their last message (TRL's), kept to their last --max-length tokens and left-padded: to
+        --max-length where shapes are static (one shape), else to the longest."""
+        import torch
+
+        assert self.environments is not None and self.loop is not None
+        found = [self.table(split)[r] for r in rows]
+        environments, observations = self.environments.reset(found)
+        if all(o is None for o in observations):
+            return environments, observations, ids, mask
+        limit = self.objective.max_length
+        prompts = [with_tools(self.tokenizer, observed(f["prompt"], o), self.loop.toolbox.schemas)[-limit:]
+                   for f, o in zip(found, observations)]
+        width = limit if not self.eager else max(map(len, prompts))
+        pad = self.tokenizer.pad_token_id
+        new_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+        new_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        return environments, observations, new_ids.to(ids.device), new_mask.to(mask.device)
+
+    def table(self, split: str) -> list[dict]:
+        """The split's rows' columns (read at first use)."""
+        table = self.columns[split]
+        if table is None:
+            table = self.columns[split] = [json.loads(x) for x in self.data[split][EXTRA]]
+        return table
 
     def log_probabilities(self, model: Any, batch: dict[str, Any]) -> None:
         """The completions' log-probabilities that stay fixed through the rollout's updates, as
@@ -496,17 +550,18 @@ class Rollouts:
                     rollout.reference = logps(self.reference)
 
     def score(self, rows: list[int], tokens: Any, split: str, group: int,
-              played: Any = None) -> tuple[Any, Any, Any]:
+              played: Any = None, environments: list | None = None,
+              observations: list | None = None) -> tuple[Any, Any, Any]:
         """Every completion's rewards, per function ([completions, functions], NaN for None) and
         their weighted sum (NaN-skipping, as TRL's nansum), and the rollout's metrics (ROLLOUT_KEYS,
         then each function's mean and std, then with --tools TOOL_METRICS). `played`: a rollout
         with tools (tasks/tools.Played): its completions are lists of turns, its lengths count
-        the model's tokens only (TRL's, through tool_mask)."""
+        the model's tokens only (TRL's, through tool_mask). `environments`: each completion's
+        (--environment), given to the reward functions as TRL gives them, with the prompts as
+        their resets' `observations` left them."""
         import torch
 
-        table = self.columns[split]
-        if table is None:
-            table = self.columns[split] = [json.loads(x) for x in self.data[split][EXTRA]]
+        table = self.table(split)
         texts, ids, ended = [], [], []
         if played is None:
             for row in tokens.tolist():
@@ -520,9 +575,11 @@ class Rollouts:
             ended = [bool(x) and x[-1] in self.eos for x in ids]
             counts = played.made.sum(1).float()
         found = [table[r] for r in rows]
-        prompts = [f["prompt"] for f in found]
+        prompts = [observed(f["prompt"], o) for f, o in zip(found, observations or [None] * len(found))]
         keys = [k for k in found[0] if k not in ("prompt", "completion", "completion_ids", "_where")]
         columns = {k: [f.get(k) for f in found] for k in keys}
+        if environments is not None:
+            columns["environments"] = environments
         completions = completions_of(prompts, texts) if played is None else played.completions
         per_function, _ = score(self.objective.rewards, prompts, completions, ids, columns,
                                 self.state, [f["_where"] for f in found])
@@ -641,6 +698,7 @@ class GroupObjective(Objective):
     settings: GRPOOptions = GRPOOptions()
     rewards: tuple[Reward, ...] = ()
     router_aux_loss_coef: float | None = None  # the routers' loss weight (None: the model config's)
+    max_length: int = 128  # --max-length: a prompt's tokens (an --environment's prompts are rendered again)
 
     @property
     def updates_per_batch(self) -> int:
@@ -662,7 +720,7 @@ class GroupObjective(Objective):
         length = length + self.settings.max_completion_length
         path = documents_memory_inputs(model, device_kind, length, self.attention)
         copy = bool(self.settings.beta) and peft_model_of(model) is None
-        ring = TURN_CHUNK - 1 if self.settings.tools else 0
+        ring = TURN_CHUNK - 1 if self.settings.tools or self.settings.environment else 0
         return dataclasses.replace(path, length=length, cache_tokens=length, cache_ring=ring, reference_copy=copy)
 
     @staticmethod
@@ -832,7 +890,7 @@ class GroupObjective(Objective):
 
     def step_metrics(self, output: Any, labels: Any) -> dict[str, Any] | None:
         names = [*ROLLOUT_KEYS, *(f"rewards/{r.name}/{s}" for r in self.rewards for s in ("mean", "std")),
-                 *(TOOL_METRICS if self.settings.tools else ())]
+                 *(TOOL_METRICS if self.settings.tools or self.settings.environment else ())]
         return {**dict(zip(names, labels.metrics.unbind())), **output.metrics}
 
     # --- evaluation: the validation prompts' greedy completions, scored -----------------------
@@ -911,6 +969,9 @@ class GRPO(Task):
             raise UserError("--max-new-tokens applies to --test-file's completions (rollouts take "
                             "--max-completion-length)")
         Iterations(own.num_iterations).check(opts.save_every)
+        if own.environment and opts.eval_samples:
+            raise UserError("--eval-samples completes the prompts in one turn, without --environment's tools and "
+                            "rewards; leave it out (the evaluation's reward is the environment's)")
 
     @classmethod
     def load(cls, source):
@@ -920,19 +981,20 @@ class GRPO(Task):
         for line in own.odd_pairings():  # TRL's warnings, once, in the launching process
             print(f"xla-train: warning: {line}", file=sys.stderr)
         return (cls("custom", None, main="reward", max_length=source.max_length, form=form, files=files,
-                    attention=source.attention, settings=own, rewards=rewards_of(own.reward, own.reward_weights),
+                    attention=source.attention, settings=own, rewards=own.rewards(),
                     router_aux_loss_coef=router_coef_of(source)),
                 splits)
 
     # --- the parts --------------------------------------------------------------------------
     @cached_property
     def rows(self):
-        return PromptRows(self.form, self.files, self.settings.num_generations, specs_of(self.settings.tools))
+        return PromptRows(self.form, self.files, self.settings.num_generations, specs_of(self.settings.tools),
+                          self.settings.environment)
 
     @cached_property
     def objective(self):
         return GroupObjective(None, self.eval_splits, self.attention, self.settings, self.rewards,
-                              self.router_aux_loss_coef)
+                              self.router_aux_loss_coef, self.max_length)
 
     @cached_property
     def model(self) -> ModelPart:

@@ -61,13 +61,15 @@ class Logged:
     metrics: dict[str, list[float]] = field(default_factory=dict)
 
 
-def rewards_of(specs: str | None, weights: str | None) -> tuple[Reward, ...]:
+def rewards_of(specs: str | None, weights: str | None, required: bool = True) -> tuple[Reward, ...]:
     """The --reward functions (comma-separated, or repeated flags) with their --reward-weights
-    (default 1 each), each found now: a mistake stops the run before any model loads."""
+    (default 1 each), each found now: a mistake stops the run before any model loads. `required`:
+    no other reward source (an --environment's get_reward) is there."""
     names = [s.strip() for s in (specs or "").split(",") if s.strip()]
-    if not names:
+    if not names and required:
         raise UserError("--problem grpo needs --reward: a function that scores completions (module:function or "
-                        "path/file.py:function; xla_train.rewards has exact_match, number_match, think_format)")
+                        "path/file.py:function; xla_train.rewards has exact_match, number_match, think_format), "
+                        "or an --environment with a get_reward method")
     if weights is None:
         values = [1.0] * len(names)
     else:

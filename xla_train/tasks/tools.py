@@ -24,6 +24,18 @@ result that would not fit is dropped and the row ends with its turn (TRL's rollb
 turn stops at the budget. The tool results' tokens are out of the loss (TRL's tool_mask); the
 reward functions get each completion as its list of turns (the assistant's, with its `tool_calls`,
 and the tools'), TRL's form.
+
+    --environment tests/tool_task.py:Ledger   TRL's environment_factory (one callable): a class, or a
+                                              function that makes one, in a file or a module
+
+An environment (`Environments`, TRL 1.16's GRPOTrainer with `environment_factory`) is made once per
+completion of a rollout, kept in a pool across steps and reset before each rollout with its row's
+columns (`reset(**row)`); text that `reset` returns is appended to the row's last message, and the
+prompt is rendered again (left-padded to --max-length where shapes are static). Its public methods
+(but `reset` and `get_reward`) are tools bound to it, beside --tools', and described to the chat
+template the same way; a `get_reward()` is one more reward (weight 1, named after the class), with
+which --reward may be left out. Reward functions get the instances as `environments`, as TRL's.
+TRL's dict of named environments (an `environment` column choosing each row's) is not taken.
 """
 
 from __future__ import annotations
@@ -40,6 +52,7 @@ from .documents import check_tools_rendered
 from .rewards import find
 
 TOOL_METRICS = ("tools/call_frequency", "tools/failure_frequency")
+ENVIRONMENT_REWARD = f"{__name__}:environment_reward"  # --environment's get_reward, as a reward function
 
 
 def specs_of(tools: str | None) -> tuple[str, ...]:
@@ -47,32 +60,69 @@ def specs_of(tools: str | None) -> tuple[str, ...]:
     return tuple(s.strip() for s in (tools or "").split(",") if s.strip())
 
 
-def describe(spec: str) -> dict:
+def describe(function: Any, label: str) -> dict:
     """A tool's JSON schema as the chat template gets it (transformers' `get_json_schema`), or one
-    line saying why it cannot be described."""
+    line saying why it cannot be described (`label`: the tool as the user named it)."""
     from transformers.utils import get_json_schema
 
-    function = find(spec, "--tools")
     try:
         return get_json_schema(function)
     except Exception as e:  # transformers' TypeHintParsingException / DocstringParsingException, or the user's
-        raise UserError(f"--tools {spec}: the chat template cannot be told about it ({first_line(e)}); a tool "
+        raise UserError(f"{label}: the chat template cannot be told about it ({first_line(e)}); a tool "
                         "needs type hints and a Google-style docstring with an Args: section") from None
+
+
+def methods_of(environment: Any) -> list[Any]:
+    """An environment's tools, TRL's rule: its class's public functions but `reset` and
+    `get_reward`, bound to it."""
+    return [getattr(environment, name) for name, _ in inspect.getmembers(type(environment), inspect.isfunction)
+            if name not in ("reset", "get_reward") and not name.startswith("_")]
 
 
 @dataclass(frozen=True)
 class Toolbox:
-    """The --tools functions, by name, with their schemas."""
+    """The --tools functions, by name, with their schemas, and --environment's methods."""
 
     specs: tuple[str, ...]
+    environment: str | None = None  # --environment: TRL's environment_factory
+
+    @cached_property
+    def probe(self) -> Any:
+        """--environment's first instance, made now and checked (TRL probes one as its trainer
+        starts): the pool's first (`Environments`). None without --environment."""
+        if self.environment is None:
+            return None
+        instance = made(self.environment)
+        if not callable(getattr(instance, "reset", None)):
+            raise UserError(f"--environment {self.environment}: {type(instance).__name__} has no reset method; an "
+                            "environment resets itself before each rollout (TRL's environment_factory)")
+        if not methods_of(instance):
+            raise UserError(f"--environment {self.environment}: {type(instance).__name__} has no public methods, "
+                            "which would be its tools (all but reset and get_reward)")
+        return instance
 
     @cached_property
     def schemas(self) -> list[dict]:
-        return [describe(s) for s in self.specs]
+        own = [describe(find(s, "--tools"), f"--tools {s}") for s in self.specs]
+        bound = [describe(m, f"--environment {self.environment}: its method {m.__name__}")
+                 for m in methods_of(self.probe)] if self.probe is not None else []
+        return own + bound
 
     @cached_property
     def functions(self) -> dict[str, Any]:
+        """The --tools functions by name (an environment's are its instances', `functions_of`)."""
         return {schema["function"]["name"]: find(spec, "--tools") for spec, schema in zip(self.specs, self.schemas)}
+
+    def functions_of(self, environment: Any = None) -> dict[str, Any]:
+        """The tools a row's calls may run: --tools' and its environment's methods."""
+        if environment is None:
+            return self.functions
+        return {**self.functions, **{m.__name__: m for m in methods_of(environment)}}
+
+    @property
+    def rewarded(self) -> str | None:
+        """The environment's class name where it owns a reward (`get_reward`, TRL's), else None."""
+        return type(self.probe).__name__ if callable(getattr(self.probe, "get_reward", None)) else None
 
     def check(self, tokenizer: Any) -> None:
         """The chat template renders a whole exchange with a call and a result (TRL's
@@ -182,6 +232,70 @@ async def _awaited(value: Any) -> Any:
     return await value
 
 
+def made(spec: str) -> Any:
+    """One environment from --environment's factory (a class, or a function making one)."""
+    factory = find(spec, "--environment")
+    try:
+        return factory()
+    except Exception as e:  # the user's factory
+        raise UserError(f"--environment {spec}: making one raised {type(e).__name__}: {first_line(e)}") from None
+
+
+class Environments:
+    """--environment's instances, TRL's pool: one per completion of a rollout, made once (the pool
+    grows to the largest rollout) and reset before each rollout with its row's columns."""
+
+    def __init__(self, toolbox: Toolbox) -> None:
+        assert toolbox.environment is not None
+        self.spec, self.pool = toolbox.environment, [toolbox.probe]
+
+    def reset(self, rows: list[dict]) -> tuple[list[Any], list[str | None]]:
+        """The rollout's instances (one per row, in order) and what each reset returned: text to
+        append to its row's last message, or None. `rows`: the completions' rows' columns, each
+        with `_where` (the row, for messages), which reset does not get."""
+        while len(self.pool) < len(rows):
+            self.pool.append(made(self.spec))
+        instances, observations = self.pool[:len(rows)], []
+        for instance, row in zip(instances, rows):
+            columns = {k: v for k, v in row.items() if k != "_where"}
+            try:
+                observation = instance.reset(**columns)
+            except Exception as e:  # the user's environment
+                raise UserError(f"--environment {self.spec}: reset raised {type(e).__name__}: {first_line(e)} "
+                                f"({row['_where']})") from None
+            if observation is not None and not isinstance(observation, str):
+                raise UserError(f"--environment {self.spec}: reset returned {type(observation).__name__} for "
+                                f"{row['_where']}; text (appended to the prompt) or None is needed")
+            observations.append(observation)
+        return instances, observations
+
+
+def observed(prompt: list[dict], observation: str | None) -> list[dict]:
+    """A chat prompt with what its environment's reset returned appended to its last message, as
+    TRL appends it (the row's own prompt is left as it was)."""
+    if observation is None:
+        return prompt
+    return [*prompt[:-1], {**prompt[-1], "content": prompt[-1]["content"] + observation}]
+
+
+def environment_reward(completions: list, environments: list | None = None, **kwargs: Any) -> list:
+    """The reward an environment owns: each completion's instance's `get_reward()` (TRL's, sync or
+    async), read after the rollout."""
+    assert environments is not None and len(environments) == len(completions)
+    try:
+        values = [e.get_reward() for e in environments]
+        if any(inspect.isawaitable(v) for v in values):
+            values = asyncio.run(_gathered(values))
+    except Exception as e:  # the user's environment
+        raise UserError(f"--environment: {type(environments[0]).__name__}.get_reward raised {type(e).__name__}: "
+                        f"{first_line(e)}") from None
+    return values
+
+
+async def _gathered(values: list) -> list:
+    return [await v if inspect.isawaitable(v) else v for v in values]
+
+
 def suffix_ids(tokenizer: Any, results: list[dict]) -> list[int]:
     """The tokens that follow a turn's end to hold its tool results and open the next assistant
     turn, TRL 1.16's `_get_tool_suffix_ids`: a one-call exchange rendered with and without them,
@@ -221,10 +335,11 @@ class ToolLoop:
     toolbox: Toolbox
     max_iterations: int | None  # --max-tool-calling-iterations (None: until no row calls a tool)
 
-    def __call__(self, turns: Any, ids: Any, mask: Any, fetch: Any, extra: Any = None) -> Played:
+    def __call__(self, turns: Any, ids: Any, mask: Any, fetch: Any, extra: Any = None,
+                 environments: list | None = None) -> Played:
         """`turns` (kernels.generate.Turns) after the pass over its left-padded prompts `ids`
         (`mask`: their real tokens); `fetch(tensors)`: the host's copies (the engine's to_host),
-        `extra` fetched with the first turn (Played.extra)."""
+        `extra` fetched with the first turn (Played.extra); `environments`: each row's (--environment)."""
         budget = turns.budget
         turns.decode(budget - 1)
         tokens, made, cur, done, ids, mask, *rest = fetch([*turns.state(), ids, mask, *([] if extra is None else
@@ -246,7 +361,8 @@ class ToolLoop:
                 completions[r].append(turn)
                 if not turn.get("tool_calls") or (self.max_iterations is not None and taken >= self.max_iterations):
                     continue
-                results = calls.run(turn["tool_calls"], self.toolbox.functions)
+                own = None if environments is None else environments[r]  # the row's environment
+                results = calls.run(turn["tool_calls"], self.toolbox.functions_of(own))
                 suffix = suffix_ids(self.tokenizer, results)
                 if end + len(suffix) > budget:  # TRL's rollback: the row ends with its turn
                     continue
