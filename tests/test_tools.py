@@ -313,27 +313,40 @@ def test_a_grpo_run_calls_the_tool(task, tmp_path):
     _check_run(m)
 
 
-def test_an_environment_is_made_per_completion_and_reset_per_rollout(task, tmp_path):
+@pytest.mark.parametrize("where", ["cpu", pytest.param("xla-fsdp-4", marks=pytest.mark.slow)])
+def test_an_environment_is_made_per_completion_and_reset_per_rollout(task, tmp_path, where):
     """--environment tests/tool_task.py:Ledger, without --tools or --reward (TRL's
     environment_factory): its `multiply` is the tool, its get_reward (its calls since its reset)
     the reward. That reward equals the calls per completion at every step only if each completion
     has an instance of its own, reset before each rollout; the reward functions get the instances
-    and the prompts with reset's text appended."""
+    (each completion's own: it called the tool where its instance counted a call) and the prompts
+    with reset's text appended. On the CPU, and under FSDPv2 on 4 XLA:CPU devices (the rows
+    sharded over them, the tool turns' tokens copied back whole)."""
     import tool_task
 
     rewards = tmp_path / "env_rewards.py"
     rewards.write_text("def told(prompts, environments, **kw):\n"
                        f"    return [float(p[-1]['content'].endswith({tool_task.Ledger.NOTE!r})"
-                       " and e.answer is not None) for p, e in zip(prompts, environments)]\n")
-    args = tool_args(task, "--environment", f"{ROOT / 'tests' / 'tool_task.py'}:Ledger", "--reward", f"{rewards}:told")
+                       " and e.answer is not None) for p, e in zip(prompts, environments)]\n\n\n"
+                       "def agree(completions, environments, **kw):\n"
+                       "    return [float(any(t['role'] == 'tool' for t in c) == (e.calls > 0))"
+                       " for c, e in zip(completions, environments)]\n")
+    args = tool_args(task, "--environment", f"{ROOT / 'tests' / 'tool_task.py'}:Ledger", "--reward",
+                     f"{rewards}:told", "--reward", f"{rewards}:agree")
     del args[args.index("--tools"):args.index("--tools") + 2]
     del args[args.index("xla_train.rewards:number_match") - 1:args.index("xla_train.rewards:number_match") + 1]
-    proc, m = run_cli(args, tmp_path)
+    env = None
+    if where == "xla-fsdp-4":
+        args[args.index("cpu")] = "xla"
+        args += ["--strategy", "fsdp"]
+        env = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4", "XLA_USE_SPMD": "1"}
+    proc, m = run_cli(args, tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for _, metrics in m["train_metrics"]:
-        assert 0 < metrics["tools/call_frequency"] < 1 and metrics["rewards/told/mean"] == 1, metrics
+        assert 0 < metrics["tools/call_frequency"] < 1, metrics
+        assert metrics["rewards/told/mean"] == 1 and metrics["rewards/agree/mean"] == 1, metrics
         assert metrics["rewards/Ledger/mean"] == pytest.approx(metrics["tools/call_frequency"]), metrics
-    assert m["eval"]["rewards/told/mean"] == 1 and 0 <= m["eval"]["rewards/Ledger/mean"] <= 1, m["eval"]
+    assert m["eval"]["rewards/told/mean"] == 1 and m["eval"]["rewards/agree/mean"] == 1, m["eval"]
 
 
 @pytest.mark.slow
