@@ -57,16 +57,18 @@ print(json.dumps({"seconds": seconds, "peak_growth": status("VmHWM") - base,
 """
 
 
-def write_model(folder, layers):
+def write_model(folder, layers, **shape):
+    """A random Llama in bf16, written once into `folder`: Llama 3.2 1B's shape (benchmarks/
+    bench_memory.py's "Llama 1B"), `layers` blocks of its 16, `shape` overriding its sizes."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     if (folder / "config.json").exists():
         return
     torch.manual_seed(0)
-    # Llama 3.2 1B's shape (benchmarks/bench_memory.py's "Llama 1B"), `layers` blocks of its 16
-    config = LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=layers,
-                         num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True)
+    config = LlamaConfig(**{"vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192,
+                            "num_attention_heads": 32, "num_key_value_heads": 8, "tie_word_embeddings": True,
+                            **shape, "num_hidden_layers": layers})
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     model = model.to_empty(device="cpu").to(torch.bfloat16)

@@ -30,6 +30,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench_load import write_model  # benchmarks/, the script's folder, is on sys.path
+
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 2**20
 
@@ -84,24 +86,6 @@ print(json.dumps({"seconds": seconds, "peak_growth": status("VmHWM") - base,
 """
 
 
-def write_model(folder, layers):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    if (folder / "config.json").exists():
-        return
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=8192, hidden_size=1024, intermediate_size=4096, num_hidden_layers=layers,
-                         num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=True)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
-    model = model.to_empty(device="cpu").to(torch.bfloat16)
-    model.tie_weights()  # to_empty made the head a tensor of its own
-    for p in model.parameters():
-        torch.nn.init.normal_(p, std=0.02)
-    model.save_pretrained(folder)
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=8)
@@ -110,7 +94,8 @@ def main():
     p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "out" / "quant_load"))
     args = p.parse_args()
     folder = Path(args.folder) / f"llama-1024-{args.layers}"
-    write_model(folder, args.layers)
+    write_model(folder, args.layers, vocab_size=8192, hidden_size=1024, intermediate_size=4096,
+                num_attention_heads=16)
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     cases = [(way, bits) for bits in (8, 4) for way in ("whole", "while")]
     runs = {f"{way}-{bits}": [] for way, bits in cases}
