@@ -88,6 +88,24 @@ def test_the_key_changes_with_what_shapes_the_rows_only(sources):
     assert _key(model, rows) not in (first, after_data, *changed)
 
 
+def test_the_key_follows_the_tools_that_render_grpo_prompts(sources, tmp_path):
+    """GRPO's --tools and --environment render the prompts with their schemas: another tool, or a
+    docstring edited in its file, is another entry."""
+    model, rows = sources
+    tools = tmp_path / "tools.py"
+    tools.write_text('def add(a: int) -> int:\n    """Adds.\n\n    Args:\n        a: A number.\n    """\n'
+                     '    return a\n')
+
+    def grpo(**own):
+        cfg = TrainOptions(problem="grpo", model=str(model), train_file=str(rows), validation_file=str(rows), own=own)
+        return data_cache.key(cfg, 64)
+
+    plain, with_tool, with_environment = grpo(), grpo(tools=f"{tools}:add"), grpo(environment=f"{tools}:Env")
+    assert len({plain, with_tool, with_environment}) == 3
+    tools.write_text(tools.read_text().replace("Adds.", "Adds one."))
+    assert grpo(tools=f"{tools}:add") != with_tool and grpo() == plain
+
+
 def test_no_key_for_data_not_read_here(sources, tmp_path):
     model, rows = sources
     assert _key(model, tmp_path / "missing.jsonl") is None  # a hub dataset's name

@@ -44,6 +44,15 @@ def _hash_files(digest, root: Path, skip=()) -> None:
         digest.update(b"\0")
 
 
+def _named_files(own: dict) -> list[Path]:
+    """The files the kind's own options name as path/file.py:name (a tool's, an environment's): a
+    docstring edited there is a schema changed in the rendered prompts."""
+    values = [x for v in own.values() for x in (v if isinstance(v, list) else [v]) if isinstance(x, str)]
+    specs = [s.strip() for v in values for s in v.split(",")]
+    return [Path(s.rpartition(":")[0]).expanduser() for s in specs
+            if s.rpartition(":")[0].endswith(".py") and Path(s.rpartition(":")[0]).expanduser().is_file()]
+
+
 def data_inputs(cfg) -> list[Path] | None:
     """The local files and folders a run's rows are read from; None where one is not local."""
     from .tasks import BUNDLED_MRPC
@@ -78,9 +87,11 @@ def key(cfg, max_length: int) -> str | None:
         return None
     digest = hashlib.sha256()
     options = {name: value for section in SECTIONS for name, value in cfg.section(section).items()}
+    # the kind's own options too: GRPO's --tools and --environment render its prompts with their schemas
     digest.update(json.dumps({"version": __version__, "libraries": _library_versions(), "options": options,
-                              "seed": cfg.seed, "max_length": max_length}, sort_keys=True, default=str).encode())
-    for path in inputs:
+                              "own": cfg.own, "seed": cfg.seed, "max_length": max_length},
+                             sort_keys=True, default=str).encode())
+    for path in [*inputs, *_named_files(cfg.own)]:
         _hash_files(digest, path)
     _hash_files(digest, model, skip=WEIGHTS)
     _hash_files(digest, SOURCE, skip=(".tsv", ".json", ".txt", ".md"))  # the package's code, not its data
