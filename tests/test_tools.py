@@ -415,6 +415,19 @@ def test_mistakes_with_tools_are_one_line(task, tools_file, tmp_path, capsys):
 
 
 @pytest.mark.slow
+def test_tools_over_processes_whose_forwards_meet_are_refused(task, tmp_path):
+    """Each process runs its own rows' tool turns; under FSDP2 over two gloo processes every
+    forward pass calls collectives, so turns out of step would abort gloo: refused in one line
+    before the first rollout, the run folder kept."""
+    proc, _ = run_cli(tool_args(task, "--strategy", "fsdp", "--num-processes", 2, "--output-dir", tmp_path / "run"),
+                      tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        "xla-train: error: --tools: each process decides its own tool turns, and under FSDP2"), proc.stderr[-3000:]
+    assert (tmp_path / "run" / "xla_train_run.json").exists()
+
+
+@pytest.mark.slow
 def test_resumed_midway_a_multi_turn_run_is_exact(task, tmp_path):
     """Resumed from its step-4 checkpoint, with tool turns in every rollout and a reward for
     calling the tool (so the weights move): the resumed run ends with the weights, metrics and

@@ -179,7 +179,8 @@ class GRPOOptions:
         toolbox = toolbox or self.toolbox
         owned = toolbox.rewarded if toolbox is not None else None
         rewards = rewards_of(self.reward, self.reward_weights, required=owned is None)
-        return rewards + ((Reward(owned, ENVIRONMENT_REWARD),) if owned else ())
+        label = f"--environment {self.environment}: {owned}.get_reward"
+        return rewards + ((Reward(owned, ENVIRONMENT_REWARD, label=label),) if owned else ())
 
     @property
     def upper(self) -> float:
@@ -394,11 +395,17 @@ class Rollouts:
         self.iterations = Iterations(own.num_iterations)  # --num-iterations: K updates on each rollout
         toolbox = own.toolbox  # --tools: rollouts in turns, the tools run between them (tasks/tools.py)
         self.loop, self.environments = None, None
+        if toolbox is not None and not alone:
+            raise UserError(f"--{'tools' if own.tools else 'environment'}: each process decides its own tool turns, "
+                            "and under FSDP2, --tensor-parallel, --context-parallel or --expert-parallel over "
+                            f"{strategy.peers} processes every forward pass calls collectives, so their turns would "
+                            "fall out of step; run them on one process (SPMD on XLA) or with --strategy ddp")
         if toolbox is not None:
             toolbox.check(self.tokenizer)
             self.loop = ToolLoop(self.tokenizer, toolbox, own.max_tool_calling_iterations)
             if toolbox.environment is not None:  # --environment: its pool, this worker's
                 self.environments = Environments(toolbox)
+        self.warned = False  # a reset's text made a prompt longer than --max-length (warned once)
         # beta > 0: the reference, the model with its adapters disabled (--lora), else a frozen copy
         # of the model as training began (`initial`: its loading again, prepared for the device)
         self.reference, self.unadapted = None, contextlib.nullcontext
@@ -514,8 +521,13 @@ class Rollouts:
         if all(o is None for o in observations):
             return environments, observations, ids, mask
         limit = self.objective.max_length
-        prompts = [with_tools(self.tokenizer, observed(f["prompt"], o), self.loop.toolbox.schemas)[-limit:]
+        prompts = [with_tools(self.tokenizer, observed(_turns(f["prompt"], f["_where"]), o), self.loop.toolbox.schemas)
                    for f, o in zip(found, observations)]
+        if any(len(p) > limit for p in prompts) and not self.warned:  # as the prompts' first rendering says
+            self.warned = True
+            print(f"xla-train: warning: --environment: a prompt with its reset's text is longer than --max-length "
+                  f"{limit}; it keeps its last {limit} tokens (raise --max-length to keep all)", file=sys.stderr)
+        prompts = [p[-limit:] for p in prompts]
         width = limit if not self.eager else max(map(len, prompts))
         pad = self.tokenizer.pad_token_id
         new_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
@@ -717,6 +729,8 @@ class GroupObjective(Objective):
         update keeps of it.)"""
         from ..kernels.generate import TURN_CHUNK
 
+        if self.settings.environment:  # a rollout whose resets returned text: its prompts at --max-length
+            length = max(length, self.max_length)
         length = length + self.settings.max_completion_length
         path = documents_memory_inputs(model, device_kind, length, self.attention)
         copy = bool(self.settings.beta) and peft_model_of(model) is None

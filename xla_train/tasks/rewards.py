@@ -38,6 +38,10 @@ class Reward:
     name: str  # the function's name, as TRL names it (its __name__), in the metrics' keys
     spec: str  # as --reward gave it
     weight: float = 1.0
+    label: str = ""  # how messages name it (default: --reward SPEC)
+
+    def __str__(self) -> str:
+        return self.label or f"--reward {self.spec}"
 
     @property
     def function(self) -> Callable[..., Any]:
@@ -103,7 +107,8 @@ def find(spec: str, flag: str = "--reward") -> Callable[..., Any]:
         return _FOUND[spec]
     where, _, name = spec.rpartition(":")
     if not where or not name:
-        raise UserError(f"{flag} {spec}: name a function as module:function or path/file.py:function"
+        what = "a class" if flag == "--environment" else "a function"
+        raise UserError(f"{flag} {spec}: name {what} as module:{what[2:]} or path/file.py:{what[2:]}"
                         + (", or a reward model's folder (a sequence classifier)" if flag == "--reward" else ""))
     try:
         if where.endswith(".py"):
@@ -124,7 +129,8 @@ def find(spec: str, flag: str = "--reward") -> Callable[..., Any]:
         raise UserError(f"{flag} {spec}: {where} cannot be imported ({type(e).__name__}: {first_line(e)})") from None
     function = getattr(module, name, None)
     if not callable(function):
-        raise UserError(f"{flag} {spec}: {where} has no function {name!r}")
+        raise UserError(f"{flag} {spec}: {where} has no {'class' if flag == '--environment' else 'function'} "
+                        f"{name!r}")
     _FOUND[spec] = function
     return function
 
@@ -205,7 +211,7 @@ def score(rewards: tuple[Reward, ...], prompts: list, completions: list, complet
         except UserError:
             raise
         except Exception as e:  # the user's function: whatever it raises stops the run with one line
-            raise UserError(f"--reward {reward.spec} raised {type(e).__name__}: {first_line(e)} (scoring {rows[0]}"
+            raise UserError(f"{reward} raised {type(e).__name__}: {first_line(e)} (scoring {rows[0]}"
                             f"{' and others' if len(rows) > 1 else ''})") from None
         table.append(_checked(reward, values, len(completions), rows))
     return [list(r) for r in zip(*table)], logged
@@ -219,19 +225,22 @@ def _checked(reward: Reward, values: Any, n: int, rows: list[str]) -> list[float
     try:
         values = list(values)
     except TypeError:
-        raise UserError(f"--reward {reward.spec} returned {type(values).__name__}, not a list of numbers") from None
+        raise UserError(f"{reward} returned {type(values).__name__}, not a list of numbers") from None
     if len(values) != n:
-        raise UserError(f"--reward {reward.spec} returned {len(values)} rewards for {n} completions; it must return "
+        raise UserError(f"{reward} returned {len(values)} rewards for {n} completions; it must return "
                         "one per completion")
     out = []
     for value, row in zip(values, rows):
         if value is None:
             out.append(math.nan)
             continue
-        if not isinstance(value, (int, float)) and not hasattr(value, "__float__"):
-            raise UserError(f"--reward {reward.spec} returned {value!r} for {row}: a number or None is needed")
-        number = float(value)
+        try:
+            if not isinstance(value, (int, float)) and not hasattr(value, "__float__"):
+                raise TypeError
+            number = float(value)  # a Python or NumPy number, a one-element tensor
+        except (TypeError, ValueError, RuntimeError):  # text, an array or a tensor of several values
+            raise UserError(f"{reward} returned {str(value)[:60]!r} for {row}: a number or None is needed") from None
         if not math.isfinite(number):
-            raise UserError(f"--reward {reward.spec} returned {number} for {row}: a finite number or None is needed")
+            raise UserError(f"{reward} returned {number} for {row}: a finite number or None is needed")
         out.append(number)
     return out

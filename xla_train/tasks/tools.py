@@ -72,6 +72,9 @@ def describe(function: Any, label: str) -> dict:
                         "needs type hints and a Google-style docstring with an Args: section") from None
 
 
+_PROBED: dict[str, Any] = {}  # --environment's first instance, by its spec
+
+
 def methods_of(environment: Any) -> list[Any]:
     """An environment's tools, TRL's rule: its class's public functions but `reset` and
     `get_reward`, bound to it."""
@@ -92,6 +95,8 @@ class Toolbox:
         starts): the pool's first (`Environments`). None without --environment."""
         if self.environment is None:
             return None
+        if self.environment in _PROBED:  # made once a process: each Toolbox of the run reads the same
+            return _PROBED[self.environment]
         instance = made(self.environment)
         if not callable(getattr(instance, "reset", None)):
             raise UserError(f"--environment {self.environment}: {type(instance).__name__} has no reset method; an "
@@ -99,6 +104,7 @@ class Toolbox:
         if not methods_of(instance):
             raise UserError(f"--environment {self.environment}: {type(instance).__name__} has no public methods, "
                             "which would be its tools (all but reset and get_reward)")
+        _PROBED[self.environment] = instance
         return instance
 
     @cached_property
