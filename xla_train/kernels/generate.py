@@ -403,14 +403,15 @@ class Turns:
         each row's cursor and whether it has ended (booleans as 0/1)."""
         return [self.tokens, self.made.long(), self.cur, self.done.long()]
 
-    def resume(self, tokens: Any, made: Any, cur: Any, done: Any, feeds: list[list[int]]) -> None:
+    def resume(self, tokens: Any, made: Any, cur: Any, done: Any, feeds: list[list[int]], longest: int = 0) -> None:
         """Generation goes on after the host's turn: `tokens`, `made`, `cur`, `done` as the host
         left them (host tensors: the appended tokens written, their rows' cursors past them, every
         row that does not resume done) and each row's tokens to feed now (its last fed-to-be token,
         then the appended ones; none for a row that does not resume), in chunks; then each resumed
-        row's next token."""
+        row's next token. `longest`: feed as many chunks as a feed this long takes at least (the
+        longest of every process's, where their forward passes call collectives)."""
         device = self.tokens.device
-        longest = max(len(f) for f in feeds)
+        longest = max(longest, *(len(f) for f in feeds))
         span = -(-longest // self.chunk) * self.chunk
         fed = torch.tensor([[self.sampling.pad_id] * (span - len(f)) + f for f in feeds], dtype=torch.long)
         lengths = torch.tensor([len(f) for f in feeds], dtype=torch.long)

@@ -395,11 +395,10 @@ class Rollouts:
         self.iterations = Iterations(own.num_iterations)  # --num-iterations: K updates on each rollout
         toolbox = own.toolbox  # --tools: rollouts in turns, the tools run between them (tasks/tools.py)
         self.loop, self.environments = None, None
-        if toolbox is not None and not alone:
-            raise UserError(f"--{'tools' if own.tools else 'environment'}: each process decides its own tool turns, "
-                            "and under FSDP2, --tensor-parallel, --context-parallel or --expert-parallel over "
-                            f"{strategy.peers} processes every forward pass calls collectives, so their turns would "
-                            "fall out of step; run them on one process (SPMD on XLA) or with --strategy ddp")
+        # the tool loop's turns in step over processes that hold their own rows and whose forward
+        # passes meet (SPMD's hosts read every row alike: world size 1)
+        meet = strategy.world_size > 1 and (strategy.sharded or bool(strategy.axes.split))
+        self.agree = self._largest if meet else None
         if toolbox is not None:
             toolbox.check(self.tokenizer)
             self.loop = ToolLoop(self.tokenizer, toolbox, own.max_tool_calling_iterations)
@@ -489,7 +488,7 @@ class Rollouts:
         with torch.no_grad():
             turns = Turns(self.engine.unwrap_model(model), ids, mask, self.sampling if training else self.greedy,
                           self.engine.cut_graph, stop_when_done=self.eager)
-            played = self.loop(turns, ids, mask, self.engine.to_host, rows, environments)
+            played = self.loop(turns, ids, mask, self.engine.to_host, rows, environments, self.agree)
         model.train(was_training)
         per_function, rewards, metrics = self.score(played.extra.tolist(), None, split, group, played,
                                                     environments, observations)
@@ -533,6 +532,12 @@ class Rollouts:
         new_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
         new_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
         return environments, observations, new_ids.to(ids.device), new_mask.to(mask.device)
+
+    def _largest(self, n: int) -> int:
+        """The largest `n` over the processes (a tool loop's count that all of them must share)."""
+        import torch
+
+        return int(self.engine.strategy.gather(torch.tensor([n], device=self.engine.device)).max())
 
     def table(self, split: str) -> list[dict]:
         """The split's rows' columns (read at first use)."""

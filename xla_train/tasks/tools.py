@@ -342,10 +342,15 @@ class ToolLoop:
     max_iterations: int | None  # --max-tool-calling-iterations (None: until no row calls a tool)
 
     def __call__(self, turns: Any, ids: Any, mask: Any, fetch: Any, extra: Any = None,
-                 environments: list | None = None) -> Played:
+                 environments: list | None = None, agree: Any = None) -> Played:
         """`turns` (kernels.generate.Turns) after the pass over its left-padded prompts `ids`
         (`mask`: their real tokens); `fetch(tensors)`: the host's copies (the engine's to_host),
-        `extra` fetched with the first turn (Played.extra); `environments`: each row's (--environment)."""
+        `extra` fetched with the first turn (Played.extra); `environments`: each row's (--environment).
+        `agree(n)`: the largest `n` of every process, where their forward passes call collectives
+        (FSDP2, tensor, context or expert axes over several processes): they then take as many
+        turns, chunks and decode steps as the one that needs most, those without rows to resume
+        writing nothing (None: this process alone decides)."""
+        agree = agree or (lambda n: n)
         budget = turns.budget
         turns.decode(budget - 1)
         tokens, made, cur, done, ids, mask, *rest = fetch([*turns.state(), ids, mask, *([] if extra is None else
@@ -355,7 +360,7 @@ class ToolLoop:
         completions: list[list[dict]] = [[] for _ in range(rows)]
         begins = [0] * rows  # where each row's current turn begins
         calls, active, taken = Calls(), list(range(rows)), 0
-        while active:
+        while True:  # until no row (of any process, `agree`) resumes
             feeds: list[list[int]] = [[] for _ in range(rows)]
             for r in active:
                 end = int(cur[r])
@@ -378,11 +383,11 @@ class ToolLoop:
                 feeds[r] = [int(tokens[r, end - 1])] + suffix
                 cur[r] = begins[r] = end + len(suffix)
             active = [r for r in range(rows) if feeds[r]]
-            if not active:
+            if not agree(len(active)):
                 break
             done = done.new_tensor([int(not feeds[r] or int(cur[r]) >= budget) for r in range(rows)])
-            turns.resume(tokens, made, cur, done, feeds)
-            turns.decode(max(budget - int(cur[r]) - 1 for r in active))
+            turns.resume(tokens, made, cur, done, feeds, agree(max(map(len, feeds))))
+            turns.decode(agree(max((budget - int(cur[r]) - 1 for r in active), default=0)))
             tokens, made, cur, done = fetch(turns.state())
             taken += 1
         return Played(tokens, made.bool(), [int(c) for c in cur], completions, calls, rest[0] if rest else None)
