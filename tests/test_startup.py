@@ -103,7 +103,10 @@ def test_the_key_follows_the_tools_that_render_grpo_prompts(sources, tmp_path):
     plain, with_tool, with_environment = grpo(), grpo(tools=f"{tools}:add"), grpo(environment=f"{tools}:Env")
     assert len({plain, with_tool, with_environment}) == 3
     tools.write_text(tools.read_text().replace("Adds.", "Adds one."))
+    named = grpo(environment=f"a={tools}:Env")
     assert grpo(tools=f"{tools}:add") != with_tool and grpo() == plain
+    tools.write_text(tools.read_text().replace("Adds one.", "Adds two."))
+    assert grpo(environment=f"a={tools}:Env") != named
 
 
 def test_no_key_for_data_not_read_here(sources, tmp_path):

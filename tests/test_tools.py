@@ -34,7 +34,9 @@ def tools_file(tmp_path_factory):
                     '\n\n'
                     'class NoReset:\n    def look(self) -> str:\n        """Looks."""\n        return ""\n\n\n'
                     'class NoTools:\n    def reset(self, **row):\n        return None\n\n\n'
-                    'class Broken(NoReset):\n    def reset(self, **row):\n        raise KeyError("seed")\n')
+                    'class Broken(NoReset):\n    def reset(self, **row):\n        raise KeyError("seed")\n\n\n'
+                    'class Quiet(NoTools):\n    def look(self) -> str:\n        """Looks around."""\n'
+                    '        return "nothing"\n')
     return path
 
 
@@ -349,6 +351,53 @@ def test_an_environment_is_made_per_completion_and_reset_per_rollout(task, tmp_p
     assert m["eval"]["rewards/told/mean"] == 1 and m["eval"]["rewards/agree/mean"] == 1, m["eval"]
 
 
+def test_each_row_takes_the_environment_its_column_names(task, tools_file, tmp_path):
+    """Two environments by name (TRL's dict): rows alternate between tool_task.Ledger (whose
+    `multiply` the model calls) and a Quiet one (whose only tool is `look`). Each row's prompt
+    lists its own environment's tools; a call reaches the row's own instance (Ledger's counted,
+    Quiet's a failure: no such tool there); Ledger's get_reward scores its rows only."""
+    import datasets
+    import tiny_decoders as td
+    import tool_task
+
+    from xla_train.tasks.grpo import PromptRows
+
+    rows = [{**row, "environment": ("ledger", "quiet")[i % 2]} for i, row in enumerate(tool_task.tool_rows(16, 1,
+                                                                                                          "prompts"))]
+    train = td.write_jsonl(tmp_path / "train.jsonl", rows)
+    spec = f"ledger={ROOT / 'tests' / 'tool_task.py'}:Ledger,quiet={tools_file}:Quiet"
+    tok = tm.tokenizer()
+    data, _ = PromptRows("conversational", None, 4, (), spec).tokenize(
+        {"train": datasets.Dataset.from_list(rows[:2])}, tok, 64)
+    ledger, quiet = (tok.decode(ids) for ids in data["train"]["input_ids"])
+    assert "<tools> multiply</tools>" in ledger and "<tools> look</tools>" in quiet, (ledger, quiet)
+    rewards = tmp_path / "routed.py"
+    rewards.write_text("def routed(completions, environments, environment, **kw):\n"
+                       "    out = []\n"
+                       "    for c, e, name in zip(completions, environments, environment):\n"
+                       "        results = [t['content'] for t in c if t['role'] == 'tool']\n"
+                       "        ok = type(e).__name__.lower() == name\n"
+                       "        if name == 'ledger':\n"
+                       "            ok = ok and (e.calls > 0) == bool(results)"
+                       " and not any('error' in r for r in results)\n"
+                       "        else:\n"
+                       "            ok = ok and all('not found' in r for r in results)\n"
+                       "        out.append(float(ok))\n"
+                       "    return out\n")
+    args = tool_args({**task, "train": train}, "--environment", spec, "--reward", f"{rewards}:routed",
+                     "--max-steps", 4)
+    del args[args.index("--tools"):args.index("--tools") + 2]
+    del args[args.index("xla_train.rewards:number_match") - 1:args.index("xla_train.rewards:number_match") + 1]
+    args[args.index("--validation-file") + 1] = train
+    proc, m = run_cli(args, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = [metrics for _, metrics in m["train_metrics"]]
+    assert all(s["rewards/routed/mean"] == 1 for s in steps), steps
+    # Quiet's rows' calls failed and Ledger's counted, in the steps that held them
+    assert any(s["tools/failure_frequency"] > 0 for s in steps) and any(s["rewards/Ledger/mean"] > 0 for s in steps)
+    assert m["eval"]["rewards/routed/mean"] == 1, m["eval"]
+
+
 @pytest.mark.slow
 def test_xla_compiles_a_bounded_number_of_graphs_across_tool_turns(task, tmp_path):
     """The run on XLA:CPU over 2 epochs of 8 prompts, its tool an environment's (tool_task.Ledger,
@@ -400,6 +449,9 @@ def test_mistakes_with_tools_are_one_line(task, tools_file, tmp_path, capsys):
         (["--environment", f"{tools_file}:Broken"], f"--environment {tools_file}:Broken: reset raised KeyError: "
                                                     f"'seed' ({task['train']}: row "),
         (["--environment", f"{tools_file}:Broken", "--eval-samples", 2], "--eval-samples completes the prompts"),
+        (["--environment", f"a={tools_file}:Quiet", "--environment", f"{tools_file}:Quiet"],
+         f"--environment {tools_file}:Quiet: with several environments, name each NAME=module:Class"),
+        (["--environment", f"a={tools_file}:Quiet"], "row 1: 'environment' must name one of --environment's (a)"),
     ]
     for extra, message in cases:
         assert main(["train", *map(str, tool_args(task, *extra))]) == 2, extra

@@ -48,9 +48,9 @@ def _named_files(own: dict) -> list[Path]:
     """The files the kind's own options name as path/file.py:name (a tool's, an environment's): a
     docstring edited there is a schema changed in the rendered prompts."""
     values = [x for v in own.values() for x in (v if isinstance(v, list) else [v]) if isinstance(x, str)]
-    specs = [s.strip() for v in values for s in v.split(",")]
-    return [Path(s.rpartition(":")[0]).expanduser() for s in specs
-            if s.rpartition(":")[0].endswith(".py") and Path(s.rpartition(":")[0]).expanduser().is_file()]
+    # path/file.py:name, or NAME=path/file.py:name (several environments)
+    wheres = [s.strip().rpartition(":")[0].rpartition("=")[2] for v in values for s in v.split(",")]
+    return [Path(w).expanduser() for w in wheres if w.endswith(".py") and Path(w).expanduser().is_file()]
 
 
 def data_inputs(cfg) -> list[Path] | None:

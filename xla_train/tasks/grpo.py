@@ -67,7 +67,16 @@ from .documents import IGNORE, SOURCE_ROW, _turns, prompt_ids
 from .dpo import peft_model_of
 from .kinds import register
 from .rewards import Reward, TrainerState, completions_of, rewards_of, score, total
-from .tools import ENVIRONMENT_REWARD, TOOL_METRICS, Environments, Toolbox, ToolLoop, observed, specs_of
+from .tools import (
+    ENVIRONMENT_COLUMN,
+    ENVIRONMENT_REWARD,
+    TOOL_METRICS,
+    Environments,
+    Toolbox,
+    ToolLoop,
+    observed,
+    specs_of,
+)
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
 LEVELS = ("token", "sequence")  # --importance-sampling-level
@@ -135,7 +144,8 @@ class GRPOOptions:
     environment: str = option(None, "grpo: TRL's environment_factory, module:Class or path/file.py:Class: one "
                               "instance per completion, reset with its row's columns before each rollout, its public "
                               "methods tools beside --tools', its get_reward() (if any) one more reward "
-                              "(tasks/tools.py)")
+                              "(tasks/tools.py); several as NAME=module:Class, repeated, each row naming its own in "
+                              "an 'environment' column (TRL's dict)", repeat=True)
     max_tool_calling_iterations: int = option(None, "grpo: tool turns a completion may take (TRL's; default: until "
                                               "it calls none, within --max-completion-length)")
 
@@ -177,10 +187,10 @@ class GRPOOptions:
         """The --reward functions, then the environment's get_reward (TRL's: weight 1, named after
         its class), with which --reward may be left out (`toolbox`: this options', made already)."""
         toolbox = toolbox or self.toolbox
-        owned = toolbox.rewarded if toolbox is not None else None
-        rewards = rewards_of(self.reward, self.reward_weights, required=owned is None)
-        label = f"--environment {self.environment}: {owned}.get_reward"
-        return rewards + ((Reward(owned, ENVIRONMENT_REWARD, label=label),) if owned else ())
+        owned = toolbox.rewarded if toolbox is not None else {}
+        rewards = rewards_of(self.reward, self.reward_weights, required=not owned)
+        return rewards + tuple(Reward(cls, ENVIRONMENT_REWARD, label=f"--environment {spec}: {cls}.get_reward",
+                                      owner=cls) for cls, spec in owned.items())
 
     @property
     def upper(self) -> float:
@@ -263,7 +273,7 @@ class PromptRows(Rows):
                                 "tool calls from conversational completions only); the prompts are text")
             toolbox = Toolbox(self.tools, self.environment)
             toolbox.check(tokenizer)
-            schemas = toolbox.schemas
+            schemas = toolbox.schemas_for(None)
         data, truncated = {}, {}
         for split, ds in splits.items():
             path = (self.files or {}).get(split, split)
@@ -275,7 +285,8 @@ class PromptRows(Rows):
                     raise UserError(f"{where}: 'prompt' must be text, as the first row's is; found "
                                     f"{str(row['prompt'])[:60]!r}")
                 if schemas is not None:  # TRL renders the prompts with the tools (GRPOTrainer._tokenize_prompts)
-                    ids.append(with_tools(tokenizer, _turns(row["prompt"], where), schemas))
+                    own = toolbox.schemas_for(environment_of(row, toolbox, where)) if toolbox.named else schemas
+                    ids.append(with_tools(tokenizer, _turns(row["prompt"], where), own))
                 else:
                     ids.append(prompt_ids({form: row["prompt"]}, form, tokenizer, where))
                 extra.append(json.dumps({**row, "_where": where}, default=str))
@@ -287,6 +298,15 @@ class PromptRows(Rows):
 
     def collator(self, tokenizer: Any) -> PromptCollator:
         return PromptCollator(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
+
+
+def environment_of(row: dict, toolbox: Toolbox, where: str) -> str | None:
+    """The environment a row names (several --environment NAME=...: TRL's `environment` column)."""
+    name = row.get(ENVIRONMENT_COLUMN)
+    if name not in toolbox.factories:
+        raise UserError(f"{where}: '{ENVIRONMENT_COLUMN}' must name one of --environment's "
+                        f"({', '.join(str(n) for n in toolbox.factories)}), as TRL's dict of them; found {name!r}")
+    return name
 
 
 def with_tools(tokenizer: Any, messages: list[dict], schemas: list[dict]) -> list[int]:
@@ -479,16 +499,16 @@ class Rollouts:
         assert self.loop is not None
         training = split == "train"
         rows = batch["row"].repeat_interleave(group, 0)
-        environments = observations = None
+        environments = observations = schemas = None
         if self.environments is not None:  # reset before the rollout, each with its row (one more transfer)
-            environments, observations, ids, mask = self.reset(self.engine.to_host([rows])[0].tolist(), ids, mask,
-                                                               split)
+            environments, observations, schemas, ids, mask = self.reset(self.engine.to_host([rows])[0].tolist(),
+                                                                        ids, mask, split)
         was_training = model.training
         model.eval()
         with torch.no_grad():
             turns = Turns(self.engine.unwrap_model(model), ids, mask, self.sampling if training else self.greedy,
                           self.engine.cut_graph, stop_when_done=self.eager)
-            played = self.loop(turns, ids, mask, self.engine.to_host, rows, environments, self.agree)
+            played = self.loop(turns, ids, mask, self.engine.to_host, rows, environments, self.agree, schemas)
         model.train(was_training)
         per_function, rewards, metrics = self.score(played.extra.tolist(), None, split, group, played,
                                                     environments, observations)
@@ -507,21 +527,23 @@ class Rollouts:
             self.log_probabilities(model, out)
         return out
 
-    def reset(self, rows: list[int], ids: Any, mask: Any, split: str) -> tuple[list, list, Any, Any]:
-        """--environment: each completion's instance, reset with its row's columns, and what each
-        reset returned; where one returned text, the prompts rendered again with it appended to
-        their last message (TRL's), kept to their last --max-length tokens and left-padded: to
-        --max-length where shapes are static (one shape), else to the longest."""
+    def reset(self, rows: list[int], ids: Any, mask: Any, split: str) -> tuple[list, list, list, Any, Any]:
+        """--environment: each completion's instance, reset with its row's columns, what each reset
+        returned and the row's tools' schemas (its environment's); where a reset returned text,
+        the prompts rendered again with it appended to their last message (TRL's), kept to their
+        last --max-length tokens and left-padded: to --max-length where shapes are static (one
+        shape), else to the longest."""
         import torch
 
         assert self.environments is not None and self.loop is not None
         found = [self.table(split)[r] for r in rows]
         environments, observations = self.environments.reset(found)
+        schemas = [self.loop.toolbox.schemas_for(self.environments.name_of(f)) for f in found]
         if all(o is None for o in observations):
-            return environments, observations, ids, mask
+            return environments, observations, schemas, ids, mask
         limit = self.objective.max_length
-        prompts = [with_tools(self.tokenizer, observed(_turns(f["prompt"], f["_where"]), o), self.loop.toolbox.schemas)
-                   for f, o in zip(found, observations)]
+        prompts = [with_tools(self.tokenizer, observed(_turns(f["prompt"], f["_where"]), o), own)
+                   for f, o, own in zip(found, observations, schemas)]
         if any(len(p) > limit for p in prompts) and not self.warned:  # as the prompts' first rendering says
             self.warned = True
             print(f"xla-train: warning: --environment: a prompt with its reset's text is longer than --max-length "
@@ -531,7 +553,7 @@ class Rollouts:
         pad = self.tokenizer.pad_token_id
         new_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
         new_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-        return environments, observations, new_ids.to(ids.device), new_mask.to(mask.device)
+        return environments, observations, schemas, new_ids.to(ids.device), new_mask.to(mask.device)
 
     def _largest(self, n: int) -> int:
         """The largest `n` over the processes (a tool loop's count that all of them must share)."""

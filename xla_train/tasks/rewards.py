@@ -20,6 +20,7 @@ function and the row.
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -39,13 +40,14 @@ class Reward:
     spec: str  # as --reward gave it
     weight: float = 1.0
     label: str = ""  # how messages name it (default: --reward SPEC)
+    owner: str = ""  # an --environment's get_reward: its class (the function's `owner`)
 
     def __str__(self) -> str:
         return self.label or f"--reward {self.spec}"
 
     @property
     def function(self) -> Callable[..., Any]:
-        return find(self.spec)
+        return functools.partial(find(self.spec), owner=self.owner) if self.owner else find(self.spec)
 
 
 @dataclass

@@ -27,6 +27,9 @@ and the tools'), TRL's form.
 
     --environment tests/tool_task.py:Ledger   TRL's environment_factory (one callable): a class, or a
                                               function that makes one, in a file or a module
+    --environment game=games.py:Game --environment shell=mypkg.envs:Shell
+                                              TRL's dict of them: each row names its own in an
+                                              `environment` column
 
 An environment (`Environments`, TRL 1.16's GRPOTrainer with `environment_factory`) is made once per
 completion of a rollout, kept in a pool across steps and reset before each rollout with its row's
@@ -35,7 +38,8 @@ prompt is rendered again (left-padded to --max-length where shapes are static). 
 (but `reset` and `get_reward`) are tools bound to it, beside --tools', and described to the chat
 template the same way; a `get_reward()` is one more reward (weight 1, named after the class), with
 which --reward may be left out. Reward functions get the instances as `environments`, as TRL's.
-TRL's dict of named environments (an `environment` column choosing each row's) is not taken.
+With several named, each row's `environment` column chooses its own: its prompt is rendered with
+that environment's tools only, and a class's get_reward scores its own rows (None for the others).
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ from .rewards import find
 
 TOOL_METRICS = ("tools/call_frequency", "tools/failure_frequency")
 ENVIRONMENT_REWARD = f"{__name__}:environment_reward"  # --environment's get_reward, as a reward function
+ENVIRONMENT_COLUMN = "environment"  # TRL's: the column that names each row's environment (several named)
 
 
 def specs_of(tools: str | None) -> tuple[str, ...]:
@@ -82,37 +87,78 @@ def methods_of(environment: Any) -> list[Any]:
             if name not in ("reset", "get_reward") and not name.startswith("_")]
 
 
+def factories_of(option: str | None) -> dict[str | None, str]:
+    """--environment's factories by name: {None: spec} for one (TRL's callable), {name: spec} for
+    NAME=spec, one or several (TRL's dict; rows choose theirs in the `environment` column)."""
+    specs = specs_of(option)
+    if len(specs) == 1 and "=" not in specs[0]:
+        return {None: specs[0]}
+    out: dict[str | None, str] = {}
+    for spec in specs:
+        name, eq, factory = (x.strip() for x in spec.partition("="))
+        if not eq or not name or not factory:
+            raise UserError(f"--environment {spec}: with several environments, name each NAME=module:Class (each "
+                            f"row names its own in an '{ENVIRONMENT_COLUMN}' column, as TRL's dict of them)")
+        if name in out:
+            raise UserError(f"--environment: {name!r} is named twice")
+        out[name] = factory
+    return out
+
+
 @dataclass(frozen=True)
 class Toolbox:
     """The --tools functions, by name, with their schemas, and --environment's methods."""
 
     specs: tuple[str, ...]
-    environment: str | None = None  # --environment: TRL's environment_factory
+    environment: str | None = None  # --environment: TRL's environment_factory (or NAME=..., several)
 
     @cached_property
-    def probe(self) -> Any:
-        """--environment's first instance, made now and checked (TRL probes one as its trainer
-        starts): the pool's first (`Environments`). None without --environment."""
-        if self.environment is None:
-            return None
-        if self.environment in _PROBED:  # made once a process: each Toolbox of the run reads the same
-            return _PROBED[self.environment]
-        instance = made(self.environment)
-        if not callable(getattr(instance, "reset", None)):
-            raise UserError(f"--environment {self.environment}: {type(instance).__name__} has no reset method; an "
-                            "environment resets itself before each rollout (TRL's environment_factory)")
-        if not methods_of(instance):
-            raise UserError(f"--environment {self.environment}: {type(instance).__name__} has no public methods, "
-                            "which would be its tools (all but reset and get_reward)")
-        _PROBED[self.environment] = instance
-        return instance
+    def factories(self) -> dict[str | None, str]:
+        return factories_of(self.environment)
+
+    @property
+    def named(self) -> bool:
+        """Several environments by name (TRL's dict): each row names its own."""
+        return any(name is not None for name in self.factories)
+
+    @cached_property
+    def probes(self) -> dict[str | None, Any]:
+        """Each environment's first instance, made now and checked (TRL probes one as its trainer
+        starts; once a process): its pool's first (`Environments`)."""
+        out = {}
+        for name, spec in self.factories.items():
+            if spec not in _PROBED:
+                instance = made(spec)
+                if not callable(getattr(instance, "reset", None)):
+                    raise UserError(f"--environment {spec}: {type(instance).__name__} has no reset method; an "
+                                    "environment resets itself before each rollout (TRL's environment_factory)")
+                if not methods_of(instance):
+                    raise UserError(f"--environment {spec}: {type(instance).__name__} has no public methods, "
+                                    "which would be its tools (all but reset and get_reward)")
+                _PROBED[spec] = instance
+            out[name] = _PROBED[spec]
+        return out
+
+    @cached_property
+    def own_schemas(self) -> list[dict]:
+        return [describe(find(s, "--tools"), f"--tools {s}") for s in self.specs]
+
+    def schemas_for(self, name: str | None = None) -> list[dict]:
+        """The schemas a row's prompt is rendered with: --tools' and its environment's methods'
+        (`name`: the row's, None where there is one or none)."""
+        probe = self.probes.get(name)
+        if probe is None:
+            return self.own_schemas
+        return self.own_schemas + [describe(m, f"--environment {self.factories[name]}: its method {m.__name__}")
+                                   for m in methods_of(probe)]
 
     @cached_property
     def schemas(self) -> list[dict]:
-        own = [describe(find(s, "--tools"), f"--tools {s}") for s in self.specs]
-        bound = [describe(m, f"--environment {self.environment}: its method {m.__name__}")
-                 for m in methods_of(self.probe)] if self.probe is not None else []
-        return own + bound
+        """Every tool's schema, each once: what the chat template is checked with."""
+        out: list[dict] = []
+        for name in self.factories or [None]:
+            out += [s for s in self.schemas_for(name) if s not in out]
+        return out
 
     @cached_property
     def functions(self) -> dict[str, Any]:
@@ -126,9 +172,14 @@ class Toolbox:
         return {**self.functions, **{m.__name__: m for m in methods_of(environment)}}
 
     @property
-    def rewarded(self) -> str | None:
-        """The environment's class name where it owns a reward (`get_reward`, TRL's), else None."""
-        return type(self.probe).__name__ if callable(getattr(self.probe, "get_reward", None)) else None
+    def rewarded(self) -> dict[str, str]:
+        """{class name: factory} of the environments that own a reward (`get_reward`, TRL's), each
+        class once."""
+        out: dict[str, str] = {}
+        for name, probe in self.probes.items():
+            if callable(getattr(probe, "get_reward", None)):
+                out.setdefault(type(probe).__name__, self.factories[name])
+        return out
 
     def check(self, tokenizer: Any) -> None:
         """The chat template renders a whole exchange with a call and a result (TRL's
@@ -248,30 +299,42 @@ def made(spec: str) -> Any:
 
 
 class Environments:
-    """--environment's instances, TRL's pool: one per completion of a rollout, made once (the pool
-    grows to the largest rollout) and reset before each rollout with its row's columns."""
+    """--environment's instances, TRL's pool: one per completion of a rollout, made once (each
+    environment's pool grows to the most of its rows a rollout holds) and reset before each
+    rollout with its row's columns."""
 
     def __init__(self, toolbox: Toolbox) -> None:
-        assert toolbox.environment is not None
-        self.spec, self.pool = toolbox.environment, [toolbox.probe]
+        self.toolbox = toolbox
+        self.pools = {name: [probe] for name, probe in toolbox.probes.items()}
+
+    def name_of(self, row: dict) -> str | None:
+        """The row's environment: the one, or the one its `environment` column names."""
+        return row.get(ENVIRONMENT_COLUMN) if self.toolbox.named else None
 
     def reset(self, rows: list[dict]) -> tuple[list[Any], list[str | None]]:
         """The rollout's instances (one per row, in order) and what each reset returned: text to
         append to its row's last message, or None. `rows`: the completions' rows' columns, each
-        with `_where` (the row, for messages), which reset does not get."""
-        while len(self.pool) < len(rows):
-            self.pool.append(made(self.spec))
-        instances, observations = self.pool[:len(rows)], []
-        for instance, row in zip(instances, rows):
-            columns = {k: v for k, v in row.items() if k != "_where"}
+        with `_where` (the row, for messages), which reset does not get (nor, with several
+        environments, the `environment` column, as TRL's)."""
+        instances, observations, taken = [], [], dict.fromkeys(self.pools, 0)
+        for row in rows:
+            name = self.name_of(row)
+            spec, pool = self.toolbox.factories[name], self.pools[name]
+            if taken[name] == len(pool):
+                pool.append(made(spec))
+            instance = pool[taken[name]]
+            taken[name] += 1
+            columns = {k: v for k, v in row.items() if k != "_where" and not (self.toolbox.named and
+                                                                                k == ENVIRONMENT_COLUMN)}
             try:
                 observation = instance.reset(**columns)
             except Exception as e:  # the user's environment
-                raise UserError(f"--environment {self.spec}: reset raised {type(e).__name__}: {first_line(e)} "
+                raise UserError(f"--environment {spec}: reset raised {type(e).__name__}: {first_line(e)} "
                                 f"({row['_where']})") from None
             if observation is not None and not isinstance(observation, str):
-                raise UserError(f"--environment {self.spec}: reset returned {type(observation).__name__} for "
+                raise UserError(f"--environment {spec}: reset returned {type(observation).__name__} for "
                                 f"{row['_where']}; text (appended to the prompt) or None is needed")
+            instances.append(instance)
             observations.append(observation)
         return instances, observations
 
@@ -284,12 +347,13 @@ def observed(prompt: list[dict], observation: str | None) -> list[dict]:
     return [*prompt[:-1], {**prompt[-1], "content": prompt[-1]["content"] + observation}]
 
 
-def environment_reward(completions: list, environments: list | None = None, **kwargs: Any) -> list:
+def environment_reward(completions: list, environments: list | None = None, owner: str = "",
+                       **kwargs: Any) -> list:
     """The reward an environment owns: each completion's instance's `get_reward()` (TRL's, sync or
-    async), read after the rollout."""
+    async), read after the rollout; None for a row of another environment than `owner`'s class."""
     assert environments is not None and len(environments) == len(completions)
     try:
-        values = [e.get_reward() for e in environments]
+        values = [e.get_reward() if type(e).__name__ == owner else None for e in environments]
         if any(inspect.isawaitable(v) for v in values):
             values = asyncio.run(_gathered(values))
     except Exception as e:  # the user's environment
@@ -342,10 +406,11 @@ class ToolLoop:
     max_iterations: int | None  # --max-tool-calling-iterations (None: until no row calls a tool)
 
     def __call__(self, turns: Any, ids: Any, mask: Any, fetch: Any, extra: Any = None,
-                 environments: list | None = None, agree: Any = None) -> Played:
+                 environments: list | None = None, agree: Any = None, schemas: list | None = None) -> Played:
         """`turns` (kernels.generate.Turns) after the pass over its left-padded prompts `ids`
         (`mask`: their real tokens); `fetch(tensors)`: the host's copies (the engine's to_host),
         `extra` fetched with the first turn (Played.extra); `environments`: each row's (--environment).
+        `schemas`: each row's tools' (several environments; default: every tool's).
         `agree(n)`: the largest `n` of every process, where their forward passes call collectives
         (FSDP2, tensor, context or expert axes over several processes): they then take as many
         turns, chunks and decode steps as the one that needs most, those without rows to resume
@@ -368,7 +433,7 @@ class ToolLoop:
                 if not turn_ids:  # a result took the last of the budget: no turn after it (TRL's)
                     continue
                 turn = parse(self.tokenizer, turn_ids, prompts[r] + tokens[r, :begins[r]].tolist(),
-                             self.toolbox.schemas)
+                             self.toolbox.schemas if schemas is None else schemas[r])
                 completions[r].append(turn)
                 if not turn.get("tool_calls") or (self.max_iterations is not None and taken >= self.max_iterations):
                     continue
