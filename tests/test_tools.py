@@ -5,6 +5,7 @@ The model is tool_machine's: a real tiny Qwen2 whose weights make it follow a sc
 `multiply(12, 13)`, a call of a tool that raises, a malformed call), so the loop's mechanics are
 tested on the calls a model makes, not on calls handed to it."""
 
+import json
 import math
 import sys
 
@@ -322,8 +323,9 @@ def test_an_environment_is_made_per_completion_and_reset_per_rollout(task, tmp_p
     the reward. That reward equals the calls per completion at every step only if each completion
     has an instance of its own, reset before each rollout; the reward functions get the instances
     (each completion's own: it called the tool where its instance counted a call) and the prompts
-    with reset's text appended. On the CPU, and under FSDPv2 on 4 XLA:CPU devices (the rows
-    sharded over them, the tool turns' tokens copied back whole)."""
+    with reset's text appended. --eval-samples go through the same loop: each sample's turns,
+    scored as the evaluation scores them. On the CPU, and under FSDPv2 on 4 XLA:CPU devices (the
+    rows sharded over them, the tool turns' tokens copied back whole)."""
     import tool_task
 
     rewards = tmp_path / "env_rewards.py"
@@ -334,7 +336,8 @@ def test_an_environment_is_made_per_completion_and_reset_per_rollout(task, tmp_p
                        "    return [float(any(t['role'] == 'tool' for t in c) == (e.calls > 0))"
                        " for c, e in zip(completions, environments)]\n")
     args = tool_args(task, "--environment", f"{ROOT / 'tests' / 'tool_task.py'}:Ledger", "--reward",
-                     f"{rewards}:told", "--reward", f"{rewards}:agree")
+                     f"{rewards}:told", "--reward", f"{rewards}:agree", "--eval-samples", 3, "--output-dir",
+                     tmp_path / "run")
     del args[args.index("--tools"):args.index("--tools") + 2]
     del args[args.index("xla_train.rewards:number_match") - 1:args.index("xla_train.rewards:number_match") + 1]
     env = None
@@ -349,6 +352,13 @@ def test_an_environment_is_made_per_completion_and_reset_per_rollout(task, tmp_p
         assert metrics["rewards/told/mean"] == 1 and metrics["rewards/agree/mean"] == 1, metrics
         assert metrics["rewards/Ledger/mean"] == pytest.approx(metrics["tools/call_frequency"]), metrics
     assert m["eval"]["rewards/told/mean"] == 1 and m["eval"]["rewards/agree/mean"] == 1, m["eval"]
+    samples = [json.loads(line) for line in (tmp_path / "run" / "samples" / "step-2.jsonl").read_text().splitlines()]
+    assert len(samples) == 3
+    for sample in samples:
+        turns = sample["completion"]
+        assert turns[0]["role"] == "assistant" and sample["rewards/told"] == sample["rewards/agree"] == 1, sample
+        assert sample["rewards/Ledger"] == sum(t["role"] == "tool" for t in turns), sample
+        assert sample["reward"] == pytest.approx(2 + sample["rewards/Ledger"]), sample
 
 
 def test_each_row_takes_the_environment_its_column_names(task, tools_file, tmp_path):
@@ -429,8 +439,8 @@ def test_xla_compiles_a_bounded_number_of_graphs_across_tool_turns(task, tmp_pat
 def test_mistakes_with_tools_are_one_line(task, tools_file, tmp_path, capsys):
     """A tool that cannot be described, a chat template that cannot render tools, --tools on
     another kind, --max-tool-calling-iterations without tools, --tools on text prompts; an
-    environment without a reset, without tools, whose reset raises (at the first rollout), or
-    beside --eval-samples: one line each."""
+    environment without a reset, without tools, whose reset raises (at the first rollout), several
+    of them not all named, a row naming none of them: one line each."""
     import tiny_decoders as td
 
     plain = tmp_path / "plain"
@@ -448,7 +458,6 @@ def test_mistakes_with_tools_are_one_line(task, tools_file, tmp_path, capsys):
         (["--environment", f"{tools_file}:NoTools"], f"--environment {tools_file}:NoTools: NoTools has no public"),
         (["--environment", f"{tools_file}:Broken"], f"--environment {tools_file}:Broken: reset raised KeyError: "
                                                     f"'seed' ({task['train']}: row "),
-        (["--environment", f"{tools_file}:Broken", "--eval-samples", 2], "--eval-samples completes the prompts"),
         (["--environment", f"a={tools_file}:Quiet", "--environment", f"{tools_file}:Quiet"],
          f"--environment {tools_file}:Quiet: with several environments, name each NAME=module:Class"),
         (["--environment", f"a={tools_file}:Quiet"], "row 1: 'environment' must name one of --environment's (a)"),

@@ -127,7 +127,11 @@ class Monitor:
             prompt = prompt[-1]["content"] if isinstance(prompt, list) else prompt  # chat turns: the last one's
             told = (f"reference: {_short(row['reference'])}" if "reference" in row else
                     f"reward {row['reward']:.3f}")  # a kind scored by rewards (GRPO) has none
-            self.engine.print(f"  sample: {_short(prompt)} -> {_short(row['completion'])} ({told})")
+            completion = row["completion"]
+            if not isinstance(completion, str):  # a GRPO run with tools: its turns, calls and results
+                completion = " / ".join(t.get("content") or json.dumps(t.get("tool_calls"), ensure_ascii=False)
+                                        for t in completion)
+            self.engine.print(f"  sample: {_short(prompt)} -> {_short(completion)} ({told})")
         lines = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
         if self.out:
             atomic_write(self.out / "samples" / f"step-{step}.jsonl", lines)

@@ -315,6 +315,24 @@ def with_tools(tokenizer: Any, messages: list[dict], schemas: list[dict]) -> lis
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+def observed_prompts(tokenizer: Any, found: list[dict], observations: list, schemas: list,
+                     limit: int) -> tuple[list[list[int]], bool]:
+    """Rows' chat prompts rendered again with their tools (`schemas`, each row's) and what their
+    environments' resets returned (`observations`), each kept to its last `limit` tokens; and
+    whether one was cut. `found`: the rows' columns with `_where`."""
+    prompts = [with_tools(tokenizer, observed(_turns(f["prompt"], f["_where"]), o), own)
+               for f, o, own in zip(found, observations, schemas)]
+    return [p[-limit:] for p in prompts], any(len(p) > limit for p in prompts)
+
+
+def left_pad(prompts: list[list[int]], width: int, pad: int) -> tuple[Any, Any]:
+    """Token ids left-padded to `width`, and their mask (1: a real token)."""
+    import torch
+
+    return (torch.tensor([[pad] * (width - len(p)) + p for p in prompts]),
+            torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts]))
+
+
 # ---------------------------------------------------------------------------------------------
 # Rollouts: prompts to completions, rewards and advantages, inside the step
 
@@ -533,7 +551,6 @@ class Rollouts:
         the prompts rendered again with it appended to their last message (TRL's), kept to their
         last --max-length tokens and left-padded: to --max-length where shapes are static (one
         shape), else to the longest."""
-        import torch
 
         assert self.environments is not None and self.loop is not None
         found = [self.table(split)[r] for r in rows]
@@ -542,17 +559,13 @@ class Rollouts:
         if all(o is None for o in observations):
             return environments, observations, schemas, ids, mask
         limit = self.objective.max_length
-        prompts = [with_tools(self.tokenizer, observed(_turns(f["prompt"], f["_where"]), o), own)
-                   for f, o, own in zip(found, observations, schemas)]
-        if any(len(p) > limit for p in prompts) and not self.warned:  # as the prompts' first rendering says
+        prompts, cut = observed_prompts(self.tokenizer, found, observations, schemas, limit)
+        if cut and not self.warned:  # as the prompts' first rendering says
             self.warned = True
             print(f"xla-train: warning: --environment: a prompt with its reset's text is longer than --max-length "
                   f"{limit}; it keeps its last {limit} tokens (raise --max-length to keep all)", file=sys.stderr)
-        prompts = [p[-limit:] for p in prompts]
-        width = limit if not self.eager else max(map(len, prompts))
-        pad = self.tokenizer.pad_token_id
-        new_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-        new_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        new_ids, new_mask = left_pad(prompts, limit if not self.eager else max(map(len, prompts)),
+                                     self.tokenizer.pad_token_id)
         return environments, observations, schemas, new_ids.to(ids.device), new_mask.to(mask.device)
 
     def _largest(self, n: int) -> int:
@@ -976,6 +989,59 @@ class ScoredSamples(Samples):
         return scored
 
 
+@dataclass
+class PlayedSamples(ScoredSamples):
+    """--eval-samples of a GRPO run with --tools or --environment: each sample's greedy completion
+    made as the evaluation makes it (the tool loop; its environment reset with its row), shown as
+    its list of turns, scored. Every process completes every sample (a few rows: the same forward
+    passes on each, so collectives meet), their rows repeated up to a multiple of the devices a
+    process drives (SPMD's partitioner failed a check on 3 rows over 4 XLA:CPU devices)."""
+
+    settings: GRPOOptions = GRPOOptions()
+    prompt_length: int = 128  # --max-length: a prompt's tokens
+
+    def generator(self, engine: Any) -> Any:
+        import torch
+
+        from ..kernels.generate import Turns
+
+        toolbox = self.settings.toolbox
+        assert toolbox is not None
+        tokenizer = left_padded(self.tokenizer, self.sampling.eos_ids)
+        toolbox.check(tokenizer)
+        loop = ToolLoop(tokenizer, toolbox, self.settings.max_tool_calling_iterations)
+        pool = Environments(toolbox) if toolbox.factories else None
+        static = engine.accelerator.static_shapes
+        found = [{**row, "_where": f"--eval-samples: validation row {i + 1}"} for i, row in enumerate(self.shown)]
+        found += found[-1:] * (-len(found) % engine.strategy.devices_per_process)  # their results are dropped
+
+        def played(model: Any) -> list[dict]:
+            instances, observations = pool.reset(found) if pool else (None, [None] * len(found))
+            schemas = [toolbox.schemas_for(pool.name_of(f) if pool else None) for f in found]
+            prompts, _ = observed_prompts(tokenizer, found, observations, schemas, self.prompt_length)
+            width = self.prompt_length if static else max(map(len, prompts))
+            ids, mask = (t.to(engine.device) for t in left_pad(prompts, width, tokenizer.pad_token_id))
+            was_training = model.training
+            model.eval()
+            with torch.no_grad():
+                turns = Turns(engine.unwrap_model(model), ids, mask, self.sampling, engine.cut_graph,
+                              stop_when_done=not static)
+                out = loop(turns, ids, mask, engine.to_host, None, instances, None, schemas)
+            model.train(was_training)
+            columns = {k: [f.get(k) for f in found] for k in found[0] if k not in ("prompt", "completion", "_where")}
+            if instances is not None:
+                columns["environments"] = instances
+            values, _ = score(self.rewards, [observed(f["prompt"], o) for f, o in zip(found, observations)],
+                              out.completions, [row[:n] for row, n in zip(out.tokens.tolist(), out.lengths)],
+                              columns, TrainerState(), [f["_where"] for f in found])
+            return [{**shown, "completion": turns_of, "reward": reward,
+                     **{f"rewards/{r.name}": v for r, v in zip(self.rewards, per_function)}}
+                    for shown, turns_of, per_function, reward in zip(self.shown, out.completions, values,
+                                                                     total(self.rewards, values).tolist())]
+
+        return played
+
+
 # ---------------------------------------------------------------------------------------------
 # The model and the kind
 
@@ -1010,9 +1076,6 @@ class GRPO(Task):
             raise UserError("--max-new-tokens applies to --test-file's completions (rollouts take "
                             "--max-completion-length)")
         Iterations(own.num_iterations).check(opts.save_every)
-        if own.environment and opts.eval_samples:
-            raise UserError("--eval-samples completes the prompts in one turn, without --environment's tools and "
-                            "rewards; leave it out (the evaluation's reward is the environment's)")
 
     @classmethod
     def load(cls, source):
@@ -1054,12 +1117,21 @@ class GRPO(Task):
 
     def samples(self, rows, tokenizer, model, batch_size):
         """Greedy completions of `rows`' prompts at every evaluation, each with its reward and every
-        function's, as training scores them."""
+        function's, as training scores them; with --tools or --environment through the tool loop
+        (PlayedSamples)."""
         form = "prompt" if self.form == "strings" else "messages"
-        ids = [prompt_ids({form: row["prompt"]}, form, tokenizer, f"--eval-samples: validation row {i + 1}")
-               for i, row in enumerate(rows)]
+        where = [f"--eval-samples: validation row {i + 1}" for i in range(len(rows))]
+        toolbox = self.settings.toolbox
+        if toolbox is None:
+            ids = [prompt_ids({form: row["prompt"]}, form, tokenizer, w) for row, w in zip(rows, where)]
+            return samples_of(ids, rows, self.settings.max_completion_length, tokenizer, model, self.max_length,
+                              batch_size, ScoredSamples, rewards=self.rewards)
+        ids = [with_tools(tokenizer, _turns(row["prompt"], w),
+                          toolbox.schemas_for(environment_of(row, toolbox, w) if toolbox.named else None))
+               for row, w in zip(rows, where)]
         return samples_of(ids, rows, self.settings.max_completion_length, tokenizer, model, self.max_length,
-                          batch_size, ScoredSamples, rewards=self.rewards)
+                          batch_size, PlayedSamples, rewards=self.rewards, settings=self.settings,
+                          prompt_length=self.max_length)
 
     # --- what the output folder records -----------------------------------------------------
     @classmethod
