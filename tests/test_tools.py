@@ -480,7 +480,8 @@ def test_tool_turns_stay_in_step_over_processes_whose_forwards_meet(task, tmp_pa
     """Under FSDP2 over two gloo processes every forward pass calls collectives, and each process
     runs its own rows' tool turns: here results of 0 to 40 tokens (the row's answer's), so the
     processes' rows need different chunks and decode steps, and one may have no row to resume.
-    They take as many as the one that needs most (else gloo aborts on mismatched collectives)."""
+    They take as many as the one that needs most (else gloo aborts on mismatched collectives), and
+    so do --eval-samples' completions (every process completes every sample)."""
     uneven = tmp_path / "uneven.py"
     uneven.write_text("class Uneven:\n"
                       "    def reset(self, answer, **row):\n"
@@ -489,11 +490,14 @@ def test_tool_turns_stay_in_step_over_processes_whose_forwards_meet(task, tmp_pa
                       '        """Multiplies two integers.\n\n        Args:\n            a: The first factor.\n'
                       '            b: The second factor.\n        """\n'
                       "        return '7' * self.n\n")
-    args = tool_args(task, "--strategy", "fsdp", "--num-processes", 2, "--max-steps", 4)
+    args = tool_args(task, "--strategy", "fsdp", "--num-processes", 2, "--max-steps", 4, "--eval-samples", 3,
+                     "--output-dir", tmp_path / "run")
     args[args.index("--tools"):args.index("--tools") + 2] = ["--environment", f"{uneven}:Uneven"]
     proc, m = run_cli(args, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert m["steps"] == 4 and all(0 < s["tools/call_frequency"] < 1 for _, s in m["train_metrics"]), m
+    samples = (tmp_path / "run" / "samples" / "step-4.jsonl").read_text().splitlines()
+    assert len(samples) == 3 and all(json.loads(line)["completion"][0]["role"] == "assistant" for line in samples)
 
 
 @pytest.mark.slow

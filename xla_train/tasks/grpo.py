@@ -325,6 +325,23 @@ def observed_prompts(tokenizer: Any, found: list[dict], observations: list, sche
     return [p[-limit:] for p in prompts], any(len(p) > limit for p in prompts)
 
 
+def agreement(engine: Any) -> Callable[[int], int] | None:
+    """Where processes hold their own rows and their forward passes meet in collectives (FSDP2,
+    tensor, context or expert axes over several processes), the largest of a count over them: a
+    tool loop's turns, chunks and decode steps, which all of them must run alike. None elsewhere
+    (SPMD's hosts read every row alike: its world size is 1)."""
+    strategy = engine.strategy
+    if not (strategy.world_size > 1 and (strategy.sharded or bool(strategy.axes.split))):
+        return None
+
+    def largest(n: int) -> int:
+        import torch
+
+        return int(strategy.gather(torch.tensor([n], device=engine.device)).max())
+
+    return largest
+
+
 def left_pad(prompts: list[list[int]], width: int, pad: int) -> tuple[Any, Any]:
     """Token ids left-padded to `width`, and their mask (1: a real token)."""
     import torch
@@ -433,10 +450,7 @@ class Rollouts:
         self.iterations = Iterations(own.num_iterations)  # --num-iterations: K updates on each rollout
         toolbox = own.toolbox  # --tools: rollouts in turns, the tools run between them (tasks/tools.py)
         self.loop, self.environments = None, None
-        # the tool loop's turns in step over processes that hold their own rows and whose forward
-        # passes meet (SPMD's hosts read every row alike: world size 1)
-        meet = strategy.world_size > 1 and (strategy.sharded or bool(strategy.axes.split))
-        self.agree = self._largest if meet else None
+        self.agree = agreement(engine)  # the tool loop's turns in step over the processes
         if toolbox is not None:
             toolbox.check(self.tokenizer)
             self.loop = ToolLoop(self.tokenizer, toolbox, own.max_tool_calling_iterations)
@@ -567,12 +581,6 @@ class Rollouts:
         new_ids, new_mask = left_pad(prompts, limit if not self.eager else max(map(len, prompts)),
                                      self.tokenizer.pad_token_id)
         return environments, observations, schemas, new_ids.to(ids.device), new_mask.to(mask.device)
-
-    def _largest(self, n: int) -> int:
-        """The largest `n` over the processes (a tool loop's count that all of them must share)."""
-        import torch
-
-        return int(self.engine.strategy.gather(torch.tensor([n], device=self.engine.device)).max())
 
     def table(self, split: str) -> list[dict]:
         """The split's rows' columns (read at first use)."""
@@ -1011,7 +1019,8 @@ class PlayedSamples(ScoredSamples):
         toolbox.check(tokenizer)
         loop = ToolLoop(tokenizer, toolbox, self.settings.max_tool_calling_iterations)
         pool = Environments(toolbox) if toolbox.factories else None
-        static = engine.accelerator.static_shapes
+        agree = agreement(engine)  # every process runs the same rows, but a count read apart could differ
+        stop = not engine.accelerator.static_shapes and agree is None  # as Rollouts' `eager`
         found = [{**row, "_where": f"--eval-samples: validation row {i + 1}"} for i, row in enumerate(self.shown)]
         found += found[-1:] * (-len(found) % engine.strategy.devices_per_process)  # their results are dropped
 
@@ -1019,14 +1028,14 @@ class PlayedSamples(ScoredSamples):
             instances, observations = pool.reset(found) if pool else (None, [None] * len(found))
             schemas = [toolbox.schemas_for(pool.name_of(f) if pool else None) for f in found]
             prompts, _ = observed_prompts(tokenizer, found, observations, schemas, self.prompt_length)
-            width = self.prompt_length if static else max(map(len, prompts))
+            width = max(map(len, prompts)) if stop else self.prompt_length
             ids, mask = (t.to(engine.device) for t in left_pad(prompts, width, tokenizer.pad_token_id))
             was_training = model.training
             model.eval()
             with torch.no_grad():
                 turns = Turns(engine.unwrap_model(model), ids, mask, self.sampling, engine.cut_graph,
-                              stop_when_done=not static)
-                out = loop(turns, ids, mask, engine.to_host, None, instances, None, schemas)
+                              stop_when_done=stop)
+                out = loop(turns, ids, mask, engine.to_host, None, instances, agree, schemas)
             model.train(was_training)
             columns = {k: [f.get(k) for f in found] for k in found[0] if k not in ("prompt", "completion", "_where")}
             if instances is not None:
