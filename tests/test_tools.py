@@ -361,6 +361,26 @@ def test_an_environment_is_made_per_completion_and_reset_per_rollout(task, tmp_p
         assert sample["reward"] == pytest.approx(2 + sample["rewards/Ledger"]), sample
 
 
+def test_environments_by_name_keep_their_own_instances_and_classes(tools_file, tmp_path):
+    """One factory under two names makes two pools (TRL calls it per name), and a get_reward scores
+    the rows of its exact class only: another class of the same name, without one, is None there."""
+    from xla_train.tasks.rewards import Reward
+    from xla_train.tasks.tools import ENVIRONMENT_REWARD, Environments, Toolbox
+
+    other = tmp_path / "other.py"
+    other.write_text(tools_file.read_text().replace("class Quiet(NoTools)", "class Ledger(NoTools)"))
+    ledger = f"{ROOT / 'tests' / 'tool_task.py'}:Ledger"
+    box = Toolbox((), f"a={ledger},b={ledger},c={other}:Ledger")
+    pool = Environments(box)
+    rows = [{"prompt": QUESTION, "answer": "156", "environment": name, "_where": name} for name in "abc"]
+    instances, _ = pool.reset(rows)
+    assert len({id(i) for i in instances}) == 3 and pool.pools["a"][0] is not pool.pools["b"][0]
+    (owner, (shown, _)), = box.rewarded.items()  # one class of the three owns a reward
+    instances[0].calls, instances[1].calls = 2, 3
+    reward = Reward(shown, ENVIRONMENT_REWARD, owner=owner)
+    assert shown == "Ledger" and reward.function(completions=[[]] * 3, environments=instances) == [2.0, 3.0, None]
+
+
 def test_each_row_takes_the_environment_its_column_names(task, tools_file, tmp_path):
     """Two environments by name (TRL's dict): rows alternate between tool_task.Ledger (whose
     `multiply` the model calls) and a Quiet one (whose only tool is `look`). Each row's prompt

@@ -189,8 +189,8 @@ class GRPOOptions:
         toolbox = toolbox or self.toolbox
         owned = toolbox.rewarded if toolbox is not None else {}
         rewards = rewards_of(self.reward, self.reward_weights, required=not owned)
-        return rewards + tuple(Reward(cls, ENVIRONMENT_REWARD, label=f"--environment {spec}: {cls}.get_reward",
-                                      owner=cls) for cls, spec in owned.items())
+        return rewards + tuple(Reward(shown, ENVIRONMENT_REWARD, label=f"--environment {spec}: {shown}.get_reward",
+                                      owner=owner) for owner, (shown, spec) in owned.items())
 
     @property
     def upper(self) -> float:
@@ -303,7 +303,7 @@ class PromptRows(Rows):
 def environment_of(row: dict, toolbox: Toolbox, where: str) -> str | None:
     """The environment a row names (several --environment NAME=...: TRL's `environment` column)."""
     name = row.get(ENVIRONMENT_COLUMN)
-    if name not in toolbox.factories:
+    if not isinstance(name, str) or name not in toolbox.factories:
         raise UserError(f"{where}: '{ENVIRONMENT_COLUMN}' must name one of --environment's "
                         f"({', '.join(str(n) for n in toolbox.factories)}), as TRL's dict of them; found {name!r}")
     return name
@@ -451,6 +451,14 @@ class Rollouts:
         toolbox = own.toolbox  # --tools: rollouts in turns, the tools run between them (tasks/tools.py)
         self.loop, self.environments = None, None
         self.agree = agreement(engine)  # the tool loop's turns in step over the processes
+        # processes that read the same rows (SPMD's hosts, a tensor or context group) each run those
+        # rows' tools and resets: their answers must agree, or so would not the rows
+        if toolbox is not None and strategy.peers > 1 and (strategy.world_size == 1 or strategy.axes.inner > 1) \
+                and engine.is_main_process:
+            print("xla-train: warning: --tools/--environment: the processes that read the same rows (several hosts "
+                  "under SPMD, a tensor or context group) each run those rows' tool calls and resets; a tool or "
+                  "reset must answer the same call alike (no clock or unseeded randomness), or their rows differ",
+                  file=sys.stderr)
         if toolbox is not None:
             toolbox.check(self.tokenizer)
             self.loop = ToolLoop(self.tokenizer, toolbox, own.max_tool_calling_iterations)

@@ -77,7 +77,12 @@ def describe(function: Any, label: str) -> dict:
                         "needs type hints and a Google-style docstring with an Args: section") from None
 
 
-_PROBED: dict[str, Any] = {}  # --environment's first instance, by its spec
+_PROBED: dict[tuple[str | None, str], Any] = {}  # each environment's first instance, by its name and spec
+
+
+def class_of(instance: Any) -> str:
+    """An environment's class, told apart from another of the same name: module.qualname."""
+    return f"{type(instance).__module__}.{type(instance).__qualname__}"
 
 
 def methods_of(environment: Any) -> list[Any]:
@@ -127,7 +132,7 @@ class Toolbox:
         starts; once a process): its pool's first (`Environments`)."""
         out = {}
         for name, spec in self.factories.items():
-            if spec not in _PROBED:
+            if (name, spec) not in _PROBED:  # one factory under two names: two pools (TRL calls it per name)
                 instance = made(spec)
                 if not callable(getattr(instance, "reset", None)):
                     raise UserError(f"--environment {spec}: {type(instance).__name__} has no reset method; an "
@@ -135,8 +140,8 @@ class Toolbox:
                 if not methods_of(instance):
                     raise UserError(f"--environment {spec}: {type(instance).__name__} has no public methods, "
                                     "which would be its tools (all but reset and get_reward)")
-                _PROBED[spec] = instance
-            out[name] = _PROBED[spec]
+                _PROBED[name, spec] = instance
+            out[name] = _PROBED[name, spec]
         return out
 
     @cached_property
@@ -163,7 +168,7 @@ class Toolbox:
     @cached_property
     def functions(self) -> dict[str, Any]:
         """The --tools functions by name (an environment's are its instances', `functions_of`)."""
-        return {schema["function"]["name"]: find(spec, "--tools") for spec, schema in zip(self.specs, self.schemas)}
+        return {schema["function"]["name"]: find(spec, "--tools") for spec, schema in zip(self.specs, self.own_schemas)}
 
     def functions_of(self, environment: Any = None) -> dict[str, Any]:
         """The tools a row's calls may run: --tools' and its environment's methods."""
@@ -172,13 +177,16 @@ class Toolbox:
         return {**self.functions, **{m.__name__: m for m in methods_of(environment)}}
 
     @property
-    def rewarded(self) -> dict[str, str]:
-        """{class name: factory} of the environments that own a reward (`get_reward`, TRL's), each
-        class once."""
-        out: dict[str, str] = {}
+    def rewarded(self) -> dict[str, tuple[str, str]]:
+        """{class (`class_of`): (its name in the metrics, a factory)} of the environments that own a
+        reward (`get_reward`, TRL's), each class once: its `__name__`, numbered where two share it."""
+        out: dict[str, tuple[str, str]] = {}
         for name, probe in self.probes.items():
-            if callable(getattr(probe, "get_reward", None)):
-                out.setdefault(type(probe).__name__, self.factories[name])
+            if callable(getattr(probe, "get_reward", None)) and class_of(probe) not in out:
+                label = type(probe).__name__
+                taken = [shown for shown, _ in out.values()]
+                out[class_of(probe)] = (label if label not in taken else f"{label}_{len(taken) + 1}",
+                                        self.factories[name])
         return out
 
     def check(self, tokenizer: Any) -> None:
@@ -350,14 +358,15 @@ def observed(prompt: list[dict], observation: str | None) -> list[dict]:
 def environment_reward(completions: list, environments: list | None = None, owner: str = "",
                        **kwargs: Any) -> list:
     """The reward an environment owns: each completion's instance's `get_reward()` (TRL's, sync or
-    async), read after the rollout; None for a row of another environment than `owner`'s class."""
+    async), read after the rollout; None for a row of another class than `owner` (`class_of`), as
+    TRL matches the exact type."""
     assert environments is not None and len(environments) == len(completions)
     try:
-        values = [e.get_reward() if type(e).__name__ == owner else None for e in environments]
+        values = [e.get_reward() if class_of(e) == owner else None for e in environments]
         if any(inspect.isawaitable(v) for v in values):
             values = asyncio.run(_gathered(values))
     except Exception as e:  # the user's environment
-        raise UserError(f"--environment: {type(environments[0]).__name__}.get_reward raised {type(e).__name__}: "
+        raise UserError(f"--environment: {owner.rpartition('.')[2]}.get_reward raised {type(e).__name__}: "
                         f"{first_line(e)}") from None
     return values
 
