@@ -521,16 +521,21 @@ def test_tool_turns_stay_in_step_over_processes_whose_forwards_meet(task, tmp_pa
 
 
 @pytest.mark.slow
-def test_resumed_midway_a_multi_turn_run_is_exact(task, tmp_path):
+@pytest.mark.parametrize("tools", ["--tools", "--environment"])
+def test_resumed_midway_a_multi_turn_run_is_exact(task, tmp_path, tools):
     """Resumed from its step-4 checkpoint, with tool turns in every rollout and a reward for
     calling the tool (so the weights move): the resumed run ends with the weights, metrics and
     evaluation of an uninterrupted one (the sampling generator's state comes back with the
-    checkpoint; the tool loop keeps nothing between steps)."""
+    checkpoint; the tool loop keeps nothing between steps; an environment's pool is made again,
+    tool_task.Ledger resetting all it holds)."""
     rewards = tmp_path / "tool_rewards.py"
     rewards.write_text("def used_tool(completions, **kw):\n"
                        "    return [float(any(t['role'] == 'tool' for t in c)) for c in completions]\n")
     args = tool_args(task, "--max-steps", 7, "--save-every", 4, "--lr", 1e-2)
     args[args.index("xla_train.rewards:number_match")] = f"{rewards}:used_tool"
+    if tools == "--environment":
+        args[args.index("--tools"):args.index("--tools") + 2] = ["--environment",
+                                                                 f"{ROOT / 'tests' / 'tool_task.py'}:Ledger"]
     proc, whole = run_cli([*args, "--output-dir", tmp_path / "whole"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     resumed = resume_midway(args, tmp_path / "whole", tmp_path / "run", tmp_path)
