@@ -68,7 +68,6 @@ from .dpo import peft_model_of
 from .kinds import register
 from .rewards import Reward, TrainerState, completions_of, rewards_of, score, total
 from .tools import (
-    ENVIRONMENT_COLUMN,
     ENVIRONMENT_REWARD,
     TOOL_METRICS,
     Environments,
@@ -265,7 +264,7 @@ class PromptRows(Rows):
         if self.form == "conversational" and not tokenizer.chat_template:
             raise UserError(f"{(self.files or {}).get('train', 'train')}: the prompts are chat turns, which need a "
                             "chat template, and the model's tokenizer has none; give the prompts as text")
-        schemas = None
+        toolbox = None
         if self.tools or self.environment:
             if self.form != "conversational":
                 flag = "--tools" if self.tools else "--environment"
@@ -273,7 +272,6 @@ class PromptRows(Rows):
                                 "tool calls from conversational completions only); the prompts are text")
             toolbox = Toolbox(self.tools, self.environment)
             toolbox.check(tokenizer)
-            schemas = toolbox.schemas_for(None)
         data, truncated = {}, {}
         for split, ds in splits.items():
             path = (self.files or {}).get(split, split)
@@ -284,9 +282,8 @@ class PromptRows(Rows):
                 if self.form == "strings" and not isinstance(row["prompt"], str):
                     raise UserError(f"{where}: 'prompt' must be text, as the first row's is; found "
                                     f"{str(row['prompt'])[:60]!r}")
-                if schemas is not None:  # TRL renders the prompts with the tools (GRPOTrainer._tokenize_prompts)
-                    own = toolbox.schemas_for(environment_of(row, toolbox, where)) if toolbox.named else schemas
-                    ids.append(with_tools(tokenizer, _turns(row["prompt"], where), own))
+                if toolbox is not None:  # TRL renders the prompts with the tools (GRPOTrainer._tokenize_prompts)
+                    ids.append(with_tools(tokenizer, _turns(row["prompt"], where), toolbox.schemas_of(row, where)))
                 else:
                     ids.append(prompt_ids({form: row["prompt"]}, form, tokenizer, where))
                 extra.append(json.dumps({**row, "_where": where}, default=str))
@@ -298,15 +295,6 @@ class PromptRows(Rows):
 
     def collator(self, tokenizer: Any) -> PromptCollator:
         return PromptCollator(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
-
-
-def environment_of(row: dict, toolbox: Toolbox, where: str) -> str | None:
-    """The environment a row names (several --environment NAME=...: TRL's `environment` column)."""
-    name = row.get(ENVIRONMENT_COLUMN)
-    if not isinstance(name, str) or name not in toolbox.factories:
-        raise UserError(f"{where}: '{ENVIRONMENT_COLUMN}' must name one of --environment's "
-                        f"({', '.join(str(n) for n in toolbox.factories)}), as TRL's dict of them; found {name!r}")
-    return name
 
 
 def with_tools(tokenizer: Any, messages: list[dict], schemas: list[dict]) -> list[int]:
@@ -437,20 +425,19 @@ class Rollouts:
         self.greedy = dataclasses.replace(self.sampling, temperature=0.0)
         # Eager devices (the CPU, CUDA) stop a rollout once every row has ended and cut the update's
         # rows after the longest completion (what is cut is padding, out of the loss); XLA keeps
-        # one shape, so one graph. Only where each process's forward passes are its own: under
-        # FSDP2, --tensor-parallel, --context-parallel or --expert-parallel every forward calls
-        # collectives, so the processes decode the same number of steps (else gloo's collectives
-        # mismatch) and keep rows of one width
+        # one shape, so one graph. Only where each process's forward passes are its own (no
+        # `agreement`): under FSDP2, --tensor-parallel, --context-parallel or --expert-parallel
+        # every forward calls collectives, so the processes decode the same number of steps (else
+        # gloo's collectives mismatch) and keep rows of one width
         strategy = engine.strategy
-        alone = strategy.peers == 1 or not (strategy.sharded or strategy.axes.split)
-        self.eager = not engine.accelerator.static_shapes and alone
+        self.agree = agreement(engine)  # the tool loop's turns in step over the processes
+        self.eager = not engine.accelerator.static_shapes and self.agree is None
         self.state = TrainerState(max_steps=total_steps)
         # each split's rows' columns, read at first use
         self.columns: dict[str, list[dict] | None] = dict.fromkeys(data)
         self.iterations = Iterations(own.num_iterations)  # --num-iterations: K updates on each rollout
         toolbox = own.toolbox  # --tools: rollouts in turns, the tools run between them (tasks/tools.py)
         self.loop, self.environments = None, None
-        self.agree = agreement(engine)  # the tool loop's turns in step over the processes
         # processes that read the same rows (SPMD's hosts, a tensor or context group) each run those
         # rows' tools and resets: their answers must agree, or so would not the rows
         if toolbox is not None and strategy.peers > 1 and (strategy.world_size == 1 or strategy.axes.inner > 1) \
@@ -577,7 +564,7 @@ class Rollouts:
         assert self.environments is not None and self.loop is not None
         found = [self.table(split)[r] for r in rows]
         environments, observations = self.environments.reset(found)
-        schemas = [self.loop.toolbox.schemas_for(self.environments.name_of(f)) for f in found]
+        schemas = [self.loop.toolbox.schemas_of(f, f["_where"]) for f in found]
         if all(o is None for o in observations):
             return environments, observations, schemas, ids, mask
         limit = self.objective.max_length
@@ -1034,7 +1021,7 @@ class PlayedSamples(ScoredSamples):
 
         def played(model: Any) -> list[dict]:
             instances, observations = pool.reset(found) if pool else (None, [None] * len(found))
-            schemas = [toolbox.schemas_for(pool.name_of(f) if pool else None) for f in found]
+            schemas = [toolbox.schemas_of(f, f["_where"]) for f in found]
             prompts, _ = observed_prompts(tokenizer, found, observations, schemas, self.prompt_length)
             width = max(map(len, prompts)) if stop else self.prompt_length
             ids, mask = (t.to(engine.device) for t in left_pad(prompts, width, tokenizer.pad_token_id))
@@ -1143,8 +1130,7 @@ class GRPO(Task):
             ids = [prompt_ids({form: row["prompt"]}, form, tokenizer, w) for row, w in zip(rows, where)]
             return samples_of(ids, rows, self.settings.max_completion_length, tokenizer, model, self.max_length,
                               batch_size, ScoredSamples, rewards=self.rewards)
-        ids = [with_tools(tokenizer, _turns(row["prompt"], w),
-                          toolbox.schemas_for(environment_of(row, toolbox, w) if toolbox.named else None))
+        ids = [with_tools(tokenizer, _turns(row["prompt"], w), toolbox.schemas_of(row, w))
                for row, w in zip(rows, where)]
         return samples_of(ids, rows, self.settings.max_completion_length, tokenizer, model, self.max_length,
                           batch_size, PlayedSamples, rewards=self.rewards, settings=self.settings,

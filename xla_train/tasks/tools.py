@@ -148,6 +148,21 @@ class Toolbox:
     def own_schemas(self) -> list[dict]:
         return [describe(find(s, "--tools"), f"--tools {s}") for s in self.specs]
 
+    def environment_of(self, row: dict, where: str) -> str | None:
+        """The environment a row names in its `environment` column where several are named (TRL's
+        dict), checked (`where`: the row, for the message); None where there is one or none."""
+        if not self.named:
+            return None
+        name = row.get(ENVIRONMENT_COLUMN)
+        if not isinstance(name, str) or name not in self.factories:
+            raise UserError(f"{where}: '{ENVIRONMENT_COLUMN}' must name one of --environment's "
+                            f"({', '.join(str(n) for n in self.factories)}), as TRL's dict of them; found {name!r}")
+        return name
+
+    def schemas_of(self, row: dict, where: str) -> list[dict]:
+        """The schemas a row's prompt is rendered with (its environment's, `environment_of`)."""
+        return self.schemas_for(self.environment_of(row, where))
+
     def schemas_for(self, name: str | None = None) -> list[dict]:
         """The schemas a row's prompt is rendered with: --tools' and its environment's methods'
         (`name`: the row's, None where there is one or none)."""
@@ -315,10 +330,6 @@ class Environments:
         self.toolbox = toolbox
         self.pools = {name: [probe] for name, probe in toolbox.probes.items()}
 
-    def name_of(self, row: dict) -> str | None:
-        """The row's environment: the one, or the one its `environment` column names."""
-        return row.get(ENVIRONMENT_COLUMN) if self.toolbox.named else None
-
     def reset(self, rows: list[dict]) -> tuple[list[Any], list[str | None]]:
         """The rollout's instances (one per row, in order) and what each reset returned: text to
         append to its row's last message, or None. `rows`: the completions' rows' columns, each
@@ -326,7 +337,7 @@ class Environments:
         environments, the `environment` column, as TRL's)."""
         instances, observations, taken = [], [], dict.fromkeys(self.pools, 0)
         for row in rows:
-            name = self.name_of(row)
+            name = self.toolbox.environment_of(row, row["_where"])
             spec, pool = self.toolbox.factories[name], self.pools[name]
             if taken[name] == len(pool):
                 pool.append(made(spec))
