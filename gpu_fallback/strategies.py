@@ -192,10 +192,9 @@ class Fsdp2(TorchStrategy):
 
         # A model built without its checkpoint's weights (job.pretrained, parallel.sharded_load): it is
         # split and sharded as it is, then each worker's shards are read into (`_fill`).
-        source = getattr(model, sharded_load.SOURCE, None)
+        source = sharded_load.take(model)
         built = {}
         if source is not None:
-            delattr(model, sharded_load.SOURCE)
             built = {n: t.detach().clone() for n, t in [*model.named_parameters(), *model.named_buffers()]
                      if not t.is_meta}  # the new head, the rotary buffers: `to_empty` clears them
         # placed before the mesh: torch's DeviceMesh sets the device to LOCAL_RANK's only where the

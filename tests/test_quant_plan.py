@@ -51,8 +51,10 @@ def tiny_llama(tmp_path_factory):
 def test_the_plan_counts_what_bitsandbytes_keeps(tiny_llama, quant):
     """transformers loads the tiny Llama through BitsAndBytesConfig on the CPU (bitsandbytes' CPU
     backend), peft adds its LoRA layers: every quantized projection's bytes (weight and scales) are
-    projection_bytes, and the plan counts the same base whether it reads the full-precision model
-    or the quantized one (Linear8bitLt, Linear4bit, under peft's layers; the XLA path's QuantLinear)."""
+    projection_bytes (nested: at most 8 bytes a row fewer, the XLA path's row-wise nesting being what
+    the plan counts), and the plan counts the same base whether it reads the full-precision model
+    or the quantized one (Linear8bitLt, Linear4bit, under peft's layers; the XLA path's QuantLinear,
+    whose buffers are the plan's bytes but for its code books)."""
     from bitsandbytes.nn import Linear4bit, Linear8bitLt
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
@@ -67,18 +69,23 @@ def test_the_plan_counts_what_bitsandbytes_keeps(tiny_llama, quant):
     quantized = AutoModelForCausalLM.from_pretrained(tiny_llama, quantization_config=bnb, device_map="cpu")
     layers = [m for m in quantized.modules() if isinstance(m, (Linear8bitLt, Linear4bit))]
     assert len(layers) == 2 * 7  # q, k, v, o, gate, up, down in each of 2 layers; the head kept
+    rows = 8 * quant.nested  # the XLA path's nested scales: an fp32 mean and group scale a row
     for m in layers:
-        assert _bnb_bytes(m) == projection_bytes(quant, m.out_features, m.in_features)
+        planned = projection_bytes(quant, m.out_features, m.in_features)
+        assert _bnb_bytes(m) <= planned <= _bnb_bytes(m) + rows * m.out_features
+        assert planned == _bnb_bytes(m) or quant.nested
     quantized = add_adapters(quantized, section, "CAUSAL_LM")
     before, after = shape_of(full, quant).weights, shape_of(quantized, quant).weights
-    assert after.quantized == before.quantized == sum(_bnb_bytes(m) for m in layers)
+    assert after.quantized == before.quantized == sum(projection_bytes(quant, m.out_features, m.in_features)
+                                                      for m in layers)
     assert (after.quantized_params, after.tile, after.params) == (before.quantized_params, before.tile, before.params)
     assert before.tile == 512 * 128 and before.quantized_params == 2 * 128 * (128 + 32 + 32 + 128 + 3 * 512)
     # the XLA path's QuantLinear (kernels.quant_xla, the same layouts): the plan counts the same base
-    from xla_train.kernels.quant_xla import quantize_base
+    from xla_train.kernels.quant_xla import base_bytes, quantize_base
 
     xla = AutoModelForCausalLM.from_pretrained(tiny_llama)
     assert quantize_base(xla, quant) == len(layers)
+    assert base_bytes(xla) == before.quantized + 64 * len(layers) * (quant.bits == 4)  # + the 16-entry code books
     xla = shape_of(add_adapters(xla, section, "CAUSAL_LM"), quant).weights
     assert (xla.quantized, xla.quantized_params, xla.tile, xla.params, xla.total) == \
         (before.quantized, before.quantized_params, before.tile, before.params, before.total)
@@ -87,7 +94,7 @@ def test_the_plan_counts_what_bitsandbytes_keeps(tiny_llama, quant):
 def test_the_base_falls_to_a_half_and_a_quarter_of_bf16():
     """Llama 3.1 8B's projections with their scales: int8 0.5x of bf16's (a scale a row of 4,096
     or 14,336 weights), 4-bit 0.281x (an fp32 scale a block of 64: 0.5625 bytes a weight), NF4
-    with double quantization 0.258x (bitsandbytes' 0.127 bits of scales a weight)."""
+    with double quantization 0.259x (0.138 bits of scales a weight; bitsandbytes' 0.127)."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
@@ -102,8 +109,10 @@ def test_the_base_falls_to_a_half_and_a_quarter_of_bf16():
         ratios[quant] = w.quantized / (2 * w.quantized_params)
     assert ratios[INT8] == pytest.approx(0.5, abs=5e-4)  # 0.5004: 4 bytes a row of 4,096 or 14,336
     assert ratios[NF4] == pytest.approx(0.28125, abs=1e-6)
-    assert ratios[NF4_NESTED] == pytest.approx((0.5 + 1 / 64 + 4 / 64 / 256) / 2, abs=1e-6)  # 0.2579
-    assert 8 * (2 * ratios[NF4_NESTED] - 0.5) == pytest.approx(0.127, abs=1e-3)  # bits of scales a weight
+    # bitsandbytes' (0.5 + 1 / 64 + 4 / 64 / 256) / 2 = 0.2579, and the XLA path's row-wise nesting:
+    # an fp32 mean and group scale a row of 4,096 or 14,336 weights, 0.0106 bits a weight more
+    assert ratios[NF4_NESTED] == pytest.approx(0.2586, abs=1e-4)
+    assert 8 * (2 * ratios[NF4_NESTED] - 0.5) == pytest.approx(0.138, abs=1e-3)  # bits of scales a weight
 
 
 @pytest.fixture(scope="module")

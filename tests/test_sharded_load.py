@@ -109,6 +109,113 @@ def test_sharded_load_gives_the_whole_loads_parameters_and_steps_bit_for_bit(fam
         assert out["tied"] == [True, True]
 
 
+LORA_SAME = r"""
+import functools, json, sys
+import torch, torch_xla
+from xla_train import Mesh
+from xla_train.core.engine import Engine
+from xla_train.kernels.quant import Quant
+from xla_train.models import add_adapters, hold_frozen_in_bf16, load_base, quantize_skeleton
+from xla_train.options import TrainOptions
+from xla_train.parallel import sharded_load
+from xla_train.tasks.causal_lm import DecoderModel
+
+QUANTS = {"none": None, "int8": Quant(8, "int8"), "nf4": Quant(4, "nf4"), "nf4-nested": Quant(4, "nf4", nested=True)}
+section = TrainOptions(lora=True, lora_dropout=0.0).section("model")
+results = {}
+for case in sys.argv[1:]:
+    folder, kind, tensor, precision = case.split("|")
+    quant = QUANTS[kind]
+    engine = Engine("xla", strategy="fsdp", mesh=Mesh(tensor=int(tensor)))
+    load = functools.partial(DecoderModel().load, folder, 7, 0)
+    skeleton = sharded_load.skeleton(load, folder)  # as job.pretrained builds it
+    skeleton = quantize_skeleton(skeleton, quant) if quant else skeleton
+    out = {"meta_buffers": sum(b.is_meta for b in skeleton.buffers())}
+    ids = torch.randint(3, 200, (8, 16), generator=torch.Generator().manual_seed(0))
+    for name, model in (("new", skeleton), ("whole", load_base(load, quant, "xla", precision, folder))):
+        torch.manual_seed(3)  # the adapters' initial values
+        model = add_adapters(model, section, "CAUSAL_LM")
+        if precision == "bf16":
+            hold_frozen_in_bf16(model)
+        if name == "new":
+            out["adapters_on_host"] = all(not p.is_meta for n, p in model.named_parameters() if "lora_" in n)
+            out["frozen"] = sorted({n.rsplit(".", 1)[1] for n, p in model.named_parameters() if p.is_meta
+                                    and not p.requires_grad})
+            out["trained"] = sorted({n.split(".")[-3] for n, p in model.named_parameters() if p.requires_grad})
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        model, optimizer = engine.prepare(model, optimizer)
+        state = engine.unwrap_model(model).state_dict(keep_vars=True)
+        out[name] = {"specs": {k: torch_xla._XLAC._get_xla_sharding_spec(v) for k, v in state.items()}}
+        batch = {"input_ids": ids.to(engine.device), "labels": ids.to(engine.device)}
+        losses = []
+        for step in range(2):
+            loss = model(**batch).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss)
+            torch_xla.sync()
+        values = engine.strategy.read([*losses, *state.values()])
+        out[name]["losses"] = [v.item() for v in values[:2]]
+        out[name]["state"] = dict(zip(state, values[2:]))
+    new, whole = out.pop("new"), out.pop("whole")
+    out["same_keys"] = list(new["state"]) == list(whole["state"])
+    out["buffers"] = sorted({k.rsplit(".", 1)[1] for k in new["state"] if "up_proj." in k and "lora" not in k})
+    out["differing"] = [k for k in new["state"] if not torch.equal(new["state"][k], whole["state"][k])]
+    out["losses"] = [new["losses"], whole["losses"]]
+    out["up_proj"] = {k.rsplit(".", 1)[1]: v for k, v in new["specs"].items() if "layers.0.mlp.up_proj." in k
+                      and "lora" not in k}
+    out["specs_same"] = new["specs"] == whole["specs"]
+    results[case] = out
+print(json.dumps(results))
+"""
+# (family, quantization, tensor-parallel size, precision): int8 over fsdp=4; nested NF4 over fsdp=2 x
+# tensor=2 with the frozen base in bf16; NF4 on Qwen2 (biases, an MLP 345 wide: rows split unevenly, 87
+# a device and 84); the plain LoRA base in bf16
+LORA_CASES = [("llama", "int8", 1, "fp32"), ("llama", "nf4-nested", 2, "bf16"), ("qwen2", "nf4", 1, "fp32"),
+              ("qwen2", "none", 1, "bf16")]
+
+
+@pytest.fixture(scope="module")
+def lora_same_as_whole(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("lora-same")
+    paths = {family: td.save(family, folder / family) for family in ("llama", "qwen2")}
+    cases = {case: "|".join(map(str, (paths[case[0]], *case[1:]))) for case in LORA_CASES}
+    _, out = _run(LORA_SAME, *cases.values())
+    return {key: out[case] for key, case in cases.items()}
+
+
+@pytest.mark.xdist_group("run-lora_same_as_whole")
+@pytest.mark.parametrize("case", LORA_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_a_lora_base_quantized_or_not_loads_into_its_shards_as_the_whole_load(case, lora_same_as_whole):
+    """LoRA's base built without its weights (job.pretrained: the skeleton, its projections made
+    QuantLinear on the meta device), peft's adapters added on the host (models._host_stand_ins),
+    then read into its shards as FSDPv2 wraps it, each quantized projection's buffers from its
+    devices' rows: every parameter and buffer, its layout and two AdamW steps' losses are the whole
+    load's (load_base: quantized as it is read, then split by rows), bit for bit."""
+    family, kind, tensor, precision = case
+    out = lora_same_as_whole[case]
+    assert out["adapters_on_host"]
+    assert out["trained"] == ["lora_A", "lora_B"]
+    if kind == "none":
+        assert out["meta_buffers"] == 0 and out["buffers"] == ["weight"]
+    else:
+        row_buffers = {"int8": ["qweight", "scales"], "nf4": ["code", "qweight", "scales"],
+                       "nf4-nested": ["code", "qweight", "scale_mean", "scale_scales", "scales"]}[kind]
+        assert out["buffers"] == row_buffers
+        # 2 layers of 7 projections; Qwen2's down_proj (345 inputs, odd: two 4-bit codes a byte) stays as it is
+        projections = 2 * (7 if family == "llama" else 6)
+        assert out["meta_buffers"] == projections * len([b for b in row_buffers if b != "code"])
+        devices = "{devices=[4]0,1,2,3}", "{devices=[4,1]0,1,2,3}"  # split with the rows over every device
+        assert all(out["up_proj"][b] == devices[b not in ("scale_mean",) and not (kind == "int8" and b == "scales")]
+                   for b in row_buffers if b != "code"), out["up_proj"]
+    assert "weight" in out["frozen"]  # the base's own tensors: still on the meta device, frozen, until the wrap
+    assert out["same_keys"] and out["differing"] == [], out["differing"]
+    assert out["specs_same"]
+    assert out["losses"][0] == out["losses"][1]
+    assert out["losses"][0][1] < out["losses"][0][0]
+
+
 PEAK = r"""
 import functools, json, sys
 import torch, torch_xla
@@ -236,17 +343,90 @@ def test_each_emulated_host_reads_its_devices_shards_only(tmp_path):
     assert sum(h["read"] for h in hosts) == total
 
 
+QUANT_HOSTS = r"""
+import functools, json, sys
+import torch
+from safetensors.torch import load_file
+from xla_train.core.engine import Engine
+from xla_train.kernels.quant import Quant
+from xla_train.kernels.quant_xla import quantize
+from xla_train.models import add_adapters, quantize_skeleton
+from xla_train.options import TrainOptions
+from xla_train.parallel import sharded_load
+from xla_train.tasks.causal_lm import DecoderModel
+
+folder = sys.argv[1]
+engine = Engine("xla", strategy="fsdp")
+mesh, row_spec = engine.strategy.mesh(), engine.strategy.row_spec
+weights = {}
+for f in sharded_load.safetensors_files(folder):
+    weights.update(load_file(f))
+model = quantize_skeleton(sharded_load.skeleton(functools.partial(DecoderModel().load, folder, 0, None), folder),
+                          Quant(4, "nf4", nested=True))
+model = add_adapters(model, TrainOptions(lora=True).section("model"), "CAUSAL_LM")  # peft's names, as a run has them
+checkpoint = sharded_load.take(model)
+out = {}
+for host, hosts in ((0, 2), (1, 2), (0, 1)):
+    devices = list(range(host * 4 // hosts, (host + 1) * 4 // hosts))  # this host's global ordinals
+    before, wrong, layers = checkpoint.bytes_read, [], 0
+    for module, buffers in checkpoint.host_rows(model, mesh, row_spec, devices):
+        layers += 1
+        key = checkpoint.checkpoint_key(next(n for n, m in model.named_modules() if m is module) + ".weight")
+        whole = quantize(weights[key], module.kind, module.block, module.nested)  # the whole weight's
+        for b, buffer, spec, places, shards in buffers:
+            for index, shard in zip(places, shards):
+                rows = index[0].stop - index[0].start
+                if not torch.equal(shard[:rows], whole[b][index[0]]):
+                    wrong.append(f"{key} {b} {index[0]}")
+    out[f"{host}/{hosts}"] = {"read": checkpoint.bytes_read - before, "wrong": wrong, "layers": layers,
+                             "devices": len(devices)}
+projections = [k for k in checkpoint.shapes if k.endswith("proj.weight")]
+out["total"] = sum(checkpoint.bytes[k] for k in projections)
+out["largest"] = max(checkpoint.bytes[k] for k in projections)
+checkpoint.close()
+print(json.dumps(out))
+"""
+
+
 @pytest.mark.slow
-def test_a_cli_fsdp_run_loads_sharded_and_trains_as_the_whole_load(tmp_path):
+def test_each_emulated_host_quantizes_its_devices_rows_only(tmp_path):
+    """A LoRA base in nested NF4 from a sharded checkpoint, 2 hosts of 2 devices emulated by the
+    devices each reads for: each reads at most half the projections' bytes plus one projection,
+    together each byte once, and quantizes the rows it read into what quantizing each whole weight
+    gives those rows (the nested scales' groups and means are each row's own); one host of 4 reads
+    them all."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=704, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "m", max_shard_size="1MB")
+    assert (tmp_path / "m" / "model.safetensors.index.json").exists()
+    _, out = _run(QUANT_HOSTS, tmp_path / "m")
+    one, hosts = out["0/1"], [out["0/2"], out["1/2"]]
+    assert one["read"] == out["total"] and one["layers"] == 2 * 7 and one["wrong"] == []
+    for host in hosts:
+        print(f"host reads {host['read'] / 2**20:.2f} MiB of the projections' {out['total'] / 2**20:.2f} MiB")
+        assert host["layers"] == 2 * 7 and host["wrong"] == [], host["wrong"][:5]
+        assert host["read"] <= out["total"] / 2 + out["largest"]
+    assert sum(h["read"] for h in hosts) == out["total"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", [[], ["--lora", "--load-in-4bit", "--use-bnb-nested-quant", "--precision", "bf16"]],
+                         ids=["full", "qlora-bf16"])
+def test_a_cli_fsdp_run_loads_sharded_and_trains_as_the_whole_load(tmp_path, extra):
     """`xla-train train --backend xla --strategy fsdp --problem causal-lm` on a tiny Llama for 4
-    steps on 4 XLA:CPU devices: the console says what the host read, and the losses are those of
-    the same run loading the model whole (skeleton switched off in that process)."""
+    steps on 4 XLA:CPU devices, fully and with LoRA over a nested-NF4 base in bf16: the console
+    says what the host read, and the losses are those of the same run loading the model whole
+    (skeleton switched off in that process: the base quantized as transformers reads it)."""
     folder = td.save("llama", tmp_path / "llama", chat=True, letters=True)
     train = td.write_jsonl(tmp_path / "train.jsonl", td.reverse_rows(200, 1))
     valid = td.write_jsonl(tmp_path / "valid.jsonl", td.reverse_rows(16, 2))
     args = ["train", "--backend", "xla", "--strategy", "fsdp", "--problem", "causal-lm", "--model", folder,
             "--train-file", train, "--validation-file", valid, "--max-length", 64, "--batch-size", 2,
-            "--max-steps", 4, "--log-every", 1, "--lr", 3e-3]
+            "--max-steps", 4, "--log-every", 1, "--lr", 3e-3, *extra]
     runs = {}
     for way in ("new", "whole"):
         metrics = tmp_path / f"{way}.json"
@@ -261,6 +441,8 @@ def test_a_cli_fsdp_run_loads_sharded_and_trains_as_the_whole_load(tmp_path):
     new, whole = runs["new"], runs["whole"]
     assert f"loaded {folder}: this host read " in new[0].stdout
     assert "loaded " not in whole[0].stdout
+    if extra:
+        assert all("--load-in-4bit: 14 linear projections of the base held in nf4" in p.stdout for p, _ in (new, whole))
     losses = [[loss for _, loss, _ in m["train_loss"]] for _, m in (new, whole)]
     assert len(losses[0]) == 4
     assert max(abs(a - b) for a, b in zip(*losses)) <= 1e-6, losses

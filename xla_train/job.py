@@ -27,6 +27,7 @@ from .models import (
     load_pretrained,
     load_tokenizer,
     position_limit,
+    quantize_skeleton,
 )
 from .parallel import sharded_load
 from .parallel.launchers import pod_marker, watch_pod
@@ -219,7 +220,7 @@ def load_model(cfg: TrainOptions, backend: Roles, task: Task, tokenizer: Any,
     (--lora), a resumed run's weights, a LoRA base held in bf16."""
     weights = resume.model_weights() if resume else None  # a corrupt file fails before any loading
     bnb.check_roles(cfg.quantization(), backend)  # a bitsandbytes base where it cannot run
-    model = pretrained(backend.strategy, cfg, task, tokenizer, whole=cfg.lora or weights is not None)
+    model = pretrained(backend.strategy, cfg, task, tokenizer, whole=weights is not None)
     if cfg.lora:
         model = add_adapters(model, cfg.section("model"), task.model.peft_task_type)
     if weights is not None:
@@ -234,12 +235,15 @@ def load_model(cfg: TrainOptions, backend: Roles, task: Task, tokenizer: Any,
 def pretrained(strategy: Strategy, cfg: TrainOptions, task: Task, tokenizer: Any, whole: bool = False) -> Any:
     """Model `cfg.model` as the task loads it. Under a strategy that `loads_shards` (FSDPv2 on XLA)
     it is built without the checkpoint's weights, which `wrap_model` reads into their shards on the
-    devices, never whole on this host (parallel.sharded_load); loaded `whole` where asked (LoRA's base,
-    a resumed run's whole weights) or where the folder does not allow it."""
+    devices, never whole on this host (parallel.sharded_load), LoRA's base too (a quantized one: each
+    host quantizes its devices' rows); loaded `whole` where asked (a resumed run's whole weights) or
+    where the folder does not allow it."""
     load = functools.partial(task.model.load, cfg.model, cfg.seed, tokenizer.pad_token_id)
     model = sharded_load.skeleton(load, cfg.model) if strategy.loads_shards and not whole else None
-    return model if model is not None else load_base(load, cfg.quantization(), strategy.accelerator.name,
-                                                     cfg.precision, cfg.model)
+    quant = cfg.quantization()
+    if model is None:
+        return load_base(load, quant, strategy.accelerator.name, cfg.precision, cfg.model)
+    return quantize_skeleton(model, quant) if quant else model
 
 
 def _say(line: str | None) -> None:

@@ -196,10 +196,41 @@ def add_adapters(model, adapters, peft_task_type):
                         lora_dropout=adapters.lora_dropout, target_modules=targets)
     _over_quantized(config, model)
     try:
-        with _peft_quiet():
+        with _peft_quiet(), _host_stand_ins(model):
             return get_peft_model(model, config)
     except ValueError as e:  # no default targets for the architecture, or targets it does not have
         raise UserError(f"--lora: {first_line(e)} (name them with --lora-targets)")
+
+
+@contextlib.contextmanager
+def _host_stand_ins(model):
+    """peft puts each new adapter on its base layer's device (peft 0.21.2, tuners_utils.py:
+    BaseTuner._replace_module and BaseTunerLayer._move_adapter_to_device_of_base_layer, the device
+    of the layer's `qweight`, else its `weight`). A model built without its weights
+    (parallel.sharded_load.skeleton) has them on the meta device, where the adapters' initial values
+    would be lost. While peft adds them, each such tensor is a host stand-in of its shape and dtype
+    (one element, expanded: no memory), and the model's own is put back after, frozen where peft
+    froze the stand-in; the strategy places the adapters as it places any host parameter."""
+    import torch
+
+    swapped = []
+    for module in model.modules():
+        for name in ("qweight", "weight"):
+            meta = getattr(module, name, None)
+            if isinstance(meta, torch.Tensor) and meta.is_meta:
+                stand_in = torch.zeros((), dtype=meta.dtype).expand(meta.shape)
+                if isinstance(meta, torch.nn.Parameter):
+                    stand_in = torch.nn.Parameter(stand_in, requires_grad=meta.requires_grad)
+                setattr(module, name, stand_in)
+                swapped.append((module, name, meta, stand_in))
+                break
+    try:
+        yield
+    finally:
+        for module, name, meta, stand_in in swapped:
+            if isinstance(meta, torch.nn.Parameter):
+                meta.requires_grad_(stand_in.requires_grad)
+            setattr(module, name, meta)
 
 
 def _over_quantized(config, model):
@@ -235,7 +266,21 @@ def load_base(load, quant, accelerator, precision, name):
         return model
     from .kernels.quant_load import loading
 
-    model = load(**loading(quant))
+    return _held(load(**loading(quant)), quant)
+
+
+def quantize_skeleton(model, quant):
+    """A model built without its weights (parallel.sharded_load.skeleton, under FSDPv2) with its
+    projections made QuantLinear on the meta device (kernels.quant_xla.quantize_base, the one rule):
+    the strategy's wrap reads each of them from the checkpoint into its shards, each host quantizing
+    its devices' rows only (parallel.sharded_load.Checkpoint.host_rows)."""
+    from .kernels.quant_xla import quantize_base
+
+    quantize_base(model, quant)
+    return _held(model, quant)
+
+
+def _held(model, quant):
     held = sum(quantized_weight(m) is not None for m in model.modules())
     print(f"--load-in-{quant.bits}bit: {held} linear projections of the base held in {quant.kind}")
     return model

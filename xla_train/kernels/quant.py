@@ -47,8 +47,13 @@ class Quant:
 #   where `in` is a multiple of 64, as in every published model);
 # - nested (compress_statistics: QuantState.state2): the absmax of each block quantized to one byte
 #   (quantize_blockwise), with one fp32 absmax a block of 256 of those: 0.5 + 1/64 + 4/(64 x 256)
-#   bytes a weight, 0.127 bits of scales a weight. The per-tensor constants (the 16- and 256-entry
-#   code books, the offset) are left out: about 1 KiB a projection.
+#   bytes a weight, 0.127 bits of scales a weight. The XLA path (kernels.quant_xla) groups them
+#   within each output row and takes each row's mean out (bitsandbytes: one offset, groups across
+#   rows), so that a host quantizes its rows alone: an fp32 scale per row and per group of 256 of
+#   its blocks, 8 bytes a row of Llama 3.1's 4,096 to 14,336 weights where bitsandbytes keeps about
+#   one: the plan counts the XLA path's, the larger by at most 8 bytes a row.
+#   The per-tensor constants (the 16- and 256-entry code books, the offset) are left out: about
+#   1 KiB a projection.
 
 
 def quantized_weight(module: Any) -> Any:
@@ -64,6 +69,7 @@ def projection_bytes(quant: Quant, out_features: int, in_features: int) -> int:
     weights = out_features * in_features
     if quant.bits == 8:
         return weights + 4 * out_features
-    blocks = out_features * -(-in_features // BLOCK)
-    scales = blocks + 4 * -(-blocks // NESTED_BLOCK) if quant.nested else 4 * blocks
+    row_blocks = -(-in_features // BLOCK)
+    blocks = out_features * row_blocks
+    scales = blocks + 4 * out_features * (-(-row_blocks // NESTED_BLOCK) + 1) if quant.nested else 4 * blocks
     return -(-weights // 2) + scales

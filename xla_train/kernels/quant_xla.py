@@ -10,7 +10,11 @@ Layouts (weight [out, in], quantized on the host, once):
   block of `BLOCK` inputs of each row (absmax of the block), the codes looked up in a 16-entry
   code book in the graph: NF4 (QLoRA's, `NF4_CODE` in kernels.quant) for `Quant.kind == "nf4"`;
   `nested`: the block scales quantized again to int8 in blocks of `NESTED_BLOCK` (float32 scale
-  each, after subtracting their mean: bitsandbytes' double quantization, in its layout's spirit).
+  each, after subtracting their mean: bitsandbytes' double quantization, in its layout's spirit,
+  with the groups and the mean each row's own: 8 bytes a row more than bitsandbytes keeps).
+Each buffer is a function of its own output rows, so the rows a host reads are quantized alone as
+the whole weight would quantize them (`quantize_rows`: under FSDPv2 each host quantizes its devices'
+slices, parallel.sharded_load).
 
 Why not torch_xla's own pieces whole (torch_xla 2.9, torch_xla/experimental/xla_quantized_matmul.py):
 `torch.ops.xla.quantized_matmul` has no autograd kernel (the input's gradient comes back None, so
@@ -47,7 +51,8 @@ def quantize(weight: torch.Tensor, kind: str, block: int = BLOCK, nested: bool =
     """`weight` [out, in] quantized (on its device; the base's are on the host): the buffers of a
     QuantLinear by name. kind "int8": qweight int8 [out, in], scales [out]; "nf4" / "int4": qweight
     uint8 [out, in / 2] (two codes a byte, low nibble first), scales [out, in / block], and with
-    `nested` the scales as int8 (scales) with `scale_scales` [n / NESTED_BLOCK] and `scale_mean` []."""
+    `nested` the scales as int8 (scales) with `scale_scales` [out, ceil(in / block / NESTED_BLOCK)] and
+    `scale_mean` [out] (`_nest`). Every buffer holds a row per output row, computed from that row alone."""
     w = weight.detach().float()
     if kind == "int8":
         scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127
@@ -63,14 +68,16 @@ def quantize(weight: torch.Tensor, kind: str, block: int = BLOCK, nested: bool =
 
 
 def _nest(scale: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Double quantization: the float32 block scales as int8 in blocks of NESTED_BLOCK, each with a
-    float32 scale, after their mean is taken out (bitsandbytes' `offset`)."""
-    mean = scale.mean()
-    flat = scale.flatten() - mean
-    pad = -flat.numel() % NESTED_BLOCK
-    groups = F.pad(flat, (0, pad)).view(-1, NESTED_BLOCK)
-    outer = groups.abs().amax(dim=1).clamp(min=1e-12) / 127
-    q = torch.round(groups / outer[:, None]).to(torch.int8).flatten()[: flat.numel()].view_as(scale)
+    """Double quantization, row by row: each output row's float32 block scales [out, n] as int8 in
+    groups of NESTED_BLOCK, each group with a float32 scale [out, ceil(n / NESTED_BLOCK)], after the
+    row's mean [out] is taken out (bitsandbytes' `offset`, which is one a tensor over groups that
+    run across rows: here every buffer is the rows' own, so a host quantizes the rows it reads alone
+    and gets what quantizing the whole weight gives them: parallel.sharded_load)."""
+    out, n = scale.shape
+    mean = scale.mean(dim=1)
+    groups = F.pad(scale - mean[:, None], (0, -n % NESTED_BLOCK)).view(out, -1, NESTED_BLOCK)
+    outer = groups.abs().amax(dim=2).clamp(min=1e-12) / 127
+    q = torch.round(groups / outer[..., None]).to(torch.int8).view(out, -1)[:, :n]
     return {"scales": q, "scale_scales": outer, "scale_mean": mean}
 
 
@@ -79,11 +86,10 @@ class QuantLinear(torch.nn.Module):
     bias, if any, a frozen parameter in the training precision. Its forward dequantizes inside the
     graph (`_QuantMatmul`); gradients reach the input, never the weight."""
 
-    ROW_BUFFERS = ("qweight", "scales")  # a row each per output: FSDP splits them with the rows (XlaFsdp)
     qweight: torch.Tensor  # int8 [out, in] or uint8 [out, in / 2]
     scales: torch.Tensor  # float32 [out] or [out, in / block]; int8 where nested
-    scale_scales: torch.Tensor  # nested: float32 [ceil(scales / NESTED_BLOCK)]
-    scale_mean: torch.Tensor  # nested: float32 []
+    scale_scales: torch.Tensor  # nested: float32 [out, ceil(in / block / NESTED_BLOCK)]
+    scale_mean: torch.Tensor  # nested: float32 [out]
     code: torch.Tensor  # 4-bit: the 16 values of the code book
     bias: torch.nn.Parameter | None
 
@@ -92,20 +98,36 @@ class QuantLinear(torch.nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.kind, self.nested = kind, nested and kind != "int8"
         self.block = block if kind != "int8" else self.in_features
+        # the weight's dtype as loaded: a layer made on the meta device (a model built without its
+        # weights) quantizes its rows from the checkpoint in it, as a whole load would (`quantize_rows`)
+        self.loaded_dtype = linear.weight.dtype
         for name, value in quantize(linear.weight, kind, self.block, self.nested).items():
             self.register_buffer(name, value.to(linear.weight.device))
-        if kind != "int8":  # the code book travels with the layer to its device (16 floats)
-            self.register_buffer("code", torch.tensor(code_book(kind), device=linear.weight.device))
+        if kind != "int8":  # the code book travels with the layer to its device (16 floats; on the host
+            # for a layer on the meta device: it is no checkpoint tensor)
+            device = "cpu" if linear.weight.is_meta else linear.weight.device
+            self.register_buffer("code", torch.tensor(code_book(kind), device=device))
         self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach(), requires_grad=False)
+
+    @property
+    def ROW_BUFFERS(self) -> tuple[str, ...]:  # noqa: N802  (read as a class's constant, by duck typing)
+        """The buffers holding a row per output row (all but the code book): FSDPv2 splits them with
+        the rows (XlaFsdp._split_rows), and parallel.sharded_load makes those of a layer on the meta
+        device from its devices' rows of the checkpoint's weight (`quantize_rows`)."""
+        return tuple(name for name in ("qweight", "scales", "scale_scales", "scale_mean") if hasattr(self, name))
+
+    def quantize_rows(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The ROW_BUFFERS of rows `rows` [r, in] of the full-precision weight (read from the
+        checkpoint in any dtype): what quantizing the whole weight gives those rows, bit for bit."""
+        return quantize(rows.to(self.loaded_dtype), self.kind, self.block, self.nested)
 
     def row_scales(self) -> torch.Tensor:
         """The scales in float32: [out] (int8) or [out, in / block] (4-bit)."""
         if not self.nested:
             return self.scales
-        flat = self.scales.flatten().float()
-        pad = -flat.numel() % NESTED_BLOCK
-        groups = F.pad(flat, (0, pad)).view(-1, NESTED_BLOCK) * self.scale_scales[:, None]
-        return groups.flatten()[: flat.numel()].view(self.scales.shape) + self.scale_mean
+        out, n = self.scales.shape
+        groups = F.pad(self.scales.float(), (0, -n % NESTED_BLOCK)).view(out, -1, NESTED_BLOCK)
+        return (groups * self.scale_scales[..., None]).view(out, -1)[:, :n] + self.scale_mean[:, None]
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight [out, in] in `dtype`, computed from the buffers on their device (shifts, masks

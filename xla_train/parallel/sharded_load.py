@@ -17,6 +17,13 @@ Two steps, at the two places a run has them:
   parameters not sharded yet: torch_xla 2.9's experimental/spmd_fully_sharded_data_parallel.py,
   SpmdFullyShardedDataParallel.__init__).
 
+A LoRA base held quantized (--load-in-8bit/4bit on XLA) is a skeleton too: its projections are made
+QuantLinear on the meta device (kernels.quant_xla, whose every buffer is a function of its own output
+rows), and `materialise` reads each device's rows of a projection's weight, quantizes them on the
+host (the layer's `quantize_rows`) and makes its buffers sharded with their rows (`row_spec`): a host
+reads and quantizes its devices' rows only. peft's layers may wrap the skeleton first: its tensors
+are found by their checkpoint names (`checkpoint_key`).
+
 FSDP2 (gpu_fallback.strategies.Fsdp2.wrap_model) shards the skeleton as it is, makes each worker's
 shards empty (`to_empty`), then fills them in place from their slices (`Checkpoint.fill`).
 
@@ -130,19 +137,49 @@ class Checkpoint:
             for attr, p in module._parameters.items():
                 if p is not None and p.is_meta:
                     holders.setdefault(id(p), []).append((module, attr))
-        for key, p in model.named_parameters():  # each tensor by its first name (the checkpoint's)
+        for name, p in model.named_parameters():  # each tensor by its first name (the checkpoint's)
             if not p.is_meta:
                 continue
             spec = spec_of(p)
             places, shard_shape = shard_places(tuple(p.shape), mesh, spec, devices)
+            key = self.checkpoint_key(name)
             yield holders[id(p)], p, spec, places, self.local_shards(key, p.dtype, places, shard_shape)
 
-    def materialise(self, model: torch.nn.Module, mesh: Any, spec_of: Any) -> None:
+    def host_rows(self, model: torch.nn.Module, mesh: Any, row_spec: Any, devices: list[int]) -> Iterator[Any]:
+        """For each module of `model` whose ROW_BUFFERS are on the meta device (a quantized
+        projection: kernels.quant_xla.QuantLinear), one at a time: (the module, and for each of its
+        row buffers (name, buffer, partition spec `row_spec(buffer)`, places, shards for `devices`)),
+        the shards quantized from each device's rows of the checkpoint's weight, read once a piece
+        (`quantize_rows`), padded."""
+        for name, module in model.named_modules():
+            buffers = {b: getattr(module, b) for b in getattr(module, "ROW_BUFFERS", ())}
+            if not buffers or not all(t.is_meta for t in buffers.values()):
+                continue
+            key = self.checkpoint_key(f"{name}.weight")
+            width = self.shapes[key][1]
+            made: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+            out = []
+            for b, buffer in buffers.items():
+                spec = row_spec(buffer)
+                places, shard_shape = shard_places(tuple(buffer.shape), mesh, spec, devices)
+                shards = []
+                for index in places:
+                    rows = (index[0].start, index[0].stop)
+                    if rows not in made:
+                        made[rows] = module.quantize_rows(self.read(key, (slice(*rows), slice(0, width)))) \
+                            if rows[0] < rows[1] else {}
+                    piece = made[rows].get(b, torch.zeros(0, *buffer.shape[1:], dtype=buffer.dtype))
+                    shards.append(_padded(piece, shard_shape))
+                out.append((b, buffer, spec, places, shards))
+            yield module, out
+
+    def materialise(self, model: torch.nn.Module, mesh: Any, spec_of: Any, row_spec: Any = None) -> None:
         """Every parameter of `model` left on the meta device made on this host's devices, sharded
         over `mesh` by `spec_of(param)` (a partition spec), from this host's devices' slices of the
         checkpoint (torch_xla's `_global_tensor_from_cpu_shards`, which takes one shard for each
         local device in the order of `_xla_get_runtime_devices`: csrc/init_python_bindings.cpp);
-        one tensor at a time. Tied parameters stay one tensor."""
+        one tensor at a time. Tied parameters stay one tensor. Then the row buffers of quantized
+        projections left on the meta device, by `row_spec(buffer)` (`host_rows`)."""
         try:
             for holders, p, spec, places, shards in self.host_shards(model, mesh, spec_of, _local_devices()):
                 tensor = _from_local_shards(shards, mesh, spec, p.shape)
@@ -152,8 +189,24 @@ class Checkpoint:
                     module._parameters[attr] = made
                 del shards, tensor
                 trim()
+            for module, buffers in self.host_rows(model, mesh, row_spec, _local_devices()) if row_spec else ():
+                for b, buffer, spec, places, shards in buffers:
+                    tensor = _from_local_shards(shards, mesh, spec, buffer.shape)
+                    _check_places(tensor, places)
+                    module._buffers[b] = tensor
+                del buffers
+                trim()
         finally:
             self.close()
+
+    def checkpoint_key(self, name: str) -> str:
+        """The checkpoint's name of the model's tensor `name`, also where peft's LoRA wraps the model
+        (peft 0.21.2: PeftModel.base_model, a LoraModel whose `model` is the one loaded, and each
+        adapted layer's `base_layer`); a tensor the checkpoint lacks is a bug, said as one."""
+        key = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+        if key not in self.shapes:
+            raise KeyError(f"{self.name}: no tensor {key!r} (the model's {name!r}) in its checkpoint")
+        return key
 
     def fill(self, parts: Iterator[tuple[str, torch.Tensor, tuple[slice, ...]]]) -> None:
         """Each `(key, local, index)` of `parts`: `local` (a worker's part of tensor `key`, made
@@ -337,6 +390,15 @@ def meta_weights(checkpoint: Checkpoint):
     finally:
         PreTrainedModel._load_pretrained_model = original_load  # type: ignore[method-assign]
         core_model_loading._materialize_copy = original_copy
+
+
+def take(model: torch.nn.Module) -> Checkpoint | None:
+    """The Checkpoint a skeleton `model` carries (attribute SOURCE), removed from it; found inside
+    the wrappers put around it since (peft's), or None for a model loaded whole."""
+    for module in model.modules():
+        if SOURCE in module.__dict__:
+            return module.__dict__.pop(SOURCE)
+    return None
 
 
 def skeleton(load: Any, name: str) -> torch.nn.Module | None:

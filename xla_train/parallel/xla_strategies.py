@@ -290,14 +290,13 @@ class XlaFsdp(XlaSpmd):
             warnings.filterwarnings("ignore", message=message)
         # A model built without its checkpoint's weights (job.prepare, parallel.sharded_load): they are
         # made on the devices already sharded as FSDPv2 shards them, which its wrappers then keep.
-        source = getattr(model, sharded_load.SOURCE, None)
+        source = sharded_load.take(model)
         split = bool(self.axes.split)
         if split:
             self.check_model(model.config)  # job.prepare checked it already; an Engine in a script has not
             self._plan(model)  # the parameters as built: on the meta device, or whole on the host
         if source is not None:
-            source.materialise(model, self.mesh(), self.param_spec)
-            delattr(model, sharded_load.SOURCE)
+            source.materialise(model, self.mesh(), self.param_spec, self.row_spec)
             print(source.line(), flush=True)
         if split:
             self._place(model)  # those on the host (a whole load: LoRA's base, a resumed run; a new head)
@@ -316,22 +315,31 @@ class XlaFsdp(XlaSpmd):
                 m.register_load_state_dict_pre_hook(_add_wrapper_keys)
         return wrapped
 
+    def row_spec(self, buffer: torch.Tensor) -> tuple[Any, ...]:
+        """A quantized base's buffer (kernels.quant_xla.QuantLinear.ROW_BUFFERS: the int8 or packed
+        4-bit weight and its scales, a row per output row) split with its rows over the axes FSDP
+        splits parameters over, and over `tensor` too under --tensor-parallel (the memory plan
+        divides the base by every device; a QuantLinear is no nn.Linear, so the tensor plan leaves
+        it alone and the compiler gathers its rows for the matmul, as FSDP's)."""
+        layout = self.layout()
+        axes = layout.param_axes()
+        if layout.tensor > 1:
+            axes = (*(() if axes is None else (axes,) if isinstance(axes, str) else axes), tensor_plan.TENSOR)
+        return (axes,) + (None,) * (buffer.dim() - 1)
+
     def _split_rows(self, model: torch.nn.Module) -> None:
-        """A quantized base's buffers (kernels.quant_xla.QuantLinear.ROW_BUFFERS: the int8 or packed
-        4-bit weight and its scales, no parameters, so FSDPv2 leaves them whole on every device)
-        split with their rows over the axes FSDP splits parameters over, and over `tensor` too
-        under --tensor-parallel (the memory plan divides the base by every device; a QuantLinear is
-        no nn.Linear, so the tensor plan leaves it alone and the compiler gathers its rows for the
-        matmul, as FSDP's). The wrappers moved them to the devices whole, one block at a time."""
+        """A quantized base's row buffers (`row_spec`; no parameters, so FSDPv2 leaves them whole on
+        every device) split with their rows where the wrappers moved them to the devices whole, one
+        block at a time (a base loaded whole); those made from each device's rows of the checkpoint
+        (parallel.sharded_load) are split already."""
+        import torch_xla
         import torch_xla.distributed.spmd as xs
 
-        buffers = [getattr(m, name) for m in model.modules() for name in getattr(m, "ROW_BUFFERS", ())]
-        layout = self.layout()
-        axes = layout.param_axes() if buffers else None
-        if buffers and layout.tensor > 1:
-            axes = (*(() if axes is None else (axes,) if isinstance(axes, str) else axes), tensor_plan.TENSOR)
-        for buffer in buffers:
-            xs.mark_sharding(buffer, self.mesh(), (axes,) + (None,) * (buffer.dim() - 1))
+        for m in model.modules():
+            for name in getattr(m, "ROW_BUFFERS", ()):
+                buffer = getattr(m, name)
+                if not torch_xla._XLAC._get_xla_sharding_spec(buffer):
+                    xs.mark_sharding(buffer, self.mesh(), self.row_spec(buffer))
 
     def unwrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
         return getattr(model, "module", model)  # the model itself; its blocks stay wrapped, keys read as plain
