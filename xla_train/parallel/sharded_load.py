@@ -209,14 +209,14 @@ class Checkpoint:
         return key
 
     def fill(self, parts: Iterator[tuple[str, torch.Tensor, tuple[slice, ...]]]) -> None:
-        """Each `(key, local, index)` of `parts`: `local` (a worker's part of tensor `key`, made
-        empty) filled in place with the checkpoint's slice `index`, cast to its dtype; one tensor
-        at a time (FSDP2's shards: gpu_fallback.strategies.Fsdp2)."""
+        """Each `(name, local, index)` of `parts`: `local` (a worker's part of the model's tensor
+        `name`, made empty) filled in place with the checkpoint's slice `index`, cast to its dtype;
+        one tensor at a time (FSDP2's shards: gpu_fallback.strategies.Fsdp2)."""
         try:
             with torch.no_grad():
-                for key, local, index in parts:
+                for name, local, index in parts:
                     if local.numel():
-                        local.copy_(self.read(key, index).to(local.dtype))
+                        local.copy_(self.read(self.checkpoint_key(name), index).to(local.dtype))
         finally:
             self.close()
 
