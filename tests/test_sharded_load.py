@@ -119,22 +119,24 @@ from xla_train.models import add_adapters, hold_frozen_in_bf16, load_base, quant
 from xla_train.options import TrainOptions
 from xla_train.parallel import sharded_load
 from xla_train.tasks.causal_lm import DecoderModel
+from xla_train.tasks.sequence import SequenceModel
 
 QUANTS = {"none": None, "int8": Quant(8, "int8"), "nf4": Quant(4, "nf4"), "nf4-nested": Quant(4, "nf4", nested=True)}
 section = TrainOptions(lora=True, lora_dropout=0.0).section("model")
 results = {}
 for case in sys.argv[1:]:
-    folder, kind, tensor, precision = case.split("|")
+    folder, kind, tensor, precision, task = case.split("|")
     quant = QUANTS[kind]
     engine = Engine("xla", strategy="fsdp", mesh=Mesh(tensor=int(tensor)))
-    load = functools.partial(DecoderModel().load, folder, 7, 0)
+    part = DecoderModel() if task == "causal-lm" else SequenceModel(num_labels=3)
+    load = functools.partial(part.load, folder, 7, 0)
     skeleton = sharded_load.skeleton(load, folder)  # as job.pretrained builds it
     skeleton = quantize_skeleton(skeleton, quant) if quant else skeleton
     out = {"meta_buffers": sum(b.is_meta for b in skeleton.buffers())}
     ids = torch.randint(3, 200, (8, 16), generator=torch.Generator().manual_seed(0))
     for name, model in (("new", skeleton), ("whole", load_base(load, quant, "xla", precision, folder))):
         torch.manual_seed(3)  # the adapters' initial values
-        model = add_adapters(model, section, "CAUSAL_LM")
+        model = add_adapters(model, section, part.peft_task_type)
         if precision == "bf16":
             hold_frozen_in_bf16(model)
         if name == "new":
@@ -142,11 +144,13 @@ for case in sys.argv[1:]:
             out["frozen"] = sorted({n.rsplit(".", 1)[1] for n, p in model.named_parameters() if p.is_meta
                                     and not p.requires_grad})
             out["trained"] = sorted({n.split(".")[-3] for n, p in model.named_parameters() if p.requires_grad})
+            out["head_on_meta"] = all(p.is_meta for n, p in model.named_parameters() if "score" in n)
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
         model, optimizer = engine.prepare(model, optimizer)
         state = engine.unwrap_model(model).state_dict(keep_vars=True)
         out[name] = {"specs": {k: torch_xla._XLAC._get_xla_sharding_spec(v) for k, v in state.items()}}
-        batch = {"input_ids": ids.to(engine.device), "labels": ids.to(engine.device)}
+        labels = ids if task == "causal-lm" else torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
+        batch = {"input_ids": ids.to(engine.device), "labels": labels.to(engine.device)}
         losses = []
         for step in range(2):
             loss = model(**batch).loss
@@ -169,17 +173,24 @@ for case in sys.argv[1:]:
     results[case] = out
 print(json.dumps(results))
 """
-# (family, quantization, tensor-parallel size, precision): int8 over fsdp=4; nested NF4 over fsdp=2 x
-# tensor=2 with the frozen base in bf16; NF4 on Qwen2 (biases, an MLP 345 wide: rows split unevenly, 87
-# a device and 84); the plain LoRA base in bf16
-LORA_CASES = [("llama", "int8", 1, "fp32"), ("llama", "nf4-nested", 2, "bf16"), ("qwen2", "nf4", 1, "fp32"),
-              ("qwen2", "none", 1, "bf16")]
+# (family, quantization, tensor-parallel size, precision, task): int8 over fsdp=4; nested NF4 over fsdp=2
+# x tensor=2 with the frozen base in bf16; NF4 on Qwen2 (biases, an MLP 345 wide: rows split unevenly, 87
+# a device and 84); the plain LoRA base in bf16; a classifier whose checkpoint holds its head (peft
+# trains a copy of it: modules_to_save), over NF4
+LORA_CASES = [("llama", "int8", 1, "fp32", "causal-lm"), ("llama", "nf4-nested", 2, "bf16", "causal-lm"),
+              ("qwen2", "nf4", 1, "fp32", "causal-lm"), ("qwen2", "none", 1, "bf16", "causal-lm"),
+              ("llama-classifier", "nf4", 1, "fp32", "classification")]
 
 
 @pytest.fixture(scope="module")
 def lora_same_as_whole(tmp_path_factory):
+    from xla_train.tasks.sequence import SequenceModel
+
     folder = tmp_path_factory.mktemp("lora-same")
     paths = {family: td.save(family, folder / family) for family in ("llama", "qwen2")}
+    classifier = SequenceModel(num_labels=3).load(paths["llama"], 7, 0)  # its new head, saved with it
+    classifier.save_pretrained(folder / "llama-classifier")
+    paths["llama-classifier"] = folder / "llama-classifier"
     cases = {case: "|".join(map(str, (paths[case[0]], *case[1:]))) for case in LORA_CASES}
     _, out = _run(LORA_SAME, *cases.values())
     return {key: out[case] for key, case in cases.items()}
@@ -193,10 +204,12 @@ def test_a_lora_base_quantized_or_not_loads_into_its_shards_as_the_whole_load(ca
     then read into its shards as FSDPv2 wraps it, each quantized projection's buffers from its
     devices' rows: every parameter and buffer, its layout and two AdamW steps' losses are the whole
     load's (load_base: quantized as it is read, then split by rows), bit for bit."""
-    family, kind, tensor, precision = case
+    family, kind, tensor, precision, task = case
     out = lora_same_as_whole[case]
     assert out["adapters_on_host"]
-    assert out["trained"] == ["lora_A", "lora_B"]
+    # a classifier's head and its trained copy: read from the checkpoint as the wrap makes them
+    assert out["trained"] == ["lora_A", "lora_B"] + ["modules_to_save"] * (task == "classification")
+    assert out["head_on_meta"]
     if kind == "none":
         assert out["meta_buffers"] == 0 and out["buffers"] == ["weight"]
     else:
@@ -204,7 +217,7 @@ def test_a_lora_base_quantized_or_not_loads_into_its_shards_as_the_whole_load(ca
                        "nf4-nested": ["code", "qweight", "scale_mean", "scale_scales", "scales"]}[kind]
         assert out["buffers"] == row_buffers
         # 2 layers of 7 projections; Qwen2's down_proj (345 inputs, odd: two 4-bit codes a byte) stays as it is
-        projections = 2 * (7 if family == "llama" else 6)
+        projections = 2 * (7 if family.startswith("llama") else 6)
         assert out["meta_buffers"] == projections * len([b for b in row_buffers if b != "code"])
         devices = "{devices=[4]0,1,2,3}", "{devices=[4,1]0,1,2,3}"  # split with the rows over every device
         assert all(out["up_proj"][b] == devices[b not in ("scale_mean",) and not (kind == "int8" and b == "scales")]

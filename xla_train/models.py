@@ -196,25 +196,31 @@ def add_adapters(model, adapters, peft_task_type):
                         lora_dropout=adapters.lora_dropout, target_modules=targets)
     _over_quantized(config, model)
     try:
-        with _peft_quiet(), _host_stand_ins(model):
+        with _peft_quiet(), _host_stand_ins(model, config):
             return get_peft_model(model, config)
     except ValueError as e:  # no default targets for the architecture, or targets it does not have
         raise UserError(f"--lora: {first_line(e)} (name them with --lora-targets)")
 
 
 @contextlib.contextmanager
-def _host_stand_ins(model):
+def _host_stand_ins(model, config):
     """peft puts each new adapter on its base layer's device (peft 0.21.2, tuners_utils.py:
     BaseTuner._replace_module and BaseTunerLayer._move_adapter_to_device_of_base_layer, the device
     of the layer's `qweight`, else its `weight`). A model built without its weights
     (parallel.sharded_load.skeleton) has them on the meta device, where the adapters' initial values
-    would be lost. While peft adds them, each such tensor is a host stand-in of its shape and dtype
-    (one element, expanded: no memory), and the model's own is put back after, frozen where peft
-    froze the stand-in; the strategy places the adapters as it places any host parameter."""
+    would be lost. While peft adds them, the layers LoRA `config` targets (peft's own rule,
+    `check_target_module_exists`) each have that tensor replaced by a host stand-in of its shape and
+    dtype (one element, expanded: no memory), and the model's own is put back after, frozen where
+    peft froze the stand-in; the strategy places the adapters as it places any host parameter. No
+    other module's: peft copies a head it trains (`modules_to_save`), which has to stay on the meta
+    device to be read from the checkpoint."""
     import torch
+    from peft.tuners.tuners_utils import check_target_module_exists
 
     swapped = []
-    for module in model.modules():
+    for path, module in model.named_modules():
+        if not check_target_module_exists(config, path):
+            continue
         for name in ("qweight", "weight"):
             meta = getattr(module, name, None)
             if isinstance(meta, torch.Tensor) and meta.is_meta:

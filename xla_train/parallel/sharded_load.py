@@ -38,6 +38,7 @@ import functools
 import json
 import math
 import os
+import re
 import struct
 from collections.abc import Iterator
 from pathlib import Path
@@ -201,9 +202,12 @@ class Checkpoint:
 
     def checkpoint_key(self, name: str) -> str:
         """The checkpoint's name of the model's tensor `name`, also where peft's LoRA wraps the model
-        (peft 0.21.2: PeftModel.base_model, a LoraModel whose `model` is the one loaded, and each
-        adapted layer's `base_layer`); a tensor the checkpoint lacks is a bug, said as one."""
+        (peft 0.21.2: PeftModel.base_model, a LoraModel whose `model` is the one loaded; each
+        adapted layer's `base_layer`; a trained head's ModulesToSaveWrapper, its `original_module`
+        and its copy `modules_to_save.<adapter>`, both read from the head's tensors); a tensor the
+        checkpoint lacks is a bug, said as one."""
         key = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+        key = re.sub(r"\.(original_module|modules_to_save\.[^.]+)(?=\.)", "", key)
         if key not in self.shapes:
             raise KeyError(f"{self.name}: no tensor {key!r} (the model's {name!r}) in its checkpoint")
         return key
