@@ -2,10 +2,16 @@
 kernels.quant_xla.quantize_base) against quantized while it loads (models.load_base on the xla
 backend: transformers' from_pretrained with the package's quantization_config, kernels.quant_load),
 side by side in one invocation: the seconds of the load and the growth of the process's memory over
-it, for int8 and NF4 with nested scales.
+it, for int8 and NF4 with nested scales. Then under --strategy fsdp (FSDPv2 on 4 XLA:CPU devices),
+LoRA added and the model prepared: the base quantized while it loads, whole on the host, then split
+over the devices (the way before) against read into its shards (job.pretrained: each host reads and
+quantizes its devices' rows only, parallel.sharded_load). On XLA:CPU the devices' memory is the
+process's own, so the growth there counts the shards too: the base once, against the host's whole
+copy plus the shards.
 
     python benchmarks/bench_quant_load.py              # a 134M-parameter random Llama, 8 blocks
     python benchmarks/bench_quant_load.py --layers 4   # smaller, quicker
+    python benchmarks/bench_quant_load.py --ways fsdp  # the FSDPv2 pair only
 
 Memory, two numbers, each the growth over what the process held just before the load:
 - `peak RSS`: Linux's VmHWM (set back just before the load with clear_refs 5), which counts the pages
@@ -42,11 +48,18 @@ import transformers.models.llama.modeling_llama  # imported before the baseline,
 import xla_train.kernels.quant_load  # (imports transformers' quantizers, peft)
 from xla_train.kernels.quant import Quant
 from xla_train.kernels.quant_xla import QuantLinear, quantize_base
-from xla_train.models import load_base
+from xla_train.models import add_adapters, load_base, quantize_skeleton
+from xla_train.options import TrainOptions
+from xla_train.parallel import sharded_load
 from xla_train.tasks.causal_lm import DecoderModel
 
 folder, way, bits = sys.argv[1], sys.argv[2], int(sys.argv[3])
 quant = Quant(8, "int8") if bits == 8 else Quant(4, "nf4", nested=True)
+if way.startswith("fsdp"):  # the runtime and its 4 devices started before the baseline
+    from xla_train.core.engine import Engine
+
+    engine = Engine("xla", strategy="fsdp")
+    engine.prepare(torch.nn.Linear(2, 2))
 
 
 def status(key):
@@ -73,8 +86,12 @@ load = functools.partial(DecoderModel().load, folder, 0, None)
 if way == "whole":
     model = load()
     quantize_base(model, quant)
-else:
+elif way in ("while", "fsdp_whole"):
     model = load_base(load, quant, "xla", "fp32", folder)
+else:  # fsdp_shards: as job.pretrained builds it under FSDPv2
+    model = quantize_skeleton(sharded_load.skeleton(load, folder), quant)
+if way.startswith("fsdp"):
+    model = engine.prepare(add_adapters(model, TrainOptions(lora=True).section("model"), "CAUSAL_LM"))
 seconds = time.perf_counter() - start
 done.set()
 thread.join()
@@ -90,6 +107,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--ways", default="host,fsdp", help="host: whole then quantized, and quantized while read; "
+                   "fsdp: the two ways under FSDPv2 on 4 XLA:CPU devices")
     p.add_argument("--folder", default="/tmp/xla_train_bench_quant_load", help="where the random model is written once")
     p.add_argument("--out-dir", default=str(ROOT / "benchmarks" / "out" / "quant_load"))
     args = p.parse_args()
@@ -97,13 +116,15 @@ def main():
     write_model(folder, args.layers, vocab_size=8192, hidden_size=1024, intermediate_size=4096,
                 num_attention_heads=16)
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    cases = [(way, bits) for bits in (8, 4) for way in ("whole", "while")]
+    fsdp_env = {**env, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}
+    ways = {"host": ("whole", "while"), "fsdp": ("fsdp_whole", "fsdp_shards")}
+    cases = [(way, bits) for bits in (8, 4) for group in args.ways.split(",") for way in ways[group]]
     runs = {f"{way}-{bits}": [] for way, bits in cases}
     for _ in range(args.repeats):
         for way, bits in cases:
             started = time.perf_counter()
-            proc = subprocess.run([sys.executable, "-c", LOAD, str(folder), way, str(bits)], cwd=ROOT, env=env,
-                                  capture_output=True, text=True)
+            proc = subprocess.run([sys.executable, "-c", LOAD, str(folder), way, str(bits)], cwd=ROOT,
+                                  env=fsdp_env if way.startswith("fsdp") else env, capture_output=True, text=True)
             if proc.returncode:
                 sys.exit(proc.stderr[-3000:])
             runs[f"{way}-{bits}"].append({**json.loads(proc.stdout.strip().splitlines()[-1]),
@@ -118,11 +139,13 @@ def main():
     largest = 4 * 1024 * 4096  # one MLP projection in fp32, the largest tensor quantized
     print(f"{params / 1e6:.0f}M parameters ({args.layers} blocks), {files / MIB:.0f} MiB of bf16 safetensors, "
           f"{4 * params / MIB:.0f} MiB in fp32; the largest projection {largest / MIB:.0f} MiB in fp32")
-    print(f"{'load':<17} {'held MiB':>9} {'seconds':>8} {'peak RSS MiB':>13} {'peak anon MiB':>14}")
+    print(f"{'load':<28} {'held MiB':>9} {'seconds':>8} {'peak RSS MiB':>13} {'peak anon MiB':>14}")
+    labels = {"whole": "whole, then", "while": "while read", "fsdp_whole": "fsdp: while read, split",
+              "fsdp_shards": "fsdp: into its shards"}
     for name, rs in runs.items():
         way, bits = name.split("-")
-        label = f"{'whole, then' if way == 'whole' else 'while read'} {'int8' if bits == '8' else 'nf4+'}"
-        print(f"{label:<17} {rs[0]['held_bytes'] / MIB:>9.0f} {max(r['seconds'] for r in rs):>8.1f} "
+        label = f"{labels[way]} {'int8' if bits == '8' else 'nf4+'}"
+        print(f"{label:<28} {rs[0]['held_bytes'] / MIB:>9.0f} {max(r['seconds'] for r in rs):>8.1f} "
               f"{max(r['peak_growth'] for r in rs) / MIB:>13.0f} {max(r['anon_peak_growth'] for r in rs) / MIB:>14.0f}")
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -26,9 +26,9 @@ it (tests/test_quant_load.py).
 What it does not change: transformers maps the safetensors files (safe_open, backend "mmap"), and the
 pages read stay in the page cache, counted in the process's resident set (RssFile) until the files
 are closed at the end of the load: reclaimable, not the process's own memory
-(benchmarks/bench_quant_load.py measures both). Under `--strategy fsdp` (FSDPv2) each host still
-holds the whole quantized base before `_split_rows` splits it over the devices (a LoRA base is
-loaded whole: parallel.sharded_load reads full models only)."""
+(benchmarks/bench_quant_load.py measures both). Under `--strategy fsdp` (FSDPv2) the base is not
+loaded here but into its shards, each host quantizing its devices' rows (job.pretrained,
+parallel.sharded_load); here where a run loads it whole (a resume, a folder sharded_load cannot read)."""
 
 from __future__ import annotations
 
