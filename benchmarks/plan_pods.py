@@ -7,8 +7,8 @@ LoRA and without. Models are built on torch's meta device from their published c
 
 Prints a table and writes OUT/plan.json and OUT/plan.md (OUT: benchmarks/out/plan_pods). Each
 row also gives what one host holds while the model loads: the whole model in fp32 where it loads
-whole (--lora, other strategies), against its chips' shards where it is read into them
-(--strategy fsdp on XLA: parallel/sharded_load.py).
+whole (other strategies, a resume), against its chips' shards where it is read into them
+(--strategy fsdp on XLA, --lora's base too: parallel/sharded_load.py).
 """
 
 import argparse

@@ -123,6 +123,8 @@ from xla_train.tasks.sequence import SequenceModel
 
 QUANTS = {"none": None, "int8": Quant(8, "int8"), "nf4": Quant(4, "nf4"), "nf4-nested": Quant(4, "nf4", nested=True)}
 section = TrainOptions(lora=True, lora_dropout=0.0).section("model")
+# a classifier's head a target too: peft trains a copy of it instead (modules_to_save)
+head_too = TrainOptions(lora=True, lora_dropout=0.0, lora_targets="q_proj,v_proj,score").section("model")
 results = {}
 for case in sys.argv[1:]:
     folder, kind, tensor, precision, task = case.split("|")
@@ -136,7 +138,7 @@ for case in sys.argv[1:]:
     ids = torch.randint(3, 200, (8, 16), generator=torch.Generator().manual_seed(0))
     for name, model in (("new", skeleton), ("whole", load_base(load, quant, "xla", precision, folder))):
         torch.manual_seed(3)  # the adapters' initial values
-        model = add_adapters(model, section, part.peft_task_type)
+        model = add_adapters(model, section if task == "causal-lm" else head_too, part.peft_task_type)
         if precision == "bf16":
             hold_frozen_in_bf16(model)
         if name == "new":
@@ -176,7 +178,7 @@ print(json.dumps(results))
 # (family, quantization, tensor-parallel size, precision, task): int8 over fsdp=4; nested NF4 over fsdp=2
 # x tensor=2 with the frozen base in bf16; NF4 on Qwen2 (biases, an MLP 345 wide: rows split unevenly, 87
 # a device and 84); the plain LoRA base in bf16; a classifier whose checkpoint holds its head (peft
-# trains a copy of it: modules_to_save), over NF4
+# trains a copy of it: modules_to_save; the head named among the targets too), over NF4
 LORA_CASES = [("llama", "int8", 1, "fp32", "causal-lm"), ("llama", "nf4-nested", 2, "bf16", "causal-lm"),
               ("qwen2", "nf4", 1, "fp32", "causal-lm"), ("qwen2", "none", 1, "bf16", "causal-lm"),
               ("llama-classifier", "nf4", 1, "fp32", "classification")]
@@ -427,13 +429,15 @@ def test_each_emulated_host_quantizes_its_devices_rows_only(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [[], ["--lora", "--load-in-4bit", "--use-bnb-nested-quant", "--precision", "bf16"]],
-                         ids=["full", "qlora-bf16"])
+@pytest.mark.parametrize("extra", [[], ["--lora", "--load-in-4bit", "--use-bnb-nested-quant", "--precision", "bf16"],
+                                   ["--lora", "--backend", "cpu", "--num-processes", 2]],
+                         ids=["full", "qlora-bf16", "fsdp2-lora"])
 def test_a_cli_fsdp_run_loads_sharded_and_trains_as_the_whole_load(tmp_path, extra):
     """`xla-train train --backend xla --strategy fsdp --problem causal-lm` on a tiny Llama for 4
-    steps on 4 XLA:CPU devices, fully and with LoRA over a nested-NF4 base in bf16: the console
-    says what the host read, and the losses are those of the same run loading the model whole
-    (skeleton switched off in that process: the base quantized as transformers reads it)."""
+    steps on 4 XLA:CPU devices, fully and with LoRA over a nested-NF4 base in bf16, and LoRA under
+    FSDP2 on 2 gloo workers (`--backend cpu`): the console says what the host (a worker) read, and
+    the losses are those of the same run loading the model whole (skeleton switched off in that
+    process: the base quantized as transformers reads it)."""
     folder = td.save("llama", tmp_path / "llama", chat=True, letters=True)
     train = td.write_jsonl(tmp_path / "train.jsonl", td.reverse_rows(200, 1))
     valid = td.write_jsonl(tmp_path / "valid.jsonl", td.reverse_rows(16, 2))
@@ -452,9 +456,10 @@ def test_a_cli_fsdp_run_loads_sharded_and_trains_as_the_whole_load(tmp_path, ext
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs[way] = (proc, json.loads(metrics.read_text()))
     new, whole = runs["new"], runs["whole"]
-    assert f"loaded {folder}: this host read " in new[0].stdout
+    reader = "worker 0" if "cpu" in extra else "this host"
+    assert f"loaded {folder}: {reader} read " in new[0].stdout
     assert "loaded " not in whole[0].stdout
-    if extra:
+    if "--load-in-4bit" in extra:
         assert all("--load-in-4bit: 14 linear projections of the base held in nf4" in p.stdout for p, _ in (new, whole))
     losses = [[loss for _, loss, _ in m["train_loss"]] for _, m in (new, whole)]
     assert len(losses[0]) == 4
@@ -485,3 +490,20 @@ def test_a_slice_read_is_the_tensors_slice_and_only_its_bytes(tmp_path):
         if key != "b" or index[0] != slice(1, 2):  # two dimensions cut: the first's rows are read
             assert checkpoint.bytes_read - before == piece.numel() * piece.element_size()
     checkpoint.close()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3moe", "mixtral"])
+def test_converts_is_where_a_skeleton_loads_whole(tmp_path, family):
+    """sharded_load.converts, job.pretrained's reason to load a quantized base whole (quantized as
+    it is read, not whole in full precision first), says yes exactly where `skeleton` loads the
+    model whole: the mixtures, whose experts transformers stacks as it loads them."""
+    import functools
+
+    from xla_train.parallel import sharded_load
+    from xla_train.tasks.causal_lm import DecoderModel
+
+    folder = td.save(family, tmp_path / family)
+    model = sharded_load.skeleton(functools.partial(DecoderModel().load, folder, 0, None), folder)
+    loaded_whole = not any(p.is_meta for p in model.parameters())
+    assert loaded_whole == (family != "llama")
+    assert sharded_load.converts(model.config.model_type) == loaded_whole

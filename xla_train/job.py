@@ -237,10 +237,16 @@ def pretrained(strategy: Strategy, cfg: TrainOptions, task: Task, tokenizer: Any
     it is built without the checkpoint's weights, which `wrap_model` reads into their shards on the
     devices, never whole on this host (parallel.sharded_load), LoRA's base too (a quantized one: each
     host quantizes its devices' rows); loaded `whole` where asked (a resumed run's whole weights) or
-    where the folder does not allow it."""
+    where the folder does not allow it. A quantized base loads whole, quantized as it is read
+    (`load_base`), where bitsandbytes holds it (CUDA, the CPU) or transformers converts the
+    model's tensors as it loads them (a mixture's stacked experts: `skeleton` would load them whole
+    in full precision first)."""
     load = functools.partial(task.model.load, cfg.model, cfg.seed, tokenizer.pad_token_id)
-    model = sharded_load.skeleton(load, cfg.model) if strategy.loads_shards and not whole else None
     quant = cfg.quantization()
+    if quant is not None and not whole:
+        whole = strategy.accelerator.name in bnb.BACKENDS or \
+            sharded_load.converts(load_pretrained(AutoConfig, cfg.model).model_type)
+    model = sharded_load.skeleton(load, cfg.model) if strategy.loads_shards and not whole else None
     if model is None:
         return load_base(load, quant, strategy.accelerator.name, cfg.precision, cfg.model)
     return quantize_skeleton(model, quant) if quant else model

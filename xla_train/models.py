@@ -216,6 +216,7 @@ def _host_stand_ins(model, config):
     device to be read from the checkpoint."""
     import torch
     from peft.tuners.tuners_utils import check_target_module_exists
+    from peft.utils import ModulesToSaveWrapper
 
     swapped = []
     for path, module in model.named_modules():
@@ -237,6 +238,19 @@ def _host_stand_ins(model, config):
             if isinstance(meta, torch.nn.Parameter):
                 meta.requires_grad_(stand_in.requires_grad)
             setattr(module, name, meta)
+        # peft copies a head it trains (`modules_to_save`, which the task type adds after this
+        # choice; ModulesToSaveWrapper's deepcopy): where that head is a target too, the copy holds
+        # the stand-in's values. Made meta again, it is read from the checkpoint, as its original is.
+        for wrapper in model.modules():
+            if isinstance(wrapper, ModulesToSaveWrapper):
+                originals = dict(wrapper.original_module.named_modules())
+                for copy in wrapper.modules_to_save.values():
+                    for path, module in copy.named_modules():
+                        for name in (n for m, n, *_ in swapped if m is originals.get(path)):
+                            t = getattr(module, name)
+                            empty = torch.empty_like(t, device="meta")
+                            setattr(module, name, torch.nn.Parameter(empty, t.requires_grad)
+                                    if isinstance(t, torch.nn.Parameter) else empty)
 
 
 def _over_quantized(config, model):

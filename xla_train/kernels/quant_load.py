@@ -28,7 +28,8 @@ pages read stay in the page cache, counted in the process's resident set (RssFil
 are closed at the end of the load: reclaimable, not the process's own memory
 (benchmarks/bench_quant_load.py measures both). Under `--strategy fsdp` (FSDPv2) the base is not
 loaded here but into its shards, each host quantizing its devices' rows (job.pretrained,
-parallel.sharded_load); here where a run loads it whole (a resume, a folder sharded_load cannot read)."""
+parallel.sharded_load), except where a run loads it whole: a resume, a folder sharded_load cannot
+read, a model whose tensors transformers converts (sharded_load.converts: stacked experts)."""
 
 from __future__ import annotations
 

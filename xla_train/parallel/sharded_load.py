@@ -166,10 +166,11 @@ class Checkpoint:
                 shards = []
                 for index in places:
                     rows = (index[0].start, index[0].stop)
-                    if rows not in made:
-                        made[rows] = module.quantize_rows(self.read(key, (slice(*rows), slice(0, width)))) \
-                            if rows[0] < rows[1] else {}
-                    piece = made[rows].get(b, torch.zeros(0, *buffer.shape[1:], dtype=buffer.dtype))
+                    if rows[0] < rows[1] and rows not in made:
+                        made[rows] = module.quantize_rows(self.read(key, (slice(*rows), slice(0, width))))
+                    # a device whose rows are all padding (an uneven split's last ones) gets zeros
+                    piece = made[rows][b] if rows[0] < rows[1] else \
+                        torch.zeros(0, *buffer.shape[1:], dtype=buffer.dtype)
                     shards.append(_padded(piece, shard_shape))
                 out.append((b, buffer, spec, places, shards))
             yield module, out
@@ -394,6 +395,16 @@ def meta_weights(checkpoint: Checkpoint):
     finally:
         PreTrainedModel._load_pretrained_model = original_load  # type: ignore[method-assign]
         core_model_loading._materialize_copy = original_copy
+
+
+def converts(model_type: str) -> bool:
+    """Whether transformers converts `model_type`'s checkpoint tensors as it loads them (a
+    WeightConverter in its conversion mapping, transformers 5.24's conversion_mapping.py: a
+    mixture's stacked experts, fused projections), which `skeleton` then loads whole (`meta_weights`)."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    from transformers.core_model_loading import WeightConverter
+
+    return any(isinstance(m, WeightConverter) for m in get_checkpoint_conversion_mapping(model_type) or ())
 
 
 def take(model: torch.nn.Module) -> Checkpoint | None:
