@@ -27,7 +27,38 @@ def _run(script, *args, env=FOUR, timeout=600):
     return proc, json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-SAME = r"""
+# Both scripts below: two AdamW steps of a prepared model on fixed rows, and the comparison of a
+# skeleton's run with the whole load's, read back from the devices.
+TWO_STEPS = r"""
+import torch, torch_xla
+
+
+def two_steps(engine, model, optimizer, ids, kind):
+    state = engine.unwrap_model(model).state_dict(keep_vars=True)
+    out = {"specs": {k: torch_xla._XLAC._get_xla_sharding_spec(v) for k, v in state.items()}}
+    labels = ids if kind == "causal-lm" else torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
+    batch = {"input_ids": ids.to(engine.device), "labels": labels.to(engine.device)}
+    losses = []
+    for step in range(2):
+        loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss)
+        # a graph a step, as the training loop cuts it: the two steps as one graph compiled in
+        # 46 s (XLA:CPU, 4 devices, tiny Llama), three graphs of one step each in 3.5 s
+        torch_xla.sync()
+    values = engine.strategy.read([*losses, *state.values()])
+    return {**out, "losses": [v.item() for v in values[:2]], "state": dict(zip(state, values[2:]))}
+
+
+def compared(new, whole):
+    return {"same_keys": list(new["state"]) == list(whole["state"]),
+            "differing": [k for k in new["state"] if not torch.equal(new["state"][k], whole["state"][k])],
+            "losses": [new["losses"], whole["losses"]], "specs_same": new["specs"] == whole["specs"]}
+"""
+
+SAME = TWO_STEPS + r"""
 import functools, json, sys
 import torch, torch_xla
 from xla_train.parallel import sharded_load
@@ -49,30 +80,11 @@ for case in sys.argv[1:]:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         model, optimizer = engine.prepare(model, optimizer)
         plain = engine.unwrap_model(model)
-        state = plain.state_dict(keep_vars=True)
-        out[name] = {"specs": {k: torch_xla._XLAC._get_xla_sharding_spec(v) for k, v in state.items()}}
+        out[name] = two_steps(engine, model, optimizer, ids, kind)
         if kind == "causal-lm":
             out[name]["tied"] = plain.lm_head.weight is plain.model.embed_tokens.weight
-        labels = ids if kind == "causal-lm" else torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
-        batch = {"input_ids": ids.to(engine.device), "labels": labels.to(engine.device)}
-        losses = []
-        for step in range(2):
-            loss = model(**batch).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(loss)
-            # a graph a step, as the training loop cuts it: the two steps as one graph compiled in
-            # 46 s (XLA:CPU, 4 devices, tiny Llama), three graphs of one step each in 3.5 s
-            torch_xla.sync()
-        values = engine.strategy.read([*losses, *state.values()])
-        out[name]["losses"] = [v.item() for v in values[:2]]
-        out[name]["state"] = dict(zip(state, values[2:]))
     new, whole = out.pop("new"), out.pop("whole")
-    out["same_keys"] = list(new["state"]) == list(whole["state"])
-    out["differing"] = [k for k in new["state"] if not torch.equal(new["state"][k], whole["state"][k])]
-    out["losses"] = [new["losses"], whole["losses"]]
-    out["specs_same"] = new["specs"] == whole["specs"]
+    out.update(compared(new, whole))
     out["tied"] = [new.get("tied"), whole.get("tied")]
     results[case] = out
 print(json.dumps(results))
@@ -109,7 +121,7 @@ def test_sharded_load_gives_the_whole_loads_parameters_and_steps_bit_for_bit(fam
         assert out["tied"] == [True, True]
 
 
-LORA_SAME = r"""
+LORA_SAME = TWO_STEPS + r"""
 import functools, json, sys
 import torch, torch_xla
 from xla_train import Mesh
@@ -149,29 +161,12 @@ for case in sys.argv[1:]:
             out["head_on_meta"] = all(p.is_meta for n, p in model.named_parameters() if "score" in n)
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
         model, optimizer = engine.prepare(model, optimizer)
-        state = engine.unwrap_model(model).state_dict(keep_vars=True)
-        out[name] = {"specs": {k: torch_xla._XLAC._get_xla_sharding_spec(v) for k, v in state.items()}}
-        labels = ids if task == "causal-lm" else torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
-        batch = {"input_ids": ids.to(engine.device), "labels": labels.to(engine.device)}
-        losses = []
-        for step in range(2):
-            loss = model(**batch).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(loss)
-            torch_xla.sync()
-        values = engine.strategy.read([*losses, *state.values()])
-        out[name]["losses"] = [v.item() for v in values[:2]]
-        out[name]["state"] = dict(zip(state, values[2:]))
+        out[name] = two_steps(engine, model, optimizer, ids, task)
     new, whole = out.pop("new"), out.pop("whole")
-    out["same_keys"] = list(new["state"]) == list(whole["state"])
+    out.update(compared(new, whole))
     out["buffers"] = sorted({k.rsplit(".", 1)[1] for k in new["state"] if "up_proj." in k and "lora" not in k})
-    out["differing"] = [k for k in new["state"] if not torch.equal(new["state"][k], whole["state"][k])]
-    out["losses"] = [new["losses"], whole["losses"]]
     out["up_proj"] = {k.rsplit(".", 1)[1]: v for k, v in new["specs"].items() if "layers.0.mlp.up_proj." in k
                       and "lora" not in k}
-    out["specs_same"] = new["specs"] == whole["specs"]
     results[case] = out
 print(json.dumps(results))
 """
@@ -331,6 +326,20 @@ print(json.dumps(out))
 """
 
 
+def _sharded_llama(path, vocab, layers, shard_size):
+    """A random Llama (256 wide, grouped keys and values, untied) saved as a sharded checkpoint (an
+    index and several files of `shard_size`), as transformers writes a large model."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=256, intermediate_size=704, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    LlamaForCausalLM(config).save_pretrained(path, max_shard_size=shard_size)
+    assert (path / "model.safetensors.index.json").exists()
+    return path
+
+
 @pytest.mark.slow
 def test_each_emulated_host_reads_its_devices_shards_only(tmp_path):
     """2 hosts of 2 devices emulated by the devices each reads for (its global ordinals): each
@@ -338,15 +347,7 @@ def test_each_emulated_host_reads_its_devices_shards_only(tmp_path):
     loader and by the kernel's read counter of the process (/proc/self/io rchar: safetensors'
     pread reads). One host of 4 reads all of it. The file is a sharded checkpoint (an index and
     several files), as transformers writes a large model."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=4000, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
-    LlamaForCausalLM(config).save_pretrained(tmp_path / "m", max_shard_size="2MB")
-    assert (tmp_path / "m" / "model.safetensors.index.json").exists()
-    _, out = _run(HOSTS, tmp_path / "m")
+    _, out = _run(HOSTS, _sharded_llama(tmp_path / "m", 4000, 4, "2MB"))
     one, hosts = out["0/1"], [out["0/2"], out["1/2"]]
     total = one["total"]
     assert one["read"] == total <= one["files"]
@@ -410,15 +411,7 @@ def test_each_emulated_host_quantizes_its_devices_rows_only(tmp_path):
     together each byte once, and quantizes the rows it read into what quantizing each whole weight
     gives those rows (the nested scales' groups and means are each row's own); one host of 4 reads
     them all."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=704, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
-    LlamaForCausalLM(config).save_pretrained(tmp_path / "m", max_shard_size="1MB")
-    assert (tmp_path / "m" / "model.safetensors.index.json").exists()
-    _, out = _run(QUANT_HOSTS, tmp_path / "m")
+    _, out = _run(QUANT_HOSTS, _sharded_llama(tmp_path / "m", 1000, 2, "1MB"))
     one, hosts = out["0/1"], [out["0/2"], out["1/2"]]
     assert one["read"] == out["total"] and one["layers"] == 2 * 7 and one["wrong"] == []
     for host in hosts:
