@@ -211,9 +211,9 @@ def _host_stand_ins(model, config):
     would be lost. While peft adds them, the layers LoRA `config` targets (peft's own rule,
     `check_target_module_exists`) each have that tensor replaced by a host stand-in of its shape and
     dtype (one element, expanded: no memory), and the model's own is put back after, frozen where
-    peft froze the stand-in; the strategy places the adapters as it places any host parameter. No
-    other module's: peft copies a head it trains (`modules_to_save`), which has to stay on the meta
-    device to be read from the checkpoint."""
+    peft froze the stand-in; the strategy places the adapters as it places any host parameter. A
+    head peft trains (`modules_to_save`) stays on the meta device, its copy too, both read from the
+    checkpoint."""
     import torch
     from peft.tuners.tuners_utils import check_target_module_exists
     from peft.utils import ModulesToSaveWrapper
