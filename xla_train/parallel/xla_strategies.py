@@ -299,7 +299,7 @@ class XlaFsdp(XlaSpmd):
             source.materialise(model, self.mesh(), self.param_spec, self.row_spec)
             print(source.line(), flush=True)
         if split:
-            self._place(model)  # those on the host (a whole load: LoRA's base, a resumed run; a new head)
+            self._place(model)  # those on the host (a whole load: a resumed run; LoRA's adapters; a new head)
             self._plan(model)  # as they are now, made anew on the devices
         import torch_xla.distributed.spmd as xs
 
