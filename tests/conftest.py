@@ -602,6 +602,17 @@ def pytest_configure(config):
     workers = getattr(config.option, "numprocesses", None) or 0
     if isinstance(workers, int) and workers > 1 and "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
+    # inductor's cache of compiled kernels (loaded back as extension modules) is one folder per user
+    # by default, shared by .venv's torch 2.9 and .venv-torch's newest torch: after `make test-torch`,
+    # a kernel the newer torch had cached aborted `make test-fast`'s process in test_attention's
+    # compiled flex test (2026-12-02). One folder per torch version, kept between sessions.
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        import getpass
+        import tempfile
+        from importlib.metadata import version
+
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
+            tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_torch{version('torch')}")
     # The runs' data cache (xla_train/data_cache.py) in a folder of the session's own, shared by
     # pytest-xdist's workers (they inherit it), so that no entry outlives the session or comes
     # from an earlier one; a run that must start cold gives its own.
