@@ -214,6 +214,15 @@ def test_resumed_generation_is_generation_from_the_whole_row(family):
         turns = Turns(model, ids, mask, sampling, lambda: None, chunk=4)
         turns.decode(29)
         assert torch.equal(turns.tokens, static_generate(model, ids, mask, sampling, lambda: None))
+        # sampled, the same draws and each drawn token's log-probability (GRPO's sampling/* metrics)
+        sampled = Sampling(30, (2,), 0, temperature=0.7)
+        torch.manual_seed(0)
+        turns = Turns(model, ids, mask, sampled, lambda: None, chunk=4, logps=True)
+        turns.decode(29)
+        torch.manual_seed(0)
+        tokens, drawn = static_generate(model, ids, mask, sampled, lambda: None, logps=True)
+        assert torch.equal(turns.tokens, tokens) and (drawn < 0).any()
+        torch.testing.assert_close(turns.drawn, drawn, rtol=0, atol=1e-5)  # rings of other sizes: sums in another order
         turns = Turns(model, ids, mask, sampling, lambda: None, chunk=4)
         turns.decode(5)
         tokens, made, cur, done = (t.clone() for t in turns.state())
@@ -308,12 +317,23 @@ def _check_run(m):
     assert m["eval"]["n"] == 8 and math.isfinite(m["eval"]["reward"])
 
 
-def test_a_grpo_run_calls_the_tool(task, tmp_path):
+def _check_sampler(m, bound=1e-5):
+    """The sampler is the trainer across tool turns: the log-probabilities the decode graph drew the
+    model's tokens with are the update's (tool results are out of both), to `bound`."""
+    differences = [metrics["sampling/sampling_logp_difference/max"] for _, metrics in m["train_metrics"]]
+    print("sampling/sampling_logp_difference/max", differences)
+    assert all(0 <= d <= bound for d in differences), differences
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_grpo_run_calls_the_tool(task, tmp_path, precision):
     """A short GRPO run on the CPU with --tools tests/tool_task.py:multiply: the model's calls are
-    run, their results appended, the metrics logged under TRL's names."""
-    proc, m = run_cli(tool_args(task), tmp_path)
+    run, their results appended, the metrics logged under TRL's names; the rollout in the update's
+    precision (bf16 autocast: within bf16's rounding, as tests/test_grpo.py's bound)."""
+    proc, m = run_cli(tool_args(task, "--precision", precision), tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     _check_run(m)
+    _check_sampler(m, 0.1 if precision == "bf16" else 1e-5)
 
 
 @pytest.mark.parametrize("where", ["cpu", pytest.param("xla-fsdp-4", marks=pytest.mark.slow)])
@@ -454,6 +474,7 @@ def test_xla_compiles_a_bounded_number_of_graphs_across_tool_turns(task, tmp_pat
     for _, metrics in m["train_metrics"]:
         assert 0 < metrics["tools/call_frequency"] < 1, metrics
         assert metrics["rewards/Ledger/mean"] == pytest.approx(metrics["tools/call_frequency"]), metrics
+    _check_sampler(m)
 
 
 def test_mistakes_with_tools_are_one_line(task, tools_file, tmp_path, capsys):

@@ -65,6 +65,12 @@ def pick(logits, sampling):
     return chosen if order is None else order.gather(-1, chosen[:, None])[:, 0]
 
 
+def drawn_logp(logits, token, sampling):
+    """Each row's log-probability of `token` under its `logits` (rows, vocabulary) divided by the
+    temperature, fp32 (rows, 1): the distribution the token was drawn from, which GRPO's loss takes."""
+    return (logits.float() / sampling.temperature).log_softmax(-1).gather(-1, token[:, None])
+
+
 class Slots(StaticLayer):
     """One layer's key/value cache of `size` slots on the device, written in place at a device
     counter: the row's token t at slot t % size. A full-attention layer's size is the whole row
@@ -185,8 +191,7 @@ def static_generate(model, input_ids, attention_mask, sampling, cut_graph, logps
         nonlocal drawn
         token = torch.where(done, pad, pick(logits[:, -1], sampling))
         if drawn is not None:
-            logp = (logits[:, -1].float() / sampling.temperature).log_softmax(-1).gather(-1, token[:, None])
-            drawn = torch.where((columns == step) & ~done[:, None], logp, drawn)
+            drawn = torch.where((columns == step) & ~done[:, None], drawn_logp(logits[:, -1], token, sampling), drawn)
         filled = {w: f | (slots[w] == (length + step) % sizes[w]) for w, f in filled.items()}
         return (token, torch.where(columns == step, token[:, None], tokens), done | (token[:, None] == eos).any(-1),
                 filled, step + 1)
@@ -308,10 +313,12 @@ class Turns:
     window rule of sliding layers holds across turns.
 
     `state()` is what the host reads between turns (one transfer); `resume` takes it back with the
-    appended tokens (one copy to the device)."""
+    appended tokens (one copy to the device). `logps`: each token the model draws keeps its
+    log-probability as `static_generate`'s (`drawn`, fp32 [rows, budget], 0 elsewhere: appended
+    tokens, padding); it stays on the device across turns."""
 
     def __init__(self, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, sampling: Sampling,
-                 cut_graph: Any, chunk: int = TURN_CHUNK, stop_when_done: bool = False) -> None:
+                 cut_graph: Any, chunk: int = TURN_CHUNK, stop_when_done: bool = False, logps: bool = False) -> None:
         rows, length = input_ids.shape
         budget = sampling.max_new_tokens
         device = input_ids.device
@@ -350,6 +357,7 @@ class Turns:
             self.held[w] = torch.full((rows, size), -1, dtype=torch.long, device=device).index_copy(1, at, real)
         self.tokens = torch.full((rows, budget), sampling.pad_id, dtype=torch.long, device=device)
         self.made = torch.zeros(rows, budget, dtype=torch.bool, device=device)  # the model's tokens (not appended)
+        self.drawn = torch.zeros(rows, budget, device=device) if logps else None
         self.cur = torch.zeros(rows, dtype=torch.long, device=device)
         self.done = torch.zeros(rows, dtype=torch.bool, device=device)
         self._take(logits, ~self.done)
@@ -363,6 +371,8 @@ class Turns:
         token = pick(logits[:, -1], self.sampling)
         put = (self.columns == self.cur[:, None]) & ready[:, None]
         self.tokens = torch.where(put, token[:, None], self.tokens)
+        if self.drawn is not None:
+            self.drawn = torch.where(put, drawn_logp(logits[:, -1], token, self.sampling), self.drawn)
         self.made = self.made | put
         self.cur = self.cur + ready.long()
         self.done = self.done | (ready & ((token[:, None] == self.eos).any(-1) | (self.cur >= self.budget)))

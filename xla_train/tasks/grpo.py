@@ -509,10 +509,8 @@ class Rollouts:
             width = int(lengths.max())
             tokens, drawn = tokens[:, :width], None if drawn is None else drawn[:, :width]
         out = self.batch(ids, mask, tokens, (advantages, metrics, rewards, per_function), training)
-        if drawn is not None:  # training: the sampler's log-probabilities at the labels' positions (`batch`)
-            edge = torch.zeros(len(ids), 1, device=ids.device)
-            out["labels"].sampled = torch.cat([edge.expand(-1, ids.shape[1] - 1), drawn, edge], 1)
-            self.log_probabilities(model, out)
+        if training:
+            self.log_probabilities(model, out, drawn)
         return out
 
     def played(self, model: Any, batch: dict[str, Any], ids: Any, mask: Any, split: str, group: int) -> dict[str, Any]:
@@ -532,9 +530,9 @@ class Rollouts:
                                                                         ids, mask, split)
         was_training = model.training
         model.eval()
-        with torch.no_grad():
+        with torch.no_grad(), self.engine.autocast():  # as `rollout`'s: the update's precision, each drawn logp kept
             turns = Turns(self.engine.unwrap_model(model), ids, mask, self.sampling if training else self.greedy,
-                          self.engine.cut_graph, stop_when_done=self.eager)
+                          self.engine.cut_graph, stop_when_done=self.eager, logps=training)
             played = self.loop(turns, ids, mask, self.engine.to_host, rows, environments, self.agree, schemas)
         model.train(was_training)
         per_function, rewards, metrics = self.score(played.extra.tolist(), None, split, group, played,
@@ -545,13 +543,15 @@ class Rollouts:
         last = played.tokens.gather(1, (lengths - 1).clamp(min=0)[:, None])
         ended = (last == torch.tensor(self.eos)).any(1, keepdim=True) & (lengths[:, None] > 0)
         parts = [played.tokens, played.made, kept, ended]
+        drawn = turns.drawn
         if self.eager:  # the update's rows end with the longest completion, as TRL pads them
             width = max(max(played.lengths), 1)
             parts = [x[:, :width] for x in parts[:3]] + [ended]
+            drawn = None if drawn is None else drawn[:, :width]
         tokens, made, kept, ended = (x.to(ids.device) for x in parts)
         out = self.batch(ids, mask, tokens, (advantages, metrics, rewards, per_function), training, (made, kept, ended))
         if training:
-            self.log_probabilities(model, out)
+            self.log_probabilities(model, out, drawn)
         return out
 
     def reset(self, rows: list[int], ids: Any, mask: Any, split: str) -> tuple[list, list, list, Any, Any]:
@@ -584,13 +584,18 @@ class Rollouts:
             table = self.columns[split] = [json.loads(x) for x in self.data[split][EXTRA]]
         return table
 
-    def log_probabilities(self, model: Any, batch: dict[str, Any]) -> None:
+    def log_probabilities(self, model: Any, batch: dict[str, Any], drawn: Any) -> None:
         """The completions' log-probabilities that stay fixed through the rollout's updates, as
         TRL's `_generate_and_score_completions` takes them: the policy's as sampled (with
-        --num-iterations > 1; else the update's own, detached) and the reference's (beta > 0)."""
+        --num-iterations > 1; else the update's own, detached) and the reference's (beta > 0);
+        and `drawn`, the sampler's ([rows, completion], as the decode graph drew each token; 0
+        where it drew none), put at the labels' positions (`batch`) for the sampling/* metrics."""
         import torch
 
         objective, rollout = self.objective, batch["labels"]
+        ids = batch["input_ids"]
+        edge = torch.zeros(len(ids), 1, device=ids.device)
+        rollout.sampled = torch.cat([edge.expand(-1, ids.shape[1] - drawn.shape[1] - 1), drawn, edge], 1)
         inputs = {k: v for k, v in batch.items() if k != "labels"}
 
         def logps(model):
