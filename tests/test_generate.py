@@ -277,6 +277,34 @@ def test_static_generation_is_transformers_greedy_generation_past_the_window(fam
             assert (unwindowed != reference).any(1).all(), (unwindowed, reference)
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_a_groups_prompt_passes_once_and_its_rows_sample_as_their_own(family):
+    """GRPO's rows come in groups of one prompt's copies: with `group`, the prompt's pass runs on
+    one copy and its keys and values are copied to the group's rows (Gemma 3: past the window's
+    ring, the first prompt longer than the window). Every row then samples the tokens, with the
+    log-probabilities, that it samples when every copy makes its own pass; in turns (Turns) too."""
+    import torch
+
+    from xla_train.kernels.generate import Sampling, Turns, static_generate
+
+    model = _loop_model(family)
+    ids, mask = (x.repeat_interleave(3, 0) for x in _left_padded_prompts())
+    sampling = Sampling(NEW_TOKENS, (2,), 0, temperature=1.5)
+    runs = {}
+    with torch.no_grad():
+        for group in (1, 3):
+            torch.manual_seed(0)
+            runs["static", group] = static_generate(model, ids, mask, sampling, lambda: None, logps=True, group=group)
+            torch.manual_seed(0)
+            turns = Turns(model, ids, mask, sampling, lambda: None, chunk=4, logps=True, group=group)
+            turns.decode(NEW_TOKENS - 1)
+            runs["turns", group] = turns.tokens, turns.drawn
+    for way in ("static", "turns"):
+        (tokens, drawn), (shared, shared_drawn) = runs[way, 1], runs[way, 3]
+        assert torch.equal(tokens, shared) and (tokens.view(3, 3, -1) != tokens[::3, None]).any(), tokens
+        torch.testing.assert_close(drawn, shared_drawn, rtol=0, atol=1e-6)
+
+
 def test_static_generation_refuses_layers_it_has_no_cache_for():
     """A layer type other than full and sliding attention (Llama 4's chunked, Qwen3-Next's linear)
     is one line, not a cache that would not fit it."""

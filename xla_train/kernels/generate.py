@@ -107,6 +107,12 @@ class Slots(StaticLayer):
         self.prefilled = True
         return key_states, value_states
 
+    def repeat_rows(self, group: int) -> None:
+        """Each row's keys and values `group` times in a row (after the pass over one copy of each prompt)."""
+        for name in ("keys", "values"):  # StaticLayer's own attributes, made by lazy_initialization
+            setattr(self, name, getattr(self, name).repeat_interleave(group, 0))
+        self.batch_size *= group
+
 
 def cache_slots(config, length: int) -> list[int]:
     """Each layer's key/value cache slots (`Slots`) for rows of `length` tokens (prompt + new): its
@@ -135,14 +141,40 @@ def masks_by_type(masks: dict, windows: dict, eager: bool) -> Any:
     return {t: masks[w] for t, w in windows.items()}
 
 
-def static_generate(model, input_ids, attention_mask, sampling, cut_graph, logps=False, stop_when_done=False):
+def prefill(model, input_ids, attention_mask, cache, windows, eager, group=1):
+    """The prompt's pass into `cache` (one `Slots` a layer): the last position's logits of every row
+    and each token's position (from 0 at its prompt's first token). It attends within the prompt:
+    its tokens one segment and its padding another (padding attends to earlier padding, so no row
+    of a mask is empty: an empty one gives NaN, which would reach the real tokens through the
+    padding's keys and values), each window's mask by the window rule. Left padding keeps a row's
+    tokens in consecutive slots, so slot differences are position differences. `windows`: the
+    model's (layer_windows); `eager`: its attention takes masks as biases. `group`: the rows come
+    in runs of `group` copies of one prompt (GRPO's completions of a prompt): the pass runs on the
+    first of each run and its keys, values and logits are copied to the others (the prompt's work
+    once, not `group` times)."""
+    segments = attention_mask.long()
+    positions = (segments.cumsum(1) - 1).clamp(min=0)
+    one = slice(None, None, group)
+    masks = {w: document_mask(segments[one], window=w) for w in set(windows.values())}
+    logits = model(input_ids=input_ids[one], attention_mask=masks_by_type(masks, windows, eager),
+                   position_ids=positions[one], cache=cache, use_cache=True, **_logits_to_keep(model)).logits[:, -1:]
+    if group > 1:
+        for layer in cache.layers:
+            layer.repeat_rows(group)
+        logits = logits.repeat_interleave(group, 0)
+    return logits, positions
+
+
+def static_generate(model, input_ids, attention_mask, sampling, cut_graph, logps=False, stop_when_done=False,
+                    group=1):
     """Generates from a batch of left-padded prompts with static shapes; `cut_graph()` ends the
     pending graph (see the module docstring). `logps`: also each token's log-probability as the
     decode graph gave it, fp32 (rows, max_new_tokens), under the logits divided by the temperature
     (the distribution GRPO's loss takes; 0 after a row ended): returns (tokens, logps).
     `stop_when_done`: the loop stops once every row has ended, as transformers' `generate` does
     (a host read of `done` per token: for devices that run eagerly, where the steps left would
-    only write padding; XLA keeps the fixed count, which needs no read)."""
+    only write padding; XLA keeps the fixed count, which needs no read). `group`: the rows come
+    in runs of `group` copies of one prompt, whose pass runs once (`prefill`)."""
     rows, length = input_ids.shape
     steps = sampling.max_new_tokens
     device = input_ids.device
@@ -159,17 +191,8 @@ def static_generate(model, input_ids, attention_mask, sampling, cut_graph, logps
     def by_type(masks):
         return masks_by_type(masks, windows, eager)
 
-    # The prompt's pass attends within the prompt: its tokens one segment and its padding another
-    # (padding attends to earlier padding, so no row of a mask is empty: an empty one gives NaN,
-    # which would reach the real tokens through the padding's keys and values), each window's
-    # mask by the window rule. Left padding keeps a row's tokens in consecutive slots, so slot
-    # differences are position differences.
-    segments = attention_mask.long()
-    prompt_masks = {w: document_mask(segments, window=w) for w in sizes}
-    positions = (segments.cumsum(1) - 1).clamp(min=0)  # from 0 at each prompt's first token
+    logits, positions = prefill(model, input_ids, attention_mask, cache, windows, eager, group)
     extra = {**_logits_to_keep(model), "cache": cache, "use_cache": True}
-    logits = model(input_ids=input_ids, attention_mask=by_type(prompt_masks), position_ids=positions,
-                   **extra).logits
 
     # Which slots of each cache hold a real token, as the layers wrote them: the prompt's last
     # tokens, then one new token a step, at slot t % size.
@@ -313,12 +336,13 @@ class Turns:
     window rule of sliding layers holds across turns.
 
     `state()` is what the host reads between turns (one transfer); `resume` takes it back with the
-    appended tokens (one copy to the device). `logps`: each token the model draws keeps its
+    appended tokens (one copy to the device). `group`: as `prefill`'s. `logps`: each token the model draws keeps its
     log-probability as `static_generate`'s (`drawn`, fp32 [rows, budget], 0 elsewhere: appended
     tokens, padding); it stays on the device across turns."""
 
     def __init__(self, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, sampling: Sampling,
-                 cut_graph: Any, chunk: int = TURN_CHUNK, stop_when_done: bool = False, logps: bool = False) -> None:
+                 cut_graph: Any, chunk: int = TURN_CHUNK, stop_when_done: bool = False, logps: bool = False,
+                 group: int = 1) -> None:
         rows, length = input_ids.shape
         budget = sampling.max_new_tokens
         device = input_ids.device
@@ -341,13 +365,8 @@ class Turns:
         self.eos = torch.tensor(sampling.eos_ids, device=device)
         self.columns = torch.arange(budget, device=device)
         self.offsets = torch.arange(self.chunk, device=device)
-        # the prompt's pass, as static_generate's: its tokens one segment, its padding another
-        segments = attention_mask.long()
-        positions = (segments.cumsum(1) - 1).clamp(min=0)
-        masks = {w: document_mask(segments, window=w) for w in self.sizes}
-        logits = model(input_ids=input_ids, attention_mask=self._by_type(masks), position_ids=positions,
-                       **self.extra).logits
-        self.start = segments.sum(1)  # the position of each row's first completion token
+        logits, positions = prefill(model, input_ids, attention_mask, self.cache, self.windows, self.eager, group)
+        self.start = attention_mask.long().sum(1)  # the position of each row's first completion token
         # the position of the token each slot holds (-1: none): the prompt's last tokens at slot t % size
         self.held = {}
         for w, size in self.sizes.items():

@@ -14,7 +14,8 @@ One step, read top to bottom in `Rollouts.rollout` and `GroupObjective.loss`:
     rollout     each prompt repeated --num-generations times; completions of --max-completion-length
                 tokens sampled with static shapes (kernels/generate.py: a fixed-size cache, a prefill and
                 a decode graph per bucket, stops by masks), in the update's precision, each token's
-                log-probability kept as drawn; the tokens cross to the host once
+                log-probability kept as drawn (on eager devices a group's prompt passes once, in
+                inference mode); the tokens cross to the host once
     scoring     the reward functions on the decoded completions; their weighted sum per completion
     advantages  each reward less its group's mean, divided by the group's standard deviation
                 (TRL's scale_rewards "group"; "batch": the batch's; "none": not divided)
@@ -493,10 +494,11 @@ class Rollouts:
         model.eval()
         # in the update's precision (bf16 autocast where asked, as predictions generate): the sampler is the
         # trainer; training keeps each token's log-probability as the decode graph drew it
-        with torch.no_grad(), self.engine.autocast():
+        with self.generating():
             generated = static_generate(plain, ids, mask, self.sampling if training else self.greedy,
-                                        self.engine.cut_graph, logps=training, stop_when_done=self.eager)
-        tokens, drawn = generated if training else (generated, None)
+                                        self.engine.cut_graph, logps=training, stop_when_done=self.eager,
+                                        group=self.shared(group))
+        tokens, drawn = (outside(x) for x in (generated if training else (generated, None)))
         model.train(was_training)
         # the one transfer of the rollout: the row numbers and the completions' tokens, for the rewards
         rows_and_tokens = torch.cat([batch["row"].repeat_interleave(group, 0)[:, None], tokens], 1)
@@ -512,6 +514,31 @@ class Rollouts:
         if training:
             self.log_probabilities(model, out, drawn)
         return out
+
+    def generating(self) -> Any:
+        """Where rollouts run: without gradients, under the update's autocast (the sampler is the
+        trainer); where each process's forward passes are its own on a device that runs eagerly
+        (`eager`), in inference mode, which spares every one of the rollout's many small operations
+        autograd's bookkeeping (about a tenth of the generation's time on the CPU: ../benchmarks/
+        bench_grpo.py). What the update reads of it is copied out first (`outside`). Not under FSDP2
+        (the gathered parameters' buffers would be made inference tensors), on XLA or under
+        --compile (a graph traced in one mode is guarded against the other)."""
+        import contextlib
+
+        import torch
+
+        inference = self.eager and not self.engine.accelerator.compiling
+        grad = torch.inference_mode() if inference else torch.no_grad()
+        stack = contextlib.ExitStack()
+        stack.enter_context(grad)
+        stack.enter_context(self.engine.autocast())
+        return stack
+
+    def shared(self, group: int) -> int:
+        """How many rows in a row share one prompt's pass (kernels.generate.prefill): a group's,
+        on devices that run eagerly (each process's rows its own); 1 under XLA, whose rows a mesh
+        may split across devices."""
+        return group if not self.engine.accelerator.static_shapes else 1
 
     def played(self, model: Any, batch: dict[str, Any], ids: Any, mask: Any, split: str, group: int) -> dict[str, Any]:
         """`rollout` with --tools: the completions made in turns, the tools run between them
@@ -530,9 +557,10 @@ class Rollouts:
                                                                         ids, mask, split)
         was_training = model.training
         model.eval()
-        with torch.no_grad(), self.engine.autocast():  # as `rollout`'s: the update's precision, each drawn logp kept
+        with self.generating():  # as `rollout`'s: the update's precision, each drawn logp kept
             turns = Turns(self.engine.unwrap_model(model), ids, mask, self.sampling if training else self.greedy,
-                          self.engine.cut_graph, stop_when_done=self.eager, logps=training)
+                          self.engine.cut_graph, stop_when_done=self.eager, logps=training,
+                          group=1 if self.environments is not None else self.shared(group))
             played = self.loop(turns, ids, mask, self.engine.to_host, rows, environments, self.agree, schemas)
         model.train(was_training)
         per_function, rewards, metrics = self.score(played.extra.tolist(), None, split, group, played,
@@ -542,8 +570,8 @@ class Rollouts:
         kept = torch.arange(played.tokens.shape[1])[None] < lengths[:, None]
         last = played.tokens.gather(1, (lengths - 1).clamp(min=0)[:, None])
         ended = (last == torch.tensor(self.eos)).any(1, keepdim=True) & (lengths[:, None] > 0)
-        parts = [played.tokens, played.made, kept, ended]
-        drawn = turns.drawn
+        parts = [outside(played.tokens), outside(played.made), kept, ended]
+        drawn = outside(turns.drawn)
         if self.eager:  # the update's rows end with the longest completion, as TRL pads them
             width = max(max(played.lengths), 1)
             parts = [x[:, :width] for x in parts[:3]] + [ended]
@@ -692,6 +720,12 @@ class Rollouts:
             return {"labels": rollout}
         return {"input_ids": torch.cat([ids, tokens], 1), "position_ids": (real.long().cumsum(1) - 1).clamp(min=0),
                 "segments": real.long(), "labels": rollout}
+
+
+def outside(x: Any) -> Any:
+    """A rollout's tensor as one autograd may use: a copy where inference mode made it
+    (Rollouts.generating), which the update cannot save for its backward pass."""
+    return x.clone() if x is not None and x.is_inference() else x
 
 
 def high_entropy_mask(entropy: Any, mask: Any, quantile: float) -> Any:
