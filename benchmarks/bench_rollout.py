@@ -1,0 +1,93 @@
+"""GRPO's rollout on the CPU, its generation alone, in one process: each batch of prompts rolled out
+in turn by every variant, so that a machine whose speed drifts (a shared one) moves them alike.
+
+    python benchmarks/bench_rollout.py                  # 300 rollouts of 32 completions (4 prompts x 8)
+    python benchmarks/bench_rollout.py --rollouts 100 --threads 1
+
+The model and prompts are bench_grpo.py's reversal task (its SFT model, trained there once and
+reused), rolled out as `--problem grpo` rolls them out on the CPU (kernels/generate.py
+`static_generate`: each token's log-probability kept, stopped once every row has ended) at
+temperature 0.7, 8 completions of up to 8 tokens a prompt, the prompts left-padded to a multiple of
+8 tokens (the run's bucket). The variants:
+
+    per-row      every row makes its own prompt pass, without gradients (torch.no_grad)
+    shared       a group's prompt passes once (`group`: kernels/generate.py `prefill`)
+    shared+inf   that, in inference mode (tasks/grpo.py `Rollouts.generating`): what GRPO runs now
+
+Every variant draws from the same seed each rollout, and their tokens are checked equal. Reports
+the median and the fastest milliseconds a rollout, and each variant's speed against per-row's
+(the ratio of the medians); writes benchmarks/out/rollout.json.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT)]
+
+VARIANTS = {"per-row": (1, False), "shared": (None, False), "shared+inf": (None, True)}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rollouts", type=int, default=300)
+    p.add_argument("--batch-size", type=int, default=32, help="completions a rollout")
+    p.add_argument("--num-generations", type=int, default=8)
+    p.add_argument("--max-completion-length", type=int, default=8)
+    p.add_argument("--threads", type=int, help="torch's threads (default: torch's own, the cores)")
+    args = p.parse_args()
+
+    import bench_grpo
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from xla_train.kernels.generate import Sampling, static_generate
+    from xla_train.tasks.grpo import left_pad
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    task = argparse.Namespace(sft_steps=120, eval_prompts=256)
+    data = bench_grpo.reversal_task(bench_grpo.OUT / "grpo" / "task-120-256", task)
+    model = AutoModelForCausalLM.from_pretrained(data["model"]).eval()
+    tokenizer = AutoTokenizer.from_pretrained(data["model"])
+    texts = [json.loads(line)["prompt"] for line in Path(data["train"]).read_text().splitlines()]
+    group = args.num_generations
+    sampling = Sampling(args.max_completion_length, (tokenizer.eos_token_id,), tokenizer.pad_token_id, 0.7)
+    per_batch = args.batch_size // group
+    times: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    for n in range(args.rollouts):
+        chosen = [texts[(n * per_batch + i) % len(texts)] for i in range(per_batch)]
+        prompts = [tokenizer(t)["input_ids"] for t in chosen]
+        width = -(-max(map(len, prompts)) // 8) * 8  # the run's length bucket (8 here)
+        ids, mask = left_pad(prompts, width, tokenizer.pad_token_id)
+        ids, mask = ids.repeat_interleave(group, 0), mask.repeat_interleave(group, 0)
+        tokens = {}
+        for name, (shared, inference) in VARIANTS.items():
+            torch.manual_seed(n)
+            start = time.perf_counter()
+            with torch.inference_mode() if inference else torch.no_grad():
+                tokens[name], _ = static_generate(model, ids, mask, sampling, lambda: None, logps=True,
+                                                  stop_when_done=True, group=shared or group)
+            times[name].append(time.perf_counter() - start)
+        first = tokens["per-row"]
+        assert all(torch.equal(first, t) for t in tokens.values()), "the variants drew other tokens"
+    skip = min(10, args.rollouts // 10)  # warm-up
+    medians = {k: statistics.median(v[skip:]) for k, v in times.items()}
+    result = {"date": time.strftime("%Y-%m-%d"), "settings": vars(args), "threads": torch.get_num_threads(),
+              "variants": {k: {"median_ms": round(medians[k] * 1000, 2), "fastest_ms": round(min(v) * 1000, 2),
+                               "speed_vs_per_row": round(medians["per-row"] / medians[k], 3)}
+                           for k, v in times.items()}}
+    for name, row in result["variants"].items():
+        print(f"{name:11s} median {row['median_ms']:7.2f} ms  fastest {row['fastest_ms']:7.2f} ms  "
+              f"{row['speed_vs_per_row']:.2f}x per-row's")
+    out = bench_grpo.OUT / "rollout.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
