@@ -290,15 +290,19 @@ def test_a_groups_prompt_passes_once_and_its_rows_sample_as_their_own(family):
     model = _loop_model(family)
     ids, mask = (x.repeat_interleave(3, 0) for x in _left_padded_prompts())
     sampling = Sampling(NEW_TOKENS, (2,), 0, temperature=1.5)
+    passes = []  # the rows of each call longer than a token: the prompt's passes
+    model.register_forward_pre_hook(lambda _, args, kwargs: passes.append(len(kwargs["input_ids"]))
+                                    if kwargs["input_ids"].shape[1] > 1 else None, with_kwargs=True)
     runs = {}
-    with torch.no_grad():
-        for group in (1, 3):
+    for group in (1, 3):  # shared as GRPO's rollouts share it, in inference mode
+        with torch.no_grad() if group == 1 else torch.inference_mode():
             torch.manual_seed(0)
             runs["static", group] = static_generate(model, ids, mask, sampling, lambda: None, logps=True, group=group)
             torch.manual_seed(0)
             turns = Turns(model, ids, mask, sampling, lambda: None, chunk=4, logps=True, group=group)
             turns.decode(NEW_TOKENS - 1)
             runs["turns", group] = turns.tokens, turns.drawn
+    assert passes == [9, 9, 3, 3], passes
     for way in ("static", "turns"):
         (tokens, drawn), (shared, shared_drawn) = runs[way, 1], runs[way, 3]
         assert torch.equal(tokens, shared) and (tokens.view(3, 3, -1) != tokens[::3, None]).any(), tokens

@@ -108,7 +108,11 @@ class Slots(StaticLayer):
         return key_states, value_states
 
     def repeat_rows(self, group: int) -> None:
-        """Each row's keys and values `group` times in a row (after the pass over one copy of each prompt)."""
+        """Each row's keys and values `group` times in a row (after the pass over one copy of each
+        prompt); nothing for a layer the pass did not write (one that reads another's keys and
+        values: Gemma 3n's and Gemma 4's shared layers)."""
+        if not self.is_initialized:
+            return
         for name in ("keys", "values"):  # StaticLayer's own attributes, made by lazy_initialization
             setattr(self, name, getattr(self, name).repeat_interleave(group, 0))
         self.batch_size *= group

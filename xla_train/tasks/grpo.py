@@ -14,8 +14,8 @@ One step, read top to bottom in `Rollouts.rollout` and `GroupObjective.loss`:
     rollout     each prompt repeated --num-generations times; completions of --max-completion-length
                 tokens sampled with static shapes (kernels/generate.py: a fixed-size cache, a prefill and
                 a decode graph per bucket, stops by masks), in the update's precision, each token's
-                log-probability kept as drawn (on eager devices a group's prompt passes once, in
-                inference mode); the tokens cross to the host once
+                log-probability kept as drawn (on eager devices a group's prompt passes once:
+                Rollouts.shared, Rollouts.generating); the tokens cross to the host once
     scoring     the reward functions on the decoded completions; their weighted sum per completion
     advantages  each reward less its group's mean, divided by the group's standard deviation
                 (TRL's scale_rewards "group"; "batch": the batch's; "none": not divided)
@@ -433,6 +433,12 @@ class Rollouts:
         strategy = engine.strategy
         self.agree = agreement(engine)  # the tool loop's turns in step over the processes
         self.eager = not engine.accelerator.static_shapes and self.agree is None
+        # There, uncompiled, a group's prompt passes once (`shared`); in one process over a base not
+        # held in 8 or 4 bits, the rollout runs in inference mode too (`generating`)
+        from ..models import holds_quantized_base
+
+        self.lean = self.eager and not engine.accelerator.compiling
+        self.inference = self.lean and strategy.world_size == 1 and not holds_quantized_base(plain)
         self.state = TrainerState(max_steps=total_steps)
         # each split's rows' columns, read at first use
         self.columns: dict[str, list[dict] | None] = dict.fromkeys(data)
@@ -517,28 +523,32 @@ class Rollouts:
 
     def generating(self) -> Any:
         """Where rollouts run: without gradients, under the update's autocast (the sampler is the
-        trainer); where each process's forward passes are its own on a device that runs eagerly
-        (`eager`), in inference mode, which spares every one of the rollout's many small operations
-        autograd's bookkeeping (about a tenth of the generation's time on the CPU: ../benchmarks/
-        bench_grpo.py). What the update reads of it is copied out first (`outside`). Not under FSDP2
-        (the gathered parameters' buffers would be made inference tensors), on XLA or under
-        --compile (a graph traced in one mode is guarded against the other)."""
+        trainer); where `inference` says, in inference mode, which spares every one of the rollout's
+        many small operations autograd's bookkeeping (benchmarks/bench_rollout.py: 1.10x on top of
+        `shared`'s 1.10x on the CPU). What the update reads of it is copied out first (`outside`).
+        Only in one process that runs eagerly, uncompiled, over a base in full precision: a tensor a
+        module makes or replaces during the rollout stays an inference tensor, which the update
+        could not save for its backward pass nor write in place. bitsandbytes' Linear4bit repacks
+        its weight in eval mode on CPUs with AVX512-BF16 and casts its bias (0.50's
+        nn/modules.py); DDP writes buffers in place before each forward pass (a rotary embedding's
+        `inv_freq` that a dynamic scaling made anew); FSDP2 gathers parameters into buffers it
+        keeps; under --compile a graph traced in one mode is guarded against the other."""
         import contextlib
 
         import torch
 
-        inference = self.eager and not self.engine.accelerator.compiling
-        grad = torch.inference_mode() if inference else torch.no_grad()
+        grad = torch.inference_mode() if self.inference else torch.no_grad()
         stack = contextlib.ExitStack()
         stack.enter_context(grad)
         stack.enter_context(self.engine.autocast())
         return stack
 
     def shared(self, group: int) -> int:
-        """How many rows in a row share one prompt's pass (kernels.generate.prefill): a group's,
-        on devices that run eagerly (each process's rows its own); 1 under XLA, whose rows a mesh
-        may split across devices."""
-        return group if not self.engine.accelerator.static_shapes else 1
+        """How many rows in a row share one prompt's pass (kernels.generate.prefill): a group's
+        where each process's forward passes are its own on a device that runs eagerly, uncompiled
+        (`lean`; under --compile the copied caches would lose the static addresses CUDA graphs
+        keep); else 1: XLA's rows a mesh may split across devices."""
+        return group if self.lean else 1
 
     def played(self, model: Any, batch: dict[str, Any], ids: Any, mask: Any, split: str, group: int) -> dict[str, Any]:
         """`rollout` with --tools: the completions made in turns, the tools run between them
