@@ -12,7 +12,8 @@ temperature 0.7, 8 completions of up to 8 tokens a prompt, the prompts left-padd
 
     per-row      every row makes its own prompt pass, without gradients (torch.no_grad)
     shared       a group's prompt passes once (`group`: kernels/generate.py `prefill`)
-    shared+inf   that, in inference mode (tasks/grpo.py `Rollouts.generating`): what GRPO runs now
+    shared+inf   that, in inference mode (tasks/grpo.py `Rollouts.generating`): what GRPO runs in one
+                 process over a base in full precision
 
 Every variant draws from the same seed each rollout, and their tokens are checked equal. Reports
 the median and the fastest milliseconds a rollout, and each variant's speed against per-row's
