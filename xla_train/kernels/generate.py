@@ -340,9 +340,9 @@ class Turns:
     window rule of sliding layers holds across turns.
 
     `state()` is what the host reads between turns (one transfer); `resume` takes it back with the
-    appended tokens (one copy to the device). `group`: as `prefill`'s. `logps`: each token the model draws keeps its
-    log-probability as `static_generate`'s (`drawn`, fp32 [rows, budget], 0 elsewhere: appended
-    tokens, padding); it stays on the device across turns."""
+    appended tokens (one copy to the device). `group`: as `prefill`'s. `logps`: each token the
+    model draws keeps its log-probability as `static_generate`'s (`drawn`, fp32 [rows, budget], 0
+    elsewhere: appended tokens, padding); it stays on the device across turns."""
 
     def __init__(self, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, sampling: Sampling,
                  cut_graph: Any, chunk: int = TURN_CHUNK, stop_when_done: bool = False, logps: bool = False,

@@ -38,6 +38,7 @@ processes; this package is stricter so that no group straddles replicas.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -521,9 +522,10 @@ class Rollouts:
             self.log_probabilities(model, out, drawn)
         return out
 
+    @contextlib.contextmanager
     def generating(self) -> Any:
         """Where rollouts run: without gradients, under the update's autocast (the sampler is the
-        trainer); where `inference` says, in inference mode, which spares every one of the rollout's
+        trainer); where `inference` says, in the engine's inference mode, which spares every one of the rollout's
         many small operations autograd's bookkeeping (benchmarks/bench_rollout.py: 1.10x on top of
         `shared`'s 1.10x on the CPU). What the update reads of it is copied out first (`outside`).
         Only in one process that runs eagerly, uncompiled, over a base in full precision: a tensor a
@@ -533,15 +535,10 @@ class Rollouts:
         nn/modules.py); DDP writes buffers in place before each forward pass (a rotary embedding's
         `inv_freq` that a dynamic scaling made anew); FSDP2 gathers parameters into buffers it
         keeps; under --compile a graph traced in one mode is guarded against the other."""
-        import contextlib
-
         import torch
 
-        grad = torch.inference_mode() if self.inference else torch.no_grad()
-        stack = contextlib.ExitStack()
-        stack.enter_context(grad)
-        stack.enter_context(self.engine.autocast())
-        return stack
+        with self.engine.inference_mode() if self.inference else torch.no_grad(), self.engine.autocast():
+            yield
 
     def shared(self, group: int) -> int:
         """How many rows in a row share one prompt's pass (kernels.generate.prefill): a group's
