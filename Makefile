@@ -33,8 +33,9 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(PY) -m pytest -q --durations=15 -n 2 --dist loadgroup tests
 
+# The fast tier in the same two processes (mypy's cold run alone is 40 s of it).
 test-fast: $(VENV)/.installed
-	$(PY) -m pytest -q --durations=10 -m "not slow" tests
+	$(PY) -m pytest -q --durations=10 -n 2 --dist loadgroup -m "not slow" tests
 
 # The newest torch: the in-process tests (those that need torch_xla skip, and run under make test),
 # then the CLI runs marked `torch_native` (a CPU MRPC run, gloo workers under ddp and fsdp, LoRA, predict).

@@ -121,6 +121,7 @@ def test_flex_gradients_equal_the_mask_paths(family):
         torch.testing.assert_close(grads["flex"][1][name], g, atol=2e-5, rtol=1e-4, msg=name)
 
 
+@pytest.mark.slow  # torch.compile in pytest's process (docs/tests.md: marked by hand)
 def test_compiled_flex_equals_the_mask_path():
     """torch.compile(flex_attention) and a compiled block mask (what CUDA runs) on the CPU."""
     model = model_of("llama")
