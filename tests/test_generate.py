@@ -357,3 +357,58 @@ def test_static_generation_past_the_window_compiles_one_decode_graph():
         assert torch.equal(tokens.cpu(), cpu), (tokens.cpu(), cpu)
     assert compiles == 2 and executions == NEW_TOKENS, (compiles, executions)
     assert not [c for c in met.counter_names() if c.startswith("aten::")], met.counter_names()
+
+
+@pytest.mark.xla
+@pytest.mark.xla_in_process
+@pytest.mark.slow
+def test_on_xla_a_groups_prompt_passes_once_in_the_prompts_graph():
+    """GRPO's shared prompt pass where a process drives one device (Rollouts.shared): on XLA:CPU,
+    Gemma 3 past its window, the pass over one copy of each prompt and the copies of its keys,
+    values and logits to the group's rows are the prompt's one graph; the one-token step is the
+    graph every row's own pass leads to (no new one), and every row samples the tokens, with the
+    log-probabilities, that it samples after a pass of its own (the same seed; nothing random is
+    drawn before the first token); in turns (Turns) too."""
+    import torch
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    import torch_xla.debug.metrics as met
+
+    from xla_train.core.xla import XlaAccelerator
+    from xla_train.kernels.generate import Sampling, Turns, static_generate
+
+    device = torch_xla.device()
+    model = XlaAccelerator().adapt_model(_loop_model("gemma3")).to(device)
+    ids, mask = (x.repeat_interleave(3, 0).to(device) for x in _left_padded_prompts())
+    sampling = Sampling(NEW_TOKENS, (2,), 0, temperature=1.5)
+    passes = []  # the rows of each call longer than a token: the prompt's passes
+    model.register_forward_pre_hook(lambda _, args, kwargs: passes.append(len(kwargs["input_ids"]))
+                                    if kwargs["input_ids"].shape[1] > 1 else None, with_kwargs=True)
+
+    def static(group):
+        return static_generate(model, ids, mask, sampling, torch_xla.sync, logps=True, group=group)
+
+    def turns(group):
+        run = Turns(model, ids, mask, sampling, torch_xla.sync, chunk=4, logps=True, group=group)
+        run.decode(NEW_TOKENS - 1)
+        return run.tokens, run.drawn
+
+    runs, graphs = {}, {}
+    with torch.no_grad():
+        for way, generate in (("static", static), ("turns", turns)):
+            for group in (1, 3):
+                xm.set_rng_state(0)
+                met.clear_all()
+                tokens, drawn = generate(group)
+                runs[way, group] = tokens.cpu(), drawn.cpu()
+                xm.wait_device_ops()
+                graphs[way, group] = met.metric_data("CompileTime")[0], met.metric_data("ExecuteTime")[0]
+    assert passes == [9, 3, 9, 3], passes
+    for way in ("static", "turns"):
+        (tokens, drawn), (shared, shared_drawn) = runs[way, 1], runs[way, 3]
+        assert torch.equal(tokens, shared) and (tokens.view(3, 3, -1) != tokens[::3, None]).any(), (way, tokens)
+        # within fp32's rounding: XLA fuses the pass over 3 rows otherwise than over 9 (1.2e-6 seen)
+        torch.testing.assert_close(drawn, shared_drawn, rtol=0, atol=1e-5, msg=way)
+        # the shared run compiles its prompt's graph only; a graph per token either way
+        assert graphs[way, 1] == (2, NEW_TOKENS) and graphs[way, 3] == (1, NEW_TOKENS), graphs
+    assert not [c for c in met.counter_names() if c.startswith("aten::")], met.counter_names()

@@ -113,8 +113,11 @@ class Slots(StaticLayer):
         values: Gemma 3n's and Gemma 4's shared layers)."""
         if not self.is_initialized:
             return
+        # index_select, not repeat_interleave: torch_xla makes the latter a view of an expanded
+        # tensor, and the decode step's in-place writes into a view would make it another graph
+        rows = torch.arange(self.batch_size, device=self.keys.device).repeat_interleave(group)
         for name in ("keys", "values"):  # StaticLayer's own attributes, made by lazy_initialization
-            setattr(self, name, getattr(self, name).repeat_interleave(group, 0))
+            setattr(self, name, getattr(self, name).index_select(0, rows))
         self.batch_size *= group
 
 

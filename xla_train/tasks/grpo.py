@@ -14,8 +14,9 @@ One step, read top to bottom in `Rollouts.rollout` and `GroupObjective.loss`:
     rollout     each prompt repeated --num-generations times; completions of --max-completion-length
                 tokens sampled with static shapes (kernels/generate.py: a fixed-size cache, a prefill and
                 a decode graph per bucket, stops by masks), in the update's precision, each token's
-                log-probability kept as drawn (on eager devices a group's prompt passes once:
-                Rollouts.shared, Rollouts.generating); the tokens cross to the host once
+                log-probability kept as drawn (a group's prompt passes once on eager devices and
+                where XLA has a device a process: Rollouts.shared, Rollouts.generating); the
+                tokens cross to the host once
     scoring     the reward functions on the decoded completions; their weighted sum per completion
     advantages  each reward less its group's mean, divided by the group's standard deviation
                 (TRL's scale_rewards "group"; "batch": the batch's; "none": not divided)
@@ -434,11 +435,14 @@ class Rollouts:
         strategy = engine.strategy
         self.agree = agreement(engine)  # the tool loop's turns in step over the processes
         self.eager = not engine.accelerator.static_shapes and self.agree is None
-        # There, uncompiled, a group's prompt passes once (`shared`); in one process over a base not
-        # held in 8 or 4 bits, the rollout runs in inference mode too (`generating`)
+        # There, uncompiled, a group's prompt passes once (`shared`), and on XLA where a process
+        # drives one device; in one process over a base not held in 8 or 4 bits, the rollout runs
+        # in inference mode too (`generating`)
         from ..models import holds_quantized_base
 
         self.lean = self.eager and not engine.accelerator.compiling
+        self.own_device = engine.accelerator.static_shapes and strategy.devices_per_process == 1 \
+            and self.agree is None
         self.inference = self.lean and strategy.world_size == 1 and not holds_quantized_base(plain)
         self.state = TrainerState(max_steps=total_steps)
         # each split's rows' columns, read at first use
@@ -542,10 +546,14 @@ class Rollouts:
 
     def shared(self, group: int) -> int:
         """How many rows in a row share one prompt's pass (kernels.generate.prefill): a group's
-        where each process's forward passes are its own on a device that runs eagerly, uncompiled
+        where each process's forward passes are its own, on a device that runs eagerly, uncompiled
         (`lean`; under --compile the copied caches would lose the static addresses CUDA graphs
-        keep); else 1: XLA's rows a mesh may split across devices."""
-        return group if self.lean else 1
+        keep), or on XLA where a process drives one device (`own_device`: xmp.spawn's replicas, or
+        one device; the pass, its slice and the copies are in the prompt's graph, one a bucket as
+        before); else 1: the rows of an SPMD mesh, split over its devices, where taking every
+        group's first row would move rows between devices before the pass and the caches back
+        after it (not built: not measured on a TPU)."""
+        return group if self.lean or self.own_device else 1
 
     def played(self, model: Any, batch: dict[str, Any], ids: Any, mask: Any, split: str, group: int) -> dict[str, Any]:
         """`rollout` with --tools: the completions made in turns, the tools run between them
