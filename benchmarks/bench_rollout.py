@@ -1,8 +1,9 @@
-"""GRPO's rollout on the CPU, its generation alone, in one process: each batch of prompts rolled out
-in turn by every variant, so that a machine whose speed drifts (a shared one) moves them alike.
+"""GRPO's rollout on the CPU or XLA:CPU, its generation alone, in one process: each batch of prompts
+rolled out in turn by every variant, so that a machine whose speed drifts (a shared one) moves them alike.
 
     python benchmarks/bench_rollout.py                  # 300 rollouts of 32 completions (4 prompts x 8)
     python benchmarks/bench_rollout.py --rollouts 100 --threads 1
+    python benchmarks/bench_rollout.py --backend xla    # XLA:CPU: per-row and shared
 
 The model and prompts are bench_grpo.py's reversal task (its SFT model, trained there once and
 reused), rolled out as `--problem grpo` rolls them out on the CPU (kernels/generate.py
@@ -15,9 +16,15 @@ temperature 0.7, 8 completions of up to 8 tokens a prompt, the prompts left-padd
     shared+inf   that, in inference mode (tasks/grpo.py `Rollouts.generating`): what GRPO runs in one
                  process over a base in full precision
 
+With `--backend xla` the model runs on XLA:CPU as `--backend xla` prepares it (XlaAccelerator), each
+token's graph cut (`torch_xla.sync`), every row taking all the tokens (XLA's fixed count), the
+tokens copied to the host at the end (in the time): per-row and shared only (inference mode is
+eager autograd's). Each variant's graphs compile in the first rollouts of each prompt width,
+which the median leaves out.
+
 Every variant draws from the same seed each rollout, and their tokens are checked equal. Reports
 the median and the fastest milliseconds a rollout, and each variant's speed against per-row's
-(the ratio of the medians); writes benchmarks/out/rollout.json.
+(the ratio of the medians); writes benchmarks/out/rollout.json (rollout-xla.json for XLA).
 """
 
 import argparse
@@ -40,6 +47,9 @@ def main():
     p.add_argument("--num-generations", type=int, default=8)
     p.add_argument("--max-completion-length", type=int, default=8)
     p.add_argument("--threads", type=int, help="torch's threads (default: torch's own, the cores)")
+    p.add_argument("--backend", choices=("cpu", "xla"), default="cpu")
+    p.add_argument("--width", type=int, default=0, help="left-pad every prompt to this many tokens (the length "
+                   "bucket of longer prompts: the prompt's pass costs as much); default: a multiple of 8")
     args = p.parse_args()
 
     import bench_grpo
@@ -55,24 +65,37 @@ def main():
     data = bench_grpo.reversal_task(bench_grpo.OUT / "grpo" / "task-120-256", task)
     model = AutoModelForCausalLM.from_pretrained(data["model"]).eval()
     tokenizer = AutoTokenizer.from_pretrained(data["model"])
+    xla = args.backend == "xla"
+    variants = {k: v for k, v in VARIANTS.items() if not (xla and v[1])}
+    if xla:
+        import torch_xla
+        import torch_xla.core.xla_model as xm
+
+        from xla_train.core.xla import XlaAccelerator
+
+        device, cut, seed = torch_xla.device(), torch_xla.sync, xm.set_rng_state
+        model = XlaAccelerator().adapt_model(model).to(device)
+    else:
+        device, cut, seed = torch.device("cpu"), (lambda: None), torch.manual_seed
     texts = [json.loads(line)["prompt"] for line in Path(data["train"]).read_text().splitlines()]
     group = args.num_generations
     sampling = Sampling(args.max_completion_length, (tokenizer.eos_token_id,), tokenizer.pad_token_id, 0.7)
     per_batch = args.batch_size // group
-    times: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    times: dict[str, list[float]] = {name: [] for name in variants}
     for n in range(args.rollouts):
         chosen = [texts[(n * per_batch + i) % len(texts)] for i in range(per_batch)]
         prompts = [tokenizer(t)["input_ids"] for t in chosen]
-        width = -(-max(map(len, prompts)) // 8) * 8  # the run's length bucket (8 here)
+        width = args.width or -(-max(map(len, prompts)) // 8) * 8  # the run's length bucket (8 here)
         ids, mask = left_pad(prompts, width, tokenizer.pad_token_id)
-        ids, mask = ids.repeat_interleave(group, 0), mask.repeat_interleave(group, 0)
+        ids, mask = (x.repeat_interleave(group, 0).to(device) for x in (ids, mask))
         tokens = {}
-        for name, (shared, inference) in VARIANTS.items():
-            torch.manual_seed(n)
+        for name, (shared, inference) in variants.items():
+            seed(n)
             start = time.perf_counter()
             with torch.inference_mode() if inference else torch.no_grad():
-                tokens[name], _ = static_generate(model, ids, mask, sampling, lambda: None, logps=True,
-                                                  stop_when_done=True, group=shared or group)
+                made, _ = static_generate(model, ids, mask, sampling, cut, logps=True, stop_when_done=not xla,
+                                          group=shared or group)
+                tokens[name] = made.cpu()
             times[name].append(time.perf_counter() - start)
         first = tokens["per-row"]
         assert all(torch.equal(first, t) for t in tokens.values()), "the variants drew other tokens"
@@ -85,7 +108,7 @@ def main():
     for name, row in result["variants"].items():
         print(f"{name:11s} median {row['median_ms']:7.2f} ms  fastest {row['fastest_ms']:7.2f} ms  "
               f"{row['speed_vs_per_row']:.2f}x per-row's")
-    out = bench_grpo.OUT / "rollout.json"
+    out = bench_grpo.OUT / ("rollout-xla.json" if xla else "rollout.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
 
