@@ -4,6 +4,7 @@ rolled out in turn by every variant, so that a machine whose speed drifts (a sha
     python benchmarks/bench_rollout.py                  # 300 rollouts of 32 completions (4 prompts x 8)
     python benchmarks/bench_rollout.py --rollouts 100 --threads 1
     python benchmarks/bench_rollout.py --backend xla    # XLA:CPU: per-row and shared
+    python benchmarks/bench_rollout.py --backend xla --devices 4 --width 256   # SPMD over 4 XLA:CPU devices
 
 The model and prompts are bench_grpo.py's reversal task (its SFT model, trained there once and
 reused), rolled out as `--problem grpo` rolls them out on the CPU (kernels/generate.py
@@ -20,7 +21,9 @@ With `--backend xla` the model runs on XLA:CPU as `--backend xla` prepares it (X
 token's graph cut (`torch_xla.sync`), every row taking all the tokens (XLA's fixed count), the
 tokens copied to the host at the end (in the time): per-row and shared only (inference mode is
 eager autograd's). Each variant's graphs compile in the first rollouts of each prompt width,
-which the median leaves out.
+which the median leaves out. `--devices N`: SPMD over N XLA:CPU devices (they share this
+machine's cores), the rows split over them as `--strategy spmd` splits a batch's and a group's
+copies laid out the same way (Strategy.split_rows).
 
 Every variant draws from the same seed each rollout, and their tokens are checked equal. Reports
 the median and the fastest milliseconds a rollout, and each variant's speed against per-row's
@@ -29,6 +32,7 @@ the median and the fastest milliseconds a rollout, and each variant's speed agai
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -48,6 +52,7 @@ def main():
     p.add_argument("--max-completion-length", type=int, default=8)
     p.add_argument("--threads", type=int, help="torch's threads (default: torch's own, the cores)")
     p.add_argument("--backend", choices=("cpu", "xla"), default="cpu")
+    p.add_argument("--devices", type=int, default=1, help="with --backend xla: SPMD over this many XLA:CPU devices")
     p.add_argument("--width", type=int, default=0, help="left-pad every prompt to this many tokens (the length "
                    "bucket of longer prompts: the prompt's pass costs as much); default: a multiple of 8")
     args = p.parse_args()
@@ -67,12 +72,19 @@ def main():
     tokenizer = AutoTokenizer.from_pretrained(data["model"])
     xla = args.backend == "xla"
     variants = {k: v for k, v in VARIANTS.items() if not (xla and v[1])}
+    split = None
     if xla:
+        os.environ["CPU_NUM_DEVICES"] = str(args.devices)  # before torch_xla starts its runtime
         import torch_xla
         import torch_xla.core.xla_model as xm
 
         from xla_train.core.xla import XlaAccelerator
+        from xla_train.parallel.xla_strategies import XlaSpmd
 
+        if args.devices > 1:
+            strategy = XlaSpmd(XlaAccelerator())
+            strategy.setup()
+            split = strategy.split_rows
         device, cut, seed = torch_xla.device(), torch_xla.sync, xm.set_rng_state
         model = XlaAccelerator().adapt_model(model).to(device)
     else:
@@ -88,13 +100,15 @@ def main():
         width = args.width or -(-max(map(len, prompts)) // 8) * 8  # the run's length bucket (8 here)
         ids, mask = left_pad(prompts, width, tokenizer.pad_token_id)
         ids, mask = (x.repeat_interleave(group, 0).to(device) for x in (ids, mask))
+        if split is not None:
+            ids, mask = split(ids), split(mask)
         tokens = {}
         for name, (shared, inference) in variants.items():
             seed(n)
             start = time.perf_counter()
             with torch.inference_mode() if inference else torch.no_grad():
                 made, _ = static_generate(model, ids, mask, sampling, cut, logps=True, stop_when_done=not xla,
-                                          group=shared or group)
+                                          group=shared or group, split_rows=split)
                 tokens[name] = made.cpu()
             times[name].append(time.perf_counter() - start)
         first = tokens["per-row"]
@@ -108,7 +122,8 @@ def main():
     for name, row in result["variants"].items():
         print(f"{name:11s} median {row['median_ms']:7.2f} ms  fastest {row['fastest_ms']:7.2f} ms  "
               f"{row['speed_vs_per_row']:.2f}x per-row's")
-    out = bench_grpo.OUT / ("rollout-xla.json" if xla else "rollout.json")
+    out = bench_grpo.OUT / ("rollout.json" if not xla else "rollout-xla.json" if args.devices == 1 else
+                            f"rollout-xla-{args.devices}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import tiny_decoders as td
-from conftest import cli, reverse_args, run_cli
+from conftest import cli, reverse_args, run_cli, run_python
 
 from xla_train.commands.cli import main
 
@@ -412,3 +412,71 @@ def test_on_xla_a_groups_prompt_passes_once_in_the_prompts_graph():
         # the shared run compiles its prompt's graph only; a graph per token either way
         assert graphs[way, 1] == (2, NEW_TOKENS) and graphs[way, 3] == (1, NEW_TOKENS), graphs
     assert not [c for c in met.counter_names() if c.startswith("aten::")], met.counter_names()
+
+
+SPMD_GROUPS = """
+import json, sys
+import torch, torch_xla, torch_xla.core.xla_model as xm, torch_xla.debug.metrics as met
+
+sys.path.insert(0, "tests")
+from test_generate import NEW_TOKENS, _left_padded_prompts, _loop_model
+from xla_train.core.xla import XlaAccelerator
+from xla_train.kernels.generate import Sampling, Turns, static_generate
+from xla_train.parallel.xla_strategies import XlaSpmd
+
+strategy = XlaSpmd(XlaAccelerator())
+strategy.setup()
+model = XlaAccelerator().adapt_model(_loop_model("gemma3")).to(torch_xla.device())
+ids, mask = _left_padded_prompts()
+ids, mask = torch.cat([ids, ids[:1]]), torch.cat([mask, mask[:1]])  # 4 prompts, a group of 4 each
+ids, mask = (strategy.split_rows(x.repeat_interleave(4, 0).to(torch_xla.device())) for x in (ids, mask))
+sampling = Sampling(NEW_TOKENS, (2,), 0, temperature=1.5)
+out = {}
+with torch.no_grad():
+    for way in ("static", "turns"):
+        for group in (1, 4):
+            xm.set_rng_state(0)
+            met.clear_all()
+            if way == "static":
+                tokens, drawn = static_generate(model, ids, mask, sampling, torch_xla.sync, logps=True, group=group,
+                                                split_rows=strategy.split_rows)
+                layout = None
+            else:
+                run = Turns(model, ids, mask, sampling, torch_xla.sync, chunk=4, logps=True, group=group,
+                            split_rows=strategy.split_rows)
+                run.decode(NEW_TOKENS - 1)
+                tokens, drawn = run.tokens, run.drawn
+                layout = torch_xla._XLAC._get_xla_sharding_spec(run.cache.layers[0].keys)
+            out[f"{way}-{group}"] = {"tokens": tokens.cpu().tolist(), "drawn": drawn.cpu().tolist(),
+                                     "compiles": met.metric_data("CompileTime")[0], "layout": layout}
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.xla
+@pytest.mark.slow
+def test_under_spmd_a_groups_copies_stay_split_by_rows(tmp_path):
+    """SPMD on 4 XLA:CPU devices, the rows split over them as a batch's: with a group's prompt
+    passed once, the copies of its keys and values are laid out as the batch's rows
+    (Strategy.split_rows). Without that the partitioner kept them whole on every device (seen in
+    XLA's dump of these shapes: 13 collectives in the prompt's graph and 24 in every one-token
+    step, against none, and a one-token step compiled anew). So the one-token
+    step is the per-row run's graph, not compiled again, each layer's cache split as it was, and
+    every row samples what it samples after its own pass."""
+    import os
+
+    import torch
+
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}
+    proc = run_python(["-c", SPMD_GROUPS], env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = json.loads(proc.stdout.strip().splitlines()[-1])
+    for way in ("static", "turns"):
+        own, shared = runs[f"{way}-1"], runs[f"{way}-4"]
+        tokens = torch.tensor(own["tokens"])
+        assert torch.equal(tokens, torch.tensor(shared["tokens"])), way
+        assert (tokens.view(4, 4, -1) != tokens[::4, None]).any(), tokens
+        torch.testing.assert_close(torch.tensor(own["drawn"]), torch.tensor(shared["drawn"]), rtol=0, atol=1e-5)
+        assert shared["compiles"] == own["compiles"] - 1, (way, own["compiles"], shared["compiles"])
+        assert shared["layout"] == own["layout"], (own["layout"], shared["layout"])
+    assert runs["turns-1"]["layout"].startswith("{devices=[4,1,1,1]"), runs["turns-1"]["layout"]

@@ -399,6 +399,11 @@ class Strategy(ABC):
         every replica calls); others as they are."""
         return tensor
 
+    def split_rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` (rows first) laid out as a batch's rows are (SPMD: split over the row axes, the
+        rest whole); elsewhere, where a process's rows are on its own device, as it is."""
+        return tensor
+
     def load_weights(self, model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
         """Puts weights (a state dict on the CPU: whole, or a model's trained tensors only, see
         checkpoint.trained_state) into a prepared model."""

@@ -107,17 +107,18 @@ class Slots(StaticLayer):
         self.prefilled = True
         return key_states, value_states
 
-    def repeat_rows(self, group: int) -> None:
+    def repeat_rows(self, group: int, split_rows: Any = None) -> None:
         """Each row's keys and values `group` times in a row (after the pass over one copy of each
-        prompt); nothing for a layer the pass did not write (one that reads another's keys and
-        values: Gemma 3n's and Gemma 4's shared layers)."""
+        prompt), laid out by `split_rows` (`prefill`'s); nothing for a layer the pass did not write
+        (one that reads another's keys and values: Gemma 3n's and Gemma 4's shared layers)."""
         if not self.is_initialized:
             return
         # index_select, not repeat_interleave: torch_xla makes the latter a view of an expanded
         # tensor, and the decode step's in-place writes into a view would make it another graph
         rows = torch.arange(self.batch_size, device=self.keys.device).repeat_interleave(group)
         for name in ("keys", "values"):  # StaticLayer's own attributes, made by lazy_initialization
-            setattr(self, name, getattr(self, name).index_select(0, rows))
+            copied = getattr(self, name).index_select(0, rows)
+            setattr(self, name, copied if split_rows is None else split_rows(copied))
         self.batch_size *= group
 
 
@@ -148,7 +149,7 @@ def masks_by_type(masks: dict, windows: dict, eager: bool) -> Any:
     return {t: masks[w] for t, w in windows.items()}
 
 
-def prefill(model, input_ids, attention_mask, cache, windows, eager, group=1):
+def prefill(model, input_ids, attention_mask, cache, windows, eager, group=1, split_rows=None):
     """The prompt's pass into `cache` (one `Slots` a layer): the last position's logits of every row
     and each token's position (from 0 at its prompt's first token). It attends within the prompt:
     its tokens one segment and its padding another (padding attends to earlier padding, so no row
@@ -158,7 +159,9 @@ def prefill(model, input_ids, attention_mask, cache, windows, eager, group=1):
     model's (layer_windows); `eager`: its attention takes masks as biases. `group`: the rows come
     in runs of `group` copies of one prompt (GRPO's completions of a prompt): the pass runs on the
     first of each run and its keys, values and logits are copied to the others (the prompt's work
-    once, not `group` times)."""
+    once, not `group` times). `split_rows`: lays the copies out as the batch's rows are
+    (Strategy.split_rows: under SPMD the partitioner would otherwise keep them whole on every device,
+    and every later step would run every row on every device)."""
     segments = attention_mask.long()
     positions = (segments.cumsum(1) - 1).clamp(min=0)
     one = slice(None, None, group)
@@ -167,13 +170,14 @@ def prefill(model, input_ids, attention_mask, cache, windows, eager, group=1):
                    position_ids=positions[one], cache=cache, use_cache=True, **_logits_to_keep(model)).logits[:, -1:]
     if group > 1:
         for layer in cache.layers:
-            layer.repeat_rows(group)
+            layer.repeat_rows(group, split_rows)
         logits = logits.repeat_interleave(group, 0)
+        logits = logits if split_rows is None else split_rows(logits)
     return logits, positions
 
 
 def static_generate(model, input_ids, attention_mask, sampling, cut_graph, logps=False, stop_when_done=False,
-                    group=1):
+                    group=1, split_rows=None):
     """Generates from a batch of left-padded prompts with static shapes; `cut_graph()` ends the
     pending graph (see the module docstring). `logps`: also each token's log-probability as the
     decode graph gave it, fp32 (rows, max_new_tokens), under the logits divided by the temperature
@@ -181,7 +185,7 @@ def static_generate(model, input_ids, attention_mask, sampling, cut_graph, logps
     `stop_when_done`: the loop stops once every row has ended, as transformers' `generate` does
     (a host read of `done` per token: for devices that run eagerly, where the steps left would
     only write padding; XLA keeps the fixed count, which needs no read). `group`: the rows come
-    in runs of `group` copies of one prompt, whose pass runs once (`prefill`)."""
+    in runs of `group` copies of one prompt, whose pass runs once (`prefill`, with `split_rows`)."""
     rows, length = input_ids.shape
     steps = sampling.max_new_tokens
     device = input_ids.device
@@ -198,7 +202,7 @@ def static_generate(model, input_ids, attention_mask, sampling, cut_graph, logps
     def by_type(masks):
         return masks_by_type(masks, windows, eager)
 
-    logits, positions = prefill(model, input_ids, attention_mask, cache, windows, eager, group)
+    logits, positions = prefill(model, input_ids, attention_mask, cache, windows, eager, group, split_rows)
     extra = {**_logits_to_keep(model), "cache": cache, "use_cache": True}
 
     # Which slots of each cache hold a real token, as the layers wrote them: the prompt's last
@@ -343,13 +347,13 @@ class Turns:
     window rule of sliding layers holds across turns.
 
     `state()` is what the host reads between turns (one transfer); `resume` takes it back with the
-    appended tokens (one copy to the device). `group`: as `prefill`'s. `logps`: each token the
-    model draws keeps its log-probability as `static_generate`'s (`drawn`, fp32 [rows, budget], 0
-    elsewhere: appended tokens, padding); it stays on the device across turns."""
+    appended tokens (one copy to the device). `group`, `split_rows`: as `prefill`'s. `logps`: each
+    token the model draws keeps its log-probability as `static_generate`'s (`drawn`, fp32 [rows,
+    budget], 0 elsewhere: appended tokens, padding); it stays on the device across turns."""
 
     def __init__(self, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, sampling: Sampling,
                  cut_graph: Any, chunk: int = TURN_CHUNK, stop_when_done: bool = False, logps: bool = False,
-                 group: int = 1) -> None:
+                 group: int = 1, split_rows: Any = None) -> None:
         rows, length = input_ids.shape
         budget = sampling.max_new_tokens
         device = input_ids.device
@@ -372,7 +376,8 @@ class Turns:
         self.eos = torch.tensor(sampling.eos_ids, device=device)
         self.columns = torch.arange(budget, device=device)
         self.offsets = torch.arange(self.chunk, device=device)
-        logits, positions = prefill(model, input_ids, attention_mask, self.cache, self.windows, self.eager, group)
+        logits, positions = prefill(model, input_ids, attention_mask, self.cache, self.windows, self.eager, group,
+                                    split_rows)
         self.start = attention_mask.long().sum(1)  # the position of each row's first completion token
         # the position of the token each slot holds (-1: none): the prompt's last tokens at slot t % size
         self.held = {}

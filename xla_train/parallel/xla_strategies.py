@@ -148,6 +148,12 @@ class XlaSpmd(XlaDdp):
         tokens: only causal LMs run under context parallelism) over `context`."""
         return self.layout().batch_spec(dims, tokens)
 
+    def split_rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        import torch_xla.distributed.spmd as xs
+
+        xs.mark_sharding(tensor, self.mesh(), self.batch_spec(tensor.dim(), tokens=False))
+        return tensor
+
     def input_sharding(self) -> Any:
         import torch_xla.runtime as xr
 

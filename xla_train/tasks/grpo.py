@@ -435,14 +435,13 @@ class Rollouts:
         strategy = engine.strategy
         self.agree = agreement(engine)  # the tool loop's turns in step over the processes
         self.eager = not engine.accelerator.static_shapes and self.agree is None
-        # There, uncompiled, a group's prompt passes once (`shared`), and on XLA where a process
-        # drives one device; in one process over a base not held in 8 or 4 bits, the rollout runs
+        # There, uncompiled, a group's prompt passes once (`shared`), and on XLA where the mesh
+        # splits rows only; in one process over a base not held in 8 or 4 bits, the rollout runs
         # in inference mode too (`generating`)
         from ..models import holds_quantized_base
 
         self.lean = self.eager and not engine.accelerator.compiling
-        self.own_device = engine.accelerator.static_shapes and strategy.devices_per_process == 1 \
-            and self.agree is None
+        self.rows_only = engine.accelerator.static_shapes and self.agree is None and not strategy.axes.split
         self.inference = self.lean and strategy.world_size == 1 and not holds_quantized_base(plain)
         self.state = TrainerState(max_steps=total_steps)
         # each split's rows' columns, read at first use
@@ -508,7 +507,7 @@ class Rollouts:
         with self.generating():
             generated = static_generate(plain, ids, mask, self.sampling if training else self.greedy,
                                         self.engine.cut_graph, logps=training, stop_when_done=self.eager,
-                                        group=self.shared(group))
+                                        group=self.shared(group), split_rows=self.engine.strategy.split_rows)
         tokens, drawn = (outside(x) for x in (generated if training else (generated, None)))
         model.train(was_training)
         # the one transfer of the rollout: the row numbers and the completions' tokens, for the rewards
@@ -548,12 +547,13 @@ class Rollouts:
         """How many rows in a row share one prompt's pass (kernels.generate.prefill): a group's
         where each process's forward passes are its own, on a device that runs eagerly, uncompiled
         (`lean`; under --compile the copied caches would lose the static addresses CUDA graphs
-        keep), or on XLA where a process drives one device (`own_device`: xmp.spawn's replicas, or
-        one device; the pass, its slice and the copies are in the prompt's graph, one a bucket as
-        before); else 1: the rows of an SPMD mesh, split over its devices, where taking every
-        group's first row would move rows between devices before the pass and the caches back
-        after it (not built: not measured on a TPU)."""
-        return group if self.lean or self.own_device else 1
+        keep), or on XLA where the mesh splits rows only (`rows_only`: xmp.spawn's replicas, one
+        device, or SPMD's data and fsdp axes). There the pass, the pick of a row a group and the
+        copies are in the prompt's graph (one a bucket, as before), and the copies are laid out
+        as the batch's rows (Strategy.split_rows), so the one-token step is the graph it was.
+        Else 1: a tensor, context or expert axis splits the caches' heads or tokens too, which
+        the copies' layout would have to keep (not built)."""
+        return group if self.lean or self.rows_only else 1
 
     def played(self, model: Any, batch: dict[str, Any], ids: Any, mask: Any, split: str, group: int) -> dict[str, Any]:
         """`rollout` with --tools: the completions made in turns, the tools run between them
@@ -575,7 +575,8 @@ class Rollouts:
         with self.generating():  # as `rollout`'s: the update's precision, each drawn logp kept
             turns = Turns(self.engine.unwrap_model(model), ids, mask, self.sampling if training else self.greedy,
                           self.engine.cut_graph, stop_when_done=self.eager, logps=training,
-                          group=1 if self.environments is not None else self.shared(group))
+                          group=1 if self.environments is not None else self.shared(group),
+                          split_rows=self.engine.strategy.split_rows)
             played = self.loop(turns, ids, mask, self.engine.to_host, rows, environments, self.agree, schemas)
         model.train(was_training)
         per_function, rewards, metrics = self.score(played.extra.tolist(), None, split, group, played,
