@@ -14,9 +14,9 @@ One step, read top to bottom in `Rollouts.rollout` and `GroupObjective.loss`:
     rollout     each prompt repeated --num-generations times; completions of --max-completion-length
                 tokens sampled with static shapes (kernels/generate.py: a fixed-size cache, a prefill and
                 a decode graph per bucket, stops by masks), in the update's precision, each token's
-                log-probability kept as drawn (a group's prompt passes once on eager devices and
-                where XLA has a device a process: Rollouts.shared, Rollouts.generating); the
-                tokens cross to the host once
+                log-probability kept as drawn (a group's prompt passes once, on eager devices and
+                on XLA where the mesh splits rows only: Rollouts.shared, Rollouts.generating);
+                the tokens cross to the host once
     scoring     the reward functions on the decoded completions; their weighted sum per completion
     advantages  each reward less its group's mean, divided by the group's standard deviation
                 (TRL's scale_rewards "group"; "batch": the batch's; "none": not divided)
