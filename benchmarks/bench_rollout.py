@@ -25,6 +25,12 @@ which the median leaves out. `--devices N`: SPMD over N XLA:CPU devices (they sh
 machine's cores), the rows split over them as `--strategy spmd` splits a batch's and a group's
 copies laid out the same way (Strategy.split_rows).
 
+`--compile` (the CPU): besides, one of the rollout's one-token calls (transformers' forward into
+its static cache) timed eagerly and under `torch.compile(dynamic=False)`, the route to a faster
+decode step that is not built: the compilation's seconds, again for the next rollout's cache (a
+new object), each call's milliseconds, and the rollouts a run would need before the compilation
+paid for itself (each saving the decode calls' difference).
+
 Every variant draws from the same seed each rollout, and their tokens are checked equal. Reports
 the median and the fastest milliseconds a rollout, and each variant's speed against per-row's
 (the ratio of the medians); writes benchmarks/out/rollout.json (rollout-xla.json for XLA).
@@ -53,9 +59,12 @@ def main():
     p.add_argument("--threads", type=int, help="torch's threads (default: torch's own, the cores)")
     p.add_argument("--backend", choices=("cpu", "xla"), default="cpu")
     p.add_argument("--devices", type=int, default=1, help="with --backend xla: SPMD over this many XLA:CPU devices")
+    p.add_argument("--compile", action="store_true", help="the CPU: also a one-token call eager and compiled")
     p.add_argument("--width", type=int, default=0, help="left-pad every prompt to this many tokens (the length "
                    "bucket of longer prompts: the prompt's pass costs as much); default: a multiple of 8")
     args = p.parse_args()
+    if args.compile and args.backend == "xla":
+        p.error("--compile times the CPU's one-token call; XLA compiles its own graphs")
 
     import bench_grpo
     import torch
@@ -122,10 +131,59 @@ def main():
     for name, row in result["variants"].items():
         print(f"{name:11s} median {row['median_ms']:7.2f} ms  fastest {row['fastest_ms']:7.2f} ms  "
               f"{row['speed_vs_per_row']:.2f}x per-row's")
+    if args.compile and not xla:
+        result["compiled_decode"] = compiled_decode(model, ids, mask, sampling, group, medians, args.rollouts)
     out = bench_grpo.OUT / ("rollout.json" if not xla else "rollout-xla.json" if args.devices == 1 else
                             f"rollout-xla-{args.devices}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
+
+
+def compiled_decode(model, ids, mask, sampling, group, medians, calls):
+    """A one-token call of the last batch's rollout (shared+inf's), eager and compiled, `calls` times
+    each; the compilation timed on that rollout's cache, then on the next rollout's (a new cache)."""
+    import torch
+
+    from xla_train.kernels.generate import static_generate
+
+    def one_token_call():
+        seen, forward = [], model.forward
+        model.forward = lambda **k: (seen.append(k) if k["input_ids"].shape[1] == 1 else None) or forward(**k)
+        try:
+            static_generate(model, ids, mask, sampling, lambda: None, logps=True, stop_when_done=True, group=group)
+        finally:
+            del model.forward
+        return seen[0], len(seen)
+
+    def timed(f, k):
+        start = time.perf_counter()
+        for _ in range(calls):
+            f(**k)
+        return (time.perf_counter() - start) / calls
+
+    with torch.inference_mode():
+        k, steps = one_token_call()
+        for _ in range(10):
+            model.forward(**k)
+        eager = timed(model.forward, k)
+        compiled = torch.compile(model.forward, dynamic=False)
+        start = time.perf_counter()
+        compiled(**k)
+        first = time.perf_counter() - start
+        fast = timed(compiled, k)
+        again, _ = one_token_call()
+        start = time.perf_counter()
+        compiled(**again)
+        second = time.perf_counter() - start
+    saved = (eager - fast) * steps  # a rollout's one-token calls
+    row = {"eager_ms": round(eager * 1000, 3), "compiled_ms": round(fast * 1000, 3), "one_token_calls": steps,
+           "compile_s": round(first, 2), "next_cache_s": round(second, 2),
+           "rollout_ms": round(medians["shared+inf"] * 1000, 2),
+           "pays_back_after_rollouts": round(first / saved) if saved > 0 else None}
+    print(f"one-token call eager {row['eager_ms']:.3f} ms, compiled {row['compiled_ms']:.3f} ms ({steps} a rollout); "
+          f"compiling {first:.1f} s, again for the next rollout's cache {second:.1f} s; pays back after "
+          f"{row['pays_back_after_rollouts']} rollouts of {row['rollout_ms']:.2f} ms")
+    return row
 
 
 if __name__ == "__main__":
