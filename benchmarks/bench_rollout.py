@@ -16,6 +16,10 @@ temperature 0.7, 8 completions of up to 8 tokens a prompt, the prompts left-padd
     shared       a group's prompt passes once (`group`: kernels/generate.py `prefill`)
     shared+inf   that, in inference mode (tasks/grpo.py `Rollouts.generating`): what GRPO runs in one
                  process over a base in full precision
+    generate     (the CPU) transformers' `generate` under torch.no_grad() with the same settings
+                 (kernels/generate.py `eager_generate`): TRL 1.16's rollout without vLLM
+                 (GRPOTrainer._generate_single_turn's "regular generation path"); it draws its own
+                 tokens, so it is left out of the check below
 
 With `--backend xla` the model runs on XLA:CPU as `--backend xla` prepares it (XlaAccelerator), each
 token's graph cut (`torch_xla.sync`), every row taking all the tokens (XLA's fixed count), the
@@ -31,9 +35,10 @@ decode step that is not built: the compilation's seconds, again for the next rol
 new object), each call's milliseconds, and the rollouts a run would need before the compilation
 paid for itself (each saving the decode calls' difference).
 
-Every variant draws from the same seed each rollout, and their tokens are checked equal. Reports
-the median and the fastest milliseconds a rollout, and each variant's speed against per-row's
-(the ratio of the medians); writes benchmarks/out/rollout.json (rollout-xla.json for XLA).
+Every variant draws from the same seed each rollout, and their tokens (generate's apart) are
+checked equal. Reports the median and the fastest milliseconds a rollout, and each variant's speed
+against per-row's and, on the CPU, against generate's (the ratios of the medians); writes
+benchmarks/out/rollout.json (rollout-xla.json for XLA).
 """
 
 import argparse
@@ -47,7 +52,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT)]
 
-VARIANTS = {"per-row": (1, False), "shared": (None, False), "shared+inf": (None, True)}
+VARIANTS = {"per-row": (1, False), "shared": (None, False), "shared+inf": (None, True), "generate": None}
 
 
 def main():
@@ -70,7 +75,7 @@ def main():
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from xla_train.kernels.generate import Sampling, static_generate
+    from xla_train.kernels.generate import Sampling, eager_generate, static_generate
     from xla_train.tasks.grpo import left_pad
 
     if args.threads:
@@ -80,7 +85,7 @@ def main():
     model = AutoModelForCausalLM.from_pretrained(data["model"]).eval()
     tokenizer = AutoTokenizer.from_pretrained(data["model"])
     xla = args.backend == "xla"
-    variants = {k: v for k, v in VARIANTS.items() if not (xla and v[1])}
+    variants = {k: v for k, v in VARIANTS.items() if not (xla and (v is None or v[1]))}
     split = None
     if xla:
         os.environ["CPU_NUM_DEVICES"] = str(args.devices)  # before torch_xla starts its runtime
@@ -112,13 +117,18 @@ def main():
         if split is not None:
             ids, mask = split(ids), split(mask)
         tokens = {}
-        for name, (shared, inference) in variants.items():
+        for name, variant in variants.items():
             seed(n)
             start = time.perf_counter()
-            with torch.inference_mode() if inference else torch.no_grad():
-                made, _ = static_generate(model, ids, mask, sampling, cut, logps=True, stop_when_done=not xla,
-                                          group=shared or group, split_rows=split)
-                tokens[name] = made.cpu()
+            if variant is None:  # generate
+                with torch.no_grad():
+                    made = eager_generate(model, ids, mask, sampling).cpu()
+            else:
+                shared, inference = variant
+                with torch.inference_mode() if inference else torch.no_grad():
+                    made, _ = static_generate(model, ids, mask, sampling, cut, logps=True, stop_when_done=not xla,
+                                              group=shared or group, split_rows=split)
+                    tokens[name] = made.cpu()
             times[name].append(time.perf_counter() - start)
         first = tokens["per-row"]
         assert all(torch.equal(first, t) for t in tokens.values()), "the variants drew other tokens"
@@ -126,11 +136,14 @@ def main():
     medians = {k: statistics.median(v[skip:]) for k, v in times.items()}
     result = {"date": time.strftime("%Y-%m-%d"), "settings": vars(args), "threads": torch.get_num_threads(),
               "variants": {k: {"median_ms": round(medians[k] * 1000, 2), "fastest_ms": round(min(v) * 1000, 2),
-                               "speed_vs_per_row": round(medians["per-row"] / medians[k], 3)}
+                               "speed_vs_per_row": round(medians["per-row"] / medians[k], 3),
+                               **({"speed_vs_generate": round(medians["generate"] / medians[k], 3)}
+                                  if "generate" in medians else {})}
                            for k, v in times.items()}}
     for name, row in result["variants"].items():
+        against = f", {row['speed_vs_generate']:.2f}x generate's" if "speed_vs_generate" in row else ""
         print(f"{name:11s} median {row['median_ms']:7.2f} ms  fastest {row['fastest_ms']:7.2f} ms  "
-              f"{row['speed_vs_per_row']:.2f}x per-row's")
+              f"{row['speed_vs_per_row']:.2f}x per-row's{against}")
     if args.compile and not xla:
         result["compiled_decode"] = compiled_decode(model, ids, mask, sampling, group, medians, args.rollouts)
     out = bench_grpo.OUT / ("rollout.json" if not xla else "rollout-xla.json" if args.devices == 1 else
