@@ -257,12 +257,13 @@ def test_static_generation_is_transformers_greedy_generation_past_the_window(fam
     """static_generate (XLA's loop, run here on the CPU) writes the tokens transformers' `generate`
     writes, one by one: left-padded prompts of 11, 6 and 2 tokens and 20 new tokens, past a
     sliding window of 8 (Mistral's every layer, Gemma 3's and gpt-oss's sliding layers: a ring of
-    the window's slots, fed one token at a time and, for the first prompt, a prefill longer than
-    the window); Llama's full rows for comparison; gpt-oss's eager attention takes a bias. Without
-    the window transformers writes other tokens in every row, so the window is what is compared."""
+    the window and a chunk less one, 23 slots, fed one token at a time; and with chunks of one
+    token, a ring of the window's 8 slots, which the first prompt's prefill is longer than);
+    Llama's full rows for comparison; gpt-oss's eager attention takes a bias. Without the window
+    transformers writes other tokens in every row, so the window is what is compared."""
     import torch
 
-    from xla_train.kernels.generate import Sampling, eager_generate, static_generate
+    from xla_train.kernels.generate import Sampling, Turns, eager_generate, static_generate
 
     model = _loop_model(family)
     ids, mask = _left_padded_prompts()
@@ -271,6 +272,10 @@ def test_static_generation_is_transformers_greedy_generation_past_the_window(fam
         static = static_generate(model, ids, mask, sampling, lambda: None)
         reference = eager_generate(model, ids, mask, sampling)
         assert torch.equal(static, reference), (static, reference)
+        window = Turns(model, ids, mask, sampling, lambda: None, chunk=1)
+        assert family == "llama" or 8 in {layer.max_cache_len for layer in window.cache.layers}
+        window.decode(NEW_TOKENS - 1)
+        assert torch.equal(window.tokens, reference), (window.tokens, reference)
         if family != "llama":
             model.config.sliding_window = 1000
             unwindowed = eager_generate(model, ids, mask, sampling)

@@ -541,49 +541,36 @@ def test_lora_in_bf16_merged_and_predicted_on_two_gloo_processes(base, sft_model
 
 def test_the_memory_plan_holds_the_rollouts_cache(base):
     """The plan of a GRPO step: rows of a prompt bucket plus a completion, and the rollout's
-    key/value cache, which is what transformers' StaticCache allocates for that many tokens (as
-    kernels/generate.py's caches hold them: a sliding layer only its window, Gemma 3's of 8 here)."""
+    key/value cache, which is what kernels/generate.py's generator allocates for that many tokens
+    (a sliding layer only a ring of its window and a chunk less one: Gemma 3's window of 8 here),
+    in fp32 and under the update's bf16 autocast (bf16 values, fp32 keys: RoPE's fp32 cos and sin)."""
     from dataclasses import replace
 
-    from transformers import AutoModelForCausalLM, StaticCache
+    from transformers import AutoModelForCausalLM
 
-    from xla_train.kernels.generate import cache_slots
+    from xla_train.kernels.generate import TURN_CHUNK, Sampling, Turns, cache_slots
     from xla_train.memory import plan, shape_of
     from xla_train.parallel.mesh import Mesh
     from xla_train.tasks.grpo import GroupObjective, GRPOOptions
 
     windowed = td.config("gemma3", 40, bos=1, eos=2)
     windowed.sliding_window = 8
-    assert cache_slots(windowed, 24) == [8, 8, 8, 8, 8, 24]
+    assert cache_slots(windowed, 40) == [8 + TURN_CHUNK - 1] * 5 + [40]
     for model in (AutoModelForCausalLM.from_config(windowed, dtype=torch.float32),  # the Llama last: read below
                   AutoModelForCausalLM.from_pretrained(base["model"], dtype=torch.float32)):
-        path = GroupObjective(settings=GRPOOptions(max_completion_length=8)).memory_inputs(model, "cpu", 16)
-        assert path.length == 24 and path.cache_tokens == 24 and path.reference is None
-        memory = plan(Mesh(), replace(path, rows=32), shape_of(model))
-        cache = StaticCache(config=model.config, max_cache_len=24)
-        ids = torch.ones(32, 4, dtype=torch.long)
-        model(input_ids=ids, past_key_values=cache, use_cache=True)
-        allocated = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
-        assert memory.cache == allocated
-        # under bf16 the rollouts run in the update's autocast (Rollouts.rollout): bf16 values, fp32
-        # keys (RoPE's fp32 cos and sin)
-        cache = StaticCache(config=model.config, max_cache_len=24)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            model(input_ids=ids, past_key_values=cache, use_cache=True)
-        allocated = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
-        assert plan(Mesh(), replace(path, rows=32, precision="bf16"), shape_of(model)).cache == allocated
+        for tools in ("", "t.py:f"):  # a rollout with tools or without: one generator, one cache
+            path = GroupObjective(settings=GRPOOptions(max_completion_length=8, tools=tools or None)).memory_inputs(
+                model, "cpu", 16)
+            assert path.length == 24 and path.cache_tokens == 24 and path.reference is None
+            for precision in ("fp32", "bf16"):
+                memory = plan(Mesh(), replace(path, rows=32, precision=precision), shape_of(model))
+                ids = torch.ones(32, 16, dtype=torch.long)
+                with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+                    turns = Turns(model, ids, torch.ones_like(ids), Sampling(8, (2,), 0), lambda: None)
+                allocated = sum(t.numel() * t.element_size() for layer in turns.cache.layers
+                                for t in (layer.keys, layer.values))
+                assert memory.cache == allocated, (model.config.model_type, tools, precision)
     assert memory.total >= memory.weights + memory.cache
-    # with tools (or an environment), kernels.generate.Turns' cache: a sliding layer's ring holds a chunk less
-    # one beyond its window (Gemma 3's: 8 + 15 of the row's 24 slots)
-    from xla_train.kernels.generate import Sampling, Turns
-
-    gemma = AutoModelForCausalLM.from_config(windowed, dtype=torch.float32)
-    path = GroupObjective(settings=GRPOOptions(max_completion_length=8, tools="t.py:f")).memory_inputs(gemma, "cpu", 16)
-    with torch.no_grad():
-        turns = Turns(gemma, torch.ones(32, 16, dtype=torch.long), torch.ones(32, 16, dtype=torch.long),
-                      Sampling(8, (2,), 0), lambda: None)
-    allocated = sum(t.numel() * t.element_size() for layer in turns.cache.layers for t in (layer.keys, layer.values))
-    assert path.cache_ring == 15 and plan(Mesh(), replace(path, rows=32), shape_of(gemma)).cache == allocated
     # beta > 0 without adapters: a frozen copy of the weights beside the trained ones; with them, none
     assert not path.reference_copy
     path = GroupObjective(settings=GRPOOptions(max_completion_length=8, beta=0.04)).memory_inputs(model, "cpu", 16)
@@ -632,8 +619,9 @@ def test_a_reward_model_folder_is_a_reward(base, tmp_path):
 def test_rollouts_run_past_a_sliding_window(base, tmp_path, capsys):
     """A step of a tiny Gemma 3 whose sliding window (8 tokens) is shorter than its rollouts
     (prompts of 6 to 8 tokens plus up to 12 new ones), its evaluation's greedy completions and its
-    --eval-samples: the static loop caches its sliding layers in the window's slots (it once
-    stopped at the first rollout: transformers' StaticCache kept 8 slots for a mask of the whole row).
+    --eval-samples: the static loop's sliding layers keep the window past its 8 tokens (it once
+    stopped at the first rollout: transformers' StaticCache kept 8 slots for a mask of the whole row;
+    rows this short fit the ring of the window and 15 slots, whose wrapping test_generate's tests).
     The step's loss is VESPO's at the sequence level: TRL's warning once, its metrics logged, and the
     sampler's log-probabilities the update's (fp32)."""
     folder = td.save("gemma3", tmp_path / "gemma3", letters=True)

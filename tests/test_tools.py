@@ -201,7 +201,8 @@ def test_resumed_generation_is_generation_from_the_whole_row(family):
     """Turns: generation that stops, takes appended tokens (in chunks of 4 here) and resumes in the
     same cache writes the tokens transformers' `generate` writes from the whole row (prompt, the
     completion so far, the appended tokens), row by row, past a sliding window of 8 (Gemma 3's
-    sliding layers: a ring of the window and a chunk); without appending, static_generate's tokens."""
+    sliding layers: a ring of the window and a chunk less one); without appending, static_generate's
+    tokens (the same generator with chunks of 16: a ring of another size)."""
     sys.path.insert(0, str(ROOT / "tests"))
     from test_generate import _left_padded_prompts, _loop_model
 

@@ -67,7 +67,7 @@ class Shape:
     heads (GQA), head width, the MLP's width and kind, the vocabulary; a mixture of experts'
     (experts, per token, an expert's width, layers with experts: core.peaks.experts_of) and the
     implementation its config names; each decoder layer's key/value cache slots for a row longer
-    than any (a sliding layer's window: kernels.generate.cache_slots); and, of a model, its
+    than any (a sliding layer's ring: kernels.generate.cache_slots); and, of a model, its
     `weights` (a config alone: none)."""
 
     hidden: int
@@ -84,10 +84,9 @@ class Shape:
     slots: tuple[int, ...] = ()
     weights: Weights = Weights()
 
-    def cache_slots(self, tokens: int, ring: int = 0) -> int:
-        """Every layer's key/value cache slots for rows of `tokens` tokens, added up; a sliding
-        layer's ring holding `ring` slots beyond its window (kernels.generate.Turns')."""
-        return sum(min(s + ring, tokens) for s in self.slots)
+    def cache_slots(self, tokens: int) -> int:
+        """Every layer's key/value cache slots for rows of `tokens` tokens, added up."""
+        return sum(min(s, tokens) for s in self.slots)
 
 
 def _get(config, *names, default=None):
@@ -417,7 +416,7 @@ def plan(mesh: Mesh, pass_: PassInputs, shape: Shape, device_bytes: int | None =
       hidden states, beside the policy's activations; the plan leaves this moment out: the chunked
       head's logits, in the backward pass, outweigh it for the vocabularies of LLMs.)
     - `pass_.cache_tokens`: a generation in the step (GRPO's rollout) holds a key/value cache of that
-      many tokens a row (a sliding layer's only its window, plus `pass_.cache_ring`, where shorter), in
+      many tokens a row (a sliding layer's only its ring, where shorter: kernels.generate.slots_of), in
       the weights' dtype, before the update's forward pass begins: a peak of its own (`Plan.cache`);
     - `pass_.reference_copy`: a frozen copy of the weights, sharded like them;
     - `pass_.experts`: the implementation a mixture of experts' experts will run
@@ -454,7 +453,7 @@ def plan(mesh: Mesh, pass_: PassInputs, shape: Shape, device_bytes: int | None =
         # weights' (RoPE multiplies them by the fp32 residual stream's cos and sin; an over-count
         # for learned positions)
         cache=(kv_heads_per_device(shape.kv_heads, tensor) * shape.head_dim * rows * (w.element + compute)
-               * shape.cache_slots(step.cache_tokens, step.cache_ring) if step.cache_tokens else 0),
+               * shape.cache_slots(step.cache_tokens) if step.cache_tokens else 0),
         gathered=gathered_bytes(*kept, step.attention, step.dense_mask, w.element, tensor, context),
         step=step, mesh=mesh, device_bytes=device_bytes, params=w.params, trainable_params=w.trainable_params,
         # the whole projection under fsdp (gathered to run), its share of rows or columns under --tensor-parallel

@@ -1,13 +1,15 @@
 """Text generation from a decoder, one left-padded batch of prompts at a time.
 
-Where every new shape compiles (XLA), `static_generate` runs its own loop over fixed-size
-key/value caches (`Slots`: a full-attention layer's holds the whole row, a sliding layer's only its
-window where that is shorter): the prompt's forward pass (prefill) is one graph and
+Where every new shape compiles (XLA), `static_generate` generates over fixed-size key/value caches
+(`Slots`: a full-attention layer's holds the whole row, a sliding layer's a ring of its window and
+a chunk less one where that is shorter): the prompt's forward pass (prefill) is one graph and
 each one-token step (decode) another, the same for every step and every batch of a bucket length,
 so a run compiles about two graphs per bucket whatever the number of prompts or tokens. Nothing is
 read on the host per token: each row's `done` flag, its next position and the tokens so far stay
 on the device, and the graph is cut after every token. Every row takes all `max_new_tokens` steps
 (a row that ended feeds padding). Elsewhere `eager_generate` is transformers' `generate`.
+`static_generate` is the one-turn case of `Turns`, the generation that stops for tool results
+and resumes in the same cache (GRPO with tools).
 
 Both return a (rows, max_new_tokens) tensor of token ids: the generated tokens, the first
 end-of-sequence token, then padding.
@@ -71,29 +73,49 @@ def drawn_logp(logits, token, sampling):
     return (logits.float() / sampling.temperature).log_softmax(-1).gather(-1, token[:, None])
 
 
+TURN_CHUNK = 16  # tokens appended between turns are fed in chunks of this many (Turns)
+
+
 class Slots(StaticLayer):
-    """One layer's key/value cache of `size` slots on the device, written in place at a device
-    counter: the row's token t at slot t % size. A full-attention layer's size is the whole row
-    (prompt + new tokens: it never wraps); a sliding layer's, where its window is shorter, the
-    window: a ring that holds exactly the last `window` tokens, those the window rule keeps
-    (q - k < window, kernels.attention.document_mask), in any order (attention does not depend on
-    the keys' order; their positions are in them already). The first call (the prompt's pass)
-    attends to its own keys and values only, so a prompt longer than the window attends within
-    itself under the windowed mask; every later call (one token) attends to all the slots.
+    """One layer's key/value cache of `size` slots on the device (`slots_of`): the row's token t at
+    slot t % size. A full-attention layer's size is the whole row (prompt + new tokens: it never
+    wraps); a sliding layer's, where shorter, its window and a chunk less one: a ring that holds
+    at least the last `window` tokens, those the window rule keeps (q - k < window,
+    kernels.attention.document_mask), in any order (attention does not depend on the keys'
+    order; their positions are in them already, and each slot's mask is read from the position of
+    the token it holds: Turns' `held`), and in which a chunk's first query still sees the window
+    before it once the chunk's last token is written.
 
-    Why a ring of the window's slots: a full-row cache with a windowed mask would be exact too, but
-    holds and reads prompt + new tokens slots in every sliding layer (Gemma 3's five of six) where
-    the ring holds `window`. Why not transformers' own (5.24's cache_utils.StaticSlidingWindowLayer,
-    `window` slots too): it branches on a host counter, writing at a device index until the
-    window fills and rolling the whole cache by one slot after, so a rollout that crosses the
-    window would compile a second decode graph; the ring writes one slot a token, one graph."""
+    The first call (the prompt's pass) writes every row's prompt at the same slots and attends to
+    its own keys and values only, so a prompt longer than the ring attends within itself under the
+    windowed mask. Every later call writes at each row's own slots, as rows advance by different
+    counts (one row's tool result is longer, another row has ended): `plan[size]` (set by `Turns`
+    before each call) holds each row's slots for the call's tokens and which of them to write;
+    the others keep what they hold (a row that waits writes nothing). A call's slots are
+    consecutive for each row and at most a chunk of them, so no two of a row's writes meet in one
+    call; it attends to all the slots.
 
-    def __init__(self, size: int):
+    Why a ring: a full-row cache with a windowed mask would be exact too, but holds and reads
+    prompt + new tokens slots in every sliding layer (Gemma 3's five of six). Why not transformers'
+    own (5.24's cache_utils.StaticSlidingWindowLayer, `window` slots): it branches on a host
+    counter, writing at a device index until the window fills and rolling the whole cache by one
+    slot after, so a rollout that crosses the window would compile a second decode graph; the
+    ring writes at device indices, one graph."""
+
+    def __init__(self, size: int, plan: dict) -> None:
         super().__init__(max_cache_len=size)
+        self.plan = plan
         self.prefilled = False
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.prefilled:
+            at, write = self.plan[self.max_cache_len]  # [rows, new] slots, [rows, new] bool
+            index = at[:, None, :, None].expand_as(key_states)
+            keep = write[:, None, :, None]
+            self.keys.scatter_(2, index, torch.where(keep, key_states, self.keys.gather(2, index)))
+            self.values.scatter_(2, index, torch.where(keep, value_states, self.values.gather(2, index)))
+            return self.keys, self.values
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         new = key_states.shape[-2]
@@ -102,8 +124,6 @@ class Slots(StaticLayer):
         self.keys.index_copy_(2, at, key_states[:, :, new - kept:])
         self.values.index_copy_(2, at, value_states[:, :, new - kept:])
         self.cumulative_length.add_(new)
-        if self.prefilled:
-            return self.keys, self.values
         self.prefilled = True
         return key_states, value_states
 
@@ -122,12 +142,19 @@ class Slots(StaticLayer):
         self.batch_size *= group
 
 
+def slots_of(window: int | None, length: int, chunk: int = TURN_CHUNK) -> int:
+    """A layer's key/value cache slots (`Slots`) for rows of `length` tokens (prompt + new): the
+    row, or where the layer's sliding window (None: none shorter than the row) and a chunk less
+    one are shorter, those."""
+    return length if window is None else min(window + chunk - 1, length)
+
+
 def cache_slots(config, length: int) -> list[int]:
-    """Each layer's key/value cache slots (`Slots`) for rows of `length` tokens (prompt + new): its
-    sliding window where that is shorter, else the row. The memory plan counts them."""
+    """Each layer's key/value cache slots (`slots_of`) for rows of `length` tokens (prompt + new).
+    The memory plan counts them."""
     windows = layer_windows(config, length)
     types = getattr(config, "layer_types", None) or [None] * config.num_hidden_layers
-    return [windows[t] or length for t in types]
+    return [slots_of(windows[t], length) for t in types]
 
 
 def check_layer_types(config: Any) -> None:
@@ -185,65 +212,12 @@ def static_generate(model, input_ids, attention_mask, sampling, cut_graph, logps
     `stop_when_done`: the loop stops once every row has ended, as transformers' `generate` does
     (a host read of `done` per token: for devices that run eagerly, where the steps left would
     only write padding; XLA keeps the fixed count, which needs no read). `group`: the rows come
-    in runs of `group` copies of one prompt, whose pass runs once (`prefill`, with `split_rows`)."""
-    rows, length = input_ids.shape
-    steps = sampling.max_new_tokens
-    device = input_ids.device
-    config = model.config.get_text_config(decoder=True)  # `model` unwrapped: generate_rows
-    # Each layer's cache (`Slots`): its window's slots where the window is shorter than the row,
-    # else the row's; one mask per size (layer_windows: {layer type, or None where the config
-    # names none: its window, None for the whole row}).
-    check_layer_types(config)
-    windows = layer_windows(config, length + steps)
-    sizes = {w: length + steps if w is None else w for w in windows.values()}  # a window's slots
-    cache = Cache(layers=[Slots(n) for n in cache_slots(config, length + steps)])
-    eager = eager_attention(config)
-
-    def by_type(masks):
-        return masks_by_type(masks, windows, eager)
-
-    logits, positions = prefill(model, input_ids, attention_mask, cache, windows, eager, group, split_rows)
-    extra = {**_logits_to_keep(model), "cache": cache, "use_cache": True}
-
-    # Which slots of each cache hold a real token, as the layers wrote them: the prompt's last
-    # tokens, then one new token a step, at slot t % size.
-    filled = {}
-    for w, size in sizes.items():
-        kept = min(length, size)
-        at = torch.arange(length - kept, length, device=device) % size
-        filled[w] = torch.zeros(rows, size, dtype=torch.bool, device=device).index_copy(
-            1, at, attention_mask[:, length - kept:].bool())
-    eos, columns = torch.tensor(sampling.eos_ids, device=device), torch.arange(steps, device=device)
-    pad = torch.full((rows,), sampling.pad_id, dtype=torch.long, device=device)
-    slots = {w: torch.arange(size, device=device) for w, size in sizes.items()}
-
-    drawn = torch.zeros(rows, steps, device=device) if logps else None  # each token's log-probability
-
-    def take(logits, tokens, done, filled, step):
-        """The next token of every row (padding once a row has ended) into column `step` of
-        `tokens` (its log-probability into `drawn`'s), and its slot marked filled for the next step."""
-        nonlocal drawn
-        token = torch.where(done, pad, pick(logits[:, -1], sampling))
-        if drawn is not None:
-            drawn = torch.where((columns == step) & ~done[:, None], drawn_logp(logits[:, -1], token, sampling), drawn)
-        filled = {w: f | (slots[w] == (length + step) % sizes[w]) for w, f in filled.items()}
-        return (token, torch.where(columns == step, token[:, None], tokens), done | (token[:, None] == eos).any(-1),
-                filled, step + 1)
-
-    tokens = torch.full((rows, steps), sampling.pad_id, dtype=torch.long, device=device)
-    done, step = torch.zeros(rows, dtype=torch.bool, device=device), torch.zeros((), dtype=torch.long, device=device)
-    token, tokens, done, filled, step = take(logits, tokens, done, filled, step)
-    position = positions[:, -1:] + 1
-    for _ in range(steps - 1):
-        if stop_when_done and bool(done.all()):
-            break  # what is left is padding (tokens) and 0 (drawn), as written already
-        cut_graph()  # the previous token's graph ends here: every decode step is then the same graph
-        mask = by_type({w: f[:, None, None, :] for w, f in filled.items()})
-        logits = model(input_ids=token[:, None], attention_mask=mask, position_ids=position, **extra).logits
-        position = position + 1
-        token, tokens, done, filled, step = take(logits, tokens, done, filled, step)
-    cut_graph()
-    return (tokens, drawn) if logps else tokens
+    in runs of `group` copies of one prompt, whose pass runs once (`prefill`, with `split_rows`).
+    The one-turn case of `Turns`."""
+    turns = Turns(model, input_ids, attention_mask, sampling, cut_graph, stop_when_done=stop_when_done, logps=logps,
+                  group=group, split_rows=split_rows)
+    turns.decode(sampling.max_new_tokens - 1)
+    return (turns.tokens, turns.drawn) if logps else turns.tokens
 
 
 def eager_generate(model, input_ids, attention_mask, sampling):
@@ -303,40 +277,14 @@ def _logits_to_keep(model):
 # Several turns in one cache: a rollout whose rows take tool results between their turns
 
 
-class RowSlots(Slots):
-    """`Slots` written at each row's own slots after the prompt's pass: rows of a multi-turn
-    rollout advance by different counts (one row's tool result is longer, another row has
-    ended). `plan[size]` (set by `Turns` before each call) holds each row's slots for the call's
-    tokens and which of them to write; the others keep what they hold (a row that waits writes
-    nothing). A call's slots are consecutive for each row and at most `size` of them (Turns' chunk),
-    so no two of a row's writes meet in one call."""
-
-    def __init__(self, size: int, plan: dict) -> None:
-        super().__init__(size)
-        self.plan = plan
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
-               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.prefilled:  # the prompt's pass: every row's prompt ends at the same slot
-            return super().update(key_states, value_states, *args, **kwargs)
-        at, write = self.plan[self.max_cache_len]  # [rows, new] slots, [rows, new] bool
-        index = at[:, None, :, None].expand_as(key_states)
-        keep = write[:, None, :, None]
-        self.keys.scatter_(2, index, torch.where(keep, key_states, self.keys.gather(2, index)))
-        self.values.scatter_(2, index, torch.where(keep, value_states, self.values.gather(2, index)))
-        return self.keys, self.values
-
-
-TURN_CHUNK = 16  # Turns' appended tokens are fed in chunks of this many (a sliding layer's ring: a chunk less one more)
-
-
 class Turns:
     """Generation that stops and resumes: a batch of left-padded prompts, then each row's
     completion of up to `sampling.max_new_tokens` tokens after its prompt, made in turns. Between
     turns the host appends tokens to chosen rows (a tool's result, rendered as the chat template's
-    tool turn) and generation resumes in the same preallocated cache (`RowSlots`: the prompt's
-    bucket plus the budget for full-attention layers, the window for sliding ones, as
-    `static_generate`'s), so a row keeps one shape whatever its turns.
+    tool turn) and generation resumes in the same preallocated cache (`Slots`: the prompt's
+    bucket plus the budget for full-attention layers, a ring of the window and a chunk less one
+    for sliding ones), so a row keeps one shape whatever its turns. Without turns between
+    (`decode` alone) it is `static_generate`.
 
     Every row has its own cursor (`cur`: the completion tokens it holds; the last of them is still
     to be fed), so rows that end, wait or resume at different places share the graphs: the prompt's
@@ -348,8 +296,9 @@ class Turns:
 
     `state()` is what the host reads between turns (one transfer); `resume` takes it back with the
     appended tokens (one copy to the device). `group`, `split_rows`: as `prefill`'s. `logps`: each
-    token the model draws keeps its log-probability as `static_generate`'s (`drawn`, fp32 [rows,
-    budget], 0 elsewhere: appended tokens, padding); it stays on the device across turns."""
+    token the model draws keeps its log-probability (`drawn`, fp32 [rows, budget], under the
+    logits divided by the temperature, 0 elsewhere: appended tokens, padding); it stays on the
+    device across turns."""
 
     def __init__(self, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, sampling: Sampling,
                  cut_graph: Any, chunk: int = TURN_CHUNK, stop_when_done: bool = False, logps: bool = False,
@@ -358,19 +307,15 @@ class Turns:
         budget = sampling.max_new_tokens
         device = input_ids.device
         self.model, self.sampling, self.cut_graph, self.length, self.budget = model, sampling, cut_graph, length, budget
-        self.stop_when_done = stop_when_done  # static_generate's: decode stops once every row has ended
+        self.stop_when_done = stop_when_done  # decode stops once every row has ended (a host read a step)
         config = model.config.get_text_config(decoder=True)
         check_layer_types(config)
         self.windows = layer_windows(config, length + budget)
-        # A sliding layer's ring holds its window and a chunk less one: a chunk's first query still
-        # sees the window before it once the chunk's last token is written (the mask, by `held`,
-        # keeps the window rule).
         self.chunk = chunk
-        self.sizes = {w: length + budget if w is None else min(w + chunk - 1, length + budget)
-                      for w in self.windows.values()}
+        self.sizes = {w: slots_of(w, length + budget, chunk) for w in self.windows.values()}
         self.plan: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         types = getattr(config, "layer_types", None) or [None] * config.num_hidden_layers
-        self.cache = Cache(layers=[RowSlots(self.sizes[self.windows[t]], self.plan) for t in types])
+        self.cache = Cache(layers=[Slots(self.sizes[self.windows[t]], self.plan) for t in types])
         self.eager = eager_attention(config)
         self.extra = {**_logits_to_keep(model), "cache": self.cache, "use_cache": True}
         self.eos = torch.tensor(sampling.eos_ids, device=device)

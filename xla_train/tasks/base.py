@@ -144,8 +144,7 @@ class PassInputs:
     output "whole" or "chunked" (None: none); the rows' `length` in the step where the kind makes
     them longer than its loaded rows (GRPO: a prompt bucket and a completion; None: the loaded
     rows'); `cache_tokens`, a generation's key/value cache per row in the step (GRPO's rollouts; 0:
-    none), whose sliding layers' rings hold `cache_ring` slots beyond their window (the tool loop's
-    chunk less one); `reference_copy`, a frozen copy of the weights beside the trained ones (GRPO's reference
+    none); `reference_copy`, a frozen copy of the weights beside the trained ones (GRPO's reference
     without adapters); and a `note` for the console. The run's part, which the trainer (or
     memory.plan_on_paper) fills in: the `rows` a device trains on at once (a tensor and context
     group's: --batch-size), the `precision`, whether the blocks are `checkpointed`, the chunked
@@ -159,7 +158,6 @@ class PassInputs:
     reference: str | None = None
     length: int | None = None
     cache_tokens: int = 0
-    cache_ring: int = 0
     reference_copy: bool = False
     note: str | None = None
     rows: int = 1

@@ -821,19 +821,15 @@ class GroupObjective(Objective):
 
     def memory_inputs(self, model: Any, device_kind: str, length: int) -> PassInputs:
         """The causal-LM forward's over a prompt bucket plus a completion; the rollout's key/value
-        cache (with tools, its sliding layers' rings a chunk less one longer: kernels.generate.Turns);
-        with beta > 0 and no adapters, the reference's frozen copy of the weights. (The
+        cache; with beta > 0 and no adapters, the reference's frozen copy of the weights. (The
         reference pass runs at the rollout, without gradients: its log-probabilities are all the
         update keeps of it.)"""
-        from ..kernels.generate import TURN_CHUNK
-
         if self.settings.environment:  # a rollout whose resets returned text: its prompts at --max-length
             length = max(length, self.max_length)
         length = length + self.settings.max_completion_length
         path = documents_memory_inputs(model, device_kind, length, self.attention)
         copy = bool(self.settings.beta) and peft_model_of(model) is None
-        ring = TURN_CHUNK - 1 if self.settings.tools or self.settings.environment else 0
-        return dataclasses.replace(path, length=length, cache_tokens=length, cache_ring=ring, reference_copy=copy)
+        return dataclasses.replace(path, length=length, cache_tokens=length, reference_copy=copy)
 
     @staticmethod
     def token_logps(head: Any, labels: Any, temperature: float = 1.0) -> Any:
