@@ -16,10 +16,6 @@ temperature 0.7, 8 completions of up to 8 tokens a prompt, the prompts left-padd
     shared       a group's prompt passes once (`group`: kernels/generate.py `prefill`)
     shared+inf   that, in inference mode (tasks/grpo.py `Rollouts.generating`): what GRPO runs in one
                  process over a base in full precision
-    turns+inf    shared+inf made by `Turns` (kernels/generate.py), the generator of rollouts with
-                 tools, in one turn: what a plain rollout would cost were it the one-turn case of a
-                 rollout with tools (each row's own cursor and slots); on XLA `turns`, without
-                 inference mode
     generate     (the CPU) transformers' `generate` under torch.no_grad() with the same settings
                  (kernels/generate.py `eager_generate`): TRL 1.16's rollout without vLLM
                  (GRPOTrainer._generate_single_turn's "regular generation path"); it draws its own
@@ -58,7 +54,7 @@ sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT)]
 
 # name: (a group's rows a prompt pass, inference mode, the generator)
 VARIANTS = {"per-row": (1, False, "static"), "shared": (None, False, "static"), "shared+inf": (None, True, "static"),
-            "turns+inf": (None, True, "turns"), "generate": (1, False, "generate")}
+            "generate": (1, False, "generate")}
 
 
 def main():
@@ -81,7 +77,7 @@ def main():
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from xla_train.kernels.generate import Sampling, Turns, eager_generate, static_generate
+    from xla_train.kernels.generate import Sampling, eager_generate, static_generate
     from xla_train.tasks.grpo import left_pad
 
     if args.threads:
@@ -91,9 +87,7 @@ def main():
     model = AutoModelForCausalLM.from_pretrained(data["model"]).eval()
     tokenizer = AutoTokenizer.from_pretrained(data["model"])
     xla = args.backend == "xla"
-    variants = {k: v for k, v in VARIANTS.items() if not (xla and (k == "shared+inf" or v[2] == "generate"))}
-    if xla:  # inference mode is eager autograd's
-        variants = {k.removesuffix("+inf"): (shared, False, how) for k, (shared, _, how) in variants.items()}
+    variants = {k: v for k, v in VARIANTS.items() if not (xla and (v[1] or v[2] == "generate"))}  # eager's
     split = None
     if xla:
         os.environ["CPU_NUM_DEVICES"] = str(args.devices)  # before torch_xla starts its runtime
@@ -131,11 +125,6 @@ def main():
             with torch.inference_mode() if inference else torch.no_grad():
                 if generator == "generate":  # its own draws: not compared
                     eager_generate(model, ids, mask, sampling).cpu()
-                elif generator == "turns":
-                    turns = Turns(model, ids, mask, sampling, cut, stop_when_done=not xla, logps=True, group=group,
-                                  split_rows=split)
-                    turns.decode(sampling.max_new_tokens - 1)
-                    tokens[name] = turns.tokens.cpu()
                 else:
                     made, _ = static_generate(model, ids, mask, sampling, cut, logps=True, stop_when_done=not xla,
                                               group=shared or group, split_rows=split)
