@@ -120,7 +120,7 @@ class Slots(StaticLayer):
             self.lazy_initialization(key_states, value_states)
         new = key_states.shape[-2]
         kept = min(new, self.max_cache_len)  # a prompt longer than the ring: its last `size` tokens
-        at = (torch.arange(new - kept, new, device=self.device) + self.cumulative_length) % self.max_cache_len
+        at = torch.arange(new - kept, new, device=self.device) % self.max_cache_len  # the first write: from slot 0
         self.keys.index_copy_(2, at, key_states[:, :, new - kept:])
         self.values.index_copy_(2, at, value_states[:, :, new - kept:])
         self.cumulative_length.add_(new)
